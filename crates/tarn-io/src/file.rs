@@ -1,0 +1,392 @@
+//! Positional file I/O with owned buffers, on the thread's io_uring when it has one
+//! and on tokio's blocking pool otherwise.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+
+use crate::buf::AlignedBuf;
+use crate::uring;
+
+/// Which engine performs file I/O on the calling thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoBackend {
+    IoUring,
+    BlockingThreads,
+}
+
+impl IoBackend {
+    pub fn current() -> Self {
+        if uring::available() {
+            IoBackend::IoUring
+        } else {
+            IoBackend::BlockingThreads
+        }
+    }
+}
+
+/// An open file. Cheap to clone; closed when the last clone drops (and no
+/// operation is in flight on it).
+#[derive(Clone, Debug)]
+pub struct File {
+    fd: Arc<OwnedFd>,
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle.spawn_blocking(f).await.map_err(io::Error::other)?,
+        Err(_) => f(),
+    }
+}
+
+fn check(res: i32) -> io::Result<usize> {
+    if res < 0 {
+        Err(io::Error::from_raw_os_error(-res))
+    } else {
+        Ok(res as usize)
+    }
+}
+
+impl File {
+    /// Creates (truncating) a file for writing and reading.
+    pub async fn create(path: impl Into<PathBuf>) -> io::Result<File> {
+        crate::fault::check("create")?;
+        let path = path.into();
+        blocking(move || {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)?;
+            Ok(File {
+                fd: Arc::new(f.into()),
+            })
+        })
+        .await
+    }
+
+    pub async fn open(path: impl Into<PathBuf>) -> io::Result<File> {
+        let path = path.into();
+        blocking(move || {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)?;
+            Ok(File {
+                fd: Arc::new(f.into()),
+            })
+        })
+        .await
+    }
+
+    pub async fn len(&self) -> io::Result<u64> {
+        let fd = self.fd.clone();
+        blocking(move || {
+            // SAFETY: fstat on an fd we own into a zeroed struct.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            let rc = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+            if rc < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(st.st_size as u64)
+        })
+        .await
+    }
+
+    /// Writes all of `buf` at `offset`. The buffer comes back whatever happens.
+    pub async fn write_all_at(&self, buf: AlignedBuf, offset: u64) -> (io::Result<()>, AlignedBuf) {
+        if let Err(e) = crate::fault::check("write") {
+            return (Err(e), buf);
+        }
+        let mut buf = buf;
+        let mut done = 0usize;
+        while done < buf.len() {
+            let (res, b) = self.write_at(buf, done, offset + done as u64).await;
+            buf = b;
+            match res {
+                Ok(0) => {
+                    return (
+                        Err(io::Error::new(io::ErrorKind::WriteZero, "short write")),
+                        buf,
+                    )
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return (Err(e), buf),
+            }
+        }
+        (Ok(()), buf)
+    }
+
+    async fn write_at(
+        &self,
+        buf: AlignedBuf,
+        from: usize,
+        offset: u64,
+    ) -> (io::Result<usize>, AlignedBuf) {
+        if uring::available() {
+            let len = (buf.len() - from) as u32;
+            // SAFETY: pointer into buf, which the op owns until completion.
+            let ptr = unsafe { buf.as_ptr().add(from) };
+            let entry = opcode::Write::new(types::Fd(self.fd.as_raw_fd()), ptr, len)
+                .offset(offset)
+                .build();
+            // SAFETY: entry references buf and fd, both moved into the op.
+            match unsafe { uring::submit(entry, (self.fd.clone(), buf)) } {
+                Ok(op) => {
+                    let (res, (_fd, buf)) = op.await;
+                    (check(res), buf)
+                }
+                Err(_) => {
+                    // The resources went to the orphan table with the unsubmitted
+                    // entry; report the failure with a fresh buffer of the same size.
+                    (
+                        Err(io::Error::other("io_uring submit failed")),
+                        AlignedBuf::with_capacity(len as usize),
+                    )
+                }
+            }
+        } else {
+            let fd = self.fd.clone();
+            let r = blocking(move || {
+                let data = &buf[from..];
+                // SAFETY: pwrite from a live slice on an fd we own.
+                let n = unsafe {
+                    libc::pwrite(
+                        fd.as_raw_fd(),
+                        data.as_ptr().cast(),
+                        data.len(),
+                        offset as i64,
+                    )
+                };
+                if n < 0 {
+                    return Ok((Err(io::Error::last_os_error()), buf));
+                }
+                Ok((Ok(n as usize), buf))
+            })
+            .await;
+            match r {
+                Ok(pair) => pair,
+                Err(e) => (Err(e), AlignedBuf::with_capacity(1)),
+            }
+        }
+    }
+
+    /// Reads exactly `len` bytes at `offset` into `buf` (from its start); a file
+    /// that ends early gives `UnexpectedEof`.
+    pub async fn read_exact_at(
+        &self,
+        mut buf: AlignedBuf,
+        len: usize,
+        offset: u64,
+    ) -> (io::Result<()>, AlignedBuf) {
+        assert!(len <= buf.capacity(), "read longer than buffer");
+        buf.set_len(0);
+        while buf.len() < len {
+            let want = len - buf.len();
+            let at = offset + buf.len() as u64;
+            let (res, b) = self.read_at(buf, want, at).await;
+            buf = b;
+            match res {
+                Ok(0) => {
+                    return (
+                        Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "file ended early",
+                        )),
+                        buf,
+                    )
+                }
+                Ok(n) => {
+                    let l = buf.len();
+                    buf.set_len(l + n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return (Err(e), buf),
+            }
+        }
+        (Ok(()), buf)
+    }
+
+    async fn read_at(
+        &self,
+        mut buf: AlignedBuf,
+        want: usize,
+        offset: u64,
+    ) -> (io::Result<usize>, AlignedBuf) {
+        if uring::available() {
+            let ptr = buf.spare_mut().as_mut_ptr();
+            let entry = opcode::Read::new(types::Fd(self.fd.as_raw_fd()), ptr, want as u32)
+                .offset(offset)
+                .build();
+            // SAFETY: entry references buf's spare capacity and fd, both owned by the op.
+            match unsafe { uring::submit(entry, (self.fd.clone(), buf)) } {
+                Ok(op) => {
+                    let (res, (_fd, buf)) = op.await;
+                    (check(res), buf)
+                }
+                Err(_) => (
+                    Err(io::Error::other("io_uring submit failed")),
+                    AlignedBuf::with_capacity(want),
+                ),
+            }
+        } else {
+            let fd = self.fd.clone();
+            let r = blocking(move || {
+                let spare = buf.spare_mut();
+                // SAFETY: pread into a live mutable slice of at least `want` bytes.
+                let n = unsafe {
+                    libc::pread(
+                        fd.as_raw_fd(),
+                        spare.as_mut_ptr().cast(),
+                        want,
+                        offset as i64,
+                    )
+                };
+                if n < 0 {
+                    return Ok((Err(io::Error::last_os_error()), buf));
+                }
+                Ok((Ok(n as usize), buf))
+            })
+            .await;
+            match r {
+                Ok(pair) => pair,
+                Err(e) => (Err(e), AlignedBuf::with_capacity(want)),
+            }
+        }
+    }
+
+    /// Flushes data and metadata to stable storage.
+    pub async fn sync_all(&self) -> io::Result<()> {
+        crate::fault::check("fsync")?;
+        if uring::available() {
+            let entry = opcode::Fsync::new(types::Fd(self.fd.as_raw_fd())).build();
+            // SAFETY: the entry references only the fd, owned by the op.
+            let op = unsafe { uring::submit(entry, self.fd.clone()) }?;
+            let (res, _) = op.await;
+            check(res).map(|_| ())
+        } else {
+            let fd = self.fd.clone();
+            blocking(move || {
+                // SAFETY: fsync on an fd we own.
+                if unsafe { libc::fsync(fd.as_raw_fd()) } < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            })
+            .await
+        }
+    }
+}
+
+/// Runs a blocking filesystem call off the runtime thread.
+pub async fn run_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    blocking(f).await
+}
+
+/// Renames atomically and makes the rename durable by syncing the target directory.
+pub async fn rename_durable(from: PathBuf, to: PathBuf) -> io::Result<()> {
+    crate::fault::check("rename")?;
+    blocking(move || {
+        std::fs::rename(&from, &to)?;
+        sync_dir(to.parent().unwrap_or(Path::new(".")))
+    })
+    .await
+}
+
+/// fsync of a directory, so that entries created or renamed in it survive a crash.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn roundtrip(dir: &Path) {
+        let path = dir.join("f");
+        let f = File::create(&path).await.unwrap();
+        let mut buf = AlignedBuf::with_capacity(10_000);
+        buf.extend_from_slice(&(0..10_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+        let (r, _buf) = f.write_all_at(buf, 100).await;
+        r.unwrap();
+        f.sync_all().await.unwrap();
+        assert_eq!(f.len().await.unwrap(), 10_100);
+        let g = File::open(&path).await.unwrap();
+        let (r, got) = g
+            .read_exact_at(AlignedBuf::with_capacity(10_000), 10_000, 100)
+            .await;
+        r.unwrap();
+        assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        let (r, _) = g
+            .read_exact_at(AlignedBuf::with_capacity(4096), 4096, 9_000)
+            .await;
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    #[test]
+    fn blocking_backend() {
+        let dir = tempfile_dir();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            assert_eq!(IoBackend::current(), IoBackend::BlockingThreads);
+            roundtrip(&dir).await;
+        });
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn uring_backend() {
+        let dir = tempfile_dir();
+        std::thread::spawn(move || {
+            let rt = crate::runtime::build_core_runtime(0, false, true).unwrap();
+            rt.block_on(async {
+                assert_eq!(
+                    IoBackend::current(),
+                    IoBackend::IoUring,
+                    "io_uring is expected on this machine"
+                );
+                roundtrip(&dir).await;
+                // Dropping an op mid-flight must not free the buffer under the kernel.
+                let f = File::create(dir.join("g")).await.unwrap();
+                let mut b = AlignedBuf::with_capacity(1 << 20);
+                b.set_len(1 << 20);
+                let fut = f.write_all_at(b, 0);
+                drop(fut);
+                f.sync_all().await.unwrap();
+            });
+            std::fs::remove_dir_all(dir).unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "tarn-io-test-{}-{}",
+            std::process::id(),
+            rand_suffix()
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn rand_suffix() -> u64 {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        N.fetch_add(1, Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,139 @@
+//! Per-core pools of stripe-sized aligned buffers.
+//!
+//! Memory for request bodies is bounded here: each pool holds at most
+//! `buffers_max` buffers, allocated lazily and reused. A request that cannot get a
+//! buffer within its wait budget is answered with SlowDown by the caller rather than
+//! queueing without bound.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::buf::AlignedBuf;
+use crate::runtime;
+
+#[derive(Debug, thiserror::Error)]
+#[error("buffer pool exhausted: all {buffers_max} buffers of {buffer_size_bytes} bytes are in use")]
+pub struct PoolExhausted {
+    pub buffers_max: usize,
+    pub buffer_size_bytes: usize,
+}
+
+struct CorePool {
+    permits: Arc<Semaphore>,
+    free: Mutex<Vec<AlignedBuf>>,
+}
+
+/// A set of pools, one per core; a thread draws from the pool of the core it runs on.
+pub struct BufferPool {
+    cores: Vec<Arc<CorePool>>,
+    buffer_size_bytes: usize,
+    buffers_max_per_core: usize,
+}
+
+impl BufferPool {
+    pub fn new(core_count: usize, buffer_size_bytes: usize, buffers_max_per_core: usize) -> Self {
+        assert!(core_count > 0 && buffers_max_per_core > 0);
+        let cores = (0..core_count)
+            .map(|_| {
+                Arc::new(CorePool {
+                    permits: Arc::new(Semaphore::new(buffers_max_per_core)),
+                    free: Mutex::new(Vec::new()),
+                })
+            })
+            .collect();
+        Self {
+            cores,
+            buffer_size_bytes,
+            buffers_max_per_core,
+        }
+    }
+
+    pub fn buffer_size_bytes(&self) -> usize {
+        self.buffer_size_bytes
+    }
+
+    /// Takes a buffer, waiting at most `wait` for one to be returned.
+    pub async fn acquire(&self, wait: Duration) -> Result<PooledBuf, PoolExhausted> {
+        let core = &self.cores[runtime::core_id().unwrap_or(0) % self.cores.len()];
+        let permit = match tokio::time::timeout(wait, core.permits.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            _ => {
+                return Err(PoolExhausted {
+                    buffers_max: self.buffers_max_per_core,
+                    buffer_size_bytes: self.buffer_size_bytes,
+                })
+            }
+        };
+        let reused = core.free.lock().expect("pool lock").pop();
+        let mut buf = reused.unwrap_or_else(|| AlignedBuf::with_capacity(self.buffer_size_bytes));
+        buf.clear();
+        Ok(PooledBuf {
+            buf: Some(buf),
+            home: core.clone(),
+            _permit: permit,
+        })
+    }
+}
+
+/// A buffer on loan from a pool; returned to it on drop.
+pub struct PooledBuf {
+    buf: Option<AlignedBuf>,
+    home: Arc<CorePool>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl PooledBuf {
+    /// Takes the buffer out for an owned I/O call; put it back with `restore`.
+    pub fn take(&mut self) -> AlignedBuf {
+        self.buf.take().expect("pooled buffer already taken")
+    }
+
+    pub fn restore(&mut self, buf: AlignedBuf) {
+        assert!(self.buf.is_none(), "pooled buffer restored twice");
+        self.buf = Some(buf);
+    }
+}
+
+impl std::ops::Deref for PooledBuf {
+    type Target = AlignedBuf;
+    fn deref(&self) -> &AlignedBuf {
+        self.buf.as_ref().expect("pooled buffer taken")
+    }
+}
+
+impl std::ops::DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut AlignedBuf {
+        self.buf.as_mut().expect("pooled buffer taken")
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        // A buffer lost to a cancelled I/O (taken and never restored) is simply not
+        // returned; its permit is, and a fresh buffer is allocated next time.
+        if let Some(buf) = self.buf.take() {
+            self.home.free.lock().expect("pool lock").push(buf);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bounded_and_reused() {
+        let pool = BufferPool::new(1, 8192, 2);
+        let a = pool.acquire(Duration::from_millis(10)).await.unwrap();
+        let b = pool.acquire(Duration::from_millis(10)).await.unwrap();
+        assert!(pool.acquire(Duration::from_millis(10)).await.is_err());
+        let ptr = a.as_ptr();
+        drop(a);
+        let c = pool.acquire(Duration::from_millis(10)).await.unwrap();
+        assert_eq!(c.as_ptr(), ptr, "a returned buffer is reused");
+        assert!(c.is_empty());
+        drop(b);
+    }
+}

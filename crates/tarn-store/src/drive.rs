@@ -1,0 +1,468 @@
+//! One drive: a directory (meant to be its own NVMe) holding shard files and an
+//! embedded ordered metadata index (`fjall`, an LSM tree).
+//!
+//! ```text
+//! <drive>/.tarn/format          DriveFormat record (format.rs)
+//! <drive>/.tarn/meta/           fjall database: buckets, objects, inline, uploads, parts
+//! <drive>/.tarn/tmp/            shard files being written; emptied at start
+//! <drive>/data/<aa>/<data id>   committed shard files, <aa> = first byte of the id in hex
+//! ```
+//!
+//! All methods here block; the store calls them from blocking threads.
+
+use std::path::{Path, PathBuf};
+
+use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
+
+use crate::error::StoreError;
+use crate::format::{
+    id_to_hex, BucketRecord, DriveFormat, Id128, ObjectRecord, UploadPartRecord, UploadRecord,
+};
+
+const FORMAT_FILE: &str = ".tarn/format";
+
+/// What was found at a drive path before opening it.
+#[derive(Debug)]
+pub enum DriveProbe {
+    Missing,
+    /// Exists, no format, nothing else in it: new or replaced.
+    Empty,
+    Formatted(DriveFormat),
+    Unusable(String),
+}
+
+pub fn probe(path: &Path) -> DriveProbe {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return DriveProbe::Missing,
+        Err(e) => return DriveProbe::Unusable(format!("cannot stat: {e}")),
+        Ok(m) if !m.is_dir() => return DriveProbe::Unusable("not a directory".into()),
+        Ok(_) => {}
+    }
+    match std::fs::read(path.join(FORMAT_FILE)) {
+        Ok(bytes) => match DriveFormat::decode(&bytes) {
+            Ok(f) => DriveProbe::Formatted(f),
+            Err(e) => DriveProbe::Unusable(format!("format file is corrupt: {e}")),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let entries = match std::fs::read_dir(path) {
+                Ok(rd) => rd
+                    .filter_map(Result::ok)
+                    .filter(|e| {
+                        let n = e.file_name();
+                        n != "lost+found" && n != ".tarn" && n != "data"
+                    })
+                    .count(),
+                Err(e) => return DriveProbe::Unusable(format!("cannot list: {e}")),
+            };
+            if entries == 0 {
+                DriveProbe::Empty
+            } else {
+                DriveProbe::Unusable(
+                    "directory holds other files and no Tarn format; refusing to use it".into(),
+                )
+            }
+        }
+        Err(e) => DriveProbe::Unusable(format!("cannot read format file: {e}")),
+    }
+}
+
+/// Writes the drive's directory tree and format file. The drive directory itself
+/// must already exist: a missing mount point is never re-created here.
+pub fn format_drive(path: &Path, format: &DriveFormat) -> Result<(), StoreError> {
+    let io = |what: &str, e: std::io::Error| StoreError::Drive {
+        drive: path.display().to_string(),
+        reason: format!("{what}: {e}"),
+    };
+    std::fs::create_dir_all(path.join(".tarn/tmp")).map_err(|e| io("create .tarn/tmp", e))?;
+    for b in 0..=255u8 {
+        std::fs::create_dir_all(path.join("data").join(format!("{b:02x}")))
+            .map_err(|e| io("create data dirs", e))?;
+    }
+    let tmp = path.join(".tarn/format.tmp");
+    std::fs::write(&tmp, format.encode()).map_err(|e| io("write format", e))?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io("sync format", e))?;
+    std::fs::rename(&tmp, path.join(FORMAT_FILE)).map_err(|e| io("rename format", e))?;
+    tarn_io::file::sync_dir(&path.join(".tarn")).map_err(|e| io("sync .tarn", e))?;
+    tarn_io::file::sync_dir(path).map_err(|e| io("sync drive", e))?;
+    Ok(())
+}
+
+/// The metadata index of one drive.
+pub struct DriveDb {
+    db: Database,
+    buckets: Keyspace,
+    objects: Keyspace,
+    inline: Keyspace,
+    uploads: Keyspace,
+    parts: Keyspace,
+    name: String,
+}
+
+/// Key of an object: bucket, NUL, key. Bucket names cannot hold NUL, so the
+/// bucket part is unambiguous and all keys of a bucket sort together by key bytes.
+pub fn object_key(bucket: &str, key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(bucket.len() + 1 + key.len());
+    k.extend_from_slice(bucket.as_bytes());
+    k.push(0);
+    k.extend_from_slice(key.as_bytes());
+    k
+}
+
+fn inline_key(bucket: &str, key: &str, version: &Id128, mod_time_ns: u64) -> Vec<u8> {
+    let mut k = object_key(bucket, key);
+    k.push(0);
+    k.extend_from_slice(version);
+    k.extend_from_slice(&mod_time_ns.to_be_bytes());
+    k
+}
+
+fn upload_key(bucket: &str, key: &str, upload_id: &Id128) -> Vec<u8> {
+    let mut k = object_key(bucket, key);
+    k.push(0);
+    k.extend_from_slice(upload_id);
+    k
+}
+
+fn part_key(upload_id: &Id128, number: u32) -> Vec<u8> {
+    let mut k = upload_id.to_vec();
+    k.extend_from_slice(&number.to_be_bytes());
+    k
+}
+
+/// One change to an object's metadata on a drive, applied atomically.
+#[derive(Default)]
+pub struct ObjectWrite {
+    /// New record, or None to remove the key.
+    pub record: Option<ObjectRecord>,
+    pub inline_put: Vec<(Id128, u64, Vec<u8>)>,
+    pub inline_delete: Vec<(Id128, u64)>,
+    /// Upload to retire in the same batch (completion).
+    pub upload_delete: Option<(Id128, Vec<u32>)>,
+}
+
+impl DriveDb {
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let name = path.display().to_string();
+        let err = |e: fjall::Error| StoreError::Drive {
+            drive: name.clone(),
+            reason: format!("open metadata index: {e}"),
+        };
+        tarn_io::fault::check("open db").map_err(|e| StoreError::Drive {
+            drive: name.clone(),
+            reason: e.to_string(),
+        })?;
+        let db = Database::builder(path.join(".tarn/meta"))
+            .open()
+            .map_err(err)?;
+        let ks = |n: &str| db.keyspace(n, KeyspaceCreateOptions::default).map_err(err);
+        Ok(DriveDb {
+            buckets: ks("buckets")?,
+            objects: ks("objects")?,
+            inline: ks("inline")?,
+            uploads: ks("uploads")?,
+            parts: ks("parts")?,
+            db: db.clone(),
+            name: name.clone(),
+        })
+    }
+
+    fn fail(&self, what: &str, e: impl std::fmt::Display) -> StoreError {
+        StoreError::Drive {
+            drive: self.name.clone(),
+            reason: format!("{what}: {e}"),
+        }
+    }
+
+    fn check_fault(&self, what: &'static str) -> Result<(), StoreError> {
+        tarn_io::fault::check(what).map_err(|e| self.fail(what, e))
+    }
+
+    pub fn buckets(&self) -> Result<Vec<(String, BucketRecord)>, StoreError> {
+        let mut out = Vec::new();
+        for kv in self.buckets.iter() {
+            let (k, v) = kv.into_inner().map_err(|e| self.fail("read buckets", e))?;
+            let name = String::from_utf8(k.to_vec())
+                .map_err(|_| self.fail("read buckets", "bucket name not UTF-8"))?;
+            match BucketRecord::decode(&v) {
+                Ok(r) => out.push((name, r)),
+                Err(e) => {
+                    tracing::error!(drive = %self.name, bucket = %name, error = %e, "corrupt bucket record skipped")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn put_bucket(&self, name: &str, rec: &BucketRecord) -> Result<(), StoreError> {
+        self.check_fault("put bucket")?;
+        self.buckets
+            .insert(name.as_bytes(), rec.encode())
+            .map_err(|e| self.fail("put bucket", e))?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| self.fail("persist", e))
+    }
+
+    pub fn delete_bucket(&self, name: &str) -> Result<(), StoreError> {
+        self.check_fault("delete bucket")?;
+        self.buckets
+            .remove(name.as_bytes())
+            .map_err(|e| self.fail("delete bucket", e))?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| self.fail("persist", e))
+    }
+
+    /// Whether any object or upload of `bucket` exists on this drive.
+    pub fn bucket_has_entries(&self, bucket: &str) -> Result<bool, StoreError> {
+        let prefix = object_key(bucket, "");
+        if let Some(kv) = self.objects.prefix(&prefix).next() {
+            kv.into_inner().map_err(|e| self.fail("scan objects", e))?;
+            return Ok(true);
+        }
+        if let Some(kv) = self.uploads.prefix(&prefix).next() {
+            kv.into_inner().map_err(|e| self.fail("scan uploads", e))?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Reads an object record; a record that fails to decode is reported as corrupt.
+    pub fn object(&self, bucket: &str, key: &str) -> Result<Option<ObjectRecord>, StoreError> {
+        let raw = self
+            .objects
+            .get(object_key(bucket, key))
+            .map_err(|e| self.fail("read object", e))?;
+        match raw {
+            None => Ok(None),
+            Some(v) => {
+                ObjectRecord::decode(&v)
+                    .map(Some)
+                    .map_err(|e| StoreError::CorruptMetadata {
+                        drive: self.name.clone(),
+                        what: format!("{bucket}/{key}: {e}"),
+                    })
+            }
+        }
+    }
+
+    /// Applies one object change atomically and durably.
+    pub fn write_object(&self, bucket: &str, key: &str, w: &ObjectWrite) -> Result<(), StoreError> {
+        self.check_fault("write object")?;
+        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        let ok = object_key(bucket, key);
+        match &w.record {
+            Some(r) if !r.versions.is_empty() => batch.insert(&self.objects, ok, r.encode()),
+            _ => batch.remove(&self.objects, ok),
+        }
+        for (vid, mtime, data) in &w.inline_put {
+            batch.insert(
+                &self.inline,
+                inline_key(bucket, key, vid, *mtime),
+                data.as_slice(),
+            );
+        }
+        for (vid, mtime) in &w.inline_delete {
+            batch.remove(&self.inline, inline_key(bucket, key, vid, *mtime));
+        }
+        if let Some((upload_id, parts)) = &w.upload_delete {
+            batch.remove(&self.uploads, upload_key(bucket, key, upload_id));
+            for n in parts {
+                batch.remove(&self.parts, part_key(upload_id, *n));
+            }
+        }
+        batch.commit().map_err(|e| self.fail("commit object", e))
+    }
+
+    pub fn inline_data(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: &Id128,
+        mod_time_ns: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let v = self
+            .inline
+            .get(inline_key(bucket, key, version, mod_time_ns))
+            .map_err(|e| self.fail("read inline", e))?;
+        Ok(v.map(|v| v.to_vec()))
+    }
+
+    /// Up to `limit` object entries of `bucket` whose keys start with `prefix`
+    /// and are at least `from` (raw key bytes, inclusive), in key order.
+    pub fn scan_objects_from(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        from: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let base = object_key(bucket, "");
+        let mut lo = object_key(bucket, prefix);
+        if let Some(f) = from {
+            let mut k = base.clone();
+            k.extend_from_slice(f);
+            if k > lo {
+                lo = k;
+            }
+        }
+        let mut out = Vec::new();
+        for kv in self.objects.range(lo..) {
+            let (k, v) = kv.into_inner().map_err(|e| self.fail("scan objects", e))?;
+            if !k.starts_with(&base) {
+                break;
+            }
+            let key = &k[base.len()..];
+            if !key.starts_with(prefix.as_bytes()) {
+                break;
+            }
+            let Ok(key) = std::str::from_utf8(key) else {
+                tracing::error!(drive = %self.name, "object key not UTF-8 skipped");
+                continue;
+            };
+            out.push((key.to_string(), v.to_vec()));
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn put_upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        rec: &UploadRecord,
+    ) -> Result<(), StoreError> {
+        self.check_fault("put upload")?;
+        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        batch.insert(
+            &self.uploads,
+            upload_key(bucket, key, &rec.upload_id),
+            rec.encode(),
+        );
+        batch.commit().map_err(|e| self.fail("put upload", e))
+    }
+
+    pub fn upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &Id128,
+    ) -> Result<Option<UploadRecord>, StoreError> {
+        let v = self
+            .uploads
+            .get(upload_key(bucket, key, upload_id))
+            .map_err(|e| self.fail("read upload", e))?;
+        match v {
+            None => Ok(None),
+            Some(v) => {
+                UploadRecord::decode(&v)
+                    .map(Some)
+                    .map_err(|e| StoreError::CorruptMetadata {
+                        drive: self.name.clone(),
+                        what: format!("upload {}: {e}", id_to_hex(upload_id)),
+                    })
+            }
+        }
+    }
+
+    /// Removes an upload and the given parts (abort).
+    pub fn delete_upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &Id128,
+        parts: &[u32],
+    ) -> Result<(), StoreError> {
+        self.check_fault("delete upload")?;
+        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        batch.remove(&self.uploads, upload_key(bucket, key, upload_id));
+        for n in parts {
+            batch.remove(&self.parts, part_key(upload_id, *n));
+        }
+        batch.commit().map_err(|e| self.fail("delete upload", e))
+    }
+
+    /// Uploads of `bucket` whose key starts with `prefix`, in (key, upload id) order.
+    pub fn scan_uploads(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, UploadRecord)>, StoreError> {
+        let base = object_key(bucket, "");
+        let mut out = Vec::new();
+        for kv in self.uploads.prefix(object_key(bucket, prefix)) {
+            let (k, v) = kv.into_inner().map_err(|e| self.fail("scan uploads", e))?;
+            if k.len() < base.len() + 17 {
+                continue;
+            }
+            let key = &k[base.len()..k.len() - 17];
+            let (Ok(key), Ok(rec)) = (std::str::from_utf8(key), UploadRecord::decode(&v)) else {
+                tracing::error!(drive = %self.name, "corrupt upload record skipped");
+                continue;
+            };
+            out.push((key.to_string(), rec));
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn put_part(&self, upload_id: &Id128, part: &UploadPartRecord) -> Result<(), StoreError> {
+        self.check_fault("put part")?;
+        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        batch.insert(&self.parts, part_key(upload_id, part.number), part.encode());
+        batch.commit().map_err(|e| self.fail("put part", e))
+    }
+
+    pub fn parts(&self, upload_id: &Id128) -> Result<Vec<UploadPartRecord>, StoreError> {
+        let mut out = Vec::new();
+        for kv in self.parts.prefix(upload_id) {
+            let (_, v) = kv.into_inner().map_err(|e| self.fail("scan parts", e))?;
+            match UploadPartRecord::decode(&v) {
+                Ok(p) => out.push(p),
+                Err(e) => {
+                    tracing::error!(drive = %self.name, error = %e, "corrupt part record skipped")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every object key of every bucket, for the heal scanner.
+    pub fn all_object_keys(&self, bucket: &str) -> Result<Vec<String>, StoreError> {
+        let base = object_key(bucket, "");
+        let mut out = Vec::new();
+        for kv in self.objects.prefix(&base) {
+            let k = kv.key().map_err(|e| self.fail("scan objects", e))?;
+            if let Ok(key) = std::str::from_utf8(&k[base.len()..]) {
+                out.push(key.to_string());
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Paths of a drive's files.
+#[derive(Debug, Clone)]
+pub struct DrivePaths {
+    pub root: PathBuf,
+}
+
+impl DrivePaths {
+    pub fn shard(&self, data_id: &Id128) -> PathBuf {
+        let hex = id_to_hex(data_id);
+        self.root.join("data").join(&hex[..2]).join(hex)
+    }
+    pub fn tmp_shard(&self, data_id: &Id128) -> PathBuf {
+        self.root.join(".tarn/tmp").join(id_to_hex(data_id))
+    }
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.root.join(".tarn/tmp")
+    }
+}

@@ -1,0 +1,83 @@
+//! Errors of the object engine. The S3 layer maps each to one S3 error code.
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("bucket {0} does not exist")]
+    NoSuchBucket(String),
+    #[error("bucket {0} already exists")]
+    BucketExists(String),
+    #[error("bucket {0} is not empty")]
+    BucketNotEmpty(String),
+    #[error("invalid bucket name {0:?}")]
+    InvalidBucketName(String),
+    #[error("key {0:?} is not a valid object key")]
+    InvalidKey(String),
+    #[error("no such key {bucket}/{key}")]
+    NoSuchKey { bucket: String, key: String },
+    #[error("no such version {version} of {bucket}/{key}")]
+    NoSuchVersion {
+        bucket: String,
+        key: String,
+        version: String,
+    },
+    #[error("the latest version of {bucket}/{key} is a delete marker")]
+    DeleteMarker {
+        bucket: String,
+        key: String,
+        version: Option<String>,
+    },
+    #[error("method not allowed on a delete marker")]
+    MethodNotAllowed,
+    #[error("no such upload {0}")]
+    NoSuchUpload(String),
+    #[error("part {0} was not uploaded or its ETag does not match")]
+    InvalidPart(u32),
+    #[error("parts are not in ascending order")]
+    InvalidPartOrder,
+    #[error("part {number} is {size} bytes, below the minimum {min} for all but the last part")]
+    EntityTooSmall { number: u32, size: u64, min: u64 },
+    #[error("object too large: {size} bytes, limit {max}")]
+    EntityTooLarge { size: u64, max: u64 },
+    #[error("precondition failed")]
+    PreconditionFailed,
+    #[error("requested range not satisfiable")]
+    InvalidRange,
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("Content-MD5 does not match the body")]
+    BadDigest,
+    #[error("checksum {algorithm} does not match the body")]
+    ChecksumMismatch { algorithm: String },
+    #[error("body length {actual} does not match the declared length {declared}")]
+    IncompleteBody { declared: u64, actual: u64 },
+    #[error("reading the request body failed: {0}")]
+    Body(String),
+    #[error("not enough drives: {what} needs {needed}, {available} available")]
+    QuorumLost {
+        what: &'static str,
+        needed: usize,
+        available: usize,
+    },
+    #[error("object {bucket}/{key} cannot be read: {reason}")]
+    Unreadable {
+        bucket: String,
+        key: String,
+        reason: String,
+    },
+    #[error("drive {drive}: {reason}")]
+    Drive { drive: String, reason: String },
+    #[error("corrupt metadata on {drive}: {what}")]
+    CorruptMetadata { drive: String, what: String },
+    #[error("server busy: {0}")]
+    SlowDown(String),
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<tarn_io::PoolExhausted> for StoreError {
+    fn from(e: tarn_io::PoolExhausted) -> Self {
+        StoreError::SlowDown(e.to_string())
+    }
+}

@@ -1,0 +1,58 @@
+//! Per-key locks: striped async read/write locks keyed by a hash of bucket/key.
+//!
+//! Readers hold a read lock while they stream a version, so a writer cannot
+//! delete the shard files under them; writers hold the write lock only around
+//! their metadata commit, never while receiving a body.
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
+
+const LOCK_STRIPES: usize = 4096;
+
+pub struct LockTable {
+    stripes: Vec<Arc<RwLock<()>>>,
+    seed: u64,
+}
+
+pub enum KeyGuard {
+    Read(#[allow(dead_code)] OwnedRwLockReadGuard<()>),
+    Write(#[allow(dead_code)] OwnedRwLockWriteGuard<()>),
+}
+
+impl LockTable {
+    pub fn new(seed: u64) -> Self {
+        LockTable {
+            stripes: (0..LOCK_STRIPES)
+                .map(|_| Arc::new(RwLock::new(())))
+                .collect(),
+            seed,
+        }
+    }
+
+    pub fn stripe(&self, bucket: &str, key: &str) -> usize {
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.seed);
+        h.update(bucket.as_bytes());
+        h.update(&[0]);
+        h.update(key.as_bytes());
+        (h.digest() % LOCK_STRIPES as u64) as usize
+    }
+
+    pub async fn read(&self, bucket: &str, key: &str) -> KeyGuard {
+        KeyGuard::Read(
+            self.stripes[self.stripe(bucket, key)]
+                .clone()
+                .read_owned()
+                .await,
+        )
+    }
+
+    pub async fn write(&self, bucket: &str, key: &str) -> KeyGuard {
+        KeyGuard::Write(
+            self.stripes[self.stripe(bucket, key)]
+                .clone()
+                .write_owned()
+                .await,
+        )
+    }
+}

@@ -1,0 +1,525 @@
+//! The read path: read the k data shards of the stripes a range touches, verify
+//! each block, reconstruct from parity when a shard is missing or corrupt, and
+//! queue the object for healing.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use futures::Stream;
+use tarn_io::file::run_blocking;
+use tarn_io::PooledBuf;
+use tokio::sync::mpsc;
+
+use super::{validate_key, Store};
+use crate::checksum::crc32c;
+use crate::codec::{codec_for, StripeGeometry};
+use crate::error::StoreError;
+use crate::format::{Layout, PartMeta, Storage, VersionMeta};
+use crate::lock::KeyGuard;
+use crate::shard::{ShardError, ShardReader};
+use crate::types::{ByteRange, ObjectInfo};
+
+/// Stripes read ahead of the consumer; bounds memory per GET.
+const READ_AHEAD_STRIPES: usize = 2;
+
+/// The bytes of a GET, produced by a reader task on the same core.
+pub struct ObjectStream {
+    inner: StreamInner,
+    remaining: u64,
+}
+
+enum StreamInner {
+    Ready(Option<Bytes>),
+    Channel(mpsc::Receiver<Result<Bytes, StoreError>>),
+}
+
+impl ObjectStream {
+    /// Bytes still to come.
+    pub fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    /// Collects the whole stream (tests and small objects).
+    pub async fn collect(mut self) -> Result<Vec<u8>, StoreError> {
+        use futures::StreamExt;
+        let mut out = Vec::with_capacity(self.remaining as usize);
+        while let Some(chunk) = self.next().await {
+            out.extend_from_slice(&chunk?);
+        }
+        Ok(out)
+    }
+}
+
+impl Stream for ObjectStream {
+    type Item = Result<Bytes, StoreError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let item = match &mut self.inner {
+            StreamInner::Ready(b) => Poll::Ready(b.take().map(Ok)),
+            StreamInner::Channel(rx) => rx.poll_recv(cx),
+        };
+        if let Poll::Ready(Some(Ok(b))) = &item {
+            self.remaining = self.remaining.saturating_sub(b.len() as u64);
+        }
+        item
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, None)
+    }
+}
+
+/// What a GET returns besides the bytes.
+pub struct GetResult {
+    pub info: ObjectInfo,
+    /// Half-open byte range served.
+    pub range: (u64, u64),
+    pub stream: ObjectStream,
+}
+
+impl Store {
+    /// GET: the version (latest or given), optionally a byte range or one part.
+    pub async fn get_object(
+        self: &Arc<Self>,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        range: Option<ByteRange>,
+        part_number: Option<u32>,
+    ) -> Result<GetResult, StoreError> {
+        self.bucket_record(bucket)?;
+        validate_key(key)?;
+        let set = self.set_for(bucket, key);
+        let guard = self.locks.read(bucket, key).await;
+        let (rec, diverged) = self.resolved(set, bucket, key).await?;
+        if diverged {
+            self.queue_heal(bucket, key);
+        }
+        let (v, latest) = self.select_version(&rec, bucket, key, version)?;
+        if v.delete_marker {
+            return Err(StoreError::MethodNotAllowed);
+        }
+        let info = self.info_from(bucket, key, v, latest);
+        let (start, end) = match (part_number, range) {
+            (Some(_), Some(_)) => {
+                return Err(StoreError::InvalidArgument(
+                    "Range and partNumber together".into(),
+                ))
+            }
+            (Some(n), None) => part_range(v, n)?,
+            (None, Some(r)) => r.resolve(v.size)?,
+            (None, None) => (0, v.size),
+        };
+        let stream = self
+            .stream_version(set, bucket, key, v.clone(), start, end, guard)
+            .await?;
+        Ok(GetResult {
+            info,
+            range: (start, end),
+            stream,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn stream_version(
+        self: &Arc<Self>,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        v: VersionMeta,
+        start: u64,
+        end: u64,
+        guard: KeyGuard,
+    ) -> Result<ObjectStream, StoreError> {
+        let remaining = end - start;
+        match &v.storage {
+            Storage::Inline { crc32c: want } => {
+                let data = self.read_inline(set, bucket, key, &v, *want).await?;
+                let b = Bytes::from(data).slice(start as usize..end as usize);
+                Ok(ObjectStream {
+                    inner: StreamInner::Ready(if b.is_empty() { None } else { Some(b) }),
+                    remaining,
+                })
+            }
+            Storage::Parts(_) if start == end => Ok(ObjectStream {
+                inner: StreamInner::Ready(None),
+                remaining: 0,
+            }),
+            Storage::Parts(_) => {
+                let (tx, rx) = mpsc::channel(READ_AHEAD_STRIPES);
+                let store = self.clone();
+                let (bucket, key) = (bucket.to_string(), key.to_string());
+                tokio::spawn(async move {
+                    let _guard = guard;
+                    if let Err(e) = store
+                        .send_range(set, &bucket, &key, &v, start, end, &tx)
+                        .await
+                    {
+                        tracing::error!(%bucket, %key, error = %e, "read failed mid-stream");
+                        let _ = tx.send(Err(e)).await;
+                    }
+                });
+                Ok(ObjectStream {
+                    inner: StreamInner::Channel(rx),
+                    remaining,
+                })
+            }
+        }
+    }
+
+    /// Inline data from the first drive whose copy verifies.
+    async fn read_inline(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        v: &VersionMeta,
+        want: u32,
+    ) -> Result<Vec<u8>, StoreError> {
+        let mut bad = false;
+        for pos in 0..self.set_size(set) {
+            let Some(db) = self.slot(set, pos).db.clone() else {
+                continue;
+            };
+            let (b, k, vid, mt) = (
+                bucket.to_string(),
+                key.to_string(),
+                v.version_id,
+                v.mod_time_ns,
+            );
+            match run_blocking(move || Ok(db.inline_data(&b, &k, &vid, mt))).await {
+                Ok(Ok(Some(data))) if crc32c(&data) == want && data.len() as u64 == v.size => {
+                    if bad {
+                        self.queue_heal(bucket, key);
+                    }
+                    return Ok(data);
+                }
+                _ => bad = true,
+            }
+        }
+        Err(StoreError::Unreadable {
+            bucket: bucket.into(),
+            key: key.into(),
+            reason: "no drive holds a valid copy of the inline data".into(),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn send_range(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        v: &VersionMeta,
+        start: u64,
+        end: u64,
+        tx: &mpsc::Sender<Result<Bytes, StoreError>>,
+    ) -> Result<(), StoreError> {
+        let Storage::Parts(parts) = &v.storage else {
+            unreachable!("inline handled by caller")
+        };
+        let mut part_start = 0u64;
+        let mut damaged = false;
+        for part in parts {
+            let part_end = part_start + part.size;
+            if part_end > start && part_start < end {
+                let a = start.max(part_start) - part_start;
+                let b = end.min(part_end) - part_start;
+                let ok = self
+                    .read_part_range(set, &v.layout, part, a, b, tx, &mut damaged)
+                    .await;
+                if let Err(e) = ok {
+                    if damaged {
+                        self.queue_heal(bucket, key);
+                    }
+                    return Err(match e {
+                        StoreError::Unreadable { reason, .. } => StoreError::Unreadable {
+                            bucket: bucket.into(),
+                            key: key.into(),
+                            reason,
+                        },
+                        e => e,
+                    });
+                }
+                if tx.is_closed() {
+                    break;
+                }
+            }
+            part_start = part_end;
+        }
+        if damaged {
+            self.queue_heal(bucket, key);
+        }
+        Ok(())
+    }
+
+    /// Reads bytes [a, b) of one part, sending them stripe by stripe.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn read_part_range(
+        &self,
+        set: usize,
+        layout: &Layout,
+        part: &PartMeta,
+        a: u64,
+        b: u64,
+        tx: &mpsc::Sender<Result<Bytes, StoreError>>,
+        damaged: &mut bool,
+    ) -> Result<(), StoreError> {
+        let mut reader = PartReader::open(
+            self,
+            set,
+            layout,
+            part,
+            a / layout.stripe_size_bytes as u64,
+            (b - 1) / layout.stripe_size_bytes as u64,
+        )
+        .await?;
+        let stripe = layout.stripe_size_bytes as u64;
+        for j in reader.first..=reader.last {
+            let lo = a.max(j * stripe) - j * stripe;
+            let hi = b.min((j + 1) * stripe) - j * stripe;
+            let sl = reader.geometry.shard_len(j);
+            let mut out = BytesMut::with_capacity((hi - lo) as usize);
+            {
+                let data = reader.read_stripe(self, j).await?;
+                for (i, shard) in data.iter().enumerate() {
+                    let s_lo = i as u64 * sl;
+                    let s_hi = s_lo + sl;
+                    let from = lo.max(s_lo);
+                    let to = hi.min(s_hi);
+                    if from < to {
+                        out.extend_from_slice(&shard[(from - s_lo) as usize..(to - s_lo) as usize]);
+                    }
+                }
+            }
+            *damaged |= reader.damaged;
+            if tx.send(Ok(out.freeze())).await.is_err() {
+                return Ok(()); // the client went away
+            }
+        }
+        *damaged |= reader.damaged;
+        Ok(())
+    }
+}
+
+fn part_range(v: &VersionMeta, n: u32) -> Result<(u64, u64), StoreError> {
+    match &v.storage {
+        Storage::Parts(parts) if v.etag.contains('-') => {
+            let mut off = 0;
+            for p in parts {
+                if p.number == n {
+                    return Ok((off, off + p.size));
+                }
+                off += p.size;
+            }
+            Err(StoreError::InvalidRange)
+        }
+        // A single-part object has exactly part 1.
+        _ if n == 1 => Ok((0, v.size)),
+        _ => Err(StoreError::InvalidRange),
+    }
+}
+
+/// Shard readers for one part and the stripes [first, last].
+pub(crate) struct PartReader {
+    pub geometry: StripeGeometry,
+    pub first: u64,
+    pub last: u64,
+    k: usize,
+    layout: Layout,
+    set: usize,
+    data_id: crate::format::Id128,
+    readers: Vec<Option<ShardReader>>,
+    /// Shards known bad (missing, short, corrupt); never read again.
+    bad: Vec<bool>,
+    opened: Vec<bool>,
+    bufs: Vec<Option<PooledBuf>>,
+    pub damaged: bool,
+}
+
+impl PartReader {
+    pub(crate) async fn open(
+        store: &Store,
+        set: usize,
+        layout: &Layout,
+        part: &PartMeta,
+        first: u64,
+        last: u64,
+    ) -> Result<Self, StoreError> {
+        let n = layout.shard_count();
+        let k = layout.data_shards as usize;
+        let mut r = PartReader {
+            geometry: StripeGeometry::new(part.size, layout.stripe_size_bytes, layout.data_shards),
+            first,
+            last,
+            k,
+            layout: layout.clone(),
+            set,
+            data_id: part.data_id,
+            readers: (0..n).map(|_| None).collect(),
+            bad: vec![false; n],
+            opened: vec![false; n],
+            bufs: (0..n).map(|_| None).collect(),
+            damaged: false,
+        };
+        let wanted: Vec<usize> = (0..k).collect();
+        r.open_shards(store, &wanted).await;
+        Ok(r)
+    }
+
+    async fn open_shards(&mut self, store: &Store, shards: &[usize]) {
+        let geometry = self.geometry;
+        let (first, last) = (self.first, self.last);
+        let opens = shards.iter().map(|&i| {
+            let slot = store.slot(self.set, self.layout.distribution[i] as usize);
+            let online = slot.db.is_some();
+            let path = slot.paths.shard(&self.data_id);
+            async move {
+                if !online {
+                    return (i, Err(ShardError::Missing));
+                }
+                let mut r = match ShardReader::open(&path, geometry).await {
+                    Ok(r) => r,
+                    Err(e) => return (i, Err(e)),
+                };
+                if geometry.stripe_count() > 0 {
+                    if let Err(e) = r.load_checksums(first, last).await {
+                        return (i, Err(e));
+                    }
+                }
+                (i, Ok(r))
+            }
+        });
+        for (i, res) in futures::future::join_all(opens).await {
+            self.opened[i] = true;
+            match res {
+                Ok(r) => self.readers[i] = Some(r),
+                Err(e) => {
+                    if !matches!(e, ShardError::Missing)
+                        || store
+                            .slot(self.set, self.layout.distribution[i] as usize)
+                            .db
+                            .is_some()
+                    {
+                        tracing::warn!(shard = i, error = %e, "shard unusable, reconstructing from parity");
+                    }
+                    self.bad[i] = true;
+                    self.damaged = true;
+                }
+            }
+        }
+    }
+
+    /// Reads stripe `j` and returns its k data shards (verified or rebuilt).
+    pub(crate) async fn read_stripe(
+        &mut self,
+        store: &Store,
+        j: u64,
+    ) -> Result<Vec<&[u8]>, StoreError> {
+        let sl = self.geometry.shard_len(j) as usize;
+        let n = self.layout.shard_count();
+        loop {
+            let good_or_pending: Vec<usize> = (0..n).filter(|&i| !self.bad[i]).collect();
+            // The shards to read: data shards first, then parity to make up for bad ones.
+            let want: Vec<usize> = good_or_pending.iter().copied().take(self.k).collect();
+            if want.len() < self.k {
+                return Err(StoreError::Unreadable {
+                    bucket: String::new(),
+                    key: String::new(),
+                    reason: format!(
+                        "only {} of {} needed shards are readable",
+                        want.len(),
+                        self.k
+                    ),
+                });
+            }
+            let to_open: Vec<usize> = want.iter().copied().filter(|&i| !self.opened[i]).collect();
+            if !to_open.is_empty() {
+                self.open_shards(store, &to_open).await;
+                continue;
+            }
+            for &i in &want {
+                if self.bufs[i].is_none() {
+                    self.bufs[i] = Some(store.pool().acquire(store.buffer_wait()).await?);
+                }
+            }
+            let reads = want.iter().map(|&i| {
+                let reader = self.readers[i].as_ref().expect("opened");
+                let mut pooled = self.bufs[i].take().expect("buffer");
+                async move {
+                    let (res, buf) = reader.read_block(j, pooled.take()).await;
+                    pooled.restore(buf);
+                    (i, res, pooled)
+                }
+            });
+            let mut failed = false;
+            for (i, res, pooled) in futures::future::join_all(reads).await {
+                self.bufs[i] = Some(pooled);
+                if let Err(e) = res {
+                    tracing::warn!(shard = i, stripe = j, error = %e, "shard block unusable, reconstructing from parity");
+                    self.bad[i] = true;
+                    self.damaged = true;
+                    failed = true;
+                }
+            }
+            if failed {
+                continue;
+            }
+            // Rebuild missing data shards into their buffers.
+            let missing: Vec<usize> = (0..self.k).filter(|i| !want.contains(i)).collect();
+            if !missing.is_empty() {
+                for &i in &missing {
+                    if self.bufs[i].is_none() {
+                        self.bufs[i] = Some(store.pool().acquire(store.buffer_wait()).await?);
+                    }
+                }
+                let codec = codec_for(
+                    self.layout.codec,
+                    self.k,
+                    self.layout.parity_shards as usize,
+                );
+                let mut outs: Vec<(usize, PooledBuf)> = missing
+                    .iter()
+                    .map(|&i| (i, self.bufs[i].take().expect("buffer")))
+                    .collect();
+                {
+                    let present: Vec<Option<&[u8]>> = (0..n)
+                        .map(|i| {
+                            if want.contains(&i) {
+                                self.bufs[i].as_deref().map(|b| &b[..])
+                            } else {
+                                None
+                            }
+                        })
+                        .collect();
+                    let mut wanted: Vec<(usize, &mut [u8])> = outs
+                        .iter_mut()
+                        .map(|(i, b)| {
+                            b.set_len(sl);
+                            (*i, &mut b[..])
+                        })
+                        .collect();
+                    codec.reconstruct(&present, &mut wanted).map_err(|e| {
+                        StoreError::Unreadable {
+                            bucket: String::new(),
+                            key: String::new(),
+                            reason: e.to_string(),
+                        }
+                    })?;
+                }
+                store
+                    .stats
+                    .shards_reconstructed
+                    .fetch_add(missing.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                for (i, b) in outs {
+                    self.bufs[i] = Some(b);
+                }
+            }
+            return Ok((0..self.k)
+                .map(|i| &self.bufs[i].as_ref().expect("buffer")[..sl])
+                .collect());
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! Healing: rewrite metadata a drive lacks or holds differently, rebuild shard
+//! files that are missing, truncated or corrupt, and restore inline copies.
+//! Runs on demand (`heal_all`), from the queue fed by reads that hit damage, and
+//! from the background scanner.
+
+use std::sync::atomic::Ordering;
+
+use tarn_io::file::{rename_durable, run_blocking};
+
+use super::get::PartReader;
+use super::Store;
+use crate::checksum::crc32c;
+use crate::codec::{codec_for, StripeGeometry};
+use crate::drive::ObjectWrite;
+use crate::error::StoreError;
+use crate::format::{new_id, Layout, PartMeta, Storage};
+use crate::shard::{ShardReader, ShardWriter};
+use crate::types::HealReport;
+
+impl Store {
+    /// Heals every bucket and object on every set.
+    pub async fn heal_all(&self) -> HealReport {
+        let mut report = HealReport::default();
+        // Bucket records onto every drive that lacks them.
+        let buckets: Vec<(String, crate::format::BucketRecord)> = self
+            .buckets
+            .read()
+            .expect("buckets lock")
+            .iter()
+            .map(|(n, r)| (n.clone(), r.clone()))
+            .collect();
+        for d in self.drives.iter().filter_map(|d| d.db.clone()) {
+            let buckets = buckets.clone();
+            let healed = run_blocking(move || {
+                let have: Vec<(String, crate::format::BucketRecord)> =
+                    d.buckets().map_err(std::io::Error::other)?;
+                let mut n = 0;
+                for (name, rec) in &buckets {
+                    if !have.iter().any(|(h, r)| h == name && r == rec) {
+                        d.put_bucket(name, rec).map_err(std::io::Error::other)?;
+                        n += 1;
+                    }
+                }
+                Ok(n)
+            })
+            .await;
+            match healed {
+                Ok(n) => report.buckets_healed += n,
+                Err(error) => {
+                    tracing::error!(%error, "healing bucket records failed");
+                    report.failures += 1;
+                }
+            }
+        }
+        for (bucket, _) in &buckets {
+            for set in 0..self.sets.len() {
+                let dbs: Vec<_> = (0..self.set_size(set))
+                    .filter_map(|p| self.slot(set, p).db.clone())
+                    .collect();
+                let b = bucket.clone();
+                let keys = run_blocking(move || {
+                    let mut all = std::collections::BTreeSet::new();
+                    for db in dbs {
+                        all.extend(db.all_object_keys(&b).map_err(std::io::Error::other)?);
+                    }
+                    Ok(all)
+                })
+                .await;
+                let keys = match keys {
+                    Ok(k) => k,
+                    Err(error) => {
+                        tracing::error!(%bucket, %error, "listing keys to heal failed");
+                        report.failures += 1;
+                        continue;
+                    }
+                };
+                for key in keys {
+                    match self.heal_object(bucket, &key).await {
+                        Ok(r) => {
+                            report.objects_scanned += 1;
+                            report.shards_rebuilt += r.shards_rebuilt;
+                            report.metadata_rewritten += r.metadata_rewritten;
+                            if r.shards_rebuilt + r.metadata_rewritten > 0 {
+                                report.objects_healed += 1;
+                            }
+                        }
+                        Err(error) => {
+                            tracing::error!(%bucket, %key, %error, "heal failed");
+                            report.failures += 1;
+                        }
+                    }
+                }
+            }
+        }
+        report
+    }
+
+    /// Heals one object: its metadata on every online drive of its set, the
+    /// inline copies, and every shard file of every version.
+    pub async fn heal_object(&self, bucket: &str, key: &str) -> Result<HealReport, StoreError> {
+        let mut report = HealReport::default();
+        let set = self.set_for(bucket, key);
+        let _g = self.locks.write(bucket, key).await;
+        let records = self.read_records(set, bucket, key).await;
+        let quorum = self.meta_read_quorum(self.set_size(set));
+        let answered = records
+            .iter()
+            .filter(|r| r.is_ok() || matches!(r, Err(StoreError::CorruptMetadata { .. })))
+            .count();
+        if answered < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "heal",
+                needed: quorum,
+                available: answered,
+            });
+        }
+        let merged = super::resolve(&records, quorum);
+
+        // Inline data: a verified copy to give drives that lack one.
+        let mut inline_copies = Vec::new();
+        for v in &merged.versions {
+            if let Storage::Inline { crc32c: want } = v.storage {
+                if v.delete_marker {
+                    continue;
+                }
+                let mut good = None;
+                for pos in 0..self.set_size(set) {
+                    let Some(db) = self.slot(set, pos).db.clone() else {
+                        continue;
+                    };
+                    let (b, k, vid, mt) = (
+                        bucket.to_string(),
+                        key.to_string(),
+                        v.version_id,
+                        v.mod_time_ns,
+                    );
+                    if let Ok(Ok(Some(d))) =
+                        run_blocking(move || Ok(db.inline_data(&b, &k, &vid, mt))).await
+                    {
+                        if crc32c(&d) == want {
+                            good = Some(d);
+                            break;
+                        }
+                    }
+                }
+                if let Some(d) = good {
+                    inline_copies.push((v.version_id, v.mod_time_ns, d, want));
+                }
+            }
+        }
+
+        for pos in 0..self.set_size(set) {
+            let Some(db) = self.slot(set, pos).db.clone() else {
+                continue;
+            };
+            let current = &records[pos];
+            let meta_ok = matches!(current, Ok(Some(r)) if *r == merged)
+                || (matches!(current, Ok(None)) && merged.versions.is_empty());
+            // Which inline copies this drive lacks or holds corrupt.
+            let mut missing_inline = Vec::new();
+            for (vid, mt, data, want) in &inline_copies {
+                let (b, k, vid2, mt2, db2) =
+                    (bucket.to_string(), key.to_string(), *vid, *mt, db.clone());
+                let have = run_blocking(move || Ok(db2.inline_data(&b, &k, &vid2, mt2))).await;
+                let ok = matches!(&have, Ok(Ok(Some(d))) if crc32c(d) == *want);
+                if !ok {
+                    missing_inline.push((*vid, *mt, data.clone()));
+                }
+            }
+            if meta_ok && missing_inline.is_empty() {
+                continue;
+            }
+            let w = ObjectWrite {
+                record: Some(merged.clone()),
+                inline_put: missing_inline,
+                ..Default::default()
+            };
+            let (b, k) = (bucket.to_string(), key.to_string());
+            match run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
+                .await
+            {
+                Ok(()) => report.metadata_rewritten += 1,
+                Err(error) => {
+                    tracing::error!(%bucket, %key, %error, "rewriting metadata failed");
+                    report.failures += 1;
+                }
+            }
+        }
+
+        for v in &merged.versions {
+            let Storage::Parts(parts) = &v.storage else {
+                continue;
+            };
+            for part in parts {
+                report.shards_rebuilt += self.heal_part(set, &v.layout, part).await?;
+            }
+        }
+        self.stats
+            .shards_rebuilt
+            .fetch_add(report.shards_rebuilt, Ordering::Relaxed);
+        Ok(report)
+    }
+
+    /// Verifies every shard file of a part and rebuilds the bad ones.
+    async fn heal_part(
+        &self,
+        set: usize,
+        layout: &Layout,
+        part: &PartMeta,
+    ) -> Result<u64, StoreError> {
+        let g = StripeGeometry::new(part.size, layout.stripe_size_bytes, layout.data_shards);
+        let mut bad = Vec::new();
+        for (shard, &pos) in layout.distribution.iter().enumerate() {
+            let slot = self.slot(set, pos as usize);
+            if slot.db.is_none() {
+                continue;
+            }
+            let ok = match ShardReader::open(&slot.paths.shard(&part.data_id), g).await {
+                Ok(mut r) => r.verify_all(shard as u8).await.is_ok(),
+                Err(_) => false,
+            };
+            if !ok {
+                bad.push(shard);
+            }
+        }
+        if bad.is_empty() {
+            return Ok(0);
+        }
+        let k = layout.data_shards as usize;
+        let n = layout.shard_count();
+        if n - bad.len() < k {
+            return Err(StoreError::Unreadable {
+                bucket: String::new(),
+                key: String::new(),
+                reason: format!(
+                    "part {}: only {} of {} needed shards survive",
+                    part.number,
+                    n - bad.len(),
+                    k
+                ),
+            });
+        }
+        // Read stripes from good shards, rebuild the bad ones into fresh files.
+        let tmp_id = new_id();
+        let mut writers = Vec::new();
+        for &shard in &bad {
+            let slot = self.slot(set, layout.distribution[shard] as usize);
+            writers.push((
+                shard,
+                ShardWriter::create(&slot.paths.tmp_shard(&tmp_id), shard as u8).await?,
+            ));
+        }
+        let count = g.stripe_count();
+        if count > 0 {
+            let mut reader = PartReader::open(self, set, layout, part, 0, count - 1).await?;
+            let codec = codec_for(layout.codec, k, layout.parity_shards as usize);
+            for j in 0..count {
+                let sl = g.shard_len(j) as usize;
+                let mut outs: Vec<Vec<u8>> = bad.iter().map(|_| vec![0u8; sl]).collect();
+                {
+                    let data = reader.read_stripe(self, j).await?;
+                    let present: Vec<Option<&[u8]>> = (0..n)
+                        .map(|i| if i < k { Some(data[i]) } else { None })
+                        .collect();
+                    let mut wanted: Vec<(usize, &mut [u8])> = bad
+                        .iter()
+                        .copied()
+                        .zip(outs.iter_mut().map(|o| o.as_mut_slice()))
+                        .collect();
+                    codec
+                        .reconstruct(&present, &mut wanted)
+                        .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+                }
+                for ((_, w), out) in writers.iter_mut().zip(outs) {
+                    let mut buf = tarn_io::AlignedBuf::with_capacity(sl);
+                    buf.extend_from_slice(&out);
+                    let (res, _) = w.write_block(buf).await;
+                    res?;
+                }
+            }
+        }
+        let mut rebuilt = 0;
+        for (shard, w) in writers {
+            w.finish().await?;
+            let p = self
+                .slot(set, layout.distribution[shard] as usize)
+                .paths
+                .clone();
+            rename_durable(p.tmp_shard(&tmp_id), p.shard(&part.data_id)).await?;
+            tracing::info!(drive = %p.root.display(), part = part.number, shard, "shard rebuilt");
+            rebuilt += 1;
+        }
+        Ok(rebuilt)
+    }
+}

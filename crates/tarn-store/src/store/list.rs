@@ -1,0 +1,374 @@
+//! Listing: a merge of the drives' ordered metadata indexes, never a directory
+//! walk. Each round scans a bounded batch of keys from every online drive; keys
+//! up to the smallest last key of any full batch are complete and can be emitted.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tarn_io::file::run_blocking;
+
+use super::{resolve, version_to_string, Store};
+use crate::drive::DriveDb;
+use crate::error::StoreError;
+use crate::format::ObjectRecord;
+use crate::types::{ListPage, ListParams, VersionListPage, VersionListParams};
+
+/// Most keys one list response may return (S3's limit).
+pub const LIST_KEYS_MAX: usize = 1000;
+
+/// What the walker should do after a key.
+pub(crate) enum Step {
+    Next,
+    /// Skip every key starting with this string (a common prefix was emitted).
+    SkipPrefix(String),
+    Stop,
+}
+
+/// Where a scan resumes.
+#[derive(Clone)]
+enum Cursor {
+    Start,
+    After(String),
+    PastPrefix(String),
+}
+
+impl Cursor {
+    fn lower_bound(&self) -> Option<Vec<u8>> {
+        match self {
+            Cursor::Start => None,
+            Cursor::After(k) => {
+                let mut b = k.as_bytes().to_vec();
+                b.push(0);
+                Some(b)
+            }
+            // No UTF-8 string contains 0xFF, so prefix+0xFF sorts after every key
+            // with that prefix and before the next key without it.
+            Cursor::PastPrefix(p) => {
+                let mut b = p.as_bytes().to_vec();
+                b.push(0xff);
+                Some(b)
+            }
+        }
+    }
+}
+
+struct SetDrives {
+    dbs: Vec<Arc<DriveDb>>,
+    quorum: usize,
+}
+
+/// Visits the resolved records of `bucket` with keys starting with `prefix`
+/// after `start`, in key order. Runs on a blocking thread.
+fn walk(
+    sets: &[SetDrives],
+    bucket: &str,
+    prefix: &str,
+    start: Option<String>,
+    delimiter: Option<&str>,
+    batch: usize,
+    mut visit: impl FnMut(&str, ObjectRecord) -> Step,
+) -> Result<(), StoreError> {
+    let mut cursor = match start {
+        // A marker that is itself a common prefix (a previous page ended on it)
+        // resumes after every key under it, or the prefix would repeat forever.
+        Some(s)
+            if s.as_str() >= prefix
+                && delimiter.is_some_and(|d| {
+                    !d.is_empty()
+                        && s[prefix.len().min(s.len())..].ends_with(d)
+                        && s.starts_with(prefix)
+                }) =>
+        {
+            Cursor::PastPrefix(s)
+        }
+        Some(s) if s.as_str() >= prefix => Cursor::After(s),
+        _ => Cursor::Start,
+    };
+    loop {
+        // key -> (set, raw records from that set's drives)
+        let mut entries: BTreeMap<String, (usize, Vec<Result<Option<ObjectRecord>, StoreError>>)> =
+            BTreeMap::new();
+        let mut frontier: Option<String> = None;
+        let lower = cursor.lower_bound();
+        for (s, set) in sets.iter().enumerate() {
+            for db in &set.dbs {
+                let rows = db.scan_objects_from(bucket, prefix, lower.as_deref(), batch)?;
+                if rows.len() == batch {
+                    let last = rows.last().expect("non-empty").0.clone();
+                    if frontier.as_ref().is_none_or(|f| last < *f) {
+                        frontier = Some(last);
+                    }
+                }
+                for (key, raw) in rows {
+                    let rec = ObjectRecord::decode(&raw).map(Some).map_err(|e| {
+                        StoreError::CorruptMetadata {
+                            drive: String::new(),
+                            what: e.to_string(),
+                        }
+                    });
+                    entries
+                        .entry(key)
+                        .or_insert_with(|| (s, Vec::new()))
+                        .1
+                        .push(rec);
+                }
+            }
+        }
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let mut skip: Option<String> = None;
+        let mut last_seen: Option<String> = None;
+        for (key, (s, recs)) in entries {
+            if frontier.as_ref().is_some_and(|f| key > *f) {
+                break;
+            }
+            if skip.as_ref().is_some_and(|p| key.starts_with(p.as_str())) {
+                continue;
+            }
+            let rec = resolve(&recs, sets[s].quorum);
+            last_seen = Some(key.clone());
+            match visit(&key, rec) {
+                Step::Next => {}
+                Step::SkipPrefix(p) => skip = Some(p),
+                Step::Stop => return Ok(()),
+            }
+        }
+        if frontier.is_none() {
+            return Ok(());
+        }
+        cursor = match (skip, last_seen) {
+            (Some(p), Some(k)) if k.starts_with(p.as_str()) => Cursor::PastPrefix(p),
+            (_, Some(k)) => Cursor::After(k),
+            (_, None) => match frontier {
+                Some(f) => Cursor::After(f),
+                None => return Ok(()),
+            },
+        };
+    }
+}
+
+/// If `key` (under `prefix`) rolls up into a common prefix, returns it.
+fn common_prefix(key: &str, prefix: &str, delimiter: Option<&str>) -> Option<String> {
+    let d = delimiter.filter(|d| !d.is_empty())?;
+    let rest = &key[prefix.len()..];
+    rest.find(d)
+        .map(|pos| format!("{prefix}{}", &rest[..pos + d.len()]))
+}
+
+impl Store {
+    fn set_drives(&self) -> Vec<SetDrives> {
+        (0..self.sets.len())
+            .map(|s| SetDrives {
+                dbs: (0..self.set_size(s))
+                    .filter_map(|p| self.slot(s, p).db.clone())
+                    .collect(),
+                quorum: self.meta_read_quorum(self.set_size(s)),
+            })
+            .collect()
+    }
+
+    fn check_list_quorum(&self, sets: &[SetDrives]) -> Result<(), StoreError> {
+        for s in sets {
+            if s.dbs.len() < s.quorum {
+                return Err(StoreError::QuorumLost {
+                    what: "listing",
+                    needed: s.quorum,
+                    available: s.dbs.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// ListObjects (V1 and V2): latest versions that are not delete markers.
+    pub async fn list_objects(
+        self: &Arc<Self>,
+        bucket: &str,
+        p: ListParams,
+    ) -> Result<ListPage, StoreError> {
+        self.bucket_record(bucket)?;
+        let sets = self.set_drives();
+        self.check_list_quorum(&sets)?;
+        let max = p.max_keys.min(LIST_KEYS_MAX);
+        let store = self.clone();
+        let bucket = bucket.to_string();
+        let result = run_blocking(move || {
+            let mut page = ListPage::default();
+            if max == 0 {
+                return Ok(Ok(page));
+            }
+            let batch = (max + 1).min(LIST_KEYS_MAX + 1);
+            let res = walk(
+                &sets,
+                &bucket,
+                &p.prefix,
+                p.after.clone(),
+                p.delimiter.as_deref(),
+                batch,
+                |key, rec| {
+                    let Some(latest) = rec.versions.first() else {
+                        return Step::Next;
+                    };
+                    if latest.delete_marker {
+                        return Step::Next;
+                    }
+                    let cp = common_prefix(key, &p.prefix, p.delimiter.as_deref());
+                    if page.objects.len() + page.common_prefixes.len() >= max {
+                        page.is_truncated = true;
+                        return Step::Stop;
+                    }
+                    match cp {
+                        Some(cp) => {
+                            page.common_prefixes.push(cp.clone());
+                            page.next_after = Some(cp.clone());
+                            Step::SkipPrefix(cp)
+                        }
+                        None => {
+                            page.objects
+                                .push(store.info_from(&bucket, key, latest, true));
+                            page.next_after = Some(key.to_string());
+                            Step::Next
+                        }
+                    }
+                },
+            );
+            Ok(res.map(|_| page))
+        })
+        .await??;
+        Ok(result)
+    }
+
+    /// ListObjectVersions: every version and delete marker, newest first per key.
+    pub async fn list_object_versions(
+        self: &Arc<Self>,
+        bucket: &str,
+        p: VersionListParams,
+    ) -> Result<VersionListPage, StoreError> {
+        self.bucket_record(bucket)?;
+        let sets = self.set_drives();
+        self.check_list_quorum(&sets)?;
+        let max = p.max_keys.min(LIST_KEYS_MAX);
+        let store = self.clone();
+        let bucket = bucket.to_string();
+        let result = run_blocking(move || {
+            let mut page = VersionListPage::default();
+            if max == 0 {
+                return Ok(Ok(page));
+            }
+            // Resume inside the marker key when a version-id marker is given.
+            let (start, resume_in) = match (&p.key_marker, &p.version_id_marker) {
+                (Some(k), Some(v)) if !v.is_empty() => {
+                    let before = k.as_bytes().to_vec();
+                    // Start at the marker key itself: scan from the largest key below it.
+                    (predecessor(&before), Some((k.clone(), v.clone())))
+                }
+                (Some(k), _) => (Some(k.clone()), None),
+                _ => (None, None),
+            };
+            let mut emitted = 0usize;
+            let res = walk(
+                &sets,
+                &bucket,
+                &p.prefix,
+                start,
+                p.delimiter.as_deref(),
+                max + 1,
+                |key, rec| {
+                    if rec.versions.is_empty() {
+                        return Step::Next;
+                    }
+                    if let Some(cp) = common_prefix(key, &p.prefix, p.delimiter.as_deref()) {
+                        if emitted >= max {
+                            page.is_truncated = true;
+                            return Step::Stop;
+                        }
+                        emitted += 1;
+                        page.common_prefixes.push(cp.clone());
+                        page.next_key_marker = Some(cp.clone());
+                        page.next_version_id_marker = None;
+                        return Step::SkipPrefix(cp);
+                    }
+                    let mut versions = rec.versions.iter().enumerate().peekable();
+                    if let Some((mk, mv)) = &resume_in {
+                        if key < mk.as_str() {
+                            return Step::Next;
+                        }
+                        if key == mk.as_str() {
+                            // Skip up to and including the marker version.
+                            let pos = rec.versions.iter().position(|v| {
+                                version_to_string(&v.version_id)
+                                    .as_deref()
+                                    .unwrap_or("null")
+                                    == mv
+                            });
+                            match pos {
+                                Some(pos) => {
+                                    for _ in 0..=pos {
+                                        versions.next();
+                                    }
+                                }
+                                None => return Step::Next,
+                            }
+                        }
+                    }
+                    for (i, v) in versions {
+                        if emitted >= max {
+                            page.is_truncated = true;
+                            return Step::Stop;
+                        }
+                        emitted += 1;
+                        page.versions.push(store.info_from(&bucket, key, v, i == 0));
+                        page.next_key_marker = Some(key.to_string());
+                        page.next_version_id_marker =
+                            Some(version_to_string(&v.version_id).unwrap_or_else(|| "null".into()));
+                    }
+                    Step::Next
+                },
+            );
+            Ok(res.map(|_| page))
+        })
+        .await??;
+        Ok(result)
+    }
+}
+
+/// A string that sorts just before `key` for the purpose of resuming at `key`:
+/// the key without its last character is before it, and no key between them
+/// can exist that is not also a prefix-extension we would visit anyway.
+fn predecessor(key: &[u8]) -> Option<String> {
+    if key.is_empty() {
+        return None;
+    }
+    let s = String::from_utf8_lossy(key).to_string();
+    let mut chars: Vec<char> = s.chars().collect();
+    chars.pop();
+    if chars.is_empty() {
+        None
+    } else {
+        // Keys between `chars` and `key` are visited and skipped by the callback
+        // (it ignores keys below the marker).
+        Some(chars.into_iter().collect::<String>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefixes() {
+        assert_eq!(common_prefix("a/b/c", "", Some("/")), Some("a/".into()));
+        assert_eq!(common_prefix("a/b/c", "a/", Some("/")), Some("a/b/".into()));
+        assert_eq!(common_prefix("a/b", "a/", Some("/")), None);
+        assert_eq!(common_prefix("a/b", "", None), None);
+        assert_eq!(common_prefix("a--b--c", "", Some("--")), Some("a--".into()));
+    }
+
+    #[test]
+    fn past_prefix_bound_is_after_all_extensions() {
+        let b = Cursor::PastPrefix("a/".into()).lower_bound().unwrap();
+        assert!(b.as_slice() > "a/\u{10FFFF}zzz".as_bytes());
+        assert!(b.as_slice() < "a0".as_bytes());
+    }
+}

@@ -1,0 +1,1121 @@
+//! The object engine on one node's drives.
+//!
+//! Metadata of an object lives on every drive of its erasure set; it becomes
+//! visible (the commit point) once a write quorum of those drives has durably
+//! stored it. Reads resolve the drives' records: a version counts only if at
+//! least a read quorum of drives hold it, which a torn commit never reaches
+//! without also having all of its data durably written first.
+
+pub mod get;
+mod heal;
+mod list;
+mod multipart;
+mod put;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tarn_io::file::run_blocking;
+use tarn_io::BufferPool;
+use tokio::sync::mpsc;
+
+use crate::config::{default_parity_shards, default_set_drive_count, StoreConfig};
+use crate::drive::{self, DriveDb, DrivePaths, DriveProbe, ObjectWrite};
+use crate::error::StoreError;
+use crate::format::{
+    id_from_hex, id_to_hex, new_id, BucketRecord, CodecId, DriveFormat, Durability, Id128, Layout,
+    ObjectRecord, Storage, VersionMeta, Versioning,
+};
+use crate::lock::LockTable;
+use crate::types::{BucketInfo, DriveStatus, ObjectInfo, PartSummary};
+
+pub use get::ObjectStream;
+
+/// The all-zero version id of the "null" version.
+pub const NULL_VERSION: Id128 = [0u8; 16];
+/// Object keys: S3 allows up to 1024 bytes of UTF-8.
+pub const KEY_MAX_BYTES: usize = 1024;
+/// Bounded heal queue; a full queue drops requests (the scanner finds them later).
+const HEAL_QUEUE_MAX: usize = 10_000;
+
+pub(crate) struct DriveSlot {
+    pub paths: DrivePaths,
+    pub db: Option<Arc<DriveDb>>,
+    pub reason: Option<String>,
+    pub set_index: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct HealTask {
+    pub bucket: String,
+    pub key: String,
+}
+
+/// Counters exposed as metrics by the binary.
+#[derive(Default)]
+pub struct StoreStats {
+    pub heal_queued: AtomicU64,
+    pub heal_dropped: AtomicU64,
+    pub shards_reconstructed: AtomicU64,
+    pub shards_rebuilt: AtomicU64,
+}
+
+pub struct Store {
+    cfg: StoreConfig,
+    deployment_id: Id128,
+    hash_seed: u64,
+    drives: Vec<DriveSlot>,
+    sets: Vec<Vec<usize>>,
+    data_shards: usize,
+    parity_shards: usize,
+    buckets: RwLock<BTreeMap<String, BucketRecord>>,
+    locks: LockTable,
+    pool: BufferPool,
+    heal_tx: mpsc::Sender<HealTask>,
+    heal_rx: Mutex<Option<mpsc::Receiver<HealTask>>>,
+    needs_full_heal: bool,
+    last_mod_time_ns: AtomicU64,
+    pub stats: StoreStats,
+}
+
+pub(crate) fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+pub fn version_to_string(id: &Id128) -> Option<String> {
+    if *id == NULL_VERSION {
+        None
+    } else {
+        Some(id_to_hex(id))
+    }
+}
+
+/// Parses a version id from a request: "null" or 32 hex digits.
+pub fn parse_version(s: &str) -> Option<Id128> {
+    if s == "null" {
+        Some(NULL_VERSION)
+    } else {
+        id_from_hex(s)
+    }
+}
+
+pub fn validate_bucket_name(name: &str) -> Result<(), StoreError> {
+    let ok = (3..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'.' || c == b'-')
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric()
+        && !name.contains("..")
+        && !name.contains(".-")
+        && !name.contains("-.")
+        && !(name.split('.').count() == 4 && name.split('.').all(|p| p.parse::<u8>().is_ok()));
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::InvalidBucketName(name.to_string()))
+    }
+}
+
+pub fn validate_key(key: &str) -> Result<(), StoreError> {
+    if key.is_empty() || key.len() > KEY_MAX_BYTES {
+        return Err(StoreError::InvalidKey(key.chars().take(64).collect()));
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Opens (or creates, on first start) the engine over the configured drives.
+    /// Blocking: call before the runtimes start or from a blocking thread.
+    pub fn open(cfg: StoreConfig) -> Result<Arc<Store>, StoreError> {
+        let n = cfg.drives.len();
+        if n == 0 {
+            return Err(StoreError::Config("no drives configured".into()));
+        }
+        let set_size = cfg
+            .set_drive_count
+            .unwrap_or_else(|| default_set_drive_count(n));
+        if set_size == 0 || n % set_size != 0 {
+            return Err(StoreError::Config(format!(
+                "{n} drives cannot be split into erasure sets of {set_size}"
+            )));
+        }
+        let parity = cfg
+            .parity_shards
+            .unwrap_or_else(|| default_parity_shards(set_size));
+        let data = cfg.data_shards.unwrap_or(set_size.saturating_sub(parity));
+        if data == 0 || data + parity > set_size || data + parity > 255 {
+            return Err(StoreError::Config(format!(
+                "erasure layout {data}+{parity} does not fit sets of {set_size} drives"
+            )));
+        }
+        if parity > 0 && data > 1 && !reed_solomon_simd::ReedSolomonEncoder::supports(data, parity)
+        {
+            return Err(StoreError::Config(format!(
+                "erasure layout {data}+{parity} is not supported by the codec"
+            )));
+        }
+        if cfg.stripe_size_bytes < 4096
+            || cfg.stripe_size_bytes % 4096 != 0
+            || cfg.stripe_size_bytes > 64 << 20
+        {
+            return Err(StoreError::Config(
+                "stripe size must be a multiple of 4 KiB between 4 KiB and 64 MiB".into(),
+            ));
+        }
+        let set_count = n / set_size;
+
+        // Probe every drive before touching any.
+        let probes: Vec<DriveProbe> = cfg.drives.iter().map(|p| drive::probe(p)).collect();
+        let formats: Vec<&DriveFormat> = probes
+            .iter()
+            .filter_map(|p| {
+                if let DriveProbe::Formatted(f) = p {
+                    Some(f)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let fresh_deployment = formats.is_empty();
+        let deployment_id = if fresh_deployment {
+            new_id()
+        } else {
+            // The deployment most drives agree on.
+            let mut counts: BTreeMap<Id128, usize> = BTreeMap::new();
+            for f in &formats {
+                *counts.entry(f.deployment_id).or_default() += 1;
+            }
+            counts
+                .into_iter()
+                .max_by_key(|(_, c)| *c)
+                .map(|(id, _)| id)
+                .expect("non-empty")
+        };
+
+        let mut drives = Vec::with_capacity(n);
+        let mut needs_full_heal = false;
+        // Drives formatted just now know nothing yet and must not vote on buckets.
+        let mut fresh = vec![false; n];
+        for (i, (path, probe)) in cfg.drives.iter().zip(probes).enumerate() {
+            let set_index = i / set_size;
+            let want = DriveFormat {
+                deployment_id,
+                drive_id: new_id(),
+                set_count: set_count as u32,
+                set_drive_count: set_size as u32,
+                set_index: set_index as u32,
+                drive_index: (i % set_size) as u32,
+            };
+            let paths = DrivePaths { root: path.clone() };
+            let verdict: Result<(), String> = match probe {
+                DriveProbe::Missing if fresh_deployment => std::fs::create_dir_all(path)
+                    .map_err(|e| format!("cannot create drive directory: {e}"))
+                    .and_then(|_| drive::format_drive(path, &want).map_err(|e| e.to_string())),
+                DriveProbe::Missing => Err("drive directory is missing; not re-creating it (mount the drive or replace it with an empty directory)".into()),
+                DriveProbe::Unusable(reason) => Err(reason),
+                DriveProbe::Empty => {
+                    fresh[i] = !fresh_deployment;
+                    if !fresh_deployment {
+                        tracing::warn!(drive = %path.display(), "empty drive joins the deployment; it will be healed");
+                        needs_full_heal = true;
+                    }
+                    drive::format_drive(path, &want).map_err(|e| e.to_string())
+                }
+                DriveProbe::Formatted(f) => {
+                    if f.deployment_id != deployment_id {
+                        Err("drive belongs to another deployment".into())
+                    } else if f.set_count as usize != set_count || f.set_drive_count as usize != set_size {
+                        Err(format!(
+                            "drive was formatted for {} sets of {} drives, configuration now has {set_count} sets of {set_size}",
+                            f.set_count, f.set_drive_count
+                        ))
+                    } else if f.set_index as usize != set_index || f.drive_index as usize != i % set_size {
+                        Err(format!(
+                            "drive is configured at position {i} but was formatted for set {} position {}; keep the drive order",
+                            f.set_index, f.drive_index
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                }
+            };
+            let opened = verdict.and_then(|_| {
+                clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
+                probe_writable(&paths.tmp_dir())
+                    .map_err(|e| format!("drive is not writable: {e}"))?;
+                DriveDb::open(path).map_err(|e| e.to_string())
+            });
+            match opened {
+                Ok(db) => drives.push(DriveSlot {
+                    paths,
+                    db: Some(Arc::new(db)),
+                    reason: None,
+                    set_index,
+                }),
+                Err(reason) => {
+                    tracing::error!(drive = %path.display(), %reason, "drive offline");
+                    drives.push(DriveSlot {
+                        paths,
+                        db: None,
+                        reason: Some(reason),
+                        set_index,
+                    });
+                }
+            }
+        }
+        let sets: Vec<Vec<usize>> = (0..set_count)
+            .map(|s| (s * set_size..(s + 1) * set_size).collect())
+            .collect();
+        for (s, members) in sets.iter().enumerate() {
+            let online = members.iter().filter(|&&d| drives[d].db.is_some()).count();
+            if online < set_size / 2 + 1 {
+                tracing::error!(
+                    set = s,
+                    online,
+                    needed = set_size / 2 + 1,
+                    "erasure set has lost write quorum"
+                );
+            } else if online < set_size {
+                tracing::warn!(set = s, online, total = set_size, "erasure set is degraded");
+            }
+        }
+
+        // Buckets: the union over drives, each present on a majority of those
+        // that answered (a torn create or delete resolves here).
+        let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
+        let mut answered = 0;
+        for d in drives
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !fresh[*i])
+            .filter_map(|(_, d)| d.db.as_ref())
+        {
+            if let Ok(list) = d.buckets() {
+                answered += 1;
+                for (name, rec) in list {
+                    let e = seen.entry(name).or_insert((rec.clone(), 0));
+                    if rec.versioning != Versioning::Unversioned {
+                        e.0.versioning = rec.versioning;
+                    }
+                    e.1 += 1;
+                }
+            }
+        }
+        let bucket_quorum = answered / 2 + 1;
+        let buckets = seen
+            .into_iter()
+            .filter(|(_, (_, c))| *c >= bucket_quorum || answered == 1)
+            .map(|(n, (r, _))| (n, r))
+            .collect();
+
+        let hash_seed = u64::from_le_bytes(deployment_id[..8].try_into().expect("8 bytes"));
+        let (heal_tx, heal_rx) = mpsc::channel(HEAL_QUEUE_MAX);
+        let pool = BufferPool::new(
+            cfg.core_count.max(1),
+            cfg.stripe_size_bytes,
+            cfg.buffers_per_core.max(8),
+        );
+        Ok(Arc::new(Store {
+            deployment_id,
+            hash_seed,
+            drives,
+            sets,
+            data_shards: data,
+            parity_shards: parity,
+            buckets: RwLock::new(buckets),
+            locks: LockTable::new(hash_seed),
+            pool,
+            heal_tx,
+            heal_rx: Mutex::new(Some(heal_rx)),
+            needs_full_heal,
+            last_mod_time_ns: AtomicU64::new(0),
+            stats: StoreStats::default(),
+            cfg,
+        }))
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    pub fn deployment_id(&self) -> String {
+        id_to_hex(&self.deployment_id)
+    }
+
+    /// "k+m" of the default erasure layout.
+    pub fn erasure_layout(&self) -> (usize, usize) {
+        (self.data_shards, self.parity_shards)
+    }
+
+    pub fn drive_status(&self) -> Vec<DriveStatus> {
+        self.drives
+            .iter()
+            .map(|d| DriveStatus {
+                path: d.paths.root.display().to_string(),
+                set_index: d.set_index,
+                online: d.db.is_some(),
+                reason: d.reason.clone(),
+            })
+            .collect()
+    }
+
+    /// True when every erasure set can take writes.
+    pub fn is_ready(&self) -> bool {
+        self.sets
+            .iter()
+            .all(|m| self.online_count(m) >= self.meta_write_quorum(m.len()))
+    }
+
+    fn online_count(&self, members: &[usize]) -> usize {
+        members
+            .iter()
+            .filter(|&&d| self.drives[d].db.is_some())
+            .count()
+    }
+
+    pub(crate) fn meta_write_quorum(&self, set_size: usize) -> usize {
+        set_size / 2 + 1
+    }
+
+    pub(crate) fn meta_read_quorum(&self, set_size: usize) -> usize {
+        set_size - self.meta_write_quorum(set_size) + 1
+    }
+
+    /// Shards that must be durably written for a write to succeed.
+    pub(crate) fn data_write_quorum(layout: &Layout) -> usize {
+        let k = layout.data_shards as usize;
+        let m = layout.parity_shards as usize;
+        if m == 0 {
+            k
+        } else {
+            (k + usize::from(k <= m)).min(k + m)
+        }
+    }
+
+    /// A strictly increasing modification time, so that two writes of one key
+    /// in the same nanosecond still order.
+    pub(crate) fn next_mod_time(&self, after: u64) -> u64 {
+        let mut t = now_ns().max(after + 1);
+        loop {
+            let prev = self.last_mod_time_ns.load(Ordering::Relaxed);
+            if t <= prev {
+                t = prev + 1;
+            }
+            if self
+                .last_mod_time_ns
+                .compare_exchange(prev, t, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok()
+            {
+                return t;
+            }
+        }
+    }
+
+    pub(crate) fn set_for(&self, bucket: &str, key: &str) -> usize {
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.hash_seed ^ 0x5e7);
+        h.update(bucket.as_bytes());
+        h.update(&[0]);
+        h.update(key.as_bytes());
+        (h.digest() % self.sets.len() as u64) as usize
+    }
+
+    /// The layout a new version of bucket/key gets under the bucket's durability.
+    pub(crate) fn layout_for(
+        &self,
+        bucket: &BucketRecord,
+        bucket_name: &str,
+        key: &str,
+    ) -> (usize, Layout) {
+        let set = self.set_for(bucket_name, key);
+        let n = self.sets[set].len();
+        let (k, m) = match bucket.durability {
+            Durability::ErasureCoded => (self.data_shards, self.parity_shards),
+            Durability::Replicated(r) => (1, (r as usize).clamp(1, n) - 1),
+            Durability::SingleCopy => (1, 0),
+        };
+        let codec = if k == 1 {
+            CodecId::Replicate
+        } else {
+            CodecId::ReedSolomonSimd
+        };
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.hash_seed ^ 0xd157);
+        h.update(bucket_name.as_bytes());
+        h.update(&[0]);
+        h.update(key.as_bytes());
+        let rot = (h.digest() % n as u64) as usize;
+        let distribution = (0..k + m).map(|i| ((rot + i) % n) as u8).collect();
+        (
+            set,
+            Layout {
+                data_shards: k as u8,
+                parity_shards: m as u8,
+                codec,
+                stripe_size_bytes: self.cfg.stripe_size_bytes as u32,
+                distribution,
+            },
+        )
+    }
+
+    pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
+        &self.drives[self.sets[set][position]]
+    }
+
+    pub(crate) fn set_size(&self, set: usize) -> usize {
+        self.sets[set].len()
+    }
+
+    pub(crate) fn buffer_wait(&self) -> Duration {
+        Duration::from_millis(self.cfg.buffer_wait_ms)
+    }
+
+    pub(crate) fn pool(&self) -> &BufferPool {
+        &self.pool
+    }
+
+    pub(crate) fn queue_heal(&self, bucket: &str, key: &str) {
+        let task = HealTask {
+            bucket: bucket.to_string(),
+            key: key.to_string(),
+        };
+        match self.heal_tx.try_send(task) {
+            Ok(()) => {
+                self.stats.heal_queued.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.stats.heal_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Runs the heal queue (and a full heal first when a replaced drive joined)
+    /// on the current runtime until the store is dropped. Call once.
+    pub fn spawn_background(self: &Arc<Self>, scan_interval: Option<Duration>) {
+        let Some(mut rx) = self.heal_rx.lock().expect("heal lock").take() else {
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        let full_first = self.needs_full_heal;
+        tokio::spawn(async move {
+            if full_first {
+                if let Some(store) = weak.upgrade() {
+                    let report = store.heal_all().await;
+                    tracing::info!(?report, "heal after drive replacement finished");
+                }
+            }
+            while let Some(task) = rx.recv().await {
+                let Some(store) = weak.upgrade() else { return };
+                if let Err(error) = store.heal_object(&task.bucket, &task.key).await {
+                    tracing::warn!(bucket = %task.bucket, key = %task.key, %error, "heal failed");
+                }
+            }
+        });
+        if let Some(every) = scan_interval {
+            let weak = Arc::downgrade(self);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let Some(store) = weak.upgrade() else { return };
+                    let report = store.heal_all().await;
+                    tracing::info!(?report, "background scan finished");
+                }
+            });
+        }
+    }
+
+    // ---------------------------------------------------------------------
+    // Buckets
+
+    pub(crate) fn bucket_record(&self, name: &str) -> Result<BucketRecord, StoreError> {
+        self.buckets
+            .read()
+            .expect("buckets lock")
+            .get(name)
+            .cloned()
+            .ok_or_else(|| StoreError::NoSuchBucket(name.to_string()))
+    }
+
+    fn all_online(&self) -> Vec<Arc<DriveDb>> {
+        self.drives.iter().filter_map(|d| d.db.clone()).collect()
+    }
+
+    async fn write_bucket_everywhere(
+        &self,
+        name: &str,
+        rec: Option<BucketRecord>,
+    ) -> Result<(), StoreError> {
+        let total = self.drives.len();
+        let quorum = total / 2 + 1;
+        let futs = self.all_online().into_iter().map(|db| {
+            let name = name.to_string();
+            let rec = rec.clone();
+            run_blocking(move || {
+                match &rec {
+                    Some(r) => db.put_bucket(&name, r),
+                    None => db.delete_bucket(&name),
+                }
+                .map_err(std::io::Error::other)
+            })
+        });
+        let ok = futures::future::join_all(futs)
+            .await
+            .into_iter()
+            .filter(|r| r.is_ok())
+            .count();
+        if ok < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "bucket update",
+                needed: quorum,
+                available: ok,
+            });
+        }
+        Ok(())
+    }
+
+    pub async fn create_bucket(
+        &self,
+        name: &str,
+        durability: Durability,
+    ) -> Result<(), StoreError> {
+        validate_bucket_name(name)?;
+        if let Durability::Replicated(0) = durability {
+            return Err(StoreError::InvalidArgument(
+                "replica count must be at least 1".into(),
+            ));
+        }
+        let _g = self.locks.write(name, "").await;
+        if self
+            .buckets
+            .read()
+            .expect("buckets lock")
+            .contains_key(name)
+        {
+            return Err(StoreError::BucketExists(name.to_string()));
+        }
+        let rec = BucketRecord {
+            created_ns: now_ns(),
+            durability,
+            versioning: Versioning::Unversioned,
+        };
+        self.write_bucket_everywhere(name, Some(rec.clone()))
+            .await?;
+        self.buckets
+            .write()
+            .expect("buckets lock")
+            .insert(name.to_string(), rec);
+        Ok(())
+    }
+
+    pub async fn delete_bucket(&self, name: &str) -> Result<(), StoreError> {
+        let _g = self.locks.write(name, "").await;
+        self.bucket_record(name)?;
+        let name_owned = name.to_string();
+        let dbs = self.all_online();
+        let has = run_blocking(move || {
+            for db in dbs {
+                if db
+                    .bucket_has_entries(&name_owned)
+                    .map_err(std::io::Error::other)?
+                {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        })
+        .await?;
+        if has {
+            return Err(StoreError::BucketNotEmpty(name.to_string()));
+        }
+        self.write_bucket_everywhere(name, None).await?;
+        self.buckets.write().expect("buckets lock").remove(name);
+        Ok(())
+    }
+
+    pub fn head_bucket(&self, name: &str) -> Result<BucketInfo, StoreError> {
+        let r = self.bucket_record(name)?;
+        Ok(BucketInfo {
+            name: name.to_string(),
+            created_ns: r.created_ns,
+            durability: r.durability,
+            versioning: r.versioning,
+        })
+    }
+
+    pub fn list_buckets(&self) -> Vec<BucketInfo> {
+        self.buckets
+            .read()
+            .expect("buckets lock")
+            .iter()
+            .map(|(n, r)| BucketInfo {
+                name: n.clone(),
+                created_ns: r.created_ns,
+                durability: r.durability,
+                versioning: r.versioning,
+            })
+            .collect()
+    }
+
+    pub async fn set_bucket_versioning(&self, name: &str, enabled: bool) -> Result<(), StoreError> {
+        let _g = self.locks.write(name, "").await;
+        let mut rec = self.bucket_record(name)?;
+        rec.versioning = if enabled {
+            Versioning::Enabled
+        } else {
+            Versioning::Suspended
+        };
+        self.write_bucket_everywhere(name, Some(rec.clone()))
+            .await?;
+        self.buckets
+            .write()
+            .expect("buckets lock")
+            .insert(name.to_string(), rec);
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------
+    // Object metadata across a set
+
+    /// Reads the record of bucket/key from every drive of its set.
+    /// Returns one entry per set position: Ok(None) = no record, Err = unusable.
+    pub(crate) async fn read_records(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+    ) -> Vec<Result<Option<ObjectRecord>, StoreError>> {
+        let futs = (0..self.set_size(set)).map(|pos| {
+            let db = self.slot(set, pos).db.clone();
+            let (b, k) = (bucket.to_string(), key.to_string());
+            async move {
+                let Some(db) = db else {
+                    return Err(StoreError::Drive {
+                        drive: String::new(),
+                        reason: "offline".into(),
+                    });
+                };
+                match run_blocking(move || Ok(db.object(&b, &k))).await {
+                    Ok(r) => r,
+                    Err(e) => Err(StoreError::Io(e)),
+                }
+            }
+        });
+        futures::future::join_all(futs).await
+    }
+
+    /// The versions of bucket/key that a read quorum agrees on, and whether any
+    /// drive disagrees (then a heal is due).
+    pub(crate) async fn resolved(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+    ) -> Result<(ObjectRecord, bool), StoreError> {
+        let records = self.read_records(set, bucket, key).await;
+        let quorum = self.meta_read_quorum(self.set_size(set));
+        let answered = records.iter().filter(|r| r.is_ok()).count();
+        if answered < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "metadata read",
+                needed: quorum,
+                available: answered,
+            });
+        }
+        let merged = resolve(&records, quorum);
+        let diverged = records.iter().any(|r| match r {
+            Ok(Some(rec)) => *rec != merged,
+            Ok(None) => !merged.versions.is_empty(),
+            Err(StoreError::CorruptMetadata { .. }) => true,
+            Err(_) => false,
+        });
+        Ok((merged, diverged))
+    }
+
+    /// Writes `w` to every online drive of the set; succeeds on a write quorum.
+    pub(crate) async fn write_object_everywhere(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        w: ObjectWrite,
+    ) -> Result<usize, StoreError> {
+        let w = Arc::new(w);
+        let futs = (0..self.set_size(set))
+            .filter_map(|pos| self.slot(set, pos).db.clone())
+            .map(|db| {
+                let (b, k, w) = (bucket.to_string(), key.to_string(), w.clone());
+                run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
+            });
+        let results = futures::future::join_all(futs).await;
+        let ok = results.iter().filter(|r| r.is_ok()).count();
+        for e in results.iter().filter_map(|r| r.as_ref().err()) {
+            tracing::error!(%bucket, %key, error = %e, "metadata write failed on a drive");
+        }
+        let quorum = self.meta_write_quorum(self.set_size(set));
+        if ok < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "metadata commit",
+                needed: quorum,
+                available: ok,
+            });
+        }
+        Ok(ok)
+    }
+
+    pub(crate) fn info_from(
+        &self,
+        bucket: &str,
+        key: &str,
+        v: &VersionMeta,
+        is_latest: bool,
+    ) -> ObjectInfo {
+        ObjectInfo {
+            bucket: bucket.to_string(),
+            key: key.to_string(),
+            version_id: version_to_string(&v.version_id),
+            is_latest,
+            delete_marker: v.delete_marker,
+            size: v.size,
+            etag: v.etag.clone(),
+            last_modified_ns: v.mod_time_ns,
+            content_type: v.content_type.clone(),
+            headers: v.headers.clone(),
+            user_metadata: v.user_metadata.clone(),
+            tags: v.tags.clone(),
+            checksum: v.checksum.clone(),
+            parts: match &v.storage {
+                Storage::Parts(p) if p.len() > 1 || v.etag.contains('-') => p
+                    .iter()
+                    .map(|p| PartSummary {
+                        number: p.number,
+                        size: p.size,
+                        etag: p.etag.clone(),
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            },
+        }
+    }
+
+    /// Picks the version a read addresses: a given id, or the latest.
+    pub(crate) fn select_version<'a>(
+        &self,
+        rec: &'a ObjectRecord,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+    ) -> Result<(&'a VersionMeta, bool), StoreError> {
+        match version {
+            None => {
+                let v = rec.versions.first().ok_or_else(|| StoreError::NoSuchKey {
+                    bucket: bucket.into(),
+                    key: key.into(),
+                })?;
+                if v.delete_marker {
+                    return Err(StoreError::DeleteMarker {
+                        bucket: bucket.into(),
+                        key: key.into(),
+                        version: version_to_string(&v.version_id),
+                    });
+                }
+                Ok((v, true))
+            }
+            Some(s) => {
+                let no_version = || StoreError::NoSuchVersion {
+                    bucket: bucket.into(),
+                    key: key.into(),
+                    version: s.into(),
+                };
+                let id = parse_version(s).ok_or_else(|| {
+                    StoreError::InvalidArgument(format!("invalid version id {s:?}"))
+                })?;
+                let pos = rec
+                    .versions
+                    .iter()
+                    .position(|v| v.version_id == id)
+                    .ok_or_else(no_version)?;
+                Ok((&rec.versions[pos], pos == 0))
+            }
+        }
+    }
+
+    pub async fn head_object(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+    ) -> Result<ObjectInfo, StoreError> {
+        self.bucket_record(bucket)?;
+        validate_key(key)?;
+        let set = self.set_for(bucket, key);
+        let (rec, diverged) = self.resolved(set, bucket, key).await?;
+        if diverged {
+            self.queue_heal(bucket, key);
+        }
+        let (v, latest) = self.select_version(&rec, bucket, key, version)?;
+        if v.delete_marker {
+            return Err(StoreError::MethodNotAllowed);
+        }
+        Ok(self.info_from(bucket, key, v, latest))
+    }
+
+    /// Removes the shard files of data ids from every drive of a set (best effort:
+    /// leftovers are orphans the scanner can collect).
+    pub(crate) async fn remove_data(&self, set: usize, data_ids: Vec<Id128>) {
+        if data_ids.is_empty() {
+            return;
+        }
+        let paths: Vec<PathBuf> = (0..self.set_size(set))
+            .filter(|&pos| self.slot(set, pos).db.is_some())
+            .flat_map(|pos| {
+                let p = self.slot(set, pos).paths.clone();
+                data_ids
+                    .iter()
+                    .map(move |id| p.shard(id))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let _ = run_blocking(move || {
+            for p in paths {
+                if let Err(e) = std::fs::remove_file(&p) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(path = %p.display(), error = %e, "could not remove shard file");
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await;
+    }
+
+    // ---------------------------------------------------------------------
+    // Deletes and tags
+
+    pub async fn delete_object(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+    ) -> Result<crate::types::DeleteResult, StoreError> {
+        let brec = self.bucket_record(bucket)?;
+        validate_key(key)?;
+        let version_id =
+            match version {
+                Some(s) => Some(parse_version(s).ok_or_else(|| {
+                    StoreError::InvalidArgument(format!("invalid version id {s:?}"))
+                })?),
+                None => None,
+            };
+        let set = self.set_for(bucket, key);
+        let _g = self.locks.write(bucket, key).await;
+        let (mut rec, _) = self.resolved(set, bucket, key).await?;
+        let mut removed: Vec<VersionMeta> = Vec::new();
+        let result;
+        match (version_id, brec.versioning) {
+            (Some(id), _) => {
+                match rec.versions.iter().position(|v| v.version_id == id) {
+                    Some(pos) => {
+                        let v = rec.versions.remove(pos);
+                        result = crate::types::DeleteResult {
+                            delete_marker: v.delete_marker,
+                            version_id: version.map(str::to_string),
+                        };
+                        removed.push(v);
+                    }
+                    // Deleting a version that does not exist succeeds (S3 semantics).
+                    None => {
+                        return Ok(crate::types::DeleteResult {
+                            delete_marker: false,
+                            version_id: version.map(str::to_string),
+                        })
+                    }
+                }
+            }
+            (None, Versioning::Unversioned) => {
+                if rec.versions.is_empty() {
+                    return Ok(crate::types::DeleteResult {
+                        delete_marker: false,
+                        version_id: None,
+                    });
+                }
+                removed.extend(
+                    rec.versions
+                        .drain(..)
+                        .filter(|v| v.version_id == NULL_VERSION),
+                );
+                result = crate::types::DeleteResult {
+                    delete_marker: false,
+                    version_id: None,
+                };
+            }
+            (None, versioning) => {
+                let id = if versioning == Versioning::Enabled {
+                    new_id()
+                } else {
+                    NULL_VERSION
+                };
+                if id == NULL_VERSION {
+                    if let Some(pos) = rec
+                        .versions
+                        .iter()
+                        .position(|v| v.version_id == NULL_VERSION)
+                    {
+                        removed.push(rec.versions.remove(pos));
+                    }
+                }
+                let after = rec
+                    .versions
+                    .iter()
+                    .map(|v| v.mod_time_ns)
+                    .max()
+                    .unwrap_or(0);
+                let marker = VersionMeta {
+                    version_id: id,
+                    mod_time_ns: self.next_mod_time(after),
+                    delete_marker: true,
+                    size: 0,
+                    etag: String::new(),
+                    content_type: String::new(),
+                    headers: Vec::new(),
+                    user_metadata: Vec::new(),
+                    tags: Vec::new(),
+                    checksum: None,
+                    layout: Layout {
+                        data_shards: 1,
+                        parity_shards: 0,
+                        codec: CodecId::Replicate,
+                        stripe_size_bytes: self.cfg.stripe_size_bytes as u32,
+                        distribution: vec![0],
+                    },
+                    storage: Storage::Inline { crc32c: 0 },
+                };
+                rec.versions.insert(0, marker);
+                result = crate::types::DeleteResult {
+                    delete_marker: true,
+                    version_id: version_to_string(&id),
+                };
+            }
+        }
+        let w = ObjectWrite {
+            record: Some(rec),
+            inline_delete: removed
+                .iter()
+                .filter(|v| matches!(v.storage, Storage::Inline { .. }))
+                .map(|v| (v.version_id, v.mod_time_ns))
+                .collect(),
+            ..Default::default()
+        };
+        self.write_object_everywhere(set, bucket, key, w).await?;
+        self.remove_data(set, data_ids_of(&removed)).await;
+        Ok(result)
+    }
+
+    /// Replaces the tags of a version; never touches its data.
+    pub async fn put_object_tags(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        tags: Vec<(String, String)>,
+    ) -> Result<Option<String>, StoreError> {
+        self.bucket_record(bucket)?;
+        validate_key(key)?;
+        let set = self.set_for(bucket, key);
+        let _g = self.locks.write(bucket, key).await;
+        let (mut rec, _) = self.resolved(set, bucket, key).await?;
+        let (v, _) = self.select_version(&rec, bucket, key, version)?;
+        if v.delete_marker {
+            return Err(StoreError::MethodNotAllowed);
+        }
+        let id = (v.version_id, v.mod_time_ns);
+        let target = rec
+            .versions
+            .iter_mut()
+            .find(|v| (v.version_id, v.mod_time_ns) == id)
+            .expect("selected version");
+        target.tags = tags;
+        let vid = version_to_string(&target.version_id);
+        self.write_object_everywhere(
+            set,
+            bucket,
+            key,
+            ObjectWrite {
+                record: Some(rec),
+                ..Default::default()
+            },
+        )
+        .await?;
+        Ok(vid)
+    }
+}
+
+pub(crate) fn data_ids_of(versions: &[VersionMeta]) -> Vec<Id128> {
+    versions
+        .iter()
+        .flat_map(|v| match &v.storage {
+            Storage::Parts(parts) => parts.iter().map(|p| p.data_id).collect(),
+            Storage::Inline { .. } => Vec::new(),
+        })
+        .collect()
+}
+
+/// Merges the records of a set's drives: a version counts when at least
+/// `quorum` drives hold it (same id and modification time); only the newest
+/// null version survives; newest first.
+pub(crate) fn resolve(
+    records: &[Result<Option<ObjectRecord>, StoreError>],
+    quorum: usize,
+) -> ObjectRecord {
+    let mut seen: Vec<(&VersionMeta, usize)> = Vec::new();
+    for rec in records.iter().filter_map(|r| r.as_ref().ok()).flatten() {
+        for v in &rec.versions {
+            match seen
+                .iter_mut()
+                .find(|(x, _)| x.version_id == v.version_id && x.mod_time_ns == v.mod_time_ns)
+            {
+                Some(e) => e.1 += 1,
+                None => seen.push((v, 1)),
+            }
+        }
+    }
+    let mut versions: Vec<VersionMeta> = seen
+        .into_iter()
+        .filter(|(_, c)| *c >= quorum)
+        .map(|(v, _)| v.clone())
+        .collect();
+    versions.sort_by(|a, b| b.mod_time_ns.cmp(&a.mod_time_ns));
+    let mut null_seen = false;
+    versions.retain(|v| {
+        if v.version_id != NULL_VERSION {
+            return true;
+        }
+        let keep = !null_seen;
+        null_seen = true;
+        keep
+    });
+    ObjectRecord { versions }
+}
+
+fn clean_tmp(dir: &std::path::Path) -> std::io::Result<()> {
+    match std::fs::read_dir(dir) {
+        Ok(rd) => {
+            for e in rd.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir_all(dir),
+        Err(e) => Err(e),
+    }
+}
+
+fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    let p = dir.join(".probe");
+    std::fs::write(&p, b"tarn")?;
+    std::fs::remove_file(&p)
+}

@@ -1,0 +1,445 @@
+//! Multipart uploads. Each part is erasure-coded into its own shard files when
+//! it arrives; completion commits one version whose part table points at them,
+//! so no bytes are copied. Aborting touches only the upload, never the live
+//! object of the same key.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use md5::{Digest, Md5};
+use tarn_io::file::run_blocking;
+
+use super::put::{part_etag, BodyReader};
+use super::{now_ns, validate_key, Store};
+use crate::error::StoreError;
+use crate::format::{
+    id_from_hex, id_to_hex, new_id, Id128, PartMeta, Storage, UploadPartRecord, UploadRecord,
+    VersionMeta, Versioning,
+};
+use crate::types::{ObjectBody, ObjectInfo, PartInfo, PutOptions, UploadInfo};
+
+/// Upper bound on one part (S3: 5 GiB).
+pub const PART_SIZE_MAX_BYTES: u64 = 5 << 30;
+
+fn parse_upload_id(s: &str) -> Result<Id128, StoreError> {
+    id_from_hex(s).ok_or_else(|| StoreError::NoSuchUpload(s.to_string()))
+}
+
+impl Store {
+    pub async fn create_multipart_upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        opts: PutOptions,
+        checksum_algorithm: Option<String>,
+    ) -> Result<String, StoreError> {
+        let brec = self.bucket_record(bucket)?;
+        validate_key(key)?;
+        let (set, layout) = self.layout_for(&brec, bucket, key);
+        let rec = UploadRecord {
+            upload_id: new_id(),
+            initiated_ns: now_ns(),
+            content_type: opts
+                .content_type
+                .unwrap_or_else(|| "binary/octet-stream".into()),
+            headers: opts.headers,
+            user_metadata: opts.user_metadata,
+            tags: opts.tags,
+            checksum_algorithm: checksum_algorithm.unwrap_or_default(),
+            layout,
+        };
+        let futs = (0..self.set_size(set))
+            .filter_map(|p| self.slot(set, p).db.clone())
+            .map(|db| {
+                let (b, k, r) = (bucket.to_string(), key.to_string(), rec.clone());
+                run_blocking(move || db.put_upload(&b, &k, &r).map_err(std::io::Error::other))
+            });
+        let ok = futures::future::join_all(futs)
+            .await
+            .into_iter()
+            .filter(|r| r.is_ok())
+            .count();
+        let quorum = self.meta_write_quorum(self.set_size(set));
+        if ok < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "upload create",
+                needed: quorum,
+                available: ok,
+            });
+        }
+        Ok(id_to_hex(&rec.upload_id))
+    }
+
+    /// The upload record, from any drive of the set that has it.
+    async fn upload(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        upload_id: &Id128,
+    ) -> Result<UploadRecord, StoreError> {
+        let futs = (0..self.set_size(set))
+            .filter_map(|p| self.slot(set, p).db.clone())
+            .map(|db| {
+                let (b, k, id) = (bucket.to_string(), key.to_string(), *upload_id);
+                run_blocking(move || Ok(db.upload(&b, &k, &id)))
+            });
+        let mut found = 0;
+        let mut rec = None;
+        for r in futures::future::join_all(futs).await {
+            if let Ok(Ok(Some(u))) = r {
+                found += 1;
+                rec = Some(u);
+            }
+        }
+        let quorum = self.meta_read_quorum(self.set_size(set));
+        match rec {
+            Some(r) if found >= quorum => Ok(r),
+            _ => Err(StoreError::NoSuchUpload(id_to_hex(upload_id))),
+        }
+    }
+
+    /// The parts a read quorum agrees on, newest record per part number.
+    async fn upload_parts(
+        &self,
+        set: usize,
+        upload_id: &Id128,
+    ) -> Result<BTreeMap<u32, UploadPartRecord>, StoreError> {
+        let futs = (0..self.set_size(set))
+            .filter_map(|p| self.slot(set, p).db.clone())
+            .map(|db| {
+                let id = *upload_id;
+                run_blocking(move || Ok(db.parts(&id)))
+            });
+        let mut counts: Vec<(UploadPartRecord, usize)> = Vec::new();
+        for parts in futures::future::join_all(futs)
+            .await
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for p in parts {
+                match counts
+                    .iter_mut()
+                    .find(|(x, _)| x.number == p.number && x.data_id == p.data_id)
+                {
+                    Some(e) => e.1 += 1,
+                    None => counts.push((p, 1)),
+                }
+            }
+        }
+        let quorum = self.meta_read_quorum(self.set_size(set));
+        let mut out: BTreeMap<u32, UploadPartRecord> = BTreeMap::new();
+        for (p, c) in counts {
+            if c < quorum {
+                continue;
+            }
+            match out.get(&p.number) {
+                Some(existing) if existing.mod_time_ns >= p.mod_time_ns => {}
+                _ => {
+                    out.insert(p.number, p);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn upload_part(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        number: u32,
+        body: ObjectBody,
+        content_md5: Option<[u8; 16]>,
+        checksum: Option<(String, String)>,
+    ) -> Result<PartInfo, StoreError> {
+        self.bucket_record(bucket)?;
+        validate_key(key)?;
+        if number == 0 || number > self.cfg.part_count_max {
+            return Err(StoreError::InvalidArgument(format!(
+                "part number must be between 1 and {}",
+                self.cfg.part_count_max
+            )));
+        }
+        if let Some(len) = body.declared_len {
+            if len > PART_SIZE_MAX_BYTES {
+                return Err(StoreError::EntityTooLarge {
+                    size: len,
+                    max: PART_SIZE_MAX_BYTES,
+                });
+            }
+        }
+        let id = parse_upload_id(upload_id)?;
+        let set = self.set_for(bucket, key);
+        let upload = self.upload(set, bucket, key, &id).await?;
+        let use_md5 = self.wants_md5(content_md5.is_some(), body.declared_len);
+        let mut reader = BodyReader::new(body, use_md5, PART_SIZE_MAX_BYTES);
+        let written = self.write_data(set, &upload.layout, &mut reader).await?;
+        let result = async {
+            let digest = reader.finish(content_md5)?;
+            let rec = UploadPartRecord {
+                number,
+                size: written.size,
+                etag: part_etag(&digest),
+                data_id: written.data_id,
+                mod_time_ns: now_ns(),
+                checksum: digest.checksum.or(checksum),
+            };
+            let _g = self
+                .locks
+                .write(bucket, &format!("\0upload\0{upload_id}\0{number}"))
+                .await;
+            // The upload may have been completed or aborted meanwhile.
+            self.upload(set, bucket, key, &id).await?;
+            let previous = self.upload_parts(set, &id).await?.remove(&number);
+            let futs = (0..self.set_size(set))
+                .filter_map(|p| self.slot(set, p).db.clone())
+                .map(|db| {
+                    let r = rec.clone();
+                    run_blocking(move || db.put_part(&id, &r).map_err(std::io::Error::other))
+                });
+            let ok = futures::future::join_all(futs)
+                .await
+                .into_iter()
+                .filter(|r| r.is_ok())
+                .count();
+            let quorum = self.meta_write_quorum(self.set_size(set));
+            if ok < quorum {
+                return Err(StoreError::QuorumLost {
+                    what: "part commit",
+                    needed: quorum,
+                    available: ok,
+                });
+            }
+            if let Some(prev) = previous {
+                self.remove_data(set, vec![prev.data_id]).await;
+            }
+            Ok(PartInfo {
+                number,
+                size: rec.size,
+                etag: rec.etag.clone(),
+                last_modified_ns: rec.mod_time_ns,
+                checksum: rec.checksum.clone(),
+            })
+        }
+        .await;
+        if result.is_err() {
+            self.remove_data(set, vec![written.data_id]).await;
+        }
+        result
+    }
+
+    pub async fn list_parts(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        after: u32,
+        max: usize,
+    ) -> Result<(Vec<PartInfo>, bool, UploadInfo), StoreError> {
+        self.bucket_record(bucket)?;
+        let id = parse_upload_id(upload_id)?;
+        let set = self.set_for(bucket, key);
+        let upload = self.upload(set, bucket, key, &id).await?;
+        let parts = self.upload_parts(set, &id).await?;
+        let mut out: Vec<PartInfo> = parts
+            .into_values()
+            .filter(|p| p.number > after)
+            .map(|p| PartInfo {
+                number: p.number,
+                size: p.size,
+                etag: p.etag,
+                last_modified_ns: p.mod_time_ns,
+                checksum: p.checksum,
+            })
+            .collect();
+        let truncated = out.len() > max;
+        out.truncate(max);
+        Ok((
+            out,
+            truncated,
+            UploadInfo {
+                bucket: bucket.into(),
+                key: key.into(),
+                upload_id: upload_id.into(),
+                initiated_ns: upload.initiated_ns,
+            },
+        ))
+    }
+
+    pub async fn abort_multipart_upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> Result<(), StoreError> {
+        self.bucket_record(bucket)?;
+        let id = parse_upload_id(upload_id)?;
+        let set = self.set_for(bucket, key);
+        let _g = self.locks.write(bucket, key).await;
+        self.upload(set, bucket, key, &id).await?;
+        let parts = self.upload_parts(set, &id).await?;
+        let numbers: Vec<u32> = parts.keys().copied().collect();
+        let futs = (0..self.set_size(set))
+            .filter_map(|p| self.slot(set, p).db.clone())
+            .map(|db| {
+                let (b, k, n) = (bucket.to_string(), key.to_string(), numbers.clone());
+                run_blocking(move || {
+                    db.delete_upload(&b, &k, &id, &n)
+                        .map_err(std::io::Error::other)
+                })
+            });
+        let ok = futures::future::join_all(futs)
+            .await
+            .into_iter()
+            .filter(|r| r.is_ok())
+            .count();
+        let quorum = self.meta_write_quorum(self.set_size(set));
+        if ok < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "upload abort",
+                needed: quorum,
+                available: ok,
+            });
+        }
+        self.remove_data(set, parts.values().map(|p| p.data_id).collect())
+            .await;
+        Ok(())
+    }
+
+    /// Completes an upload with the client's part list: the commit point of the
+    /// object. Parts not listed are deleted.
+    pub async fn complete_multipart_upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        list: &[(u32, String)],
+        opts: &PutOptions,
+    ) -> Result<ObjectInfo, StoreError> {
+        let brec = self.bucket_record(bucket)?;
+        let id = parse_upload_id(upload_id)?;
+        let set = self.set_for(bucket, key);
+        if list.is_empty() {
+            return Err(StoreError::InvalidArgument("the part list is empty".into()));
+        }
+        if list.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return Err(StoreError::InvalidPartOrder);
+        }
+        let upload = self.upload(set, bucket, key, &id).await?;
+        let parts = self.upload_parts(set, &id).await?;
+        let mut chosen = Vec::with_capacity(list.len());
+        let mut md5_concat = Md5::new();
+        for (i, (number, etag)) in list.iter().enumerate() {
+            let p = parts.get(number).ok_or(StoreError::InvalidPart(*number))?;
+            if etag.trim_matches('"') != p.etag {
+                return Err(StoreError::InvalidPart(*number));
+            }
+            if i + 1 < list.len() && p.size < self.cfg.part_size_min_bytes {
+                return Err(StoreError::EntityTooSmall {
+                    number: *number,
+                    size: p.size,
+                    min: self.cfg.part_size_min_bytes,
+                });
+            }
+            let raw = decode_hex16(&p.etag).ok_or(StoreError::InvalidPart(*number))?;
+            md5_concat.update(raw);
+            chosen.push(PartMeta {
+                number: *number,
+                size: p.size,
+                etag: p.etag.clone(),
+                data_id: p.data_id,
+            });
+        }
+        let etag = format!("{}-{}", super::put::hex(&md5_concat.finalize()), list.len());
+        let size = chosen.iter().map(|p| p.size).sum();
+        let unused: Vec<Id128> = parts
+            .values()
+            .filter(|p| !chosen.iter().any(|c| c.data_id == p.data_id))
+            .map(|p| p.data_id)
+            .collect();
+        let meta = VersionMeta {
+            version_id: if brec.versioning == Versioning::Enabled {
+                new_id()
+            } else {
+                super::NULL_VERSION
+            },
+            mod_time_ns: 0,
+            delete_marker: false,
+            size,
+            etag,
+            content_type: upload.content_type.clone(),
+            headers: upload.headers.clone(),
+            user_metadata: upload.user_metadata.clone(),
+            tags: upload.tags.clone(),
+            checksum: None,
+            layout: upload.layout.clone(),
+            storage: Storage::Parts(chosen),
+        };
+        let numbers: Vec<u32> = parts.keys().copied().collect();
+        let info = self
+            .commit_version(set, bucket, key, meta, None, opts, Some((id, numbers)))
+            .await?;
+        self.remove_data(set, unused).await;
+        Ok(info)
+    }
+
+    /// Uploads in progress in `bucket` under `prefix`, ordered by key then start.
+    pub async fn list_multipart_uploads(
+        self: &Arc<Self>,
+        bucket: &str,
+        prefix: &str,
+        key_marker: Option<&str>,
+        upload_id_marker: Option<&str>,
+        max: usize,
+    ) -> Result<(Vec<UploadInfo>, bool), StoreError> {
+        self.bucket_record(bucket)?;
+        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db.clone()).collect();
+        let (b, p) = (bucket.to_string(), prefix.to_string());
+        let all = run_blocking(move || {
+            let mut seen: BTreeMap<(String, u64, String), ()> = BTreeMap::new();
+            for db in dbs {
+                for (key, rec) in db
+                    .scan_uploads(&b, &p, 100_000)
+                    .map_err(std::io::Error::other)?
+                {
+                    seen.insert((key, rec.initiated_ns, id_to_hex(&rec.upload_id)), ());
+                }
+            }
+            Ok(seen.into_keys().collect::<Vec<_>>())
+        })
+        .await?;
+        let mut out: Vec<UploadInfo> = Vec::new();
+        let mut past_marker = key_marker.is_none();
+        for (key, initiated_ns, id) in all {
+            if !past_marker {
+                let km = key_marker.unwrap_or_default();
+                if key.as_str() < km {
+                    continue;
+                }
+                if key == km {
+                    match upload_id_marker {
+                        Some(um) if id.as_str() > um => {}
+                        _ => continue,
+                    }
+                }
+                past_marker = true;
+            }
+            out.push(UploadInfo {
+                bucket: bucket.into(),
+                key,
+                upload_id: id,
+                initiated_ns,
+            });
+        }
+        out.sort_by(|a, b| (&a.key, a.initiated_ns).cmp(&(&b.key, b.initiated_ns)));
+        let truncated = out.len() > max;
+        out.truncate(max);
+        Ok((out, truncated))
+    }
+}
+
+fn decode_hex16(s: &str) -> Option<[u8; 16]> {
+    id_from_hex(s)
+}

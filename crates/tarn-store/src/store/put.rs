@@ -1,0 +1,587 @@
+//! The write path: stream a body into stripes, encode parity, write shard files
+//! to their drives concurrently, then commit metadata on a quorum.
+
+use bytes::Bytes;
+use futures::StreamExt;
+use md5::{Digest, Md5};
+use tarn_io::file::{rename_durable, run_blocking};
+use tarn_io::PooledBuf;
+
+use super::{data_ids_of, validate_key, Store, NULL_VERSION};
+use crate::checksum::crc32c;
+use crate::codec::{codec_for, StripeGeometry};
+use crate::config::EtagMode;
+use crate::drive::ObjectWrite;
+use crate::error::StoreError;
+use crate::format::{new_id, Id128, Layout, PartMeta, Storage, VersionMeta, Versioning};
+use crate::shard::ShardWriter;
+use crate::types::{ObjectBody, ObjectInfo, PutOptions};
+
+/// Reads a body while hashing it for the ETag.
+pub(crate) struct BodyReader {
+    body: ObjectBody,
+    pushed_back: Option<Bytes>,
+    md5: Option<Md5>,
+    xxh: xxhash_rust::xxh3::Xxh3,
+    pub(crate) total: u64,
+    limit: u64,
+}
+
+/// How a finished body's ETag is written.
+pub(crate) struct BodyDigest {
+    pub md5: Option<[u8; 16]>,
+    pub xxh128: u128,
+    pub checksum: Option<(String, String)>,
+}
+
+impl BodyReader {
+    pub(crate) fn new(body: ObjectBody, use_md5: bool, limit: u64) -> Self {
+        BodyReader {
+            body,
+            pushed_back: None,
+            md5: use_md5.then(Md5::new),
+            xxh: xxhash_rust::xxh3::Xxh3::new(),
+            total: 0,
+            limit,
+        }
+    }
+
+    pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, StoreError> {
+        if let Some(b) = self.pushed_back.take() {
+            return Ok(Some(b));
+        }
+        loop {
+            match self.body.stream.next().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(e),
+                Some(Ok(b)) if b.is_empty() => continue,
+                Some(Ok(b)) => {
+                    self.total += b.len() as u64;
+                    if self.total > self.limit {
+                        return Err(StoreError::EntityTooLarge {
+                            size: self.total,
+                            max: self.limit,
+                        });
+                    }
+                    if let Some(m) = self.md5.as_mut() {
+                        m.update(&b);
+                    }
+                    self.xxh.update(&b);
+                    return Ok(Some(b));
+                }
+            }
+        }
+    }
+
+    pub(crate) fn push_back(&mut self, b: Bytes) {
+        assert!(self.pushed_back.is_none());
+        self.pushed_back = Some(b);
+    }
+
+    /// After the last chunk: length and checksum checks, then the digests.
+    pub(crate) fn finish(
+        mut self,
+        content_md5: Option<[u8; 16]>,
+    ) -> Result<BodyDigest, StoreError> {
+        if let Some(declared) = self.body.declared_len {
+            if declared != self.total {
+                return Err(StoreError::IncompleteBody {
+                    declared,
+                    actual: self.total,
+                });
+            }
+        }
+        let checksum = match self.body.finish.take() {
+            Some(f) => f()?,
+            None => None,
+        };
+        let md5: Option<[u8; 16]> = self.md5.map(|m| m.finalize().into());
+        if let Some(want) = content_md5 {
+            if md5 != Some(want) {
+                return Err(StoreError::BadDigest);
+            }
+        }
+        Ok(BodyDigest {
+            md5,
+            xxh128: self.xxh.digest128(),
+            checksum,
+        })
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Single-part ETag: the MD5 when computed, else the fast digest marked `-1`.
+pub(crate) fn single_etag(d: &BodyDigest) -> String {
+    match d.md5 {
+        Some(m) => hex(&m),
+        None => format!("{}-1", hex(&d.xxh128.to_be_bytes())),
+    }
+}
+
+/// Part ETag: always 32 hex digits (MD5 when computed, else the fast digest), so
+/// that the multipart ETag can be derived from the part list.
+pub(crate) fn part_etag(d: &BodyDigest) -> String {
+    match d.md5 {
+        Some(m) => hex(&m),
+        None => hex(&d.xxh128.to_be_bytes()),
+    }
+}
+
+/// The shard files a part was written to: committed under `data_id` on the
+/// drives at the set positions in `written`.
+pub(crate) struct WrittenData {
+    pub data_id: Id128,
+    pub size: u64,
+}
+
+impl Store {
+    pub(crate) fn wants_md5(&self, opts_md5: bool, declared: Option<u64>) -> bool {
+        opts_md5
+            || match self.cfg.etag_mode {
+                EtagMode::Md5 => true,
+                EtagMode::Fast => false,
+                EtagMode::Auto => declared.is_some_and(|l| l <= self.cfg.etag_md5_max_bytes),
+            }
+    }
+
+    /// Streams the rest of `reader` into shard files on the set's drives and
+    /// renames them into place. Nothing is visible until metadata commits.
+    pub(crate) async fn write_data(
+        &self,
+        set: usize,
+        layout: &Layout,
+        reader: &mut BodyReader,
+    ) -> Result<WrittenData, StoreError> {
+        let data_id = new_id();
+        let res = self.write_data_inner(set, layout, reader, data_id).await;
+        if res.is_err() {
+            self.remove_tmp_and_data(set, layout, data_id).await;
+        }
+        res
+    }
+
+    async fn write_data_inner(
+        &self,
+        set: usize,
+        layout: &Layout,
+        reader: &mut BodyReader,
+        data_id: Id128,
+    ) -> Result<WrittenData, StoreError> {
+        let k = layout.data_shards as usize;
+        let n = layout.shard_count();
+        let stripe = layout.stripe_size_bytes as usize;
+        let quorum = Self::data_write_quorum(layout);
+        let codec = codec_for(layout.codec, k, layout.parity_shards as usize);
+
+        let mut writers: Vec<Option<ShardWriter>> = Vec::with_capacity(n);
+        for (shard, &pos) in layout.distribution.iter().enumerate() {
+            let slot = self.slot(set, pos as usize);
+            if slot.db.is_none() {
+                writers.push(None);
+                continue;
+            }
+            match ShardWriter::create(&slot.paths.tmp_shard(&data_id), shard as u8).await {
+                Ok(w) => writers.push(Some(w)),
+                Err(error) => {
+                    tracing::error!(drive = %slot.paths.root.display(), %error, "cannot create shard file");
+                    writers.push(None);
+                }
+            }
+        }
+        check_alive(&writers, quorum)?;
+
+        let wait = self.buffer_wait();
+        let mut stripe_buf = self.pool().acquire(wait).await?;
+        let mut shard_bufs: Vec<PooledBuf> = Vec::with_capacity(n);
+        for _ in 0..n {
+            shard_bufs.push(self.pool().acquire(wait).await?);
+        }
+        let mut size = 0u64;
+        loop {
+            // Fill one stripe.
+            stripe_buf.clear();
+            let mut ended = false;
+            while stripe_buf.len() < stripe {
+                match reader.next().await? {
+                    None => {
+                        ended = true;
+                        break;
+                    }
+                    Some(chunk) => {
+                        let room = stripe - stripe_buf.len();
+                        if chunk.len() > room {
+                            stripe_buf.extend_from_slice(&chunk[..room]);
+                            reader.push_back(chunk.slice(room..));
+                        } else {
+                            stripe_buf.extend_from_slice(&chunk);
+                        }
+                    }
+                }
+            }
+            if !stripe_buf.is_empty() {
+                size += stripe_buf.len() as u64;
+                self.write_stripe(
+                    &stripe_buf,
+                    &mut shard_bufs,
+                    &mut writers,
+                    codec.as_ref(),
+                    k,
+                    quorum,
+                )
+                .await?;
+            }
+            if ended {
+                break;
+            }
+        }
+        drop(stripe_buf);
+        drop(shard_bufs);
+
+        // Footers and fsync, concurrently on every drive.
+        let finishing = writers.iter_mut().map(|w| async move {
+            let Some(writer) = w.take() else { return false };
+            match writer.finish().await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::error!(%error, "finishing shard file failed");
+                    false
+                }
+            }
+        });
+        let finished: Vec<bool> = futures::future::join_all(finishing).await;
+        let renames = layout
+            .distribution
+            .iter()
+            .zip(&finished)
+            .filter(|(_, ok)| **ok)
+            .map(|(&pos, _)| {
+                let p = self.slot(set, pos as usize).paths.clone();
+                async move {
+                    rename_durable(p.tmp_shard(&data_id), p.shard(&data_id))
+                        .await
+                        .is_ok()
+                }
+            });
+        let renamed = futures::future::join_all(renames)
+            .await
+            .into_iter()
+            .filter(|ok| *ok)
+            .count();
+        if renamed < quorum {
+            return Err(StoreError::QuorumLost {
+                what: "shard write",
+                needed: quorum,
+                available: renamed,
+            });
+        }
+        Ok(WrittenData { data_id, size })
+    }
+
+    async fn write_stripe(
+        &self,
+        data: &[u8],
+        shard_bufs: &mut [PooledBuf],
+        writers: &mut [Option<ShardWriter>],
+        codec: &dyn crate::codec::Codec,
+        k: usize,
+        quorum: usize,
+    ) -> Result<(), StoreError> {
+        let g = StripeGeometry {
+            part_size: data.len() as u64,
+            stripe_size: data.len() as u64,
+            data_shards: k as u64,
+        };
+        let sl = g.shard_len_for(data.len() as u64) as usize;
+        for (i, buf) in shard_bufs.iter_mut().enumerate() {
+            buf.clear();
+            if i < k {
+                let lo = (i * sl).min(data.len());
+                let hi = ((i + 1) * sl).min(data.len());
+                buf.extend_from_slice(&data[lo..hi]);
+            }
+            // Zero padding of the last data shard, and room for parity.
+            let filled = buf.len();
+            buf.set_len(sl);
+            buf[filled..].fill(0);
+        }
+        {
+            let (data_shards, parity_shards) = shard_bufs.split_at_mut(k);
+            let refs: Vec<&[u8]> = data_shards.iter().map(|b| &b[..]).collect();
+            let mut outs: Vec<&mut [u8]> = parity_shards.iter_mut().map(|b| &mut b[..]).collect();
+            codec
+                .encode(&refs, &mut outs)
+                .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+        }
+        let writes = writers
+            .iter_mut()
+            .zip(shard_bufs.iter_mut())
+            .map(|(w, pooled)| async move {
+                let Some(writer) = w.as_mut() else { return };
+                let (res, buf) = writer.write_block(pooled.take()).await;
+                pooled.restore(buf);
+                if let Err(error) = res {
+                    tracing::error!(%error, "shard write failed; continuing without this drive");
+                    *w = None;
+                }
+            });
+        futures::future::join_all(writes).await;
+        check_alive(writers, quorum)
+    }
+
+    async fn remove_tmp_and_data(&self, set: usize, layout: &Layout, data_id: Id128) {
+        let paths: Vec<_> = layout
+            .distribution
+            .iter()
+            .map(|&pos| self.slot(set, pos as usize).paths.clone())
+            .collect();
+        let _ = run_blocking(move || {
+            for p in paths {
+                let _ = std::fs::remove_file(p.tmp_shard(&data_id));
+                let _ = std::fs::remove_file(p.shard(&data_id));
+            }
+            Ok(())
+        })
+        .await;
+    }
+
+    /// PUT: stores the body as a new version of bucket/key.
+    pub async fn put_object(
+        &self,
+        bucket: &str,
+        key: &str,
+        body: ObjectBody,
+        opts: PutOptions,
+    ) -> Result<ObjectInfo, StoreError> {
+        let brec = self.bucket_record(bucket)?;
+        validate_key(key)?;
+        let limit = self.cfg.object_size_max_bytes;
+        if let Some(len) = body.declared_len {
+            if len > limit {
+                return Err(StoreError::EntityTooLarge {
+                    size: len,
+                    max: limit,
+                });
+            }
+        }
+        let (set, layout) = self.layout_for(&brec, bucket, key);
+        let use_md5 = self.wants_md5(opts.content_md5.is_some(), body.declared_len);
+        let mut reader = BodyReader::new(body, use_md5, limit);
+
+        // Small bodies are stored inline in the metadata: one write, no files.
+        let threshold = self.cfg.inline_threshold_bytes;
+        let mut head: Vec<u8> = Vec::new();
+        let mut ended = false;
+        while head.len() <= threshold {
+            match reader.next().await? {
+                None => {
+                    ended = true;
+                    break;
+                }
+                Some(chunk) => {
+                    if head.len() + chunk.len() > threshold + 1 && !head.is_empty() {
+                        reader.push_back(chunk);
+                        break;
+                    }
+                    head.extend_from_slice(&chunk);
+                }
+            }
+        }
+        let (storage, inline, written_layout) = if ended && head.len() <= threshold {
+            let digest_layout = Layout {
+                data_shards: 1,
+                parity_shards: 0,
+                codec: crate::format::CodecId::Replicate,
+                distribution: vec![0],
+                ..layout.clone()
+            };
+            (
+                Storage::Inline {
+                    crc32c: crc32c(&head),
+                },
+                Some(head),
+                digest_layout,
+            )
+        } else {
+            // Re-feed what was read ahead, then stream the rest.
+            let already = Bytes::from(head);
+            let mut chained = PrefixedReader {
+                prefix: Some(already),
+                reader: &mut reader,
+            };
+            let written = chained.write(self, set, &layout).await?;
+            (
+                Storage::Parts(vec![PartMeta {
+                    number: 1,
+                    size: written.size,
+                    etag: String::new(),
+                    data_id: written.data_id,
+                }]),
+                None,
+                layout,
+            )
+        };
+        let data_ids = match &storage {
+            Storage::Parts(p) => p.iter().map(|p| p.data_id).collect(),
+            Storage::Inline { .. } => Vec::new(),
+        };
+        let result = async {
+            let size = reader.total;
+            let digest = reader.finish(opts.content_md5)?;
+            let etag = single_etag(&digest);
+            let storage = match storage {
+                Storage::Parts(mut p) => {
+                    p[0].etag = etag.clone();
+                    Storage::Parts(p)
+                }
+                s => s,
+            };
+            let checksum = digest.checksum.or(opts.checksum.clone());
+            let version_id = if brec.versioning == Versioning::Enabled {
+                new_id()
+            } else {
+                NULL_VERSION
+            };
+            let meta = VersionMeta {
+                version_id,
+                mod_time_ns: 0,
+                delete_marker: false,
+                size,
+                etag,
+                content_type: opts
+                    .content_type
+                    .clone()
+                    .unwrap_or_else(|| "binary/octet-stream".into()),
+                headers: opts.headers.clone(),
+                user_metadata: opts.user_metadata.clone(),
+                tags: opts.tags.clone(),
+                checksum,
+                layout: written_layout,
+                storage,
+            };
+            self.commit_version(set, bucket, key, meta, inline, &opts, None)
+                .await
+        }
+        .await;
+        if result.is_err() {
+            self.remove_data(set, data_ids).await;
+        }
+        result
+    }
+
+    /// The commit point of a new version: under the key's write lock, merge it
+    /// into the resolved record and write that to a quorum of the set's drives.
+    /// Superseded data is removed only after the commit succeeded.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn commit_version(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        mut meta: VersionMeta,
+        inline: Option<Vec<u8>>,
+        opts: &PutOptions,
+        upload_delete: Option<(Id128, Vec<u32>)>,
+    ) -> Result<ObjectInfo, StoreError> {
+        let _g = self.locks.write(bucket, key).await;
+        // The bucket may have been deleted while the body streamed.
+        self.bucket_record(bucket)?;
+        let (mut rec, _) = self.resolved(set, bucket, key).await?;
+        let current = rec.versions.first().filter(|v| !v.delete_marker);
+        if opts.if_none_match_any && current.is_some() {
+            return Err(StoreError::PreconditionFailed);
+        }
+        if let Some(want) = &opts.if_match {
+            let ok = current.is_some_and(|v| etag_matches(want, &v.etag));
+            if !ok {
+                return Err(StoreError::PreconditionFailed);
+            }
+        }
+        let after = rec
+            .versions
+            .iter()
+            .map(|v| v.mod_time_ns)
+            .max()
+            .unwrap_or(0);
+        meta.mod_time_ns = self.next_mod_time(after);
+        let mut superseded = Vec::new();
+        if meta.version_id == NULL_VERSION {
+            if let Some(pos) = rec
+                .versions
+                .iter()
+                .position(|v| v.version_id == NULL_VERSION)
+            {
+                superseded.push(rec.versions.remove(pos));
+            }
+        }
+        rec.versions.insert(0, meta.clone());
+        let w = ObjectWrite {
+            record: Some(rec),
+            inline_put: inline
+                .map(|d| vec![(meta.version_id, meta.mod_time_ns, d)])
+                .unwrap_or_default(),
+            inline_delete: superseded
+                .iter()
+                .filter(|v| matches!(v.storage, Storage::Inline { .. }))
+                .map(|v| (v.version_id, v.mod_time_ns))
+                .collect(),
+            upload_delete,
+        };
+        self.write_object_everywhere(set, bucket, key, w).await?;
+        self.remove_data(set, data_ids_of(&superseded)).await;
+        Ok(self.info_from(bucket, key, &meta, true))
+    }
+}
+
+/// Compares an If-Match / If-None-Match value with an ETag: `*`, quoted or not.
+pub fn etag_matches(condition: &str, etag: &str) -> bool {
+    condition
+        .split(',')
+        .map(|c| c.trim().trim_start_matches("W/").trim_matches('"'))
+        .any(|c| c == "*" || c == etag)
+}
+
+fn check_alive(writers: &[Option<ShardWriter>], quorum: usize) -> Result<(), StoreError> {
+    let alive = writers.iter().filter(|w| w.is_some()).count();
+    if alive < quorum {
+        return Err(StoreError::QuorumLost {
+            what: "shard write",
+            needed: quorum,
+            available: alive,
+        });
+    }
+    Ok(())
+}
+
+/// Re-feeds bytes read ahead for the inline decision before the rest of the body.
+struct PrefixedReader<'a> {
+    prefix: Option<Bytes>,
+    reader: &'a mut BodyReader,
+}
+
+impl PrefixedReader<'_> {
+    async fn write(
+        &mut self,
+        store: &Store,
+        set: usize,
+        layout: &Layout,
+    ) -> Result<WrittenData, StoreError> {
+        if let Some(p) = self.prefix.take() {
+            if !p.is_empty() {
+                // The prefix was already hashed and counted; push it back without
+                // re-hashing by parking it in front of any pushed-back chunk.
+                let rest = self.reader.pushed_back.take();
+                let mut joined =
+                    bytes::BytesMut::with_capacity(p.len() + rest.as_ref().map_or(0, |r| r.len()));
+                joined.extend_from_slice(&p);
+                if let Some(r) = rest {
+                    joined.extend_from_slice(&r);
+                }
+                self.reader.pushed_back = Some(joined.freeze());
+            }
+        }
+        store.write_data(set, layout, self.reader).await
+    }
+}

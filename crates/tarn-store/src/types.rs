@@ -1,0 +1,201 @@
+//! Values the engine hands to and takes from its callers (the S3 layer).
+
+use std::pin::Pin;
+
+use bytes::Bytes;
+use futures::Stream;
+
+use crate::error::StoreError;
+use crate::format::{Durability, Versioning};
+
+pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, StoreError>> + Send>>;
+
+/// Called once the whole body was read and before the commit point: verifies
+/// checksums only known at the end (trailers) and returns the checksum to store.
+pub type BodyFinish = Box<dyn FnOnce() -> Result<Option<(String, String)>, StoreError> + Send>;
+
+pub struct ObjectBody {
+    pub stream: BodyStream,
+    /// Declared length (Content-Length or x-amz-decoded-content-length), checked.
+    pub declared_len: Option<u64>,
+    pub finish: Option<BodyFinish>,
+}
+
+impl ObjectBody {
+    pub fn from_bytes(data: impl Into<Bytes>) -> Self {
+        let data: Bytes = data.into();
+        let len = data.len() as u64;
+        ObjectBody {
+            stream: Box::pin(futures::stream::iter([Ok(data)])),
+            declared_len: Some(len),
+            finish: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct PutOptions {
+    pub content_type: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub user_metadata: Vec<(String, String)>,
+    pub tags: Vec<(String, String)>,
+    pub content_md5: Option<[u8; 16]>,
+    /// A checksum the client declared up front, already verified by the caller's
+    /// body wrapper; stored and returned on GET/HEAD.
+    pub checksum: Option<(String, String)>,
+    /// Conditional write: fail unless the current ETag matches / no object exists.
+    pub if_match: Option<String>,
+    pub if_none_match_any: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketInfo {
+    pub name: String,
+    pub created_ns: u64,
+    pub durability: Durability,
+    pub versioning: Versioning,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartSummary {
+    pub number: u32,
+    pub size: u64,
+    pub etag: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub bucket: String,
+    pub key: String,
+    /// None for the null version.
+    pub version_id: Option<String>,
+    pub is_latest: bool,
+    pub delete_marker: bool,
+    pub size: u64,
+    pub etag: String,
+    pub last_modified_ns: u64,
+    pub content_type: String,
+    pub headers: Vec<(String, String)>,
+    pub user_metadata: Vec<(String, String)>,
+    pub tags: Vec<(String, String)>,
+    pub checksum: Option<(String, String)>,
+    pub parts: Vec<PartSummary>,
+}
+
+/// A byte range as requested; resolved against the object size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ByteRange {
+    /// bytes=a-b (inclusive)
+    Closed(u64, u64),
+    /// bytes=a-
+    From(u64),
+    /// bytes=-n
+    Suffix(u64),
+}
+
+impl ByteRange {
+    /// Half-open [start, end) within an object of `size` bytes.
+    pub fn resolve(&self, size: u64) -> Result<(u64, u64), StoreError> {
+        match *self {
+            ByteRange::Closed(a, b) if a <= b && a < size => Ok((a, (b + 1).min(size))),
+            ByteRange::From(a) if a < size => Ok((a, size)),
+            ByteRange::Suffix(n) if n > 0 && size > 0 => Ok((size - n.min(size), size)),
+            _ => Err(StoreError::InvalidRange),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ListParams {
+    pub prefix: String,
+    pub delimiter: Option<String>,
+    /// Exclusive start (marker / start-after / decoded continuation token).
+    pub after: Option<String>,
+    pub max_keys: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ListPage {
+    pub objects: Vec<ObjectInfo>,
+    pub common_prefixes: Vec<String>,
+    pub is_truncated: bool,
+    /// Last key or prefix returned, for the next page's `after`.
+    pub next_after: Option<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct VersionListParams {
+    pub prefix: String,
+    pub delimiter: Option<String>,
+    pub key_marker: Option<String>,
+    pub version_id_marker: Option<String>,
+    pub max_keys: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct VersionListPage {
+    pub versions: Vec<ObjectInfo>,
+    pub common_prefixes: Vec<String>,
+    pub is_truncated: bool,
+    pub next_key_marker: Option<String>,
+    pub next_version_id_marker: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeleteResult {
+    pub delete_marker: bool,
+    pub version_id: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct UploadInfo {
+    pub bucket: String,
+    pub key: String,
+    pub upload_id: String,
+    pub initiated_ns: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PartInfo {
+    pub number: u32,
+    pub size: u64,
+    pub etag: String,
+    pub last_modified_ns: u64,
+    pub checksum: Option<(String, String)>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct HealReport {
+    pub objects_scanned: u64,
+    pub objects_healed: u64,
+    pub shards_rebuilt: u64,
+    pub metadata_rewritten: u64,
+    pub buckets_healed: u64,
+    pub failures: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct DriveStatus {
+    pub path: String,
+    pub set_index: usize,
+    pub online: bool,
+    pub reason: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges() {
+        assert_eq!(ByteRange::Closed(0, 9).resolve(100).unwrap(), (0, 10));
+        assert_eq!(ByteRange::Closed(90, 200).resolve(100).unwrap(), (90, 100));
+        assert_eq!(ByteRange::From(99).resolve(100).unwrap(), (99, 100));
+        assert_eq!(ByteRange::Suffix(10).resolve(100).unwrap(), (90, 100));
+        assert_eq!(ByteRange::Suffix(1000).resolve(100).unwrap(), (0, 100));
+        assert!(ByteRange::From(100).resolve(100).is_err());
+        assert!(ByteRange::Closed(5, 4).resolve(100).is_err());
+        assert!(ByteRange::Suffix(0).resolve(100).is_err());
+        assert!(ByteRange::From(0).resolve(0).is_err());
+    }
+}
