@@ -144,8 +144,8 @@ impl Codec for ReedSolomon {
                 restored.insert(i, s.to_vec());
             }
         }
-        for i in 0..self.k {
-            match (present[i], restored.remove(&i)) {
+        for (i, shard) in present.iter().enumerate().take(self.k) {
+            match (*shard, restored.remove(&i)) {
                 (Some(s), _) => data.push(s.to_vec()),
                 (None, Some(s)) => data.push(s),
                 (None, None) => {

@@ -67,7 +67,7 @@ pub fn default_set_drive_count(drive_count: usize) -> usize {
     }
     (4..=SET_DRIVE_COUNT_MAX)
         .rev()
-        .find(|s| drive_count % s == 0)
+        .find(|s| drive_count.is_multiple_of(*s))
         .unwrap_or(drive_count)
 }
 

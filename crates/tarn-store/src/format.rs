@@ -432,7 +432,7 @@ impl Layout {
         let valid = l.data_shards >= 1
             && l.distribution.len() == l.shard_count()
             && l.stripe_size_bytes >= 2
-            && l.stripe_size_bytes % 2 == 0
+            && l.stripe_size_bytes.is_multiple_of(2)
             && (l.codec != CodecId::Replicate || l.data_shards == 1);
         if !valid {
             return Err(FormatError::Invalid("layout"));

@@ -1,1 +1,316 @@
-fn main() {}
+//! `tarn`: the daemon and its command line. `tarn server` with no arguments
+//! serves a single node on ./data at 127.0.0.1:9000.
+
+mod admin;
+mod config;
+mod metrics;
+mod server;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use tarn_store::{EtagMode, Store, StoreConfig};
+
+use config::{parse_addr, parse_size, FileConfig, DEFAULT_ACCESS_KEY, DEFAULT_SECRET_KEY};
+
+#[derive(Parser)]
+#[command(
+    name = "tarn",
+    version,
+    about = "Storage that keeps GPUs fed: S3 object store and KV cache"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Server(Box<ServerArgs>),
+    /// Heal every object on the drives of a stopped server.
+    Heal(DriveArgs),
+}
+
+#[derive(clap::Args)]
+struct DriveArgs {
+    /// Drive directory (repeatable); default ./data.
+    #[arg(long = "drive")]
+    drives: Vec<PathBuf>,
+    /// TOML config file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct ServerArgs {
+    /// TOML config file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// S3 listen address.
+    #[arg(long, env = "TARN_LISTEN")]
+    listen: Option<String>,
+    /// Admin listen address (metrics, health, heal).
+    #[arg(long, env = "TARN_ADMIN_LISTEN")]
+    admin_listen: Option<String>,
+    /// Drive directory (repeatable); default ./data.
+    #[arg(long = "drive")]
+    drives: Vec<PathBuf>,
+    #[arg(long, env = "TARN_ACCESS_KEY", hide_env_values = true)]
+    access_key: Option<String>,
+    #[arg(long, env = "TARN_SECRET_KEY", hide_env_values = true)]
+    secret_key: Option<String>,
+    #[arg(long, env = "TARN_REGION")]
+    region: Option<String>,
+    /// Base domain for virtual-host-style requests (repeatable).
+    #[arg(long = "domain")]
+    domains: Vec<String>,
+    /// Runtime threads (one per core); default: the cores available.
+    #[arg(long)]
+    cores: Option<usize>,
+    /// Drives per erasure set.
+    #[arg(long)]
+    set_drive_count: Option<usize>,
+    /// Data shards per stripe.
+    #[arg(long)]
+    data_shards: Option<usize>,
+    /// Parity shards per stripe.
+    #[arg(long)]
+    parity_shards: Option<usize>,
+    /// Bytes of data per stripe (e.g. 1MiB).
+    #[arg(long)]
+    stripe_size: Option<String>,
+    /// Objects up to this size are stored inline with their metadata (e.g. 128KiB).
+    #[arg(long)]
+    inline_threshold: Option<String>,
+    /// ETag of single-part uploads: auto, md5 or fast.
+    #[arg(long)]
+    etag_mode: Option<String>,
+    /// Requests served at once before answering 503 SlowDown.
+    #[arg(long)]
+    inflight_requests_max: Option<usize>,
+    /// Seconds between background heal scans (0 = off).
+    #[arg(long)]
+    scan_interval_secs: Option<u64>,
+    /// Use blocking threads for file I/O instead of io_uring.
+    #[arg(long)]
+    no_io_uring: bool,
+}
+
+fn store_config(
+    drives: Vec<PathBuf>,
+    file: &FileConfig,
+    args: Option<&ServerArgs>,
+) -> anyhow::Result<StoreConfig> {
+    let mut cfg = StoreConfig::default();
+    let drives = if !drives.is_empty() {
+        drives
+    } else {
+        file.drives
+            .clone()
+            .unwrap_or_else(|| vec![PathBuf::from("./data")])
+    };
+    cfg.drives = drives;
+    let e = file.erasure.as_ref();
+    cfg.set_drive_count = args
+        .and_then(|a| a.set_drive_count)
+        .or(e.and_then(|e| e.set_drive_count));
+    cfg.data_shards = args
+        .and_then(|a| a.data_shards)
+        .or(e.and_then(|e| e.data_shards));
+    cfg.parity_shards = args
+        .and_then(|a| a.parity_shards)
+        .or(e.and_then(|e| e.parity_shards));
+    if let Some(s) = args.and_then(|a| a.stripe_size.as_deref()) {
+        cfg.stripe_size_bytes = parse_size(s)? as usize;
+    } else if let Some(s) = file.stripe_size_bytes {
+        cfg.stripe_size_bytes = s;
+    }
+    if let Some(s) = args.and_then(|a| a.inline_threshold.as_deref()) {
+        cfg.inline_threshold_bytes = parse_size(s)? as usize;
+    } else if let Some(s) = file.inline_threshold_bytes {
+        cfg.inline_threshold_bytes = s;
+    }
+    let mode = args
+        .and_then(|a| a.etag_mode.clone())
+        .or(file.etag_mode.clone());
+    cfg.etag_mode = match mode.as_deref() {
+        None | Some("auto") => EtagMode::Auto,
+        Some("md5") => EtagMode::Md5,
+        Some("fast") => EtagMode::Fast,
+        Some(other) => bail!("etag mode must be auto, md5 or fast, not {other:?}"),
+    };
+    if let Some(m) = file.etag_md5_max_bytes {
+        cfg.etag_md5_max_bytes = m;
+    }
+    if let Some(b) = file.buffers_per_core {
+        cfg.buffers_per_core = b;
+    }
+    Ok(cfg)
+}
+
+fn run_server(args: ServerArgs) -> anyhow::Result<()> {
+    let file = match &args.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let listen = parse_addr(
+        args.listen
+            .as_deref()
+            .or(file.listen.as_deref())
+            .unwrap_or("127.0.0.1:9000"),
+    )?;
+    let admin_listen = match args
+        .admin_listen
+        .as_deref()
+        .or(file.admin_listen.as_deref())
+    {
+        Some(a) => parse_addr(a)?,
+        None => std::net::SocketAddr::new(
+            listen.ip(),
+            if listen.port() == 0 {
+                0
+            } else {
+                listen.port().wrapping_add(1)
+            },
+        ),
+    };
+    let access = args.access_key.clone().or(file.access_key.clone());
+    let secret = args.secret_key.clone().or(file.secret_key.clone());
+    let (access, secret, defaulted) = match (access, secret) {
+        (Some(a), Some(s)) => (a, s, false),
+        (None, None) => (
+            DEFAULT_ACCESS_KEY.to_string(),
+            DEFAULT_SECRET_KEY.to_string(),
+            true,
+        ),
+        _ => bail!("set both TARN_ACCESS_KEY and TARN_SECRET_KEY, or neither"),
+    };
+    if defaulted && !(listen.ip().is_loopback() && admin_listen.ip().is_loopback()) {
+        bail!("refusing to listen on {listen} with the built-in default credentials: set TARN_ACCESS_KEY and TARN_SECRET_KEY");
+    }
+    if secret.len() < 8 {
+        bail!("the secret key must be at least 8 characters");
+    }
+    let cores = args
+        .cores
+        .or(file.cores)
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        })
+        .max(1);
+    let mut cfg = store_config(args.drives.clone(), &file, Some(&args))?;
+    cfg.core_count = cores;
+    for d in &cfg.drives {
+        if d.as_os_str().is_empty() {
+            bail!("empty drive path");
+        }
+    }
+    let store = Store::open(cfg).context("opening the object engine")?;
+    for d in store.drive_status().iter().filter(|d| !d.online) {
+        eprintln!(
+            "warning: drive {} is offline: {}",
+            d.path,
+            d.reason.as_deref().unwrap_or("unknown")
+        );
+    }
+    let (k, m) = store.erasure_layout();
+    let region = args
+        .region
+        .clone()
+        .or(file.region.clone())
+        .unwrap_or_else(|| "us-east-1".into());
+    let mut domains = if !args.domains.is_empty() {
+        args.domains.clone()
+    } else {
+        file.domains.clone().unwrap_or_default()
+    };
+    if domains.is_empty() {
+        domains.push("localhost".into());
+    }
+    let settings = tarn_s3::S3Settings {
+        access_key: access.clone(),
+        secret_key: secret.clone(),
+        region: region.clone(),
+        domains: domains.clone(),
+    };
+    let s3 = tarn_s3::build_service(store.clone(), &settings);
+    println!(
+        "Tarn {} — {} drive(s), erasure {k}+{m}, region {region}",
+        env!("CARGO_PKG_VERSION"),
+        store.drive_status().len()
+    );
+    println!("Access key: {access}");
+    if defaulted {
+        println!("Secret key: {secret}   (built-in default, accepted on loopback only)");
+    } else {
+        println!("Secret key: (as configured)");
+    }
+    let scan = args
+        .scan_interval_secs
+        .or(file.scan_interval_secs)
+        .unwrap_or(6 * 3600);
+    let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
+    let settings = server::ServerSettings {
+        listen,
+        admin_listen,
+        cores,
+        pin: cores > 1,
+        io_uring,
+        inflight_requests_max: args
+            .inflight_requests_max
+            .or(file.inflight_requests_max)
+            .unwrap_or(1024),
+        domains,
+        admin_token: secret,
+        scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
+    };
+    server::run(store, s3, settings)
+}
+
+fn run_heal(args: DriveArgs) -> anyhow::Result<()> {
+    let file = match &args.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let cfg = store_config(args.drives, &file, None)?;
+    let store: Arc<Store> = Store::open(cfg)?;
+    let rt = tarn_io::runtime::build_core_runtime(0, false, true)?;
+    let report = rt.block_on(store.heal_all());
+    println!("{report:?}");
+    if report.failures > 0 {
+        bail!("{} objects could not be healed", report.failures);
+    }
+    Ok(())
+}
+
+fn main() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TARN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // s3s logs every client error (a wrong bucket name, malformed XML, a 404) at
+    // ERROR; those are the client's, not ours. Server-side failures are logged by
+    // tarn itself, so s3s's own logging is off unless TARN_LOG names it.
+    let filter = if std::env::var("TARN_LOG").is_ok_and(|v| v.contains("s3s")) {
+        filter
+    } else {
+        filter.add_directive("s3s=off".parse().expect("static directive"))
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Server(a) => run_server(*a),
+        Command::Heal(a) => run_heal(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

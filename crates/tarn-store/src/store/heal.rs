@@ -149,11 +149,10 @@ impl Store {
             }
         }
 
-        for pos in 0..self.set_size(set) {
+        for (pos, current) in records.iter().enumerate() {
             let Some(db) = self.slot(set, pos).db.clone() else {
                 continue;
             };
-            let current = &records[pos];
             let meta_ok = matches!(current, Ok(Some(r)) if *r == merged)
                 || (matches!(current, Ok(None)) && merged.versions.is_empty());
             // Which inline copies this drive lacks or holds corrupt.

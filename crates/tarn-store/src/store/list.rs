@@ -52,6 +52,9 @@ impl Cursor {
     }
 }
 
+/// The records of one key as read from each drive of its set.
+type DriveRecords = Vec<Result<Option<ObjectRecord>, StoreError>>;
+
 struct SetDrives {
     dbs: Vec<Arc<DriveDb>>,
     quorum: usize,
@@ -86,8 +89,7 @@ fn walk(
     };
     loop {
         // key -> (set, raw records from that set's drives)
-        let mut entries: BTreeMap<String, (usize, Vec<Result<Option<ObjectRecord>, StoreError>>)> =
-            BTreeMap::new();
+        let mut entries: BTreeMap<String, (usize, DriveRecords)> = BTreeMap::new();
         let mut frontier: Option<String> = None;
         let lower = cursor.lower_bound();
         for (s, set) in sets.iter().enumerate() {

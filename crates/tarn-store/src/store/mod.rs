@@ -96,12 +96,13 @@ pub fn version_to_string(id: &Id128) -> Option<String> {
     }
 }
 
-/// Parses a version id from a request: "null" or 32 hex digits.
+/// Parses a version id from a request: "null" or 32 hex digits. All-zero hex is
+/// refused: only the word "null" names the null version.
 pub fn parse_version(s: &str) -> Option<Id128> {
     if s == "null" {
         Some(NULL_VERSION)
     } else {
-        id_from_hex(s)
+        id_from_hex(s).filter(|id| *id != NULL_VERSION)
     }
 }
 
@@ -141,7 +142,7 @@ impl Store {
         let set_size = cfg
             .set_drive_count
             .unwrap_or_else(|| default_set_drive_count(n));
-        if set_size == 0 || n % set_size != 0 {
+        if set_size == 0 || !n.is_multiple_of(set_size) {
             return Err(StoreError::Config(format!(
                 "{n} drives cannot be split into erasure sets of {set_size}"
             )));
@@ -162,7 +163,7 @@ impl Store {
             )));
         }
         if cfg.stripe_size_bytes < 4096
-            || cfg.stripe_size_bytes % 4096 != 0
+            || !cfg.stripe_size_bytes.is_multiple_of(4096)
             || cfg.stripe_size_bytes > 64 << 20
         {
             return Err(StoreError::Config(
@@ -1088,7 +1089,7 @@ pub(crate) fn resolve(
         .filter(|(_, c)| *c >= quorum)
         .map(|(v, _)| v.clone())
         .collect();
-    versions.sort_by(|a, b| b.mod_time_ns.cmp(&a.mod_time_ns));
+    versions.sort_by_key(|v| std::cmp::Reverse(v.mod_time_ns));
     let mut null_seen = false;
     versions.retain(|v| {
         if v.version_id != NULL_VERSION {

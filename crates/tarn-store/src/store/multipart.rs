@@ -144,6 +144,7 @@ impl Store {
         Ok(out)
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub async fn upload_part(
         &self,
         bucket: &str,

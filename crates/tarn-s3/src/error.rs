@@ -1,0 +1,73 @@
+//! The one place engine errors become S3 error codes.
+
+use s3s::{S3Error, S3ErrorCode};
+use tarn_store::StoreError;
+
+pub fn s3_error(e: StoreError) -> S3Error {
+    use S3ErrorCode as C;
+    let (code, msg): (S3ErrorCode, String) = match &e {
+        StoreError::NoSuchBucket(_) => (C::NoSuchBucket, e.to_string()),
+        StoreError::BucketExists(_) => (C::BucketAlreadyOwnedByYou, e.to_string()),
+        StoreError::BucketNotEmpty(_) => (C::BucketNotEmpty, e.to_string()),
+        StoreError::InvalidBucketName(_) => (C::InvalidBucketName, e.to_string()),
+        StoreError::InvalidKey(_) => (C::KeyTooLongError, e.to_string()),
+        StoreError::NoSuchKey { .. } | StoreError::DeleteMarker { .. } => {
+            (C::NoSuchKey, "The specified key does not exist.".into())
+        }
+        StoreError::NoSuchVersion { .. } => (C::NoSuchVersion, e.to_string()),
+        StoreError::MethodNotAllowed => (
+            C::MethodNotAllowed,
+            "The specified method is not allowed against this resource.".into(),
+        ),
+        StoreError::NoSuchUpload(_) => (C::NoSuchUpload, e.to_string()),
+        StoreError::InvalidPart(_) => (C::InvalidPart, e.to_string()),
+        StoreError::InvalidPartOrder => (C::InvalidPartOrder, e.to_string()),
+        StoreError::EntityTooSmall { .. } => (C::EntityTooSmall, e.to_string()),
+        StoreError::EntityTooLarge { .. } => (C::EntityTooLarge, e.to_string()),
+        StoreError::PreconditionFailed => (
+            C::PreconditionFailed,
+            "At least one of the pre-conditions you specified did not hold".into(),
+        ),
+        StoreError::InvalidRange => (
+            C::InvalidRange,
+            "The requested range is not satisfiable".into(),
+        ),
+        StoreError::InvalidArgument(_) => (C::InvalidArgument, e.to_string()),
+        StoreError::BadDigest => (
+            C::BadDigest,
+            "The Content-MD5 you specified did not match what we received.".into(),
+        ),
+        StoreError::ChecksumMismatch { .. } => (C::BadDigest, e.to_string()),
+        StoreError::IncompleteBody { .. } => (C::IncompleteBody, e.to_string()),
+        StoreError::Body(_) => (C::IncompleteBody, e.to_string()),
+        StoreError::SlowDown(_) => (C::SlowDown, "Please reduce your request rate.".into()),
+        StoreError::QuorumLost { .. } => (C::ServiceUnavailable, e.to_string()),
+        StoreError::Unreadable { .. }
+        | StoreError::Drive { .. }
+        | StoreError::CorruptMetadata { .. }
+        | StoreError::Config(_)
+        | StoreError::Io(_) => {
+            tracing::error!(error = %e, "internal error");
+            (
+                C::InternalError,
+                "We encountered an internal error. Please try again.".into(),
+            )
+        }
+    };
+    let mut err = S3Error::with_message(code, msg);
+    if let StoreError::DeleteMarker { version, .. } = &e {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            "x-amz-delete-marker",
+            http::HeaderValue::from_static("true"),
+        );
+        if let Some(v) = version
+            .as_deref()
+            .and_then(|v| http::HeaderValue::from_str(v).ok())
+        {
+            h.insert("x-amz-version-id", v);
+        }
+        err.set_headers(h);
+    }
+    err
+}

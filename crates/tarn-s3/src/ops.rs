@@ -1,0 +1,1412 @@
+//! The S3 operations: each turns a typed request into engine calls.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use s3s::dto::*;
+use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
+use tarn_store::{
+    ByteRange, Durability, ListParams, ObjectInfo, PutOptions, Store, VersionListParams, Versioning,
+};
+
+use crate::body::{content_md5, object_body, ChecksumSpec};
+use crate::error::s3_error;
+use crate::util::*;
+
+/// The S3 front of one node.
+pub struct TarnS3 {
+    pub(crate) store: Arc<Store>,
+    pub(crate) region: String,
+}
+
+impl TarnS3 {
+    pub fn new(store: Arc<Store>, region: impl Into<String>) -> Self {
+        TarnS3 {
+            store,
+            region: region.into(),
+        }
+    }
+}
+
+fn owner() -> Owner {
+    Owner {
+        display_name: Some("tarn".into()),
+        id: Some("tarn".into()),
+    }
+}
+
+fn encode_if(url: bool, s: String) -> String {
+    if url {
+        urlencoding::encode(&s).into_owned()
+    } else {
+        s
+    }
+}
+
+/// Declared body length: the decoded length of aws-chunked bodies, else
+/// Content-Length.
+fn declared_len(headers: &http::HeaderMap, content_length: Option<i64>) -> Option<u64> {
+    if let Some(v) = headers
+        .get("x-amz-decoded-content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+    {
+        return Some(v);
+    }
+    let streaming = headers
+        .get("x-amz-content-sha256")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("STREAMING-"));
+    if streaming {
+        return None;
+    }
+    content_length.and_then(|l| u64::try_from(l).ok())
+}
+
+fn put_options(
+    content_type: Option<String>,
+    headers: [(&str, Option<String>); 5],
+    metadata: Option<HashMap<String, String>>,
+    tags: Vec<(String, String)>,
+) -> PutOptions {
+    let mut user_metadata: Vec<(String, String)> = metadata
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect();
+    user_metadata.sort();
+    PutOptions {
+        content_type,
+        headers: headers
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
+            .collect(),
+        user_metadata,
+        tags,
+        ..Default::default()
+    }
+}
+
+fn expires_string(e: Option<Timestamp>) -> Option<String> {
+    e.map(|t| {
+        let mut buf = Vec::new();
+        let _ = t.format(TimestampFormat::HttpDate, &mut buf);
+        String::from_utf8_lossy(&buf).into_owned()
+    })
+}
+
+fn header_of(info: &ObjectInfo, name: &str) -> Option<String> {
+    info.headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+}
+
+fn metadata_map(info: &ObjectInfo) -> Option<HashMap<String, String>> {
+    if info.user_metadata.is_empty() {
+        None
+    } else {
+        Some(info.user_metadata.iter().cloned().collect())
+    }
+}
+
+/// Evaluates GET/HEAD conditional headers (RFC 9110 order, as S3 does).
+fn check_conditions(
+    info: &ObjectInfo,
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> S3Result<()> {
+    let etag_is = |c: &ETagCondition| match c {
+        ETagCondition::Any => true,
+        ETagCondition::ETag(e) => e.value() == info.etag,
+    };
+    let modified = (info.last_modified_ns / 1_000_000_000) as i64;
+    if let Some(c) = if_match {
+        if !etag_is(c) {
+            return Err(S3Error::new(S3ErrorCode::PreconditionFailed));
+        }
+    } else if let Some(t) = if_unmodified_since {
+        if modified > timestamp_secs(t) {
+            return Err(S3Error::new(S3ErrorCode::PreconditionFailed));
+        }
+    }
+    if let Some(c) = if_none_match {
+        if etag_is(c) {
+            return Err(not_modified(info));
+        }
+    } else if let Some(t) = if_modified_since {
+        if modified <= timestamp_secs(t) {
+            return Err(not_modified(info));
+        }
+    }
+    Ok(())
+}
+
+fn not_modified(info: &ObjectInfo) -> S3Error {
+    let mut e = S3Error::new(S3ErrorCode::NotModified);
+    let mut h = http::HeaderMap::new();
+    if let Ok(v) = http::HeaderValue::from_str(&format!("\"{}\"", info.etag)) {
+        h.insert(http::header::ETAG, v);
+    }
+    e.set_headers(h);
+    e
+}
+
+fn range_of(r: Option<Range>) -> Option<ByteRange> {
+    r.map(|r| match r {
+        Range::Int {
+            first,
+            last: Some(last),
+        } => ByteRange::Closed(first, last),
+        Range::Int { first, last: None } => ByteRange::From(first),
+        Range::Suffix { length } => ByteRange::Suffix(length),
+    })
+}
+
+fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 5] {
+    let mut out: [Option<String>; 5] = Default::default();
+    if let Some((algo, v)) = c {
+        if let Some(i) = crate::body::CHECKSUM_ALGORITHMS
+            .iter()
+            .position(|a| a == algo)
+        {
+            out[i] = Some(v.clone());
+        }
+    }
+    out
+}
+
+fn copy_source(cs: &CopySource) -> S3Result<(String, String, Option<String>)> {
+    match cs {
+        CopySource::Bucket {
+            bucket,
+            key,
+            version_id,
+        } => Ok((
+            bucket.to_string(),
+            key.to_string(),
+            version_id.as_deref().map(str::to_string),
+        )),
+        _ => Err(S3Error::with_message(
+            S3ErrorCode::NotImplemented,
+            "access point copy sources are not supported",
+        )),
+    }
+}
+
+fn copy_conditions(
+    info: &ObjectInfo,
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> S3Result<()> {
+    // For copies every failed condition is 412 (no 304).
+    check_conditions(
+        info,
+        if_match,
+        if_none_match,
+        if_modified_since,
+        if_unmodified_since,
+    )
+    .map_err(|e| {
+        if *e.code() == S3ErrorCode::NotModified {
+            S3Error::new(S3ErrorCode::PreconditionFailed)
+        } else {
+            e
+        }
+    })
+}
+
+#[async_trait::async_trait]
+impl S3 for TarnS3 {
+    async fn list_buckets(
+        &self,
+        _req: S3Request<ListBucketsInput>,
+    ) -> S3Result<S3Response<ListBucketsOutput>> {
+        let buckets = self
+            .store
+            .list_buckets()
+            .into_iter()
+            .map(|b| Bucket {
+                name: Some(b.name),
+                creation_date: Some(timestamp(b.created_ns)),
+                bucket_region: Some(self.region.clone()),
+            })
+            .collect();
+        Ok(S3Response::new(ListBucketsOutput {
+            buckets: Some(buckets),
+            owner: Some(owner()),
+            ..Default::default()
+        }))
+    }
+
+    async fn create_bucket(
+        &self,
+        req: S3Request<CreateBucketInput>,
+    ) -> S3Result<S3Response<CreateBucketOutput>> {
+        if let Some(loc) = req
+            .input
+            .create_bucket_configuration
+            .as_ref()
+            .and_then(|c| c.location_constraint.as_ref())
+        {
+            if loc.as_str() != self.region
+                && !(self.region == "us-east-1" && loc.as_str().is_empty())
+            {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidLocationConstraint,
+                    "The specified location-constraint is not valid",
+                ));
+            }
+        }
+        // Durability class per bucket: x-tarn-durability: erasure | replicated:N | single.
+        let durability = match req
+            .headers
+            .get("x-tarn-durability")
+            .and_then(|v| v.to_str().ok())
+        {
+            None | Some("erasure") => Durability::ErasureCoded,
+            Some("single") => Durability::SingleCopy,
+            Some(s) => match s
+                .strip_prefix("replicated:")
+                .and_then(|n| n.parse::<u8>().ok())
+            {
+                Some(n) if n >= 1 => Durability::Replicated(n),
+                _ => {
+                    return Err(S3Error::with_message(
+                        S3ErrorCode::InvalidArgument,
+                        "x-tarn-durability must be erasure, single or replicated:N",
+                    ))
+                }
+            },
+        };
+        self.store
+            .create_bucket(&req.input.bucket, durability)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(CreateBucketOutput {
+            location: Some(format!("/{}", req.input.bucket)),
+        }))
+    }
+
+    async fn head_bucket(
+        &self,
+        req: S3Request<HeadBucketInput>,
+    ) -> S3Result<S3Response<HeadBucketOutput>> {
+        self.store
+            .head_bucket(&req.input.bucket)
+            .map_err(s3_error)?;
+        Ok(S3Response::new(HeadBucketOutput {
+            bucket_region: Some(self.region.clone()),
+            ..Default::default()
+        }))
+    }
+
+    async fn delete_bucket(
+        &self,
+        req: S3Request<DeleteBucketInput>,
+    ) -> S3Result<S3Response<DeleteBucketOutput>> {
+        self.store
+            .delete_bucket(&req.input.bucket)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(DeleteBucketOutput {}))
+    }
+
+    async fn get_bucket_location(
+        &self,
+        req: S3Request<GetBucketLocationInput>,
+    ) -> S3Result<S3Response<GetBucketLocationOutput>> {
+        self.store
+            .head_bucket(&req.input.bucket)
+            .map_err(s3_error)?;
+        let location_constraint = (self.region != "us-east-1")
+            .then(|| BucketLocationConstraint::from(self.region.clone()));
+        Ok(S3Response::new(GetBucketLocationOutput {
+            location_constraint,
+        }))
+    }
+
+    async fn get_bucket_versioning(
+        &self,
+        req: S3Request<GetBucketVersioningInput>,
+    ) -> S3Result<S3Response<GetBucketVersioningOutput>> {
+        let b = self
+            .store
+            .head_bucket(&req.input.bucket)
+            .map_err(s3_error)?;
+        let status = match b.versioning {
+            Versioning::Unversioned => None,
+            Versioning::Enabled => Some(BucketVersioningStatus::from_static(
+                BucketVersioningStatus::ENABLED,
+            )),
+            Versioning::Suspended => Some(BucketVersioningStatus::from_static(
+                BucketVersioningStatus::SUSPENDED,
+            )),
+        };
+        Ok(S3Response::new(GetBucketVersioningOutput {
+            status,
+            mfa_delete: None,
+        }))
+    }
+
+    async fn put_bucket_versioning(
+        &self,
+        req: S3Request<PutBucketVersioningInput>,
+    ) -> S3Result<S3Response<PutBucketVersioningOutput>> {
+        let enabled = match req
+            .input
+            .versioning_configuration
+            .status
+            .as_ref()
+            .map(|s| s.as_str())
+        {
+            Some(BucketVersioningStatus::ENABLED) => true,
+            Some(BucketVersioningStatus::SUSPENDED) => false,
+            _ => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::MalformedXML,
+                    "Versioning status must be Enabled or Suspended",
+                ))
+            }
+        };
+        self.store
+            .set_bucket_versioning(&req.input.bucket, enabled)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(PutBucketVersioningOutput {}))
+    }
+
+    async fn put_object(
+        &self,
+        req: S3Request<PutObjectInput>,
+    ) -> S3Result<S3Response<PutObjectOutput>> {
+        let headers = req.headers.clone();
+        let trailers = req.trailing_headers.clone();
+        let i = req.input;
+        let spec = ChecksumSpec::from_request(
+            &headers,
+            [
+                i.checksum_crc32.as_ref(),
+                i.checksum_crc32c.as_ref(),
+                i.checksum_crc64nvme.as_ref(),
+                i.checksum_sha1.as_ref(),
+                i.checksum_sha256.as_ref(),
+            ],
+        )?;
+        let md5 = content_md5(i.content_md5.as_ref())?;
+        let tags = parse_tagging_header(i.tagging.as_ref())?;
+        let mut opts = put_options(
+            i.content_type.clone(),
+            [
+                ("cache-control", i.cache_control.clone()),
+                ("content-disposition", i.content_disposition.clone()),
+                ("content-encoding", i.content_encoding.clone()),
+                ("content-language", i.content_language.clone()),
+                ("expires", expires_string(i.expires.clone())),
+            ],
+            i.metadata.clone(),
+            tags,
+        );
+        opts.content_md5 = md5;
+        opts.if_none_match_any = i.if_none_match.as_ref().is_some_and(|c| c.is_any());
+        opts.if_match = i
+            .if_match
+            .as_ref()
+            .and_then(|c| c.as_etag())
+            .map(|e| e.value().to_string());
+        let body = object_body(
+            i.body,
+            declared_len(&headers, i.content_length),
+            spec,
+            trailers,
+        );
+        let info = self
+            .store
+            .put_object(&i.bucket, &i.key, body, opts)
+            .await
+            .map_err(s3_error)?;
+        let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);
+        Ok(S3Response::new(PutObjectOutput {
+            e_tag: Some(etag(&info.etag)),
+            version_id: info.version_id,
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            ..Default::default()
+        }))
+    }
+
+    async fn get_object(
+        &self,
+        req: S3Request<GetObjectInput>,
+    ) -> S3Result<S3Response<GetObjectOutput>> {
+        let i = req.input;
+        let part_number = match i.part_number {
+            Some(n) if !(1..=10_000).contains(&n) => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "Part number must be an integer between 1 and 10000",
+                ))
+            }
+            n => n.map(|n| n as u32),
+        };
+        // Conditions are evaluated on the version before any byte is read.
+        let head = self
+            .store
+            .head_object(&i.bucket, &i.key, i.version_id.as_deref())
+            .await
+            .map_err(s3_error)?;
+        check_conditions(
+            &head,
+            i.if_match.as_ref(),
+            i.if_none_match.as_ref(),
+            i.if_modified_since.as_ref(),
+            i.if_unmodified_since.as_ref(),
+        )?;
+        let range = range_of(i.range);
+        let got = self
+            .store
+            .get_object(
+                &i.bucket,
+                &i.key,
+                i.version_id.as_deref(),
+                range,
+                part_number,
+            )
+            .await
+            .map_err(s3_error)?;
+        let info = got.info;
+        let (start, end) = got.range;
+        let partial = range.is_some() || part_number.is_some();
+        let content_range = partial
+            .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size))
+            .filter(|_| end > start || info.size > 0);
+        let full = !partial;
+        let checksum_on = i
+            .checksum_mode
+            .as_ref()
+            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
+            && full;
+        let [crc32, crc32c, crc64nvme, sha1, sha256] = if checksum_on {
+            checksum_fields(&info.checksum)
+        } else {
+            Default::default()
+        };
+        let parts_count = match part_number {
+            Some(_) => Some(if info.parts.is_empty() {
+                1
+            } else {
+                info.parts.len() as i32
+            }),
+            None => None,
+        };
+        Ok(S3Response::new(GetObjectOutput {
+            body: Some(StreamingBlob::wrap(got.stream)),
+            content_length: Some((end - start) as i64),
+            content_range,
+            accept_ranges: Some("bytes".into()),
+            content_type: Some(info.content_type.clone()),
+            e_tag: Some(etag(&info.etag)),
+            last_modified: Some(timestamp(info.last_modified_ns)),
+            metadata: metadata_map(&info),
+            version_id: info.version_id.clone(),
+            cache_control: header_of(&info, "cache-control"),
+            content_disposition: header_of(&info, "content-disposition"),
+            content_encoding: header_of(&info, "content-encoding"),
+            content_language: header_of(&info, "content-language"),
+            expires: header_of(&info, "expires")
+                .and_then(|e| Timestamp::parse(TimestampFormat::HttpDate, &e).ok()),
+            tag_count: (!info.tags.is_empty()).then_some(info.tags.len() as i32),
+            parts_count,
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            ..Default::default()
+        }))
+    }
+
+    async fn head_object(
+        &self,
+        req: S3Request<HeadObjectInput>,
+    ) -> S3Result<S3Response<HeadObjectOutput>> {
+        let i = req.input;
+        let info = self
+            .store
+            .head_object(&i.bucket, &i.key, i.version_id.as_deref())
+            .await
+            .map_err(s3_error)?;
+        check_conditions(
+            &info,
+            i.if_match.as_ref(),
+            i.if_none_match.as_ref(),
+            i.if_modified_since.as_ref(),
+            i.if_unmodified_since.as_ref(),
+        )?;
+        let (len, content_range, parts_count) = match (i.part_number, range_of(i.range)) {
+            (Some(n), _) => {
+                let (a, b) = if info.parts.is_empty() {
+                    if n != 1 {
+                        return Err(S3Error::new(S3ErrorCode::InvalidRange));
+                    }
+                    (0, info.size)
+                } else {
+                    let mut off = 0;
+                    let mut found = None;
+                    for p in &info.parts {
+                        if p.number as i32 == n {
+                            found = Some((off, off + p.size));
+                        }
+                        off += p.size;
+                    }
+                    found.ok_or_else(|| S3Error::new(S3ErrorCode::InvalidRange))?
+                };
+                (
+                    b - a,
+                    Some(format!("bytes {}-{}/{}", a, b.saturating_sub(1), info.size)),
+                    Some(info.parts.len().max(1) as i32),
+                )
+            }
+            (None, Some(r)) => {
+                let (a, b) = r.resolve(info.size).map_err(s3_error)?;
+                (
+                    b - a,
+                    Some(format!("bytes {}-{}/{}", a, b - 1, info.size)),
+                    None,
+                )
+            }
+            (None, None) => (info.size, None, None),
+        };
+        let checksum_on = i
+            .checksum_mode
+            .as_ref()
+            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED);
+        let [crc32, crc32c, crc64nvme, sha1, sha256] = if checksum_on {
+            checksum_fields(&info.checksum)
+        } else {
+            Default::default()
+        };
+        Ok(S3Response::new(HeadObjectOutput {
+            content_length: Some(len as i64),
+            content_range,
+            accept_ranges: Some("bytes".into()),
+            content_type: Some(info.content_type.clone()),
+            e_tag: Some(etag(&info.etag)),
+            last_modified: Some(timestamp(info.last_modified_ns)),
+            metadata: metadata_map(&info),
+            version_id: info.version_id.clone(),
+            cache_control: header_of(&info, "cache-control"),
+            content_disposition: header_of(&info, "content-disposition"),
+            content_encoding: header_of(&info, "content-encoding"),
+            content_language: header_of(&info, "content-language"),
+            expires: header_of(&info, "expires")
+                .and_then(|e| Timestamp::parse(TimestampFormat::HttpDate, &e).ok()),
+            parts_count,
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            ..Default::default()
+        }))
+    }
+
+    async fn delete_object(
+        &self,
+        req: S3Request<DeleteObjectInput>,
+    ) -> S3Result<S3Response<DeleteObjectOutput>> {
+        let i = req.input;
+        if let Some(cond) = i.if_match.as_ref() {
+            match self
+                .store
+                .head_object(&i.bucket, &i.key, i.version_id.as_deref())
+                .await
+            {
+                Ok(info) => {
+                    let ok = match cond {
+                        ETagCondition::Any => true,
+                        ETagCondition::ETag(e) => e.value() == info.etag,
+                    };
+                    if !ok {
+                        return Err(S3Error::new(S3ErrorCode::PreconditionFailed));
+                    }
+                }
+                Err(tarn_store::StoreError::NoSuchKey { .. }) => {
+                    return Err(S3Error::new(S3ErrorCode::NoSuchKey))
+                }
+                Err(e) => return Err(s3_error(e)),
+            }
+        }
+        let r = self
+            .store
+            .delete_object(&i.bucket, &i.key, i.version_id.as_deref())
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(DeleteObjectOutput {
+            delete_marker: r.delete_marker.then_some(true),
+            version_id: r.version_id,
+            ..Default::default()
+        }))
+    }
+
+    async fn delete_objects(
+        &self,
+        req: S3Request<DeleteObjectsInput>,
+    ) -> S3Result<S3Response<DeleteObjectsOutput>> {
+        let i = req.input;
+        self.store.head_bucket(&i.bucket).map_err(s3_error)?;
+        if i.delete.objects.len() > 1000 {
+            return Err(S3Error::with_message(
+                S3ErrorCode::MalformedXML,
+                "at most 1000 keys per DeleteObjects",
+            ));
+        }
+        let quiet = i.delete.quiet.unwrap_or(false);
+        let mut deleted = Vec::new();
+        let mut errors = Vec::new();
+        for o in i.delete.objects {
+            match self
+                .store
+                .delete_object(&i.bucket, &o.key, o.version_id.as_deref())
+                .await
+            {
+                Ok(r) => {
+                    if !quiet {
+                        deleted.push(DeletedObject {
+                            key: Some(o.key),
+                            version_id: o.version_id.clone(),
+                            delete_marker: r.delete_marker.then_some(true),
+                            delete_marker_version_id: if r.delete_marker {
+                                r.version_id
+                            } else {
+                                None
+                            },
+                        });
+                    }
+                }
+                Err(e) => {
+                    let s3e = s3_error(e);
+                    errors.push(Error {
+                        code: Some(s3e.code().as_str().to_string()),
+                        key: Some(o.key),
+                        message: s3e.message().map(str::to_string),
+                        version_id: o.version_id,
+                    });
+                }
+            }
+        }
+        Ok(S3Response::new(DeleteObjectsOutput {
+            deleted: Some(deleted),
+            errors: (!errors.is_empty()).then_some(errors),
+            ..Default::default()
+        }))
+    }
+
+    async fn copy_object(
+        &self,
+        req: S3Request<CopyObjectInput>,
+    ) -> S3Result<S3Response<CopyObjectOutput>> {
+        let i = req.input;
+        let (sb, sk, sv) = copy_source(&i.copy_source)?;
+        let src = self
+            .store
+            .head_object(&sb, &sk, sv.as_deref())
+            .await
+            .map_err(s3_error)?;
+        copy_conditions(
+            &src,
+            i.copy_source_if_match.as_ref(),
+            i.copy_source_if_none_match.as_ref(),
+            i.copy_source_if_modified_since.as_ref(),
+            i.copy_source_if_unmodified_since.as_ref(),
+        )?;
+        let replace_meta = i
+            .metadata_directive
+            .as_ref()
+            .is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
+        let replace_tags = i
+            .tagging_directive
+            .as_ref()
+            .is_some_and(|d| d.as_str() == TaggingDirective::REPLACE);
+        if sb == i.bucket && sk == i.key && sv.is_none() && !replace_meta && !replace_tags {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidRequest,
+                "This copy request is illegal because it is trying to copy an object to itself without changing the object's metadata, storage class, website redirect location or encryption attributes.",
+            ));
+        }
+        let tags = if replace_tags {
+            parse_tagging_header(i.tagging.as_ref())?
+        } else {
+            src.tags.clone()
+        };
+        let mut opts = if replace_meta {
+            put_options(
+                i.content_type.clone(),
+                [
+                    ("cache-control", i.cache_control.clone()),
+                    ("content-disposition", i.content_disposition.clone()),
+                    ("content-encoding", i.content_encoding.clone()),
+                    ("content-language", i.content_language.clone()),
+                    ("expires", expires_string(i.expires.clone())),
+                ],
+                i.metadata.clone(),
+                tags,
+            )
+        } else {
+            PutOptions {
+                content_type: Some(src.content_type.clone()),
+                headers: src.headers.clone(),
+                user_metadata: src.user_metadata.clone(),
+                tags,
+                ..Default::default()
+            }
+        };
+        opts.checksum = src.checksum.clone();
+        let got = self
+            .store
+            .get_object(&sb, &sk, sv.as_deref(), None, None)
+            .await
+            .map_err(s3_error)?;
+        let len = got.range.1 - got.range.0;
+        let stream = futures::StreamExt::boxed(got.stream);
+        let body = tarn_store::ObjectBody {
+            stream,
+            declared_len: Some(len),
+            finish: None,
+        };
+        let info = self
+            .store
+            .put_object(&i.bucket, &i.key, body, opts)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(CopyObjectOutput {
+            copy_object_result: Some(CopyObjectResult {
+                e_tag: Some(etag(&info.etag)),
+                last_modified: Some(timestamp(info.last_modified_ns)),
+                ..Default::default()
+            }),
+            copy_source_version_id: src.version_id,
+            version_id: info.version_id,
+            ..Default::default()
+        }))
+    }
+
+    async fn list_objects(
+        &self,
+        req: S3Request<ListObjectsInput>,
+    ) -> S3Result<S3Response<ListObjectsOutput>> {
+        let i = req.input;
+        let url = i
+            .encoding_type
+            .as_ref()
+            .is_some_and(|e| e.as_str() == EncodingType::URL);
+        let max = max_keys(i.max_keys)?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let page = self
+            .store
+            .list_objects(
+                &i.bucket,
+                ListParams {
+                    prefix: prefix.clone(),
+                    delimiter: i.delimiter.clone(),
+                    after: i.marker.clone().filter(|m| !m.is_empty()),
+                    max_keys: max,
+                },
+            )
+            .await
+            .map_err(s3_error)?;
+        let contents: Vec<Object> = page.objects.iter().map(|o| list_entry(o, url)).collect();
+        let next_marker = if page.is_truncated && i.delimiter.is_some() {
+            page.next_after.clone().map(|m| encode_if(url, m))
+        } else {
+            None
+        };
+        Ok(S3Response::new(ListObjectsOutput {
+            name: Some(i.bucket),
+            prefix: Some(encode_if(url, prefix)),
+            marker: i.marker.map(|m| encode_if(url, m)),
+            max_keys: Some(max as i32),
+            is_truncated: Some(page.is_truncated),
+            contents: Some(contents),
+            common_prefixes: Some(
+                page.common_prefixes
+                    .into_iter()
+                    .map(|p| CommonPrefix {
+                        prefix: Some(encode_if(url, p)),
+                    })
+                    .collect(),
+            ),
+            delimiter: i.delimiter.map(|d| encode_if(url, d)),
+            next_marker,
+            encoding_type: i.encoding_type,
+            ..Default::default()
+        }))
+    }
+
+    async fn list_objects_v2(
+        &self,
+        req: S3Request<ListObjectsV2Input>,
+    ) -> S3Result<S3Response<ListObjectsV2Output>> {
+        let i = req.input;
+        let url = i
+            .encoding_type
+            .as_ref()
+            .is_some_and(|e| e.as_str() == EncodingType::URL);
+        let max = max_keys(i.max_keys)?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let after = match &i.continuation_token {
+            Some(t) => Some(decode_token(t)?),
+            None => i.start_after.clone().filter(|s| !s.is_empty()),
+        };
+        let page = self
+            .store
+            .list_objects(
+                &i.bucket,
+                ListParams {
+                    prefix: prefix.clone(),
+                    delimiter: i.delimiter.clone(),
+                    after,
+                    max_keys: max,
+                },
+            )
+            .await
+            .map_err(s3_error)?;
+        let fetch_owner = i.fetch_owner.unwrap_or(false);
+        let contents: Vec<Object> = page
+            .objects
+            .iter()
+            .map(|o| {
+                let mut e = list_entry(o, url);
+                if !fetch_owner {
+                    e.owner = None;
+                }
+                e
+            })
+            .collect();
+        let key_count = (contents.len() + page.common_prefixes.len()) as i32;
+        Ok(S3Response::new(ListObjectsV2Output {
+            name: Some(i.bucket),
+            prefix: Some(encode_if(url, prefix)),
+            max_keys: Some(max as i32),
+            key_count: Some(key_count),
+            continuation_token: i.continuation_token,
+            is_truncated: Some(page.is_truncated),
+            next_continuation_token: if page.is_truncated {
+                page.next_after.as_deref().map(encode_token)
+            } else {
+                None
+            },
+            contents: Some(contents),
+            common_prefixes: Some(
+                page.common_prefixes
+                    .into_iter()
+                    .map(|p| CommonPrefix {
+                        prefix: Some(encode_if(url, p)),
+                    })
+                    .collect(),
+            ),
+            delimiter: i.delimiter.map(|d| encode_if(url, d)),
+            encoding_type: i.encoding_type,
+            start_after: i.start_after.map(|s| encode_if(url, s)),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_object_versions(
+        &self,
+        req: S3Request<ListObjectVersionsInput>,
+    ) -> S3Result<S3Response<ListObjectVersionsOutput>> {
+        let i = req.input;
+        let url = i
+            .encoding_type
+            .as_ref()
+            .is_some_and(|e| e.as_str() == EncodingType::URL);
+        let max = max_keys(i.max_keys)?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let page = self
+            .store
+            .list_object_versions(
+                &i.bucket,
+                VersionListParams {
+                    prefix: prefix.clone(),
+                    delimiter: i.delimiter.clone(),
+                    key_marker: i.key_marker.clone().filter(|k| !k.is_empty()),
+                    version_id_marker: i.version_id_marker.clone().filter(|v| !v.is_empty()),
+                    max_keys: max,
+                },
+            )
+            .await
+            .map_err(s3_error)?;
+        let mut versions = Vec::new();
+        let mut markers = Vec::new();
+        for v in page.versions {
+            let vid = Some(v.version_id.clone().unwrap_or_else(|| "null".into()));
+            if v.delete_marker {
+                markers.push(DeleteMarkerEntry {
+                    is_latest: Some(v.is_latest),
+                    key: Some(encode_if(url, v.key.clone())),
+                    last_modified: Some(timestamp(v.last_modified_ns)),
+                    owner: Some(owner()),
+                    version_id: vid,
+                });
+            } else {
+                versions.push(ObjectVersion {
+                    e_tag: Some(etag(&v.etag)),
+                    is_latest: Some(v.is_latest),
+                    key: Some(encode_if(url, v.key.clone())),
+                    last_modified: Some(timestamp(v.last_modified_ns)),
+                    owner: Some(owner()),
+                    size: Some(v.size as i64),
+                    storage_class: Some(ObjectVersionStorageClass::from_static(
+                        ObjectVersionStorageClass::STANDARD,
+                    )),
+                    version_id: vid,
+                    ..Default::default()
+                });
+            }
+        }
+        Ok(S3Response::new(ListObjectVersionsOutput {
+            common_prefixes: Some(
+                page.common_prefixes
+                    .into_iter()
+                    .map(|p| CommonPrefix {
+                        prefix: Some(encode_if(url, p)),
+                    })
+                    .collect(),
+            ),
+            delete_markers: Some(markers),
+            delimiter: i.delimiter.map(|d| encode_if(url, d)),
+            encoding_type: i.encoding_type,
+            is_truncated: Some(page.is_truncated),
+            key_marker: i.key_marker.map(|k| encode_if(url, k)),
+            max_keys: Some(max as i32),
+            name: Some(i.bucket),
+            next_key_marker: if page.is_truncated {
+                page.next_key_marker.map(|k| encode_if(url, k))
+            } else {
+                None
+            },
+            next_version_id_marker: if page.is_truncated {
+                page.next_version_id_marker
+            } else {
+                None
+            },
+            prefix: Some(encode_if(url, prefix)),
+            version_id_marker: i.version_id_marker,
+            versions: Some(versions),
+            ..Default::default()
+        }))
+    }
+
+    async fn create_multipart_upload(
+        &self,
+        req: S3Request<CreateMultipartUploadInput>,
+    ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        let i = req.input;
+        let tags = parse_tagging_header(i.tagging.as_ref())?;
+        let opts = put_options(
+            i.content_type.clone(),
+            [
+                ("cache-control", i.cache_control.clone()),
+                ("content-disposition", i.content_disposition.clone()),
+                ("content-encoding", i.content_encoding.clone()),
+                ("content-language", i.content_language.clone()),
+                ("expires", expires_string(i.expires.clone())),
+            ],
+            i.metadata.clone(),
+            tags,
+        );
+        let algo = i
+            .checksum_algorithm
+            .as_ref()
+            .map(|a| a.as_str().to_string());
+        let id = self
+            .store
+            .create_multipart_upload(&i.bucket, &i.key, opts, algo)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(CreateMultipartUploadOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            upload_id: Some(id),
+            checksum_algorithm: i.checksum_algorithm,
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part(
+        &self,
+        req: S3Request<UploadPartInput>,
+    ) -> S3Result<S3Response<UploadPartOutput>> {
+        let headers = req.headers.clone();
+        let trailers = req.trailing_headers.clone();
+        let i = req.input;
+        let spec = ChecksumSpec::from_request(
+            &headers,
+            [
+                i.checksum_crc32.as_ref(),
+                i.checksum_crc32c.as_ref(),
+                i.checksum_crc64nvme.as_ref(),
+                i.checksum_sha1.as_ref(),
+                i.checksum_sha256.as_ref(),
+            ],
+        )?;
+        let md5 = content_md5(i.content_md5.as_ref())?;
+        if i.part_number < 1 {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidArgument,
+                "Part number must be an integer between 1 and 10000",
+            ));
+        }
+        let body = object_body(
+            i.body,
+            declared_len(&headers, i.content_length),
+            spec,
+            trailers,
+        );
+        let part = self
+            .store
+            .upload_part(
+                &i.bucket,
+                &i.key,
+                &i.upload_id,
+                i.part_number as u32,
+                body,
+                md5,
+                None,
+            )
+            .await
+            .map_err(s3_error)?;
+        let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&part.checksum);
+        Ok(S3Response::new(UploadPartOutput {
+            e_tag: Some(etag(&part.etag)),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part_copy(
+        &self,
+        req: S3Request<UploadPartCopyInput>,
+    ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        let i = req.input;
+        let (sb, sk, sv) = copy_source(&i.copy_source)?;
+        let src = self
+            .store
+            .head_object(&sb, &sk, sv.as_deref())
+            .await
+            .map_err(s3_error)?;
+        copy_conditions(
+            &src,
+            i.copy_source_if_match.as_ref(),
+            i.copy_source_if_none_match.as_ref(),
+            i.copy_source_if_modified_since.as_ref(),
+            i.copy_source_if_unmodified_since.as_ref(),
+        )?;
+        let range = match &i.copy_source_range {
+            None => None,
+            Some(r) => {
+                let parsed = Range::parse(r).map_err(|_| {
+                    S3Error::with_message(
+                        S3ErrorCode::InvalidArgument,
+                        "invalid x-amz-copy-source-range",
+                    )
+                })?;
+                match parsed {
+                    Range::Int { first, last: Some(last) } if last < src.size => Some(ByteRange::Closed(first, last)),
+                    _ => return Err(S3Error::with_message(S3ErrorCode::InvalidRange, "The x-amz-copy-source-range value must be of the form bytes=first-last and within the object")),
+                }
+            }
+        };
+        let got = self
+            .store
+            .get_object(&sb, &sk, sv.as_deref(), range, None)
+            .await
+            .map_err(s3_error)?;
+        let len = got.range.1 - got.range.0;
+        let body = tarn_store::ObjectBody {
+            stream: futures::StreamExt::boxed(got.stream),
+            declared_len: Some(len),
+            finish: None,
+        };
+        let part = self
+            .store
+            .upload_part(
+                &i.bucket,
+                &i.key,
+                &i.upload_id,
+                i.part_number as u32,
+                body,
+                None,
+                None,
+            )
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(UploadPartCopyOutput {
+            copy_part_result: Some(CopyPartResult {
+                e_tag: Some(etag(&part.etag)),
+                last_modified: Some(timestamp(part.last_modified_ns)),
+                ..Default::default()
+            }),
+            copy_source_version_id: src.version_id,
+            ..Default::default()
+        }))
+    }
+
+    async fn complete_multipart_upload(
+        &self,
+        req: S3Request<CompleteMultipartUploadInput>,
+    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        let i = req.input;
+        let parts = i.multipart_upload.and_then(|m| m.parts).unwrap_or_default();
+        let mut list = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (Some(n), Some(e)) = (p.part_number, p.e_tag) else {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::MalformedXML,
+                    "every part needs PartNumber and ETag",
+                ));
+            };
+            if n < 1 {
+                return Err(S3Error::new(S3ErrorCode::InvalidPart));
+            }
+            list.push((n as u32, e.value().to_string()));
+        }
+        let opts = PutOptions {
+            if_none_match_any: i.if_none_match.as_ref().is_some_and(|c| c.is_any()),
+            if_match: i
+                .if_match
+                .as_ref()
+                .and_then(|c| c.as_etag())
+                .map(|e| e.value().to_string()),
+            ..Default::default()
+        };
+        let info = self
+            .store
+            .complete_multipart_upload(&i.bucket, &i.key, &i.upload_id, &list, &opts)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(CompleteMultipartUploadOutput {
+            bucket: Some(i.bucket.clone()),
+            key: Some(i.key.clone()),
+            e_tag: Some(etag(&info.etag)),
+            location: Some(format!("/{}/{}", i.bucket, i.key)),
+            version_id: info.version_id,
+            ..Default::default()
+        }))
+    }
+
+    async fn abort_multipart_upload(
+        &self,
+        req: S3Request<AbortMultipartUploadInput>,
+    ) -> S3Result<S3Response<AbortMultipartUploadOutput>> {
+        let i = req.input;
+        self.store
+            .abort_multipart_upload(&i.bucket, &i.key, &i.upload_id)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(AbortMultipartUploadOutput::default()))
+    }
+
+    async fn list_parts(
+        &self,
+        req: S3Request<ListPartsInput>,
+    ) -> S3Result<S3Response<ListPartsOutput>> {
+        let i = req.input;
+        let max = match i.max_parts {
+            None => 1000,
+            Some(n) if n < 0 => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "max-parts must be non-negative",
+                ))
+            }
+            Some(n) => (n as usize).min(1000),
+        };
+        let after = i.part_number_marker.unwrap_or(0).max(0) as u32;
+        let (parts, truncated, _) = self
+            .store
+            .list_parts(&i.bucket, &i.key, &i.upload_id, after, max)
+            .await
+            .map_err(s3_error)?;
+        let next = parts.last().map(|p| p.number as i32);
+        let parts = parts
+            .into_iter()
+            .map(|p| {
+                let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&p.checksum);
+                Part {
+                    e_tag: Some(etag(&p.etag)),
+                    last_modified: Some(timestamp(p.last_modified_ns)),
+                    part_number: Some(p.number as i32),
+                    size: Some(p.size as i64),
+                    checksum_crc32: crc32,
+                    checksum_crc32c: crc32c,
+                    checksum_crc64nvme: crc64nvme,
+                    checksum_sha1: sha1,
+                    checksum_sha256: sha256,
+                }
+            })
+            .collect();
+        Ok(S3Response::new(ListPartsOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            upload_id: Some(i.upload_id),
+            is_truncated: Some(truncated),
+            max_parts: Some(max as i32),
+            part_number_marker: i.part_number_marker,
+            next_part_number_marker: if truncated { next } else { None },
+            parts: Some(parts),
+            owner: Some(owner()),
+            initiator: Some(Initiator {
+                display_name: Some("tarn".into()),
+                id: Some("tarn".into()),
+            }),
+            storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_multipart_uploads(
+        &self,
+        req: S3Request<ListMultipartUploadsInput>,
+    ) -> S3Result<S3Response<ListMultipartUploadsOutput>> {
+        let i = req.input;
+        let max = match i.max_uploads {
+            None => 1000,
+            Some(n) if n < 0 => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "max-uploads must be non-negative",
+                ))
+            }
+            Some(n) => (n as usize).min(1000),
+        };
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let (uploads, truncated) = self
+            .store
+            .list_multipart_uploads(
+                &i.bucket,
+                &prefix,
+                i.key_marker.as_deref(),
+                i.upload_id_marker.as_deref(),
+                max,
+            )
+            .await
+            .map_err(s3_error)?;
+        let next_key = uploads.last().map(|u| u.key.clone());
+        let next_id = uploads.last().map(|u| u.upload_id.clone());
+        let uploads = uploads
+            .into_iter()
+            .map(|u| MultipartUpload {
+                initiated: Some(timestamp(u.initiated_ns)),
+                key: Some(u.key),
+                upload_id: Some(u.upload_id),
+                owner: Some(owner()),
+                initiator: Some(Initiator {
+                    display_name: Some("tarn".into()),
+                    id: Some("tarn".into()),
+                }),
+                storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
+                ..Default::default()
+            })
+            .collect();
+        Ok(S3Response::new(ListMultipartUploadsOutput {
+            bucket: Some(i.bucket),
+            prefix: Some(prefix),
+            key_marker: i.key_marker,
+            upload_id_marker: i.upload_id_marker,
+            max_uploads: Some(max as i32),
+            is_truncated: Some(truncated),
+            next_key_marker: if truncated { next_key } else { None },
+            next_upload_id_marker: if truncated { next_id } else { None },
+            uploads: Some(uploads),
+            delimiter: i.delimiter,
+            encoding_type: i.encoding_type,
+            ..Default::default()
+        }))
+    }
+
+    async fn get_object_tagging(
+        &self,
+        req: S3Request<GetObjectTaggingInput>,
+    ) -> S3Result<S3Response<GetObjectTaggingOutput>> {
+        let i = req.input;
+        let info = self
+            .store
+            .head_object(&i.bucket, &i.key, i.version_id.as_deref())
+            .await
+            .map_err(s3_error)?;
+        let tag_set = info
+            .tags
+            .iter()
+            .map(|(k, v)| Tag {
+                key: Some(k.clone()),
+                value: Some(v.clone()),
+            })
+            .collect();
+        Ok(S3Response::new(GetObjectTaggingOutput {
+            tag_set,
+            version_id: info.version_id,
+        }))
+    }
+
+    async fn put_object_tagging(
+        &self,
+        req: S3Request<PutObjectTaggingInput>,
+    ) -> S3Result<S3Response<PutObjectTaggingOutput>> {
+        let i = req.input;
+        let tags: Vec<(String, String)> = i
+            .tagging
+            .tag_set
+            .into_iter()
+            .map(|t| (t.key.unwrap_or_default(), t.value.unwrap_or_default()))
+            .collect();
+        check_tags(&tags)?;
+        let vid = self
+            .store
+            .put_object_tags(&i.bucket, &i.key, i.version_id.as_deref(), tags)
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(PutObjectTaggingOutput { version_id: vid }))
+    }
+
+    async fn delete_object_tagging(
+        &self,
+        req: S3Request<DeleteObjectTaggingInput>,
+    ) -> S3Result<S3Response<DeleteObjectTaggingOutput>> {
+        let i = req.input;
+        let vid = self
+            .store
+            .put_object_tags(&i.bucket, &i.key, i.version_id.as_deref(), Vec::new())
+            .await
+            .map_err(s3_error)?;
+        Ok(S3Response::new(DeleteObjectTaggingOutput {
+            version_id: vid,
+        }))
+    }
+}
+
+fn list_entry(o: &ObjectInfo, url: bool) -> Object {
+    Object {
+        key: Some(encode_if(url, o.key.clone())),
+        e_tag: Some(etag(&o.etag)),
+        last_modified: Some(timestamp(o.last_modified_ns)),
+        size: Some(o.size as i64),
+        storage_class: Some(ObjectStorageClass::from_static(
+            ObjectStorageClass::STANDARD,
+        )),
+        owner: Some(owner()),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,121 @@
+//! The admin port: health, metrics and operator actions. It is a separate
+//! listener (loopback by default) so that nothing here shares the data port
+//! with S3 clients; operator actions also require the secret key as a bearer
+//! token.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tarn_store::Store;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::metrics::Metrics;
+
+fn text(status: u16, content_type: &'static str, body: String) -> http::Response<s3s::Body> {
+    let mut r = http::Response::new(s3s::Body::from(body));
+    *r.status_mut() =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
+    r
+}
+
+fn json_escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+async fn handle(
+    req: http::Request<Incoming>,
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
+    token: Arc<String>,
+) -> Result<http::Response<s3s::Body>, Infallible> {
+    let authorized = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| t.as_bytes() == token.as_bytes());
+    let r = match (req.method().as_str(), req.uri().path()) {
+        ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
+        ("GET", "/health/ready") => {
+            if store.is_ready() {
+                text(200, "text/plain", "ready\n".into())
+            } else {
+                text(
+                    503,
+                    "text/plain",
+                    "not ready: an erasure set lacks write quorum\n".into(),
+                )
+            }
+        }
+        ("GET", "/metrics") => text(200, "text/plain; version=0.0.4", metrics.render(&store)),
+        (_, "/admin/heal") | (_, "/admin/drives") if !authorized => {
+            text(401, "text/plain", "missing or wrong bearer token\n".into())
+        }
+        ("POST", "/admin/heal") => {
+            let r = store.heal_all().await;
+            text(
+                200,
+                "application/json",
+                format!(
+                    "{{\"objects_scanned\":{},\"objects_healed\":{},\"shards_rebuilt\":{},\"metadata_rewritten\":{},\"buckets_healed\":{},\"failures\":{}}}\n",
+                    r.objects_scanned, r.objects_healed, r.shards_rebuilt, r.metadata_rewritten, r.buckets_healed, r.failures
+                ),
+            )
+        }
+        ("GET", "/admin/drives") => {
+            let drives: Vec<String> = store
+                .drive_status()
+                .into_iter()
+                .map(|d| {
+                    format!(
+                        "{{\"path\":\"{}\",\"set\":{},\"online\":{},\"reason\":{}}}",
+                        json_escape(&d.path),
+                        d.set_index,
+                        d.online,
+                        d.reason
+                            .map(|r| format!("\"{}\"", json_escape(&r)))
+                            .unwrap_or_else(|| "null".into())
+                    )
+                })
+                .collect();
+            text(200, "application/json", format!("[{}]\n", drives.join(",")))
+        }
+        _ => text(404, "text/plain", "not found\n".into()),
+    };
+    Ok(r)
+}
+
+pub async fn serve(
+    listener: TcpListener,
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
+    token: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    let token = Arc::new(token);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let (store, metrics, token) = (store.clone(), metrics.clone(), token.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone()));
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Server configuration: flags, environment and an optional TOML file.
+//! Precedence: flag or environment variable > config file > built-in default.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+/// Credentials accepted only while every listener is on loopback.
+pub const DEFAULT_ACCESS_KEY: &str = "tarnadmin";
+pub const DEFAULT_SECRET_KEY: &str = "tarnadmin-secret";
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<String>,
+    pub admin_listen: Option<String>,
+    pub drives: Option<Vec<PathBuf>>,
+    pub region: Option<String>,
+    pub access_key: Option<String>,
+    pub secret_key: Option<String>,
+    pub domains: Option<Vec<String>>,
+    pub cores: Option<usize>,
+    pub erasure: Option<ErasureConfig>,
+    pub stripe_size_bytes: Option<usize>,
+    pub inline_threshold_bytes: Option<usize>,
+    pub etag_mode: Option<String>,
+    pub etag_md5_max_bytes: Option<u64>,
+    pub inflight_requests_max: Option<usize>,
+    pub buffers_per_core: Option<usize>,
+    pub scan_interval_secs: Option<u64>,
+    pub io_uring: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ErasureConfig {
+    pub set_drive_count: Option<usize>,
+    pub data_shards: Option<usize>,
+    pub parity_shards: Option<usize>,
+}
+
+impl FileConfig {
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+    }
+}
+
+pub fn parse_addr(s: &str) -> anyhow::Result<SocketAddr> {
+    s.parse()
+        .with_context(|| format!("invalid address {s:?} (expected IP:PORT)"))
+}
+
+/// Parses sizes like `1MiB`, `128KiB`, `4096`.
+pub fn parse_size(s: &str) -> anyhow::Result<u64> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = num.parse().with_context(|| format!("invalid size {s:?}"))?;
+    let mul = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => bail!("unknown size unit {other:?}"),
+    };
+    Ok(n * mul)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("128KiB").unwrap(), 128 << 10);
+        assert_eq!(parse_size("42").unwrap(), 42);
+        assert!(parse_size("1XB").is_err());
+    }
+
+    #[test]
+    fn config_file_rejects_unknown_keys() {
+        assert!(toml::from_str::<FileConfig>("listen = \"127.0.0.1:1\"\nbogus = 1").is_err());
+        let c: FileConfig = toml::from_str(
+            "drives = [\"/a\", \"/b\"]\n[erasure]\ndata_shards = 1\nparity_shards = 1",
+        )
+        .unwrap();
+        assert_eq!(c.drives.unwrap().len(), 2);
+        assert_eq!(c.erasure.unwrap().parity_shards, Some(1));
+    }
+}

@@ -1,0 +1,249 @@
+//! Prometheus text metrics: requests by operation and status, bytes, latency.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Latency histogram bucket bounds in seconds.
+const BUCKETS_S: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+#[derive(Default)]
+struct OpStats {
+    by_status: BTreeMap<u16, u64>,
+    buckets: [u64; BUCKETS_S.len()],
+    sum_s: f64,
+    count: u64,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    ops: Mutex<BTreeMap<&'static str, OpStats>>,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub inflight: AtomicU64,
+    pub rejected_overload: AtomicU64,
+}
+
+impl Metrics {
+    pub fn record(&self, op: &'static str, status: u16, latency: Duration) {
+        let s = latency.as_secs_f64();
+        let mut ops = self.ops.lock().expect("metrics lock");
+        let e = ops.entry(op).or_default();
+        *e.by_status.entry(status).or_default() += 1;
+        for (i, b) in BUCKETS_S.iter().enumerate() {
+            if s <= *b {
+                e.buckets[i] += 1;
+            }
+        }
+        e.sum_s += s;
+        e.count += 1;
+    }
+
+    pub fn render(&self, store: &tarn_store::Store) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP tarn_requests_total S3 requests by operation and HTTP status.\n# TYPE tarn_requests_total counter\n");
+        let ops = self.ops.lock().expect("metrics lock");
+        for (op, s) in ops.iter() {
+            for (status, n) in &s.by_status {
+                let _ = writeln!(
+                    out,
+                    "tarn_requests_total{{op=\"{op}\",status=\"{status}\"}} {n}"
+                );
+            }
+        }
+        out.push_str("# HELP tarn_request_duration_seconds S3 request latency (to response headers).\n# TYPE tarn_request_duration_seconds histogram\n");
+        for (op, s) in ops.iter() {
+            for (i, b) in BUCKETS_S.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "tarn_request_duration_seconds_bucket{{op=\"{op}\",le=\"{b}\"}} {}",
+                    s.buckets[i]
+                );
+            }
+            let _ = writeln!(
+                out,
+                "tarn_request_duration_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {}",
+                s.count
+            );
+            let _ = writeln!(
+                out,
+                "tarn_request_duration_seconds_sum{{op=\"{op}\"}} {}",
+                s.sum_s
+            );
+            let _ = writeln!(
+                out,
+                "tarn_request_duration_seconds_count{{op=\"{op}\"}} {}",
+                s.count
+            );
+        }
+        drop(ops);
+        let g = |out: &mut String, name: &str, help: &str, kind: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        };
+        g(
+            &mut out,
+            "tarn_request_bytes_in_total",
+            "Declared request body bytes.",
+            "counter",
+            self.bytes_in.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "tarn_response_bytes_out_total",
+            "Declared response body bytes.",
+            "counter",
+            self.bytes_out.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "tarn_requests_inflight",
+            "Requests being served.",
+            "gauge",
+            self.inflight.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "tarn_requests_rejected_overload_total",
+            "Requests answered 503 SlowDown by admission control.",
+            "counter",
+            self.rejected_overload.load(Ordering::Relaxed),
+        );
+        let st = &store.stats;
+        g(
+            &mut out,
+            "tarn_heal_queued_total",
+            "Objects queued for healing by reads.",
+            "counter",
+            st.heal_queued.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "tarn_heal_dropped_total",
+            "Heal requests dropped because the queue was full.",
+            "counter",
+            st.heal_dropped.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "tarn_shards_reconstructed_total",
+            "Shard blocks rebuilt from parity during reads.",
+            "counter",
+            st.shards_reconstructed.load(Ordering::Relaxed),
+        );
+        g(
+            &mut out,
+            "tarn_shards_rebuilt_total",
+            "Shard files rewritten by healing.",
+            "counter",
+            st.shards_rebuilt.load(Ordering::Relaxed),
+        );
+        out.push_str(
+            "# HELP tarn_drive_online Whether a drive is online.\n# TYPE tarn_drive_online gauge\n",
+        );
+        for d in store.drive_status() {
+            let _ = writeln!(
+                out,
+                "tarn_drive_online{{drive=\"{}\",set=\"{}\"}} {}",
+                d.path.replace('"', "'"),
+                d.set_index,
+                u8::from(d.online)
+            );
+        }
+        out
+    }
+}
+
+/// The S3 operation a request names, from its method, path and query (for
+/// metrics only; s3s does the authoritative routing).
+pub fn operation(
+    method: &http::Method,
+    path: &str,
+    query: &str,
+    bucket_in_host: bool,
+    has_copy_source: bool,
+) -> &'static str {
+    let has = |k: &str| {
+        query
+            .split('&')
+            .any(|p| p == k || p.starts_with(&format!("{k}=")))
+    };
+    let segments = path
+        .trim_start_matches('/')
+        .splitn(2, '/')
+        .filter(|s| !s.is_empty())
+        .count()
+        + usize::from(bucket_in_host);
+    let m = method.as_str();
+    match segments {
+        0 => "ListBuckets",
+        1 => match m {
+            "GET" if has("uploads") => "ListMultipartUploads",
+            "GET" if has("versions") => "ListObjectVersions",
+            "GET" if has("versioning") => "GetBucketVersioning",
+            "PUT" if has("versioning") => "PutBucketVersioning",
+            "GET" if has("location") => "GetBucketLocation",
+            "POST" if has("delete") => "DeleteObjects",
+            "GET" if query.contains("list-type=2") => "ListObjectsV2",
+            "GET" => "ListObjects",
+            "PUT" => "CreateBucket",
+            "HEAD" => "HeadBucket",
+            "DELETE" => "DeleteBucket",
+            _ => "Other",
+        },
+        _ => match m {
+            "PUT" if has("partNumber") && has_copy_source => "UploadPartCopy",
+            "PUT" if has("partNumber") => "UploadPart",
+            "POST" if has("uploadId") => "CompleteMultipartUpload",
+            "POST" if has("uploads") => "CreateMultipartUpload",
+            "GET" if has("uploadId") => "ListParts",
+            "DELETE" if has("uploadId") => "AbortMultipartUpload",
+            "GET" if has("tagging") => "GetObjectTagging",
+            "PUT" if has("tagging") => "PutObjectTagging",
+            "DELETE" if has("tagging") => "DeleteObjectTagging",
+            "PUT" if has_copy_source => "CopyObject",
+            "PUT" => "PutObject",
+            "GET" => "GetObject",
+            "HEAD" => "HeadObject",
+            "DELETE" => "DeleteObject",
+            _ => "Other",
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Method;
+
+    #[test]
+    fn names() {
+        assert_eq!(
+            operation(&Method::GET, "/", "", false, false),
+            "ListBuckets"
+        );
+        assert_eq!(
+            operation(&Method::GET, "/b", "list-type=2&prefix=a", false, false),
+            "ListObjectsV2"
+        );
+        assert_eq!(
+            operation(&Method::PUT, "/b/k/x", "", false, false),
+            "PutObject"
+        );
+        assert_eq!(
+            operation(&Method::PUT, "/k", "partNumber=1&uploadId=x", true, false),
+            "UploadPart"
+        );
+        assert_eq!(operation(&Method::GET, "/", "", true, false), "ListObjects");
+        assert_eq!(
+            operation(&Method::POST, "/b", "delete", false, false),
+            "DeleteObjects"
+        );
+    }
+}
