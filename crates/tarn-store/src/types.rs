@@ -171,6 +171,8 @@ pub struct HealReport {
     pub shards_rebuilt: u64,
     pub metadata_rewritten: u64,
     pub buckets_healed: u64,
+    /// Shard files no metadata refers to, removed after the grace period.
+    pub orphans_removed: u64,
     pub failures: u64,
 }
 

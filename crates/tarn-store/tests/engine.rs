@@ -739,3 +739,60 @@ fn bad_bodies_leave_nothing_visible() {
         assert!(tmp.is_empty());
     }
 }
+
+#[test]
+fn orphaned_shards_are_swept_after_the_grace_period() {
+    let c = Cluster::new(4);
+    let store = c.open();
+    let body = data(31, 3 * MIB);
+    let s = store.clone();
+    let b = body.clone();
+    run(async move {
+        bucket(&s, "bk-o").await;
+        put(&s, "bk-o", "k", &b).await;
+    });
+    let referenced = c.shard_files(0);
+    // Two old orphans (a write that renamed its shards and crashed before the
+    // commit) and one fresh file (a write committing right now).
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    let mk = |drive: usize, id: &str, age: Option<std::time::SystemTime>| {
+        let p = c.drives[drive].join("data").join(&id[..2]).join(id);
+        std::fs::write(&p, b"orphan").unwrap();
+        if let Some(t) = age {
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(t)
+                .unwrap();
+        }
+        p
+    };
+    let o1 = mk(0, "ab000000000000000000000000000001", Some(old));
+    let o2 = mk(3, "cd000000000000000000000000000002", Some(old));
+    let fresh = mk(1, "ef000000000000000000000000000003", None);
+    let s = store.clone();
+    run(async move {
+        let report = s.heal_all().await;
+        assert_eq!(report.orphans_removed, 2, "{report:?}");
+        assert_eq!(report.failures, 0);
+    });
+    assert!(!o1.exists() && !o2.exists());
+    assert!(
+        fresh.exists(),
+        "files younger than the grace period are left alone"
+    );
+    for f in referenced {
+        assert!(f.exists(), "referenced shard {f:?} must survive the sweep");
+    }
+    run(async move {
+        assert_eq!(
+            store
+                .sweep_orphans(std::time::Duration::ZERO)
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(get(&store, "bk-o", "k").await, body);
+    });
+}

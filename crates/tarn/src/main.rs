@@ -2,9 +2,11 @@
 //! serves a single node on ./data at 127.0.0.1:9000.
 
 mod admin;
+mod bench;
 mod config;
 mod metrics;
 mod server;
+mod sigv4;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,6 +35,15 @@ enum Command {
     Server(Box<ServerArgs>),
     /// Heal every object on the drives of a stopped server.
     Heal(DriveArgs),
+    /// Load generators.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Drive any S3-compatible endpoint (path-style, SigV4).
+    S3(Box<bench::S3BenchArgs>),
 }
 
 #[derive(clap::Args)]
@@ -308,6 +319,7 @@ fn main() {
     let result = match cli.command {
         Command::Server(a) => run_server(*a),
         Command::Heal(a) => run_heal(a),
+        Command::Bench(BenchCommand::S3(a)) => bench::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

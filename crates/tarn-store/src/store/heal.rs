@@ -4,6 +4,7 @@
 //! from the background scanner.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use tarn_io::file::{rename_durable, run_blocking};
 
@@ -16,6 +17,11 @@ use crate::error::StoreError;
 use crate::format::{new_id, Layout, PartMeta, Storage};
 use crate::shard::{ShardReader, ShardWriter};
 use crate::types::HealReport;
+
+/// Age before an unreferenced shard file counts as an orphan. Shards are renamed
+/// into place immediately before their metadata commits, so anything this old
+/// and unreferenced was left by a write that never committed.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(3600);
 
 impl Store {
     /// Heals every bucket and object on every set.
@@ -92,7 +98,67 @@ impl Store {
                 }
             }
         }
+        match self.sweep_orphans(ORPHAN_GRACE).await {
+            Ok(n) => report.orphans_removed = n,
+            Err(error) => {
+                tracing::error!(%error, "orphan sweep failed");
+                report.failures += 1;
+            }
+        }
         report
+    }
+
+    /// Removes shard files that no object version or upload part refers to and
+    /// that are older than `grace`: leftovers of writes interrupted between
+    /// renaming their shards into place and committing metadata. The grace
+    /// period keeps the sweep away from writes that are committing right now.
+    pub async fn sweep_orphans(&self, grace: Duration) -> Result<u64, StoreError> {
+        let mut removed = 0;
+        for set in 0..self.sets.len() {
+            let members: Vec<_> = (0..self.set_size(set))
+                .map(|p| {
+                    (
+                        self.slot(set, p).db.clone(),
+                        self.slot(set, p).paths.clone(),
+                    )
+                })
+                .collect();
+            removed += run_blocking(move || {
+                // Union of references across the set: a file is an orphan only if
+                // no drive of its set knows it. A drive whose metadata cannot be
+                // read fully stops the sweep of this set.
+                let mut referenced = std::collections::HashSet::new();
+                for (db, _) in &members {
+                    let Some(db) = db else { continue };
+                    referenced.extend(db.referenced_data_ids().map_err(std::io::Error::other)?);
+                }
+                let now = std::time::SystemTime::now();
+                let mut n = 0u64;
+                for (db, paths) in &members {
+                    if db.is_none() {
+                        continue;
+                    }
+                    for sub in std::fs::read_dir(paths.data_dir())?.flatten() {
+                        let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
+                        for f in files.flatten() {
+                            let name = f.file_name();
+                            let Some(id) = name.to_str().and_then(crate::format::id_from_hex) else { continue };
+                            if referenced.contains(&id) {
+                                continue;
+                            }
+                            let old = f.metadata().and_then(|m| m.modified()).ok().and_then(|t| now.duration_since(t).ok()).is_some_and(|age| age >= grace);
+                            if old && std::fs::remove_file(f.path()).is_ok() {
+                                tracing::info!(path = %f.path().display(), "removed orphaned shard file");
+                                n += 1;
+                            }
+                        }
+                    }
+                }
+                Ok(n)
+            })
+            .await?;
+        }
+        Ok(removed)
     }
 
     /// Heals one object: its metadata on every online drive of its set, the

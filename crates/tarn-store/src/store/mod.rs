@@ -10,7 +10,7 @@ pub mod get;
 mod heal;
 mod list;
 mod multipart;
-mod put;
+pub(crate) mod put;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -1052,6 +1052,78 @@ impl Store {
         )
         .await?;
         Ok(vid)
+    }
+}
+
+impl Store {
+    /// Loads many small objects with the same body at once: records are written
+    /// in large batches with one fsync per batch instead of one per object.
+    /// For imports into new keys and for benchmarks; it does not merge with
+    /// existing versions of the keys (they are replaced) and takes no locks.
+    pub async fn bulk_load_inline(
+        &self,
+        bucket: &str,
+        keys: Vec<String>,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        self.bucket_record(bucket)?;
+        if body.len() > self.cfg.inline_threshold_bytes {
+            return Err(StoreError::InvalidArgument(
+                "bulk load takes inline-sized bodies only".into(),
+            ));
+        }
+        let etag = put::hex(&<md5::Md5 as md5::Digest>::digest(body));
+        let crc = crate::checksum::crc32c(body);
+        let mut per_set: Vec<Vec<drive::BulkItem>> = vec![Vec::new(); self.sets.len()];
+        for key in keys {
+            validate_key(&key)?;
+            let set = self.set_for(bucket, &key);
+            let mtime = self.next_mod_time(0);
+            let meta = VersionMeta {
+                version_id: NULL_VERSION,
+                mod_time_ns: mtime,
+                delete_marker: false,
+                size: body.len() as u64,
+                etag: etag.clone(),
+                content_type: "binary/octet-stream".into(),
+                headers: Vec::new(),
+                user_metadata: Vec::new(),
+                tags: Vec::new(),
+                checksum: None,
+                layout: Layout {
+                    data_shards: 1,
+                    parity_shards: 0,
+                    codec: CodecId::Replicate,
+                    stripe_size_bytes: self.cfg.stripe_size_bytes as u32,
+                    distribution: vec![0],
+                },
+                storage: Storage::Inline { crc32c: crc },
+            };
+            let record = ObjectRecord {
+                versions: vec![meta],
+            }
+            .encode();
+            per_set[set].push((key, record, Some((NULL_VERSION, mtime, body.to_vec()))));
+        }
+        for (set, items) in per_set.into_iter().enumerate() {
+            let items = Arc::new(items);
+            for chunk_start in (0..items.len()).step_by(50_000) {
+                let futs = (0..self.set_size(set))
+                    .filter_map(|p| self.slot(set, p).db.clone())
+                    .map(|db| {
+                        let (b, items) = (bucket.to_string(), items.clone());
+                        run_blocking(move || {
+                            let end = (chunk_start + 50_000).min(items.len());
+                            db.write_objects_bulk(&b, &items[chunk_start..end])
+                                .map_err(std::io::Error::other)
+                        })
+                    });
+                for r in futures::future::join_all(futs).await {
+                    r?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -1,0 +1,574 @@
+//! `tarn bench s3`: a load generator for any S3-compatible endpoint.
+//!
+//! Each worker owns one keep-alive HTTP/1.1 connection and issues requests one
+//! after another; workers are spread over one single-threaded runtime per
+//! thread. Requests are signed with SigV4 (unsigned payload). Latency is
+//! recorded per request, from sending the head to the last body byte, in an
+//! HDR histogram.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+use crate::sigv4::Signer;
+
+#[derive(clap::Args, Clone)]
+pub struct S3BenchArgs {
+    /// Endpoint, e.g. http://127.0.0.1:9000 (path-style requests).
+    #[arg(long)]
+    pub endpoint: String,
+    #[arg(long, env = "AWS_ACCESS_KEY_ID")]
+    pub access_key: String,
+    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
+    pub secret_key: String,
+    #[arg(long, default_value = "us-east-1")]
+    pub region: String,
+    /// Bucket to use; created and removed unless --keep. Default: a fresh name.
+    #[arg(long)]
+    pub bucket: Option<String>,
+    /// put, get, mixed (70% get, 30% put) or list.
+    #[arg(long, default_value = "put")]
+    pub op: String,
+    /// Object size, e.g. 4KiB, 1MiB, 64MiB.
+    #[arg(long, default_value = "1MiB")]
+    pub size: String,
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Run time, e.g. 10s (ignored when --count is given).
+    #[arg(long, default_value = "10s")]
+    pub duration: String,
+    /// Stop after this many operations.
+    #[arg(long)]
+    pub count: Option<u64>,
+    /// Distinct objects written (put cycles over them; get reads them).
+    #[arg(long, default_value_t = 64)]
+    pub objects: u64,
+    /// Check every byte read against what was written.
+    #[arg(long)]
+    pub verify: bool,
+    /// Keep the bucket and objects afterwards.
+    #[arg(long)]
+    pub keep: bool,
+    /// Client threads (one runtime each); default: available cores.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Target {
+    host: String,
+    addr: String,
+    signer: Signer,
+}
+
+type Conn = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(t: &Target) -> anyhow::Result<Conn> {
+    let stream = tokio::net::TcpStream::connect(&t.addr)
+        .await
+        .with_context(|| format!("connecting to {}", t.addr))?;
+    stream.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+/// One signed request; returns the status and the body length (and the body
+/// itself when `keep_body`).
+async fn request(
+    c: &mut Conn,
+    t: &Target,
+    method: &str,
+    path: &str,
+    query: &[(&str, &str)],
+    body: Bytes,
+    keep_body: bool,
+) -> anyhow::Result<(u16, u64, Option<Bytes>)> {
+    let unix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let mut uri = crate::sigv4::uri_encode(path, true);
+    if !query.is_empty() {
+        let q: Vec<String> = query
+            .iter()
+            .map(|(k, v)| {
+                if v.is_empty() {
+                    crate::sigv4::uri_encode(k, false)
+                } else {
+                    format!(
+                        "{}={}",
+                        crate::sigv4::uri_encode(k, false),
+                        crate::sigv4::uri_encode(v, false)
+                    )
+                }
+            })
+            .collect();
+        uri = format!("{uri}?{}", q.join("&"));
+    }
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .header(http::header::HOST, &t.host)
+        .header(http::header::CONTENT_LENGTH, body.len());
+    for (k, v) in t.signer.sign(method, &t.host, path, query, unix) {
+        req = req.header(k, v);
+    }
+    let req = req.body(Full::new(body))?;
+    c.ready().await?;
+    let resp = c.send_request(req).await?;
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut len = 0u64;
+    let mut kept = keep_body.then(bytes::BytesMut::new);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            len += data.len() as u64;
+            if let Some(k) = kept.as_mut() {
+                k.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok((status, len, kept.map(|k| k.freeze())))
+}
+
+/// Body of object `i`: a shared random buffer with the index stamped in front,
+/// so a read of the wrong object is caught by --verify.
+fn object_body(base: &Bytes, i: u64, stamp: bool) -> Bytes {
+    if !stamp || base.len() < 8 {
+        return base.clone();
+    }
+    let mut v = base.to_vec();
+    v[..8].copy_from_slice(&i.to_le_bytes());
+    Bytes::from(v)
+}
+
+#[derive(Default)]
+struct Shared {
+    hist: Mutex<Option<Histogram<u64>>>,
+    ops: AtomicU64,
+    bytes: AtomicU64,
+    errors: Mutex<std::collections::BTreeMap<String, u64>>,
+    verify_failures: AtomicU64,
+}
+
+impl Shared {
+    fn error(&self, kind: String) {
+        *self.errors.lock().expect("errors").entry(kind).or_default() += 1;
+    }
+}
+
+pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
+    let url = args.endpoint.trim_end_matches('/');
+    let Some(hostport) = url.strip_prefix("http://") else {
+        bail!("only http:// endpoints are supported")
+    };
+    let size = crate::config::parse_size(&args.size)? as usize;
+    let duration = parse_duration(&args.duration)?;
+    let threads = args
+        .threads
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        })
+        .clamp(1, args.concurrency.max(1));
+    if !["put", "get", "mixed", "list"].contains(&args.op.as_str()) {
+        bail!("--op must be put, get, mixed or list");
+    }
+    let bucket = args.bucket.clone().unwrap_or_else(|| {
+        format!(
+            "tarn-bench-{}",
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or(0)
+        )
+    });
+    let target = Arc::new(Target {
+        host: hostport.to_string(),
+        addr: hostport.to_string(),
+        signer: Signer {
+            access_key: args.access_key.clone(),
+            secret_key: args.secret_key.clone(),
+            region: args.region.clone(),
+        },
+    });
+    let mut base = vec![0u8; size];
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    for b in base.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let base = Bytes::from(base);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+
+    // Setup: bucket, and the objects reads need.
+    rt.block_on(async {
+        let mut c = connect(&target).await?;
+        let (st, _, _) = request(
+            &mut c,
+            &target,
+            "PUT",
+            &format!("/{bucket}"),
+            &[],
+            Bytes::new(),
+            false,
+        )
+        .await?;
+        if st != 200 && st != 409 {
+            bail!("creating bucket {bucket}: HTTP {st}");
+        }
+        if args.op == "get" || args.op == "mixed" || args.op == "list" {
+            let n = if args.op == "list" {
+                args.objects.max(1000)
+            } else {
+                args.objects
+            };
+            let body = if args.op == "list" {
+                Bytes::from_static(b"x")
+            } else {
+                base.clone()
+            };
+            for i in 0..n {
+                let (st, _, _) = request(
+                    &mut c,
+                    &target,
+                    "PUT",
+                    &format!("/{bucket}/obj-{i}"),
+                    &[],
+                    object_body(&body, i, args.verify),
+                    false,
+                )
+                .await?;
+                if st != 200 {
+                    bail!("preparing object {i}: HTTP {st}");
+                }
+            }
+        }
+        Ok(())
+    })?;
+
+    let shared = Arc::new(Shared {
+        hist: Mutex::new(Some(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)),
+        ..Default::default()
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let issued = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for t in 0..threads {
+        let workers = args.concurrency / threads + usize::from(t < args.concurrency % threads);
+        let (target, shared, stop, issued, base, bucket, args) = (
+            target.clone(),
+            shared.clone(),
+            stop.clone(),
+            issued.clone(),
+            base.clone(),
+            bucket.clone(),
+            args.clone(),
+        );
+        handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let tasks: Vec<_> = (0..workers)
+                    .map(|w| {
+                        let (target, shared, stop, issued, base, bucket, args) = (
+                            target.clone(),
+                            shared.clone(),
+                            stop.clone(),
+                            issued.clone(),
+                            base.clone(),
+                            bucket.clone(),
+                            args.clone(),
+                        );
+                        tokio::spawn(async move {
+                            worker(w, &target, &shared, &stop, &issued, &base, &bucket, &args).await
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    let _ = t.await;
+                }
+            });
+            Ok(())
+        }));
+    }
+    // Progress line and the stop condition.
+    let mut last = 0;
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let elapsed = start.elapsed();
+        if args.count.is_none() && elapsed >= duration {
+            stop.store(true, Ordering::Relaxed);
+        }
+        if handles.iter().all(|h| h.is_finished()) {
+            break;
+        }
+        let secs = elapsed.as_secs();
+        if secs != last && !args.json {
+            last = secs;
+            let ops = shared.ops.load(Ordering::Relaxed);
+            eprint!(
+                "\r{secs:>4}s  {ops:>9} ops  {:>9.1} ops/s  {:>9.1} MB/s",
+                ops as f64 / elapsed.as_secs_f64(),
+                shared.bytes.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6
+            );
+        }
+    }
+    let wall = start.elapsed();
+    for h in handles {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("bench thread panicked"))??;
+    }
+    if !args.json {
+        eprintln!();
+    }
+
+    if !args.keep {
+        rt.block_on(async {
+            let mut c = connect(&target).await?;
+            let n = match args.op.as_str() {
+                "list" => args.objects.max(1000),
+                _ => args.objects,
+            };
+            for i in 0..n {
+                let _ = request(
+                    &mut c,
+                    &target,
+                    "DELETE",
+                    &format!("/{bucket}/obj-{i}"),
+                    &[],
+                    Bytes::new(),
+                    false,
+                )
+                .await;
+            }
+            let _ = request(
+                &mut c,
+                &target,
+                "DELETE",
+                &format!("/{bucket}"),
+                &[],
+                Bytes::new(),
+                false,
+            )
+            .await;
+            Ok::<_, anyhow::Error>(())
+        })?;
+    }
+
+    let hist = shared.hist.lock().expect("hist").take().expect("histogram");
+    let ops = shared.ops.load(Ordering::Relaxed);
+    let bytes = shared.bytes.load(Ordering::Relaxed);
+    let errors = shared.errors.lock().expect("errors").clone();
+    let verify_failures = shared.verify_failures.load(Ordering::Relaxed);
+    let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    if args.json {
+        let errs: Vec<String> = errors.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+        println!(
+            "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{ops},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{verify_failures}}}",
+            args.op,
+            args.concurrency,
+            wall.as_secs_f64(),
+            ops as f64 / wall.as_secs_f64(),
+            bytes as f64 / wall.as_secs_f64() / 1e6,
+            ms(0.5),
+            ms(0.9),
+            ms(0.99),
+            ms(0.999),
+            hist.max() as f64 / 1000.0,
+            errs.join(",")
+        );
+    } else {
+        println!(
+            "op {} size {} concurrency {} threads {threads}: {ops} ops in {:.2} s",
+            args.op,
+            args.size,
+            args.concurrency,
+            wall.as_secs_f64()
+        );
+        println!(
+            "  {:.1} ops/s, {:.1} MB/s",
+            ops as f64 / wall.as_secs_f64(),
+            bytes as f64 / wall.as_secs_f64() / 1e6
+        );
+        println!(
+            "  latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}  p999 {:.3}  max {:.3}",
+            ms(0.5),
+            ms(0.9),
+            ms(0.99),
+            ms(0.999),
+            hist.max() as f64 / 1000.0
+        );
+        if !errors.is_empty() {
+            println!("  errors: {errors:?}");
+        }
+        if args.verify {
+            println!("  verify failures: {verify_failures}");
+        }
+    }
+    if verify_failures > 0 || !errors.is_empty() {
+        bail!(
+            "{} errors, {verify_failures} verify failures",
+            errors.values().sum::<u64>()
+        );
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn worker(
+    w: usize,
+    t: &Target,
+    shared: &Shared,
+    stop: &AtomicBool,
+    issued: &AtomicU64,
+    base: &Bytes,
+    bucket: &str,
+    args: &S3BenchArgs,
+) {
+    let mut conn: Option<Conn> = None;
+    let mut local = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("histogram");
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let n = issued.fetch_add(1, Ordering::Relaxed);
+        if args.count.is_some_and(|c| n >= c) {
+            break;
+        }
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let i = n % args.objects.max(1);
+        let op = match args.op.as_str() {
+            "mixed" if rng % 10 < 3 => "put",
+            "mixed" => "get",
+            o => o,
+        };
+        if conn.is_none() {
+            match connect(t).await {
+                Ok(c) => conn = Some(c),
+                Err(e) => {
+                    shared.error(format!("connect: {e}"));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            }
+        }
+        let c = conn.as_mut().expect("connection");
+        let begin = Instant::now();
+        let key = format!("/{bucket}/obj-{i}");
+        let result = match op {
+            "put" => {
+                request(
+                    c,
+                    t,
+                    "PUT",
+                    &key,
+                    &[],
+                    object_body(base, i, args.verify),
+                    false,
+                )
+                .await
+            }
+            "get" => request(c, t, "GET", &key, &[], Bytes::new(), args.verify).await,
+            _ => {
+                request(
+                    c,
+                    t,
+                    "GET",
+                    &format!("/{bucket}"),
+                    &[("list-type", "2"), ("max-keys", "1000")],
+                    Bytes::new(),
+                    false,
+                )
+                .await
+            }
+        };
+        let elapsed = begin.elapsed();
+        match result {
+            Ok((status, len, body)) if (200..300).contains(&status) => {
+                let _ = local.record(elapsed.as_micros().max(1) as u64);
+                shared.ops.fetch_add(1, Ordering::Relaxed);
+                let payload = match op {
+                    "put" => base.len() as u64,
+                    _ => len,
+                };
+                shared.bytes.fetch_add(payload, Ordering::Relaxed);
+                if op == "get" && args.verify {
+                    let want = object_body(base, i, true);
+                    if body.as_deref() != Some(&want[..]) {
+                        shared.verify_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Ok((status, _, _)) => shared.error(format!("HTTP {status}")),
+            Err(e) => {
+                shared.error(format!("{e}").chars().take(60).collect());
+                conn = None;
+            }
+        }
+    }
+    shared
+        .hist
+        .lock()
+        .expect("hist")
+        .as_mut()
+        .expect("histogram")
+        .add(&local)
+        .expect("merge histograms");
+}
+
+fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+    let s = s.trim();
+    let (n, unit) = s.split_at(
+        s.find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(s.len()),
+    );
+    let n: f64 = n
+        .parse()
+        .with_context(|| format!("invalid duration {s:?}"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" => n * 60.0,
+        _ => bail!("invalid duration unit in {s:?}"),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("5x").is_err());
+    }
+
+    #[test]
+    fn stamped_bodies_differ() {
+        let base = Bytes::from(vec![7u8; 64]);
+        assert_ne!(object_body(&base, 1, true), object_body(&base, 2, true));
+        assert_eq!(object_body(&base, 1, false), base);
+    }
+}
