@@ -131,6 +131,39 @@ fn part_key(upload_id: &Id128, number: u32) -> Vec<u8> {
     k
 }
 
+/// Entries of one bucket in key order, read lazily from the index.
+pub struct ObjectCursor {
+    iter: fjall::Iter,
+    base_len: usize,
+    /// bucket NUL prefix: iteration ends at the first key without it.
+    want_prefix: Vec<u8>,
+    name: String,
+}
+
+impl Iterator for ObjectCursor {
+    type Item = Result<(String, Vec<u8>), StoreError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let kv = self.iter.next()?;
+            let (k, v) = match kv.into_inner() {
+                Ok(kv) => kv,
+                Err(e) => return Some(Err(StoreError::Drive { drive: self.name.clone(), reason: format!("scan objects: {e}") })),
+            };
+            if !k.starts_with(&self.want_prefix) {
+                return None;
+            }
+            match std::str::from_utf8(&k[self.base_len..]) {
+                Ok(key) => return Some(Ok((key.to_string(), v.to_vec()))),
+                Err(_) => {
+                    tracing::error!(drive = %self.name, "object key not UTF-8 skipped");
+                    continue;
+                }
+            }
+        }
+    }
+}
+
 /// A record to bulk-load: key, encoded object record, inline bytes (version id,
 /// modification time, data).
 pub type BulkItem = (String, Vec<u8>, Option<(Id128, u64, Vec<u8>)>);
@@ -315,15 +348,9 @@ impl DriveDb {
         Ok(v.map(|v| v.to_vec()))
     }
 
-    /// Up to `limit` object entries of `bucket` whose keys start with `prefix`
-    /// and are at least `from` (raw key bytes, inclusive), in key order.
-    pub fn scan_objects_from(
-        &self,
-        bucket: &str,
-        prefix: &str,
-        from: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+    /// A lazy cursor over the object entries of `bucket` whose keys start with
+    /// `prefix` and are at least `from` (raw key bytes, inclusive).
+    pub fn object_cursor(&self, bucket: &str, prefix: &str, from: Option<&[u8]>) -> ObjectCursor {
         let base = object_key(bucket, "");
         let mut lo = object_key(bucket, prefix);
         if let Some(f) = from {
@@ -333,26 +360,9 @@ impl DriveDb {
                 lo = k;
             }
         }
-        let mut out = Vec::new();
-        for kv in self.objects.range(lo..) {
-            let (k, v) = kv.into_inner().map_err(|e| self.fail("scan objects", e))?;
-            if !k.starts_with(&base) {
-                break;
-            }
-            let key = &k[base.len()..];
-            if !key.starts_with(prefix.as_bytes()) {
-                break;
-            }
-            let Ok(key) = std::str::from_utf8(key) else {
-                tracing::error!(drive = %self.name, "object key not UTF-8 skipped");
-                continue;
-            };
-            out.push((key.to_string(), v.to_vec()));
-            if out.len() >= limit {
-                break;
-            }
-        }
-        Ok(out)
+        let mut want = base.clone();
+        want.extend_from_slice(prefix.as_bytes());
+        ObjectCursor { iter: self.objects.range(lo..), base_len: base.len(), want_prefix: want, name: self.name.clone() }
     }
 
     pub fn put_upload(

@@ -2,7 +2,6 @@
 //! walk. Each round scans a bounded batch of keys from every online drive; keys
 //! up to the smallest last key of any full batch are complete and can be emitted.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tarn_io::file::run_blocking;
@@ -25,7 +24,6 @@ pub(crate) enum Step {
 }
 
 /// Where a scan resumes.
-#[derive(Clone)]
 enum Cursor {
     Start,
     After(String),
@@ -60,93 +58,83 @@ struct SetDrives {
     quorum: usize,
 }
 
+/// One drive's lazy cursor and its next entry.
+struct Head {
+    set: usize,
+    db: Arc<DriveDb>,
+    cursor: crate::drive::ObjectCursor,
+    next: Option<(String, Vec<u8>)>,
+}
+
+impl Head {
+    fn advance(&mut self) -> Result<(), StoreError> {
+        self.next = self.cursor.next().transpose()?;
+        Ok(())
+    }
+}
+
 /// Visits the resolved records of `bucket` with keys starting with `prefix`
-/// after `start`, in key order. Runs on a blocking thread.
+/// after `start`, in key order: a k-way merge of one lazy cursor per online
+/// drive. Skipping a common prefix re-seeks only the cursors inside it, so a
+/// page costs O(page × drives) reads whatever the bucket holds. Runs on a
+/// blocking thread.
 fn walk(
     sets: &[SetDrives],
     bucket: &str,
     prefix: &str,
     start: Option<String>,
     delimiter: Option<&str>,
-    batch: usize,
     mut visit: impl FnMut(&str, ObjectRecord) -> Step,
 ) -> Result<(), StoreError> {
-    let mut cursor = match start {
+    let cursor = match start {
         // A marker that is itself a common prefix (a previous page ended on it)
         // resumes after every key under it, or the prefix would repeat forever.
         Some(s)
             if s.as_str() >= prefix
-                && delimiter.is_some_and(|d| {
-                    !d.is_empty()
-                        && s[prefix.len().min(s.len())..].ends_with(d)
-                        && s.starts_with(prefix)
-                }) =>
+                && s.starts_with(prefix)
+                && delimiter.is_some_and(|d| !d.is_empty() && s[prefix.len()..].ends_with(d)) =>
         {
             Cursor::PastPrefix(s)
         }
         Some(s) if s.as_str() >= prefix => Cursor::After(s),
         _ => Cursor::Start,
     };
+    let lower = cursor.lower_bound();
+    let mut heads = Vec::new();
+    for (s, set) in sets.iter().enumerate() {
+        for db in &set.dbs {
+            let mut h = Head { set: s, db: db.clone(), cursor: db.object_cursor(bucket, prefix, lower.as_deref()), next: None };
+            h.advance()?;
+            heads.push(h);
+        }
+    }
     loop {
-        // key -> (set, raw records from that set's drives)
-        let mut entries: BTreeMap<String, (usize, DriveRecords)> = BTreeMap::new();
-        let mut frontier: Option<String> = None;
-        let lower = cursor.lower_bound();
-        for (s, set) in sets.iter().enumerate() {
-            for db in &set.dbs {
-                let rows = db.scan_objects_from(bucket, prefix, lower.as_deref(), batch)?;
-                if rows.len() == batch {
-                    let last = rows.last().expect("non-empty").0.clone();
-                    if frontier.as_ref().is_none_or(|f| last < *f) {
-                        frontier = Some(last);
+        let Some(key) = heads.iter().filter_map(|h| h.next.as_ref().map(|(k, _)| k)).min().cloned() else {
+            return Ok(());
+        };
+        let mut recs: DriveRecords = Vec::new();
+        let mut set = 0;
+        for h in heads.iter_mut() {
+            if h.next.as_ref().is_some_and(|(k, _)| *k == key) {
+                let (_, raw) = h.next.take().expect("peeked");
+                set = h.set;
+                recs.push(ObjectRecord::decode(&raw).map(Some).map_err(|e| StoreError::CorruptMetadata { drive: String::new(), what: e.to_string() }));
+                h.advance()?;
+            }
+        }
+        match visit(&key, resolve(&recs, sets[set].quorum)) {
+            Step::Next => {}
+            Step::Stop => return Ok(()),
+            Step::SkipPrefix(p) => {
+                let past = Cursor::PastPrefix(p.clone()).lower_bound();
+                for h in heads.iter_mut() {
+                    if h.next.as_ref().is_some_and(|(k, _)| k.starts_with(p.as_str())) {
+                        h.cursor = h.db.object_cursor(bucket, prefix, past.as_deref());
+                        h.advance()?;
                     }
                 }
-                for (key, raw) in rows {
-                    let rec = ObjectRecord::decode(&raw).map(Some).map_err(|e| {
-                        StoreError::CorruptMetadata {
-                            drive: String::new(),
-                            what: e.to_string(),
-                        }
-                    });
-                    entries
-                        .entry(key)
-                        .or_insert_with(|| (s, Vec::new()))
-                        .1
-                        .push(rec);
-                }
             }
         }
-        if entries.is_empty() {
-            return Ok(());
-        }
-        let mut skip: Option<String> = None;
-        let mut last_seen: Option<String> = None;
-        for (key, (s, recs)) in entries {
-            if frontier.as_ref().is_some_and(|f| key > *f) {
-                break;
-            }
-            if skip.as_ref().is_some_and(|p| key.starts_with(p.as_str())) {
-                continue;
-            }
-            let rec = resolve(&recs, sets[s].quorum);
-            last_seen = Some(key.clone());
-            match visit(&key, rec) {
-                Step::Next => {}
-                Step::SkipPrefix(p) => skip = Some(p),
-                Step::Stop => return Ok(()),
-            }
-        }
-        if frontier.is_none() {
-            return Ok(());
-        }
-        cursor = match (skip, last_seen) {
-            (Some(p), Some(k)) if k.starts_with(p.as_str()) => Cursor::PastPrefix(p),
-            (_, Some(k)) => Cursor::After(k),
-            (_, None) => match frontier {
-                Some(f) => Cursor::After(f),
-                None => return Ok(()),
-            },
-        };
     }
 }
 
@@ -200,14 +188,12 @@ impl Store {
             if max == 0 {
                 return Ok(Ok(page));
             }
-            let batch = (max + 1).min(LIST_KEYS_MAX + 1);
-            let res = walk(
+                        let res = walk(
                 &sets,
                 &bucket,
                 &p.prefix,
                 p.after.clone(),
                 p.delimiter.as_deref(),
-                batch,
                 |key, rec| {
                     let Some(latest) = rec.versions.first() else {
                         return Step::Next;
@@ -275,7 +261,6 @@ impl Store {
                 &p.prefix,
                 start,
                 p.delimiter.as_deref(),
-                max + 1,
                 |key, rec| {
                     if rec.versions.is_empty() {
                         return Step::Next;
