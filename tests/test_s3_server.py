@@ -360,3 +360,44 @@ def test_aws_cli(server, tmp_path):
     aws(server, "s3", "rb", "s3://cli")
     r = aws(server, "s3", "ls", "s3://cli", check=False)
     assert r.returncode != 0 and "NoSuchBucket" in r.stderr
+
+
+def test_config_file_and_environment_credentials(tmp_path):
+    """A TOML config names drives and erasure layout; credentials come from the
+    environment and the defaults stop working."""
+    drives = [str(tmp_path / f"disk{i}") for i in range(3)]
+    cfg = tmp_path / "tarn.toml"
+    cfg.write_text(
+        'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\nregion = "eu-west-1"\n'
+        f"drives = {json.dumps(drives)}\n[erasure]\ndata_shards = 2\nparity_shards = 1\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TARN_")}
+    env.update(TARN_ACCESS_KEY="ENVKEY", TARN_SECRET_KEY="env-secret-123")
+    proc = subprocess.Popen([BIN, "server", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        endpoint = None
+        for _ in range(20):
+            line = proc.stdout.readline()
+            if "erasure 2+1" in line:
+                assert "region eu-west-1" in line
+            if line.startswith("S3 endpoint: "):
+                endpoint = line.split(": ", 1)[1].strip()
+                break
+        assert endpoint
+        c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="ENVKEY", aws_secret_access_key="env-secret-123", region_name="eu-west-1")
+        c.create_bucket(Bucket="cfg", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+        c.put_object(Bucket="cfg", Key="k", Body=data(1, 2 * MIB))
+        assert c.get_object(Bucket="cfg", Key="k")["Body"].read() == data(1, 2 * MIB)
+        assert c.get_bucket_location(Bucket="cfg")["LocationConstraint"] == "eu-west-1"
+        assert all(os.path.isdir(os.path.join(d, "data")) for d in drives)
+        default = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name="eu-west-1")
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            default.list_buckets()
+        assert e.value.response["Error"]["Code"] == "InvalidAccessKeyId"
+    finally:
+        proc.send_signal(15)
+        assert proc.wait(timeout=40) == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text('listen = "127.0.0.1:0"\nunknown_key = 1\n')
+    r = subprocess.run([BIN, "server", "--config", str(bad)], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode != 0 and "unknown" in r.stderr
