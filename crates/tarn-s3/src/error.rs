@@ -28,6 +28,7 @@ pub fn s3_error(e: StoreError) -> S3Error {
             C::PreconditionFailed,
             "At least one of the pre-conditions you specified did not hold".into(),
         ),
+        StoreError::NotModified { .. } => (C::NotModified, "Not Modified".into()),
         StoreError::InvalidRange => (
             C::InvalidRange,
             "The requested range is not satisfiable".into(),
@@ -55,6 +56,20 @@ pub fn s3_error(e: StoreError) -> S3Error {
         }
     };
     let mut err = S3Error::with_message(code, msg);
+    if let StoreError::NotModified { etag } = &e {
+        let mut h = http::HeaderMap::new();
+        if let Ok(v) = http::HeaderValue::from_str(&format!("\"{etag}\"")) {
+            h.insert(http::header::ETAG, v);
+        }
+        err.set_headers(h);
+    }
+    if let StoreError::NotModified { etag } = &e {
+        let mut h = http::HeaderMap::new();
+        if let Ok(v) = http::HeaderValue::from_str(&format!("\"{etag}\"")) {
+            h.insert(http::header::ETAG, v);
+        }
+        err.set_headers(h);
+    }
     if let StoreError::DeleteMarker { version, .. } = &e {
         let mut h = http::HeaderMap::new();
         h.insert(

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use s3s::dto::*;
 use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
 use tarn_store::{
-    ByteRange, Durability, ListParams, ObjectInfo, PutOptions, Store, VersionListParams, Versioning,
+    ByteRange, Durability, ListParams, ObjectInfo, PutOptions, ReadConditions, Store,
+    VersionListParams, Versioning,
 };
 
 use crate::body::{content_md5, object_body, ChecksumSpec};
@@ -110,6 +111,27 @@ fn metadata_map(info: &ObjectInfo) -> Option<HashMap<String, String>> {
     }
 }
 
+fn condition_string(c: Option<&ETagCondition>) -> Option<String> {
+    c.map(|c| match c {
+        ETagCondition::Any => "*".to_string(),
+        ETagCondition::ETag(e) => e.value().to_string(),
+    })
+}
+
+fn read_conditions(
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> ReadConditions {
+    ReadConditions {
+        if_match: condition_string(if_match),
+        if_none_match: condition_string(if_none_match),
+        if_modified_since_s: if_modified_since.map(timestamp_secs),
+        if_unmodified_since_s: if_unmodified_since.map(timestamp_secs),
+    }
+}
+
 /// Evaluates GET/HEAD conditional headers (RFC 9110 order, as S3 does).
 fn check_conditions(
     info: &ObjectInfo,
@@ -118,40 +140,14 @@ fn check_conditions(
     if_modified_since: Option<&Timestamp>,
     if_unmodified_since: Option<&Timestamp>,
 ) -> S3Result<()> {
-    let etag_is = |c: &ETagCondition| match c {
-        ETagCondition::Any => true,
-        ETagCondition::ETag(e) => e.value() == info.etag,
-    };
-    let modified = (info.last_modified_ns / 1_000_000_000) as i64;
-    if let Some(c) = if_match {
-        if !etag_is(c) {
-            return Err(S3Error::new(S3ErrorCode::PreconditionFailed));
-        }
-    } else if let Some(t) = if_unmodified_since {
-        if modified > timestamp_secs(t) {
-            return Err(S3Error::new(S3ErrorCode::PreconditionFailed));
-        }
-    }
-    if let Some(c) = if_none_match {
-        if etag_is(c) {
-            return Err(not_modified(info));
-        }
-    } else if let Some(t) = if_modified_since {
-        if modified <= timestamp_secs(t) {
-            return Err(not_modified(info));
-        }
-    }
-    Ok(())
-}
-
-fn not_modified(info: &ObjectInfo) -> S3Error {
-    let mut e = S3Error::new(S3ErrorCode::NotModified);
-    let mut h = http::HeaderMap::new();
-    if let Ok(v) = http::HeaderValue::from_str(&format!("\"{}\"", info.etag)) {
-        h.insert(http::header::ETAG, v);
-    }
-    e.set_headers(h);
-    e
+    read_conditions(
+        if_match,
+        if_none_match,
+        if_modified_since,
+        if_unmodified_since,
+    )
+    .check(info)
+    .map_err(s3_error)
 }
 
 fn range_of(r: Option<Range>) -> Option<ByteRange> {
@@ -456,28 +452,24 @@ impl S3 for TarnS3 {
             }
             n => n.map(|n| n as u32),
         };
-        // Conditions are evaluated on the version before any byte is read.
-        let head = self
-            .store
-            .head_object(&i.bucket, &i.key, i.version_id.as_deref())
-            .await
-            .map_err(s3_error)?;
-        check_conditions(
-            &head,
+        // Conditions are evaluated on the version before any byte is read, on
+        // the same metadata read that serves the GET.
+        let conditions = read_conditions(
             i.if_match.as_ref(),
             i.if_none_match.as_ref(),
             i.if_modified_since.as_ref(),
             i.if_unmodified_since.as_ref(),
-        )?;
+        );
         let range = range_of(i.range);
         let got = self
             .store
-            .get_object(
+            .get_object_if(
                 &i.bucket,
                 &i.key,
                 i.version_id.as_deref(),
                 range,
                 part_number,
+                &conditions,
             )
             .await
             .map_err(s3_error)?;

@@ -89,8 +89,27 @@ pub fn format_drive(path: &Path, format: &DriveFormat) -> Result<(), StoreError>
     Ok(())
 }
 
+/// Group commit: concurrent writers on a drive share journal fsyncs. A writer
+/// commits its batch (visible, not yet durable), takes a ticket, and waits until
+/// a sync covering its ticket finished; the first waiter with no sync running
+/// becomes the leader and fsyncs for everyone committed before it started.
+#[derive(Default)]
+struct GroupCommit {
+    state: std::sync::Mutex<SyncState>,
+    done: std::sync::Condvar,
+    tickets: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct SyncState {
+    synced: u64,
+    leader: bool,
+    failed: Option<String>,
+}
+
 /// The metadata index of one drive.
 pub struct DriveDb {
+    group: GroupCommit,
     db: Database,
     buckets: Keyspace,
     objects: Keyspace,
@@ -148,7 +167,12 @@ impl Iterator for ObjectCursor {
             let kv = self.iter.next()?;
             let (k, v) = match kv.into_inner() {
                 Ok(kv) => kv,
-                Err(e) => return Some(Err(StoreError::Drive { drive: self.name.clone(), reason: format!("scan objects: {e}") })),
+                Err(e) => {
+                    return Some(Err(StoreError::Drive {
+                        drive: self.name.clone(),
+                        reason: format!("scan objects: {e}"),
+                    }))
+                }
             };
             if !k.starts_with(&self.want_prefix) {
                 return None;
@@ -202,7 +226,44 @@ impl DriveDb {
             parts: ks("parts")?,
             db: db.clone(),
             name: name.clone(),
+            group: GroupCommit::default(),
         })
+    }
+
+    /// Commits `batch` and returns once it is durable, sharing the fsync with
+    /// concurrent committers on this drive.
+    fn commit_durable(&self, batch: fjall::OwnedWriteBatch, what: &str) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering;
+        batch.commit().map_err(|e| self.fail(what, e))?;
+        // The ticket is taken after the commit, so a sync that starts later
+        // covers this batch.
+        let ticket = self.group.tickets.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut st = self.group.state.lock().expect("group commit lock");
+        loop {
+            if st.synced >= ticket {
+                return Ok(());
+            }
+            if let Some(e) = &st.failed {
+                return Err(self.fail("persist", e));
+            }
+            if !st.leader {
+                st.leader = true;
+                let target = self.group.tickets.load(Ordering::SeqCst);
+                drop(st);
+                let res = self.db.persist(PersistMode::SyncAll);
+                st = self.group.state.lock().expect("group commit lock");
+                st.leader = false;
+                match res {
+                    Ok(()) => st.synced = st.synced.max(target),
+                    // A failed fsync leaves the journal in an unknown state: every
+                    // later commit on this drive fails too.
+                    Err(e) => st.failed = Some(e.to_string()),
+                }
+                self.group.done.notify_all();
+                continue;
+            }
+            st = self.group.done.wait(st).expect("group commit lock");
+        }
     }
 
     fn fail(&self, what: &str, e: impl std::fmt::Display) -> StoreError {
@@ -288,7 +349,7 @@ impl DriveDb {
     /// Applies one object change atomically and durably.
     pub fn write_object(&self, bucket: &str, key: &str, w: &ObjectWrite) -> Result<(), StoreError> {
         self.check_fault("write object")?;
-        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        let mut batch = self.db.batch();
         let ok = object_key(bucket, key);
         match &w.record {
             Some(r) if !r.versions.is_empty() => batch.insert(&self.objects, ok, r.encode()),
@@ -310,7 +371,7 @@ impl DriveDb {
                 batch.remove(&self.parts, part_key(upload_id, *n));
             }
         }
-        batch.commit().map_err(|e| self.fail("commit object", e))
+        self.commit_durable(batch, "commit object")
     }
 
     /// Writes many object records (and inline bytes) in one batch and persists
@@ -362,7 +423,12 @@ impl DriveDb {
         }
         let mut want = base.clone();
         want.extend_from_slice(prefix.as_bytes());
-        ObjectCursor { iter: self.objects.range(lo..), base_len: base.len(), want_prefix: want, name: self.name.clone() }
+        ObjectCursor {
+            iter: self.objects.range(lo..),
+            base_len: base.len(),
+            want_prefix: want,
+            name: self.name.clone(),
+        }
     }
 
     pub fn put_upload(
@@ -372,13 +438,13 @@ impl DriveDb {
         rec: &UploadRecord,
     ) -> Result<(), StoreError> {
         self.check_fault("put upload")?;
-        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        let mut batch = self.db.batch();
         batch.insert(
             &self.uploads,
             upload_key(bucket, key, &rec.upload_id),
             rec.encode(),
         );
-        batch.commit().map_err(|e| self.fail("put upload", e))
+        self.commit_durable(batch, "put upload")
     }
 
     pub fn upload(
@@ -413,12 +479,12 @@ impl DriveDb {
         parts: &[u32],
     ) -> Result<(), StoreError> {
         self.check_fault("delete upload")?;
-        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        let mut batch = self.db.batch();
         batch.remove(&self.uploads, upload_key(bucket, key, upload_id));
         for n in parts {
             batch.remove(&self.parts, part_key(upload_id, *n));
         }
-        batch.commit().map_err(|e| self.fail("delete upload", e))
+        self.commit_durable(batch, "delete upload")
     }
 
     /// Uploads of `bucket` whose key starts with `prefix`, in (key, upload id) order.
@@ -450,9 +516,9 @@ impl DriveDb {
 
     pub fn put_part(&self, upload_id: &Id128, part: &UploadPartRecord) -> Result<(), StoreError> {
         self.check_fault("put part")?;
-        let mut batch = self.db.batch().durability(Some(PersistMode::SyncAll));
+        let mut batch = self.db.batch();
         batch.insert(&self.parts, part_key(upload_id, part.number), part.encode());
-        batch.commit().map_err(|e| self.fail("put part", e))
+        self.commit_durable(batch, "put part")
     }
 
     pub fn parts(&self, upload_id: &Id128) -> Result<Vec<UploadPartRecord>, StoreError> {
@@ -532,5 +598,48 @@ impl DrivePaths {
     }
     pub fn data_dir(&self) -> PathBuf {
         self.root.join("data")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_commit_keeps_every_concurrent_write() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        {
+            let db = std::sync::Arc::new(DriveDb::open(dir.path()).unwrap());
+            let threads: Vec<_> = (0..8)
+                .map(|t| {
+                    let db = db.clone();
+                    std::thread::spawn(move || {
+                        for i in 0..50 {
+                            let part = UploadPartRecord {
+                                number: i,
+                                size: 1,
+                                etag: "e".into(),
+                                data_id: [t as u8; 16],
+                                mod_time_ns: 1,
+                                checksum: None,
+                            };
+                            db.put_part(&[t as u8; 16], &part).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+        }
+        let db = DriveDb::open(dir.path()).unwrap();
+        for t in 0..8u8 {
+            assert_eq!(
+                db.parts(&[t; 16]).unwrap().len(),
+                50,
+                "writer {t} lost commits"
+            );
+        }
     }
 }

@@ -40,6 +40,8 @@ pub enum StoreError {
     EntityTooLarge { size: u64, max: u64 },
     #[error("precondition failed")]
     PreconditionFailed,
+    #[error("not modified")]
+    NotModified { etag: String },
     #[error("requested range not satisfiable")]
     InvalidRange,
     #[error("invalid argument: {0}")]

@@ -82,6 +82,47 @@ pub struct ObjectInfo {
     pub parts: Vec<PartSummary>,
 }
 
+/// Conditional-read headers, evaluated on the version before any byte is read
+/// (RFC 9110 order: If-Match, else If-Unmodified-Since; then If-None-Match,
+/// else If-Modified-Since). Times are whole seconds since the epoch.
+#[derive(Debug, Clone, Default)]
+pub struct ReadConditions {
+    /// `Some("*")` matches any version.
+    pub if_match: Option<String>,
+    pub if_none_match: Option<String>,
+    pub if_modified_since_s: Option<i64>,
+    pub if_unmodified_since_s: Option<i64>,
+}
+
+impl ReadConditions {
+    pub fn check(&self, info: &ObjectInfo) -> Result<(), StoreError> {
+        let matches = |c: &str| c == "*" || c.trim_matches('"') == info.etag;
+        let modified = (info.last_modified_ns / 1_000_000_000) as i64;
+        if let Some(c) = &self.if_match {
+            if !matches(c) {
+                return Err(StoreError::PreconditionFailed);
+            }
+        } else if let Some(t) = self.if_unmodified_since_s {
+            if modified > t {
+                return Err(StoreError::PreconditionFailed);
+            }
+        }
+        let not_modified = || StoreError::NotModified {
+            etag: info.etag.clone(),
+        };
+        if let Some(c) = &self.if_none_match {
+            if matches(c) {
+                return Err(not_modified());
+            }
+        } else if let Some(t) = self.if_modified_since_s {
+            if modified <= t {
+                return Err(not_modified());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A byte range as requested; resolved against the object size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ByteRange {

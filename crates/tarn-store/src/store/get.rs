@@ -19,7 +19,7 @@ use crate::error::StoreError;
 use crate::format::{Layout, PartMeta, Storage, VersionMeta};
 use crate::lock::KeyGuard;
 use crate::shard::{ShardError, ShardReader};
-use crate::types::{ByteRange, ObjectInfo};
+use crate::types::{ByteRange, ObjectInfo, ReadConditions};
 
 /// Stripes read ahead of the consumer; bounds memory per GET.
 const READ_AHEAD_STRIPES: usize = 2;
@@ -89,6 +89,27 @@ impl Store {
         range: Option<ByteRange>,
         part_number: Option<u32>,
     ) -> Result<GetResult, StoreError> {
+        self.get_object_if(
+            bucket,
+            key,
+            version,
+            range,
+            part_number,
+            &ReadConditions::default(),
+        )
+        .await
+    }
+
+    /// GET with conditions, checked on the same metadata read that serves it.
+    pub async fn get_object_if(
+        self: &Arc<Self>,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        range: Option<ByteRange>,
+        part_number: Option<u32>,
+        conditions: &ReadConditions,
+    ) -> Result<GetResult, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
         let set = self.set_for(bucket, key);
@@ -102,6 +123,7 @@ impl Store {
             return Err(StoreError::MethodNotAllowed);
         }
         let info = self.info_from(bucket, key, v, latest);
+        conditions.check(&info)?;
         let (start, end) = match (part_number, range) {
             (Some(_), Some(_)) => {
                 return Err(StoreError::InvalidArgument(

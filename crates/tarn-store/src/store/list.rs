@@ -103,13 +103,23 @@ fn walk(
     let mut heads = Vec::new();
     for (s, set) in sets.iter().enumerate() {
         for db in &set.dbs {
-            let mut h = Head { set: s, db: db.clone(), cursor: db.object_cursor(bucket, prefix, lower.as_deref()), next: None };
+            let mut h = Head {
+                set: s,
+                db: db.clone(),
+                cursor: db.object_cursor(bucket, prefix, lower.as_deref()),
+                next: None,
+            };
             h.advance()?;
             heads.push(h);
         }
     }
     loop {
-        let Some(key) = heads.iter().filter_map(|h| h.next.as_ref().map(|(k, _)| k)).min().cloned() else {
+        let Some(key) = heads
+            .iter()
+            .filter_map(|h| h.next.as_ref().map(|(k, _)| k))
+            .min()
+            .cloned()
+        else {
             return Ok(());
         };
         let mut recs: DriveRecords = Vec::new();
@@ -118,7 +128,12 @@ fn walk(
             if h.next.as_ref().is_some_and(|(k, _)| *k == key) {
                 let (_, raw) = h.next.take().expect("peeked");
                 set = h.set;
-                recs.push(ObjectRecord::decode(&raw).map(Some).map_err(|e| StoreError::CorruptMetadata { drive: String::new(), what: e.to_string() }));
+                recs.push(ObjectRecord::decode(&raw).map(Some).map_err(|e| {
+                    StoreError::CorruptMetadata {
+                        drive: String::new(),
+                        what: e.to_string(),
+                    }
+                }));
                 h.advance()?;
             }
         }
@@ -128,7 +143,10 @@ fn walk(
             Step::SkipPrefix(p) => {
                 let past = Cursor::PastPrefix(p.clone()).lower_bound();
                 for h in heads.iter_mut() {
-                    if h.next.as_ref().is_some_and(|(k, _)| k.starts_with(p.as_str())) {
+                    if h.next
+                        .as_ref()
+                        .is_some_and(|(k, _)| k.starts_with(p.as_str()))
+                    {
                         h.cursor = h.db.object_cursor(bucket, prefix, past.as_deref());
                         h.advance()?;
                     }
@@ -188,7 +206,7 @@ impl Store {
             if max == 0 {
                 return Ok(Ok(page));
             }
-                        let res = walk(
+            let res = walk(
                 &sets,
                 &bucket,
                 &p.prefix,

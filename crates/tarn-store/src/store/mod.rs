@@ -690,23 +690,37 @@ impl Store {
         bucket: &str,
         key: &str,
     ) -> Vec<Result<Option<ObjectRecord>, StoreError>> {
-        let futs = (0..self.set_size(set)).map(|pos| {
-            let db = self.slot(set, pos).db.clone();
-            let (b, k) = (bucket.to_string(), key.to_string());
-            async move {
-                let Some(db) = db else {
-                    return Err(StoreError::Drive {
+        // One blocking task reads every drive of the set: the records are small
+        // and usually cached, so one thread hand-off beats one per drive.
+        let dbs: Vec<Option<Arc<DriveDb>>> = (0..self.set_size(set))
+            .map(|pos| self.slot(set, pos).db.clone())
+            .collect();
+        let n = dbs.len();
+        let (b, k) = (bucket.to_string(), key.to_string());
+        let read = run_blocking(move || {
+            Ok(dbs
+                .into_iter()
+                .map(|db| match db {
+                    Some(db) => db.object(&b, &k),
+                    None => Err(StoreError::Drive {
                         drive: String::new(),
                         reason: "offline".into(),
-                    });
-                };
-                match run_blocking(move || Ok(db.object(&b, &k))).await {
-                    Ok(r) => r,
-                    Err(e) => Err(StoreError::Io(e)),
-                }
-            }
-        });
-        futures::future::join_all(futs).await
+                    }),
+                })
+                .collect::<Vec<_>>())
+        })
+        .await;
+        match read {
+            Ok(records) => records,
+            Err(e) => (0..n)
+                .map(|_| {
+                    Err(StoreError::Drive {
+                        drive: String::new(),
+                        reason: e.to_string(),
+                    })
+                })
+                .collect(),
+        }
     }
 
     /// The versions of bucket/key that a read quorum agrees on, and whether any
