@@ -77,6 +77,47 @@ impl BufferPool {
     }
 }
 
+impl BufferPool {
+    /// Takes `n` buffers at once: all or none, so requests that need several
+    /// never hold part of a set while waiting for the rest (which would let
+    /// concurrent requests starve each other into timeouts).
+    pub async fn acquire_many(
+        &self,
+        n: usize,
+        wait: Duration,
+    ) -> Result<Vec<PooledBuf>, PoolExhausted> {
+        let core = &self.cores[runtime::core_id().unwrap_or(0) % self.cores.len()];
+        let exhausted = || PoolExhausted {
+            buffers_max: self.buffers_max_per_core,
+            buffer_size_bytes: self.buffer_size_bytes,
+        };
+        if n > self.buffers_max_per_core {
+            return Err(exhausted());
+        }
+        let mut permit =
+            match tokio::time::timeout(wait, core.permits.clone().acquire_many_owned(n as u32))
+                .await
+            {
+                Ok(Ok(permit)) => permit,
+                _ => return Err(exhausted()),
+            };
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let one = permit.split(1).expect("permit holds n");
+            let reused = core.free.lock().expect("pool lock").pop();
+            let mut buf =
+                reused.unwrap_or_else(|| AlignedBuf::with_capacity(self.buffer_size_bytes));
+            buf.clear();
+            out.push(PooledBuf {
+                buf: Some(buf),
+                home: core.clone(),
+                _permit: one,
+            });
+        }
+        Ok(out)
+    }
+}
+
 /// A buffer on loan from a pool; returned to it on drop.
 pub struct PooledBuf {
     buf: Option<AlignedBuf>,
@@ -135,5 +176,24 @@ mod tests {
         assert_eq!(c.as_ptr(), ptr, "a returned buffer is reused");
         assert!(c.is_empty());
         drop(b);
+        // All or nothing: three buffers cannot come from a pool with one left.
+        assert!(pool
+            .acquire_many(2, Duration::from_millis(10))
+            .await
+            .is_err());
+        drop(c);
+        let two = pool
+            .acquire_many(2, Duration::from_millis(10))
+            .await
+            .unwrap();
+        assert_eq!(two.len(), 2);
+        assert!(pool.acquire(Duration::from_millis(10)).await.is_err());
+        drop(two);
+        assert!(
+            pool.acquire_many(3, Duration::from_millis(10))
+                .await
+                .is_err(),
+            "more than the pool holds"
+        );
     }
 }

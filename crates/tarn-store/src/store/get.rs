@@ -462,9 +462,18 @@ impl PartReader {
                 self.open_shards(store, &to_open).await;
                 continue;
             }
-            for &i in &want {
-                if self.bufs[i].is_none() {
-                    self.bufs[i] = Some(store.pool().acquire(store.buffer_wait()).await?);
+            let lacking: Vec<usize> = want
+                .iter()
+                .copied()
+                .filter(|&i| self.bufs[i].is_none())
+                .collect();
+            if !lacking.is_empty() {
+                let bufs = store
+                    .pool()
+                    .acquire_many(lacking.len(), store.buffer_wait())
+                    .await?;
+                for (i, b) in lacking.into_iter().zip(bufs) {
+                    self.bufs[i] = Some(b);
                 }
             }
             let reads = want.iter().map(|&i| {

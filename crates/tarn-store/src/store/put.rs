@@ -194,11 +194,8 @@ impl Store {
         check_alive(&writers, quorum)?;
 
         let wait = self.buffer_wait();
-        let mut stripe_buf = self.pool().acquire(wait).await?;
-        let mut shard_bufs: Vec<PooledBuf> = Vec::with_capacity(n);
-        for _ in 0..n {
-            shard_bufs.push(self.pool().acquire(wait).await?);
-        }
+        let mut shard_bufs: Vec<PooledBuf> = self.pool().acquire_many(n + 1, wait).await?;
+        let mut stripe_buf = shard_bufs.pop().expect("n + 1 buffers");
         let mut size = 0u64;
         loop {
             // Fill one stripe.
