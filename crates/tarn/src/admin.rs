@@ -26,6 +26,15 @@ fn text(status: u16, content_type: &'static str, body: String) -> http::Response
     r
 }
 
+/// Compares without an early exit, so response time does not reveal how much
+/// of a guessed token was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 fn json_escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
@@ -41,7 +50,7 @@ async fn handle(
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|t| t.as_bytes() == token.as_bytes());
+        .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
     let r = match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
         ("GET", "/health/ready") => {
@@ -117,5 +126,15 @@ pub async fn serve(
             }
             _ = stop.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn token_comparison() {
+        assert!(super::constant_time_eq(b"secret", b"secret"));
+        assert!(!super::constant_time_eq(b"secret", b"secreT"));
+        assert!(!super::constant_time_eq(b"secret", b"secret2"));
     }
 }
