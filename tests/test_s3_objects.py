@@ -389,3 +389,22 @@ def test_bad_digests_leave_data_untouched(s3):
     good = base64.b64encode(hashlib.md5(b"replacement").digest()).decode()
     s3.put_object(Bucket="bad", Key="k", Body=b"replacement", ContentMD5=good)
     assert s3.get_object(Bucket="bad", Key="k")["Body"].read() == b"replacement"
+
+
+def test_list_multipart_uploads_with_delimiter_and_paging(s3):
+    s3.create_bucket(Bucket="uploads")
+    ids = {}
+    for key in ["a/1", "a/2", "b/1", "c"]:
+        ids[key] = s3.create_multipart_upload(Bucket="uploads", Key=key)["UploadId"]
+    r = s3.list_multipart_uploads(Bucket="uploads", Delimiter="/")
+    assert [p["Prefix"] for p in r["CommonPrefixes"]] == ["a/", "b/"]
+    assert [u["Key"] for u in r["Uploads"]] == ["c"]
+    r = s3.list_multipart_uploads(Bucket="uploads", Prefix="a/")
+    assert [u["Key"] for u in r["Uploads"]] == ["a/1", "a/2"]
+    r = s3.list_multipart_uploads(Bucket="uploads", MaxUploads=2)
+    assert r["IsTruncated"] and [u["Key"] for u in r["Uploads"]] == ["a/1", "a/2"]
+    r = s3.list_multipart_uploads(Bucket="uploads", KeyMarker=r["NextKeyMarker"], UploadIdMarker=r["NextUploadIdMarker"])
+    assert [u["Key"] for u in r["Uploads"]] == ["b/1", "c"]
+    for key, up in ids.items():
+        s3.abort_multipart_upload(Bucket="uploads", Key=key, UploadId=up)
+    assert not s3.list_multipart_uploads(Bucket="uploads").get("Uploads")

@@ -29,6 +29,10 @@ impl TarnS3 {
     }
 }
 
+/// S3 copies at most 5 GiB in one CopyObject; larger objects are copied with
+/// UploadPartCopy ranges.
+const COPY_SOURCE_MAX_BYTES: u64 = 5 << 30;
+
 fn owner() -> Owner {
     Owner {
         display_name: Some("tarn".into()),
@@ -42,6 +46,33 @@ fn encode_if(url: bool, s: String) -> String {
     } else {
         s
     }
+}
+
+/// The system headers S3 stores with an object, from any request input that
+/// carries them (PutObject, CopyObject, CreateMultipartUpload).
+macro_rules! stored_headers {
+    ($i:expr) => {
+        [
+            ("cache-control", $i.cache_control.clone()),
+            ("content-disposition", $i.content_disposition.clone()),
+            ("content-encoding", $i.content_encoding.clone()),
+            ("content-language", $i.content_language.clone()),
+            ("expires", expires_string($i.expires.clone())),
+        ]
+    };
+}
+
+/// The x-amz-checksum-* headers of a request, in `CHECKSUM_ALGORITHMS` order.
+macro_rules! declared_checksums {
+    ($i:expr) => {
+        [
+            $i.checksum_crc32.as_ref(),
+            $i.checksum_crc32c.as_ref(),
+            $i.checksum_crc64nvme.as_ref(),
+            $i.checksum_sha1.as_ref(),
+            $i.checksum_sha256.as_ref(),
+        ]
+    };
 }
 
 /// Declared body length: the decoded length of aws-chunked bodies, else
@@ -383,27 +414,12 @@ impl S3 for TarnS3 {
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
-        let spec = ChecksumSpec::from_request(
-            &headers,
-            [
-                i.checksum_crc32.as_ref(),
-                i.checksum_crc32c.as_ref(),
-                i.checksum_crc64nvme.as_ref(),
-                i.checksum_sha1.as_ref(),
-                i.checksum_sha256.as_ref(),
-            ],
-        )?;
+        let spec = ChecksumSpec::from_request(&headers, declared_checksums!(i))?;
         let md5 = content_md5(i.content_md5.as_ref())?;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
         let mut opts = put_options(
             i.content_type.clone(),
-            [
-                ("cache-control", i.cache_control.clone()),
-                ("content-disposition", i.content_disposition.clone()),
-                ("content-encoding", i.content_encoding.clone()),
-                ("content-language", i.content_language.clone()),
-                ("expires", expires_string(i.expires.clone())),
-            ],
+            stored_headers!(i),
             i.metadata.clone(),
             tags,
         );
@@ -719,6 +735,12 @@ impl S3 for TarnS3 {
             i.copy_source_if_modified_since.as_ref(),
             i.copy_source_if_unmodified_since.as_ref(),
         )?;
+        if src.size > COPY_SOURCE_MAX_BYTES {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidRequest,
+                "The specified copy source is larger than the maximum allowable size for a copy source: 5368709120",
+            ));
+        }
         let replace_meta = i
             .metadata_directive
             .as_ref()
@@ -741,13 +763,7 @@ impl S3 for TarnS3 {
         let mut opts = if replace_meta {
             put_options(
                 i.content_type.clone(),
-                [
-                    ("cache-control", i.cache_control.clone()),
-                    ("content-disposition", i.content_disposition.clone()),
-                    ("content-encoding", i.content_encoding.clone()),
-                    ("content-language", i.content_language.clone()),
-                    ("expires", expires_string(i.expires.clone())),
-                ],
+                stored_headers!(i),
                 i.metadata.clone(),
                 tags,
             )
@@ -1005,13 +1021,7 @@ impl S3 for TarnS3 {
         let tags = parse_tagging_header(i.tagging.as_ref())?;
         let opts = put_options(
             i.content_type.clone(),
-            [
-                ("cache-control", i.cache_control.clone()),
-                ("content-disposition", i.content_disposition.clone()),
-                ("content-encoding", i.content_encoding.clone()),
-                ("content-language", i.content_language.clone()),
-                ("expires", expires_string(i.expires.clone())),
-            ],
+            stored_headers!(i),
             i.metadata.clone(),
             tags,
         );
@@ -1040,16 +1050,7 @@ impl S3 for TarnS3 {
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
-        let spec = ChecksumSpec::from_request(
-            &headers,
-            [
-                i.checksum_crc32.as_ref(),
-                i.checksum_crc32c.as_ref(),
-                i.checksum_crc64nvme.as_ref(),
-                i.checksum_sha1.as_ref(),
-                i.checksum_sha256.as_ref(),
-            ],
-        )?;
+        let spec = ChecksumSpec::from_request(&headers, declared_checksums!(i))?;
         let md5 = content_md5(i.content_md5.as_ref())?;
         if i.part_number < 1 {
             return Err(S3Error::with_message(
@@ -1285,11 +1286,12 @@ impl S3 for TarnS3 {
             Some(n) => (n as usize).min(1000),
         };
         let prefix = i.prefix.clone().unwrap_or_default();
-        let (uploads, truncated) = self
+        let (uploads, prefixes, truncated) = self
             .store
             .list_multipart_uploads(
                 &i.bucket,
                 &prefix,
+                i.delimiter.as_deref(),
                 i.key_marker.as_deref(),
                 i.upload_id_marker.as_deref(),
                 max,
@@ -1323,6 +1325,12 @@ impl S3 for TarnS3 {
             next_key_marker: if truncated { next_key } else { None },
             next_upload_id_marker: if truncated { next_id } else { None },
             uploads: Some(uploads),
+            common_prefixes: Some(
+                prefixes
+                    .into_iter()
+                    .map(|p| CommonPrefix { prefix: Some(p) })
+                    .collect(),
+            ),
             delimiter: i.delimiter,
             encoding_type: i.encoding_type,
             ..Default::default()

@@ -436,8 +436,8 @@ fn multipart_upload_lifecycle() {
             vec![1, 2]
         );
         assert!(truncated);
-        let (uploads, _) = store
-            .list_multipart_uploads("bk-m", "", None, None, 100)
+        let (uploads, _, _) = store
+            .list_multipart_uploads("bk-m", "", None, None, None, 100)
             .await
             .unwrap();
         assert_eq!(uploads.len(), 1);
@@ -483,7 +483,7 @@ fn multipart_upload_lifecycle() {
         assert_eq!(p2.stream.collect().await.unwrap(), parts[1]);
         // The upload is gone.
         assert!(store
-            .list_multipart_uploads("bk-m", "", None, None, 100)
+            .list_multipart_uploads("bk-m", "", None, None, None, 100)
             .await
             .unwrap()
             .0

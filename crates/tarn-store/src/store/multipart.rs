@@ -386,15 +386,18 @@ impl Store {
         Ok(info)
     }
 
-    /// Uploads in progress in `bucket` under `prefix`, ordered by key then start.
+    /// Uploads in progress in `bucket` under `prefix`, ordered by key then
+    /// start; with a delimiter, keys roll up into common prefixes as in listings.
+    #[allow(clippy::too_many_arguments)]
     pub async fn list_multipart_uploads(
         self: &Arc<Self>,
         bucket: &str,
         prefix: &str,
+        delimiter: Option<&str>,
         key_marker: Option<&str>,
         upload_id_marker: Option<&str>,
         max: usize,
-    ) -> Result<(Vec<UploadInfo>, bool), StoreError> {
+    ) -> Result<(Vec<UploadInfo>, Vec<String>, bool), StoreError> {
         self.bucket_record(bucket)?;
         let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db.clone()).collect();
         let (b, p) = (bucket.to_string(), prefix.to_string());
@@ -412,32 +415,46 @@ impl Store {
         })
         .await?;
         let mut out: Vec<UploadInfo> = Vec::new();
-        let mut past_marker = key_marker.is_none();
+        let mut prefixes: Vec<String> = Vec::new();
+        let mut truncated = false;
         for (key, initiated_ns, id) in all {
-            if !past_marker {
-                let km = key_marker.unwrap_or_default();
-                if key.as_str() < km {
+            if let Some(km) = key_marker {
+                let after_marker = match upload_id_marker {
+                    Some(um) if key == km => id.as_str() > um,
+                    _ => key.as_str() > km,
+                };
+                if !after_marker {
                     continue;
                 }
-                if key == km {
-                    match upload_id_marker {
-                        Some(um) if id.as_str() > um => {}
-                        _ => continue,
-                    }
-                }
-                past_marker = true;
             }
-            out.push(UploadInfo {
-                bucket: bucket.into(),
-                key,
-                upload_id: id,
-                initiated_ns,
+            let cp = delimiter.filter(|d| !d.is_empty()).and_then(|d| {
+                key[prefix.len()..].find(d).map(|pos| {
+                    format!(
+                        "{prefix}{}",
+                        &key[prefix.len()..prefix.len() + pos + d.len()]
+                    )
+                })
             });
+            if let Some(cp) = &cp {
+                if prefixes.last() == Some(cp) {
+                    continue;
+                }
+            }
+            if out.len() + prefixes.len() >= max {
+                truncated = true;
+                break;
+            }
+            match cp {
+                Some(cp) => prefixes.push(cp),
+                None => out.push(UploadInfo {
+                    bucket: bucket.into(),
+                    key,
+                    upload_id: id,
+                    initiated_ns,
+                }),
+            }
         }
-        out.sort_by(|a, b| (&a.key, a.initiated_ns).cmp(&(&b.key, b.initiated_ns)));
-        let truncated = out.len() > max;
-        out.truncate(max);
-        Ok((out, truncated))
+        Ok((out, prefixes, truncated))
     }
 }
 
