@@ -58,6 +58,15 @@ impl File {
     pub async fn create(path: impl Into<PathBuf>) -> io::Result<File> {
         crate::fault::check("create")?;
         let path = path.into();
+        if uring::available() {
+            let fd = uring_open(
+                &path,
+                libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC,
+                0o644,
+            )
+            .await?;
+            return Ok(File { fd: Arc::new(fd) });
+        }
         blocking(move || {
             let f = std::fs::OpenOptions::new()
                 .read(true)
@@ -75,6 +84,10 @@ impl File {
 
     pub async fn open(path: impl Into<PathBuf>) -> io::Result<File> {
         let path = path.into();
+        if uring::available() {
+            let fd = uring_open(&path, libc::O_RDONLY | libc::O_CLOEXEC, 0).await?;
+            return Ok(File { fd: Arc::new(fd) });
+        }
         blocking(move || {
             let f = std::fs::OpenOptions::new()
                 .read(true)
@@ -87,18 +100,16 @@ impl File {
         .await
     }
 
+    /// The file's length. fstat on an open descriptor reads the cached inode
+    /// and does not wait for the disk, so it runs inline.
     pub async fn len(&self) -> io::Result<u64> {
-        let fd = self.fd.clone();
-        blocking(move || {
-            // SAFETY: fstat on an fd we own into a zeroed struct.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            let rc = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
-            if rc < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(st.st_size as u64)
-        })
-        .await
+        // SAFETY: fstat on an fd we own into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let rc = unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(st.st_size as u64)
     }
 
     /// Writes all of `buf` at `offset`. The buffer comes back whatever happens.
@@ -297,11 +308,52 @@ pub async fn run_blocking<T: Send + 'static>(
 /// Renames atomically and makes the rename durable by syncing the target directory.
 pub async fn rename_durable(from: PathBuf, to: PathBuf) -> io::Result<()> {
     crate::fault::check("rename")?;
+    if uring::available() {
+        let old = cpath(&from)?;
+        let new = cpath(&to)?;
+        let entry = opcode::RenameAt::new(
+            types::Fd(libc::AT_FDCWD),
+            old.as_ptr(),
+            types::Fd(libc::AT_FDCWD),
+            new.as_ptr(),
+        )
+        .build();
+        // SAFETY: the entry points into `old` and `new`, owned by the op.
+        let (res, _) = unsafe { uring::submit(entry, (old, new)) }?.await;
+        check(res)?;
+        let dir = to.parent().unwrap_or(Path::new("."));
+        let fd = uring_open(dir, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC, 0).await?;
+        let fd = Arc::new(fd);
+        let entry = opcode::Fsync::new(types::Fd(fd.as_raw_fd())).build();
+        // SAFETY: the entry references only the fd, owned by the op.
+        let (res, _) = unsafe { uring::submit(entry, fd) }?.await;
+        return check(res).map(|_| ());
+    }
     blocking(move || {
         std::fs::rename(&from, &to)?;
         sync_dir(to.parent().unwrap_or(Path::new(".")))
     })
     .await
+}
+
+fn cpath(p: &Path) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))
+}
+
+/// openat(2) on the thread's ring.
+async fn uring_open(path: &Path, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    let c = cpath(path)?;
+    let entry = opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), c.as_ptr())
+        .flags(flags)
+        .mode(mode)
+        .build();
+    // SAFETY: the entry points into `c`, owned by the op until completion.
+    let (res, _) = unsafe { uring::submit_open(entry, c) }?.await;
+    let fd = check(res)? as i32;
+    // SAFETY: the kernel returned a fresh descriptor that we now own.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
 }
 
 /// fsync of a directory, so that entries created or renamed in it survive a crash.
@@ -360,6 +412,13 @@ mod tests {
                     "io_uring is expected on this machine"
                 );
                 roundtrip(&dir).await;
+                // Opens, renames and missing files on the ring.
+                let missing = File::open(dir.join("nope")).await.unwrap_err();
+                assert_eq!(missing.kind(), io::ErrorKind::NotFound);
+                rename_durable(dir.join("f"), dir.join("f2")).await.unwrap();
+                assert!(!dir.join("f").exists() && dir.join("f2").exists());
+                let g = File::open(dir.join("f2")).await.unwrap();
+                assert_eq!(g.len().await.unwrap(), 10_100);
                 // Dropping an op mid-flight must not free the buffer under the kernel.
                 let f = File::create(dir.join("g")).await.unwrap();
                 let mut b = AlignedBuf::with_capacity(1 << 20);

@@ -27,7 +27,8 @@ enum Slot {
     Waiting(Option<Waker>),
     Done(i32),
     /// The future was dropped; the resources wait here for the completion.
-    Orphaned(#[allow(dead_code)] Box<dyn Any>),
+    /// When the operation returns a new descriptor (open), it is closed then.
+    Orphaned(#[allow(dead_code)] Box<dyn Any>, bool),
 }
 
 struct Driver {
@@ -95,7 +96,14 @@ fn reap() {
                         wake.push(w);
                     }
                 }
-                Some(Slot::Orphaned(_resources)) => driver.free.push(key),
+                Some(Slot::Orphaned(_resources, close_result)) => {
+                    if close_result && cqe.result() >= 0 {
+                        // SAFETY: the kernel opened this descriptor for a caller that
+                        // is gone; nobody else holds it.
+                        unsafe { libc::close(cqe.result()) };
+                    }
+                    driver.free.push(key);
+                }
                 Some(Slot::Done(_)) | None => {
                     tracing::error!(key, "io_uring completion for an unknown operation");
                 }
@@ -113,6 +121,8 @@ pub(crate) struct Op<T: 'static> {
     key: usize,
     resources: Option<T>,
     thread: ThreadId,
+    /// The result is a new file descriptor to close if the future is dropped.
+    returns_fd: bool,
 }
 
 /// Submits `entry`, which must reference only memory owned by `resources`.
@@ -122,6 +132,28 @@ pub(crate) struct Op<T: 'static> {
 pub(crate) unsafe fn submit<T: 'static>(
     entry: squeue::Entry,
     resources: T,
+) -> std::io::Result<Op<T>> {
+    // SAFETY: forwarded from the caller.
+    unsafe { submit_inner(entry, resources, false) }
+}
+
+/// Like `submit`, for operations whose result is a new descriptor (openat): a
+/// descriptor whose future was dropped is closed when it arrives.
+///
+/// # Safety
+/// As for `submit`.
+pub(crate) unsafe fn submit_open<T: 'static>(
+    entry: squeue::Entry,
+    resources: T,
+) -> std::io::Result<Op<T>> {
+    // SAFETY: forwarded from the caller.
+    unsafe { submit_inner(entry, resources, true) }
+}
+
+unsafe fn submit_inner<T: 'static>(
+    entry: squeue::Entry,
+    resources: T,
+    returns_fd: bool,
 ) -> std::io::Result<Op<T>> {
     DRIVER.with(|d| {
         let mut guard = d.borrow_mut();
@@ -150,13 +182,14 @@ pub(crate) unsafe fn submit<T: 'static>(
         }
         if let Err(e) = driver.ring.submit() {
             // The entry may already be queued; keep the slot and resources as an orphan.
-            driver.slots[key] = Some(Slot::Orphaned(Box::new(resources)));
+            driver.slots[key] = Some(Slot::Orphaned(Box::new(resources), returns_fd));
             return Err(e);
         }
         Ok(Op {
             key,
             resources: Some(resources),
             thread: std::thread::current().id(),
+            returns_fd,
         })
     })
 }
@@ -205,8 +238,15 @@ impl<T: 'static> Drop for Op<T> {
             let mut guard = d.borrow_mut();
             let Some(driver) = guard.as_mut() else { return };
             match driver.slots[key].take() {
-                Some(Slot::Done(_)) => driver.free.push(key),
-                _ => driver.slots[key] = Some(Slot::Orphaned(Box::new(resources))),
+                Some(Slot::Done(res)) => {
+                    if self.returns_fd && res >= 0 {
+                        // Completed but never collected: close the descriptor.
+                        // SAFETY: nobody else holds this freshly opened descriptor.
+                        unsafe { libc::close(res) };
+                    }
+                    driver.free.push(key);
+                }
+                _ => driver.slots[key] = Some(Slot::Orphaned(Box::new(resources), self.returns_fd)),
             }
         });
     }
