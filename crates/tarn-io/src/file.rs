@@ -321,7 +321,20 @@ pub async fn rename_durable(from: PathBuf, to: PathBuf) -> io::Result<()> {
         // SAFETY: the entry points into `old` and `new`, owned by the op.
         let (res, _) = unsafe { uring::submit(entry, (old, new)) }?.await;
         check(res)?;
-        let dir = to.parent().unwrap_or(Path::new("."));
+        return sync_dir_async(to.parent().unwrap_or(Path::new("."))).await;
+    }
+    blocking(move || {
+        std::fs::rename(&from, &to)?;
+        sync_dir(to.parent().unwrap_or(Path::new(".")))
+    })
+    .await
+}
+
+/// fsync of a directory on the thread's ring (blocking pool without one), so
+/// that entries created or renamed in it survive a crash.
+pub async fn sync_dir_async(dir: &Path) -> io::Result<()> {
+    crate::fault::check("fsync dir")?;
+    if uring::available() {
         let fd = uring_open(dir, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC, 0).await?;
         let fd = Arc::new(fd);
         let entry = opcode::Fsync::new(types::Fd(fd.as_raw_fd())).build();
@@ -329,11 +342,8 @@ pub async fn rename_durable(from: PathBuf, to: PathBuf) -> io::Result<()> {
         let (res, _) = unsafe { uring::submit(entry, fd) }?.await;
         return check(res).map(|_| ());
     }
-    blocking(move || {
-        std::fs::rename(&from, &to)?;
-        sync_dir(to.parent().unwrap_or(Path::new(".")))
-    })
-    .await
+    let dir = dir.to_path_buf();
+    blocking(move || sync_dir(&dir)).await
 }
 
 fn cpath(p: &Path) -> io::Result<std::ffi::CString> {

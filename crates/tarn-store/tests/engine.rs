@@ -796,3 +796,83 @@ fn orphaned_shards_are_swept_after_the_grace_period() {
         assert_eq!(get(&store, "bk-o", "k").await, body);
     });
 }
+
+#[test]
+fn a_stalled_write_is_never_swept_as_an_orphan() {
+    // Shards are written in place before their metadata commits. A client that
+    // stalls mid-body leaves unreferenced shard files on disk; the sweep must
+    // leave them alone however old they look, and the write must still commit.
+    let c = Cluster::new(4);
+    let store = c.open();
+    let drive0 = c.drives[0].clone();
+    let body = data(77, 5 * MIB);
+    run(async move {
+        bucket(&store, "bk-stall").await;
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let first = bytes::Bytes::copy_from_slice(&body[..3 * MIB]);
+        let rest = bytes::Bytes::copy_from_slice(&body[3 * MIB..]);
+        let stream = futures::stream::unfold((0, Some(wait)), move |(step, wait)| {
+            let (first, rest) = (first.clone(), rest.clone());
+            async move {
+                match step {
+                    0 => Some((Ok(first), (1, wait))),
+                    1 => {
+                        let _ = wait.expect("gate").await;
+                        Some((Ok(rest), (2, None)))
+                    }
+                    _ => None,
+                }
+            }
+        });
+        let s = store.clone();
+        let put = tokio::spawn(async move {
+            let b = ObjectBody {
+                stream: Box::pin(stream),
+                declared_len: Some(5 * MIB as u64),
+                finish: None,
+            };
+            s.put_object("bk-stall", "k", b, PutOptions::default())
+                .await
+        });
+        let shard_count = || {
+            let mut n = 0;
+            for sub in std::fs::read_dir(drive0.join("data")).unwrap().flatten() {
+                n += std::fs::read_dir(sub.path()).unwrap().count();
+            }
+            n
+        };
+        for _ in 0..500 {
+            if shard_count() > 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            shard_count(),
+            1,
+            "the stalled write has its shard file on drive 0"
+        );
+        assert_eq!(
+            store
+                .sweep_orphans(std::time::Duration::ZERO)
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(
+            shard_count(),
+            1,
+            "the sweep must not remove an in-flight write"
+        );
+        go.send(()).unwrap();
+        put.await.unwrap().unwrap();
+        assert_eq!(
+            store
+                .sweep_orphans(std::time::Duration::ZERO)
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(get(&store, "bk-stall", "k").await, body);
+    });
+}

@@ -123,6 +123,7 @@ impl Store {
                     )
                 })
                 .collect();
+            let inflight = self.inflight_data.clone();
             removed += run_blocking(move || {
                 // Union of references across the set: a file is an orphan only if
                 // no drive of its set knows it. A drive whose metadata cannot be
@@ -143,7 +144,9 @@ impl Store {
                         for f in files.flatten() {
                             let name = f.file_name();
                             let Some(id) = name.to_str().and_then(crate::format::id_from_hex) else { continue };
-                            if referenced.contains(&id) {
+                            // A write in progress is not an orphan yet, however
+                            // long it has been running.
+                            if referenced.contains(&id) || inflight.lock().expect("inflight lock").contains(&id) {
                                 continue;
                             }
                             let old = f.metadata().and_then(|m| m.modified()).ok().and_then(|t| now.duration_since(t).ok()).is_some_and(|age| age >= grace);

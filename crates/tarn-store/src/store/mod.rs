@@ -63,7 +63,24 @@ pub struct StoreStats {
     pub shards_rebuilt: AtomicU64,
 }
 
+/// Data ids whose shards are being written and not yet committed (or cleaned
+/// up): the orphan sweep must never remove them, however old their files.
+pub(crate) type InflightSet = Arc<Mutex<std::collections::HashSet<Id128>>>;
+
+/// Registration of one in-flight data id; removed when dropped.
+pub(crate) struct InflightData {
+    set: InflightSet,
+    id: Id128,
+}
+
+impl Drop for InflightData {
+    fn drop(&mut self) {
+        self.set.lock().expect("inflight lock").remove(&self.id);
+    }
+}
+
 pub struct Store {
+    inflight_data: InflightSet,
     cfg: StoreConfig,
     deployment_id: Id128,
     hash_seed: u64,
@@ -338,6 +355,7 @@ impl Store {
             needs_full_heal,
             last_mod_time_ns: AtomicU64::new(0),
             stats: StoreStats::default(),
+            inflight_data: Arc::default(),
             cfg,
         }))
     }
@@ -478,6 +496,14 @@ impl Store {
 
     pub(crate) fn pool(&self) -> &BufferPool {
         &self.pool
+    }
+
+    pub(crate) fn register_inflight(&self, id: Id128) -> InflightData {
+        self.inflight_data.lock().expect("inflight lock").insert(id);
+        InflightData {
+            set: self.inflight_data.clone(),
+            id,
+        }
     }
 
     pub(crate) fn queue_heal(&self, bucket: &str, key: &str) {

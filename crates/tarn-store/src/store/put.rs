@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use futures::StreamExt;
 use md5::{Digest, Md5};
-use tarn_io::file::{rename_durable, run_blocking};
+use tarn_io::file::{run_blocking, sync_dir_async};
 use tarn_io::PooledBuf;
 
 use super::{data_ids_of, validate_key, Store, NULL_VERSION};
@@ -135,6 +135,9 @@ pub(crate) fn part_etag(d: &BodyDigest) -> String {
 pub(crate) struct WrittenData {
     pub data_id: Id128,
     pub size: u64,
+    /// Keeps the orphan sweep away from these shards until the caller's commit
+    /// is done (or failed and cleaned up).
+    pub inflight: super::InflightData,
 }
 
 impl Store {
@@ -156,11 +159,20 @@ impl Store {
         reader: &mut BodyReader,
     ) -> Result<WrittenData, StoreError> {
         let data_id = new_id();
+        // Registered before the first file exists, released by the caller.
+        let inflight = self.register_inflight(data_id);
         let res = self.write_data_inner(set, layout, reader, data_id).await;
-        if res.is_err() {
-            self.remove_tmp_and_data(set, layout, data_id).await;
+        match res {
+            Ok((data_id, size)) => Ok(WrittenData {
+                data_id,
+                size,
+                inflight,
+            }),
+            Err(e) => {
+                self.remove_tmp_and_data(set, layout, data_id).await;
+                Err(e)
+            }
         }
-        res
     }
 
     async fn write_data_inner(
@@ -169,7 +181,7 @@ impl Store {
         layout: &Layout,
         reader: &mut BodyReader,
         data_id: Id128,
-    ) -> Result<WrittenData, StoreError> {
+    ) -> Result<(Id128, u64), StoreError> {
         let k = layout.data_shards as usize;
         let n = layout.shard_count();
         let stripe = layout.stripe_size_bytes as usize;
@@ -183,7 +195,7 @@ impl Store {
                 writers.push(None);
                 continue;
             }
-            match ShardWriter::create(&slot.paths.tmp_shard(&data_id), shard as u8).await {
+            match ShardWriter::create(&slot.paths.shard(&data_id), shard as u8).await {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
                     tracing::error!(drive = %slot.paths.root.display(), %error, "cannot create shard file");
@@ -237,32 +249,34 @@ impl Store {
         drop(stripe_buf);
         drop(shard_bufs);
 
-        // Footers and fsync, concurrently on every drive.
-        let finishing = writers.iter_mut().map(|w| async move {
-            let Some(writer) = w.take() else { return false };
-            match writer.finish().await {
-                Ok(()) => true,
-                Err(error) => {
-                    tracing::error!(%error, "finishing shard file failed");
-                    false
-                }
-            }
-        });
-        let finished: Vec<bool> = futures::future::join_all(finishing).await;
-        let renames = layout
-            .distribution
-            .iter()
-            .zip(&finished)
-            .filter(|(_, ok)| **ok)
-            .map(|(&pos, _)| {
-                let p = self.slot(set, pos as usize).paths.clone();
+        // Footers, then the file's fsync and its directory entry's fsync in
+        // parallel, concurrently on every drive. Shards are written in place:
+        // nothing refers to them until the metadata commits, and the orphan
+        // sweep never touches a data id that is still being written.
+        let finishing = writers
+            .iter_mut()
+            .zip(&layout.distribution)
+            .map(|(w, &pos)| {
+                let dir = self
+                    .slot(set, pos as usize)
+                    .paths
+                    .shard(&data_id)
+                    .parent()
+                    .map(std::path::Path::to_path_buf);
                 async move {
-                    rename_durable(p.tmp_shard(&data_id), p.shard(&data_id))
-                        .await
-                        .is_ok()
+                    let Some(writer) = w.take() else { return false };
+                    let Some(dir) = dir else { return false };
+                    let (file, entry) = futures::join!(writer.finish(), sync_dir_async(&dir));
+                    match file.and(entry) {
+                        Ok(()) => true,
+                        Err(error) => {
+                            tracing::error!(%error, "finishing shard file failed");
+                            false
+                        }
+                    }
                 }
             });
-        let renamed = futures::future::join_all(renames)
+        let renamed = futures::future::join_all(finishing)
             .await
             .into_iter()
             .filter(|ok| *ok)
@@ -274,7 +288,7 @@ impl Store {
                 available: renamed,
             });
         }
-        Ok(WrittenData { data_id, size })
+        Ok((data_id, size))
     }
 
     async fn write_stripe(
@@ -386,6 +400,8 @@ impl Store {
                 }
             }
         }
+        // Held until the commit below is done, so the orphan sweep keeps out.
+        let mut inflight = None;
         let (storage, inline, written_layout) = if ended && head.len() <= threshold {
             let digest_layout = Layout {
                 data_shards: 1,
@@ -409,16 +425,14 @@ impl Store {
                 reader: &mut reader,
             };
             let written = chained.write(self, set, &layout).await?;
-            (
-                Storage::Parts(vec![PartMeta {
-                    number: 1,
-                    size: written.size,
-                    etag: String::new(),
-                    data_id: written.data_id,
-                }]),
-                None,
-                layout,
-            )
+            let storage = Storage::Parts(vec![PartMeta {
+                number: 1,
+                size: written.size,
+                etag: String::new(),
+                data_id: written.data_id,
+            }]);
+            inflight = Some(written.inflight);
+            (storage, None, layout)
         };
         let data_ids = match &storage {
             Storage::Parts(p) => p.iter().map(|p| p.data_id).collect(),
@@ -465,6 +479,7 @@ impl Store {
         if result.is_err() {
             self.remove_data(set, data_ids).await;
         }
+        drop(inflight);
         result
     }
 
