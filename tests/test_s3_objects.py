@@ -408,3 +408,22 @@ def test_list_multipart_uploads_with_delimiter_and_paging(s3):
     for key, up in ids.items():
         s3.abort_multipart_upload(Bucket="uploads", Key=key, UploadId=up)
     assert not s3.list_multipart_uploads(Bucket="uploads").get("Uploads")
+
+
+def test_list_object_versions_paging(s3):
+    s3.create_bucket(Bucket="verpage")
+    s3.put_bucket_versioning(Bucket="verpage", VersioningConfiguration={"Status": "Enabled"})
+    want = []
+    for key in ["a", "b/x", "b/y", "c"]:
+        ids = [s3.put_object(Bucket="verpage", Key=key, Body=f"{key}{i}".encode())["VersionId"] for i in range(3)]
+        want += [(key, v) for v in reversed(ids)]
+    s3.delete_object(Bucket="verpage", Key="c")
+    got, markers = [], []
+    for page in s3.get_paginator("list_object_versions").paginate(Bucket="verpage", PaginationConfig={"PageSize": 2}):
+        got += [(v["Key"], v["VersionId"]) for v in page.get("Versions", [])]
+        markers += [m["Key"] for m in page.get("DeleteMarkers", [])]
+    assert got == want
+    assert markers == ["c"]
+    r = s3.list_object_versions(Bucket="verpage", Delimiter="/")
+    assert [p["Prefix"] for p in r["CommonPrefixes"]] == ["b/"]
+    assert sorted({v["Key"] for v in r["Versions"]}) == ["a", "c"]
