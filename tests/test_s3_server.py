@@ -432,7 +432,8 @@ def test_large_object_streams_in_bounded_memory(server, tmp_path):
             got += len(chunk)
     assert got == size
     peak = peak_rss_mib(server.proc.pid)
-    assert peak < 400, f"server peak RSS {peak:.0f} MiB for a 1 GiB object"
+    print(f"server peak RSS after a 1 GiB PUT and GET: {peak:.0f} MiB")
+    assert peak < 128, f"server peak RSS {peak:.0f} MiB for a 1 GiB object"
 
 
 def test_damage_found_by_a_read_is_healed_in_the_background(server):
