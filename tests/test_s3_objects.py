@@ -427,3 +427,21 @@ def test_list_object_versions_paging(s3):
     r = s3.list_object_versions(Bucket="verpage", Delimiter="/")
     assert [p["Prefix"] for p in r["CommonPrefixes"]] == ["b/"]
     assert sorted({v["Key"] for v in r["Versions"]}) == ["a", "c"]
+
+
+def test_complete_multipart_retry_after_success(s3):
+    """A completion whose response was lost is retried by the client: the retry
+    succeeds with the same ETag instead of a false NoSuchUpload."""
+    s3.create_bucket(Bucket="retry")
+    up = s3.create_multipart_upload(Bucket="retry", Key="ckpt")["UploadId"]
+    parts = [data(1, 5 * MIB), data(2, 100)]
+    etags = [s3.upload_part(Bucket="retry", Key="ckpt", UploadId=up, PartNumber=i + 1, Body=p)["ETag"] for i, p in enumerate(parts)]
+    done = {"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]}
+    first = s3.complete_multipart_upload(Bucket="retry", Key="ckpt", UploadId=up, MultipartUpload=done)
+    again = s3.complete_multipart_upload(Bucket="retry", Key="ckpt", UploadId=up, MultipartUpload=done)
+    assert again["ETag"] == first["ETag"]
+    # A different part list for the gone upload is still an error.
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.complete_multipart_upload(Bucket="retry", Key="ckpt", UploadId=up, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etags[0]}]})
+    assert code(e) == "NoSuchUpload"
+    assert s3.get_object(Bucket="retry", Key="ckpt")["Body"].read() == b"".join(parts)

@@ -328,7 +328,24 @@ impl Store {
         if list.windows(2).any(|w| w[0].0 >= w[1].0) {
             return Err(StoreError::InvalidPartOrder);
         }
-        let upload = self.upload(set, bucket, key, &id).await?;
+        let upload = match self.upload(set, bucket, key, &id).await {
+            Ok(u) => u,
+            Err(StoreError::NoSuchUpload(u)) => {
+                // A retry of a completion that already succeeded (its response
+                // was lost): the request's part ETags determine the multipart
+                // ETag, so if the key's current version carries it, answer
+                // success instead of a false failure.
+                if let Some(etag) = multipart_etag(list) {
+                    if let Ok(info) = self.head_object(bucket, key, None).await {
+                        if info.etag == etag {
+                            return Ok(info);
+                        }
+                    }
+                }
+                return Err(StoreError::NoSuchUpload(u));
+            }
+            Err(e) => return Err(e),
+        };
         let parts = self.upload_parts(set, &id).await?;
         let mut chosen = Vec::with_capacity(list.len());
         let mut md5_concat = Md5::new();
@@ -456,6 +473,20 @@ impl Store {
         }
         Ok((out, prefixes, truncated))
     }
+}
+
+/// S3's multipart ETag for a part list: MD5 of the concatenated binary part
+/// digests, then `-N`.
+fn multipart_etag(list: &[(u32, String)]) -> Option<String> {
+    let mut md5 = Md5::new();
+    for (_, etag) in list {
+        md5.update(decode_hex16(etag.trim_matches('"'))?);
+    }
+    Some(format!(
+        "{}-{}",
+        super::put::hex(&md5.finalize()),
+        list.len()
+    ))
 }
 
 fn decode_hex16(s: &str) -> Option<[u8; 16]> {
