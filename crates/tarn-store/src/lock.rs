@@ -1,8 +1,10 @@
 //! Per-key locks: striped async read/write locks keyed by a hash of bucket/key.
 //!
-//! Readers hold a read lock while they stream a version, so a writer cannot
-//! delete the shard files under them; writers hold the write lock only around
-//! their metadata commit, never while receiving a body.
+//! Readers hold a read lock only while they read metadata and pin the shards of
+//! the version they will stream (see `Store::pin_data`); writers hold the write
+//! lock around their metadata commit and the retirement of superseded shards,
+//! never while receiving a body. A slow reader therefore never delays a writer,
+//! and a writer never deletes shards a reader still streams.
 
 use std::sync::Arc;
 

@@ -17,7 +17,6 @@ use crate::checksum::crc32c;
 use crate::codec::{codec_for, StripeGeometry};
 use crate::error::StoreError;
 use crate::format::{Layout, PartMeta, Storage, VersionMeta};
-use crate::lock::KeyGuard;
 use crate::shard::{ShardError, ShardReader};
 use crate::types::{ByteRange, ObjectInfo, ReadConditions};
 
@@ -134,9 +133,16 @@ impl Store {
             (None, Some(r)) => r.resolve(v.size)?,
             (None, None) => (0, v.size),
         };
+        // Inline bytes are read while the key's read lock is held (an overwrite
+        // deletes them in its commit batch). Shard data is pinned instead, and
+        // the lock is released before streaming: a slow reader never holds up
+        // a writer's commit, and the writer defers deleting the shards the
+        // reader still uses until it unpins.
+        let pin = self.pin_data(set, v);
         let stream = self
-            .stream_version(set, bucket, key, v.clone(), start, end, guard)
+            .stream_version(set, bucket, key, v.clone(), start, end, pin)
             .await?;
+        drop(guard);
         Ok(GetResult {
             info,
             range: (start, end),
@@ -153,7 +159,7 @@ impl Store {
         v: VersionMeta,
         start: u64,
         end: u64,
-        guard: KeyGuard,
+        pin: super::PinGuard,
     ) -> Result<ObjectStream, StoreError> {
         let remaining = end - start;
         match &v.storage {
@@ -174,7 +180,7 @@ impl Store {
                 let store = self.clone();
                 let (bucket, key) = (bucket.to_string(), key.to_string());
                 tokio::spawn(async move {
-                    let _guard = guard;
+                    let _pin = pin;
                     if let Err(e) = store
                         .send_range(set, &bucket, &key, &v, start, end, &tx)
                         .await

@@ -79,7 +79,54 @@ impl Drop for InflightData {
     }
 }
 
+/// Readers of each data id, and where to delete it once the last one is gone.
+#[derive(Default)]
+pub(crate) struct PinState {
+    readers: usize,
+    /// Set when a writer retired this data while it was being read.
+    retired_in_set: Option<usize>,
+}
+
+/// A reader's hold on the data ids of the version it streams.
+pub(crate) struct PinGuard {
+    store: Option<Arc<Store>>,
+    set: usize,
+    ids: Vec<Id128>,
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let mut retired = Vec::new();
+        {
+            let mut pins = store.pins.lock().expect("pins lock");
+            for id in &self.ids {
+                if let Some(p) = pins.get_mut(id) {
+                    p.readers -= 1;
+                    if p.readers == 0 {
+                        if p.retired_in_set.is_some() {
+                            retired.push(*id);
+                        }
+                        pins.remove(id);
+                    }
+                }
+            }
+        }
+        if retired.is_empty() {
+            return;
+        }
+        // Without a runtime the files stay as orphans for the sweep.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let set = self.set;
+            rt.spawn(async move { store.remove_data(set, retired).await });
+        }
+    }
+}
+
 pub struct Store {
+    pins: Mutex<std::collections::HashMap<Id128, PinState>>,
     inflight_data: InflightSet,
     cfg: StoreConfig,
     deployment_id: Id128,
@@ -356,6 +403,7 @@ impl Store {
             last_mod_time_ns: AtomicU64::new(0),
             stats: StoreStats::default(),
             inflight_data: Arc::default(),
+            pins: Mutex::default(),
             cfg,
         }))
     }
@@ -496,6 +544,39 @@ impl Store {
 
     pub(crate) fn pool(&self) -> &BufferPool {
         &self.pool
+    }
+
+    /// Pins the shard data of `v` for a reader. Call under the key's read lock.
+    pub(crate) fn pin_data(self: &Arc<Self>, set: usize, v: &VersionMeta) -> PinGuard {
+        let ids = data_ids_of(std::slice::from_ref(v));
+        let mut pins = self.pins.lock().expect("pins lock");
+        for id in &ids {
+            pins.entry(*id).or_default().readers += 1;
+        }
+        PinGuard {
+            store: Some(self.clone()),
+            set,
+            ids,
+        }
+    }
+
+    /// Deletes the shard data of versions a commit superseded or removed, or,
+    /// for data a reader still streams, when its last reader finishes. Call
+    /// under the key's write lock, so no reader can pin in between.
+    pub(crate) async fn retire_data(&self, set: usize, ids: Vec<Id128>) {
+        let now: Vec<Id128> = {
+            let mut pins = self.pins.lock().expect("pins lock");
+            ids.into_iter()
+                .filter(|id| match pins.get_mut(id) {
+                    Some(p) => {
+                        p.retired_in_set = Some(set);
+                        false
+                    }
+                    None => true,
+                })
+                .collect()
+        };
+        self.remove_data(set, now).await;
     }
 
     pub(crate) fn register_inflight(&self, id: Id128) -> InflightData {
@@ -1052,7 +1133,7 @@ impl Store {
             ..Default::default()
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
-        self.remove_data(set, data_ids_of(&removed)).await;
+        self.retire_data(set, data_ids_of(&removed)).await;
         Ok(result)
     }
 

@@ -542,7 +542,7 @@ impl Store {
             upload_delete,
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
-        self.remove_data(set, data_ids_of(&superseded)).await;
+        self.retire_data(set, data_ids_of(&superseded)).await;
         Ok(self.info_from(bucket, key, &meta, true))
     }
 }
