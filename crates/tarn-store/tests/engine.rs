@@ -899,20 +899,39 @@ fn a_slow_reader_never_blocks_a_writer_and_keeps_its_bytes() {
             n
         };
         // Open a stream and do not read it yet.
-        let slow = store.get_object("bk-pin", "k", None, None, None).await.unwrap();
-        let overwrite = tokio::time::timeout(std::time::Duration::from_secs(10), put(&store, "bk-pin", "k", &new)).await;
+        let slow = store
+            .get_object("bk-pin", "k", None, None, None)
+            .await
+            .unwrap();
+        let overwrite = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            put(&store, "bk-pin", "k", &new),
+        )
+        .await;
         assert!(overwrite.is_ok(), "the writer waited for an idle reader");
         assert_eq!(get(&store, "bk-pin", "k").await, new);
         // Delete too, while the reader still holds the first version.
         store.delete_object("bk-pin", "k", None).await.unwrap();
-        assert_eq!(shard_count(), 1, "the pinned version's shard stays while it is read");
-        assert_eq!(slow.stream.collect().await.unwrap(), old, "the reader gets the old bytes, intact");
+        assert_eq!(
+            shard_count(),
+            1,
+            "the pinned version's shard stays while it is read"
+        );
+        assert_eq!(
+            slow.stream.collect().await.unwrap(),
+            old,
+            "the reader gets the old bytes, intact"
+        );
         for _ in 0..200 {
             if shard_count() == 0 {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        assert_eq!(shard_count(), 0, "retired shards are deleted after the last reader");
+        assert_eq!(
+            shard_count(),
+            0,
+            "retired shards are deleted after the last reader"
+        );
     });
 }
