@@ -131,6 +131,14 @@ impl PooledBuf {
         self.buf.take().expect("pooled buffer already taken")
     }
 
+    /// Swaps in a larger buffer when this one cannot hold `len` bytes (data
+    /// written under an earlier, larger stripe size than the pool's).
+    pub fn ensure_capacity(&mut self, len: usize) {
+        if self.capacity() < len {
+            self.buf = Some(AlignedBuf::with_capacity(len));
+        }
+    }
+
     pub fn restore(&mut self, buf: AlignedBuf) {
         assert!(self.buf.is_none(), "pooled buffer restored twice");
         self.buf = Some(buf);

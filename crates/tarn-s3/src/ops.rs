@@ -21,6 +21,27 @@ pub struct TarnS3 {
 }
 
 impl TarnS3 {
+    /// Opens a copy source with its x-amz-copy-source-if-* conditions checked on
+    /// the same metadata read that serves the bytes. For copies every failed
+    /// condition is 412, never 304.
+    async fn open_copy_source(
+        &self,
+        source: &CopySource,
+        conditions: ReadConditions,
+        range: Option<ByteRange>,
+    ) -> S3Result<tarn_store::GetResult> {
+        let (bucket, key, version) = copy_source(source)?;
+        self.store
+            .get_object_if(&bucket, &key, version.as_deref(), range, None, &conditions)
+            .await
+            .map_err(|e| match e {
+                tarn_store::StoreError::NotModified { .. } => {
+                    S3Error::new(S3ErrorCode::PreconditionFailed)
+                }
+                e => s3_error(e),
+            })
+    }
+
     pub fn new(store: Arc<Store>, region: impl Into<String>) -> Self {
         TarnS3 {
             store,
@@ -73,6 +94,35 @@ macro_rules! declared_checksums {
             $i.checksum_sha256.as_ref(),
         ]
     };
+}
+
+/// The response fields GET and HEAD share, for the struct-update syntax:
+/// `Output { content_length: …, ..object_fields!(Output, info, checksums) }`.
+macro_rules! object_fields {
+    ($ty:ident, $info:expr, $checksums:expr) => {{
+        let info: &ObjectInfo = &$info;
+        let [crc32, crc32c, crc64nvme, sha1, sha256]: [Option<String>; 5] = $checksums;
+        $ty {
+            accept_ranges: Some("bytes".into()),
+            content_type: Some(info.content_type.clone()),
+            e_tag: Some(etag(&info.etag)),
+            last_modified: Some(timestamp(info.last_modified_ns)),
+            metadata: metadata_map(info),
+            version_id: info.version_id.clone(),
+            cache_control: header_of(info, "cache-control"),
+            content_disposition: header_of(info, "content-disposition"),
+            content_encoding: header_of(info, "content-encoding"),
+            content_language: header_of(info, "content-language"),
+            expires: header_of(info, "expires")
+                .and_then(|e| Timestamp::parse(TimestampFormat::HttpDate, &e).ok()),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
+            ..Default::default()
+        }
+    }};
 }
 
 /// Declared body length: the decoded length of aws-chunked bodies, else
@@ -221,30 +271,6 @@ fn copy_source(cs: &CopySource) -> S3Result<(String, String, Option<String>)> {
             "access point copy sources are not supported",
         )),
     }
-}
-
-fn copy_conditions(
-    info: &ObjectInfo,
-    if_match: Option<&ETagCondition>,
-    if_none_match: Option<&ETagCondition>,
-    if_modified_since: Option<&Timestamp>,
-    if_unmodified_since: Option<&Timestamp>,
-) -> S3Result<()> {
-    // For copies every failed condition is 412 (no 304).
-    check_conditions(
-        info,
-        if_match,
-        if_none_match,
-        if_modified_since,
-        if_unmodified_since,
-    )
-    .map_err(|e| {
-        if *e.code() == S3ErrorCode::NotModified {
-            S3Error::new(S3ErrorCode::PreconditionFailed)
-        } else {
-            e
-        }
-    })
 }
 
 #[async_trait::async_trait]
@@ -501,43 +527,19 @@ impl S3 for TarnS3 {
             .as_ref()
             .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
             && full;
-        let [crc32, crc32c, crc64nvme, sha1, sha256] = if checksum_on {
+        let checksums = if checksum_on {
             checksum_fields(&info.checksum)
         } else {
             Default::default()
         };
-        let parts_count = match part_number {
-            Some(_) => Some(if info.parts.is_empty() {
-                1
-            } else {
-                info.parts.len() as i32
-            }),
-            None => None,
-        };
+        let parts_count = part_number.map(|_| info.parts_count() as i32);
         Ok(S3Response::new(GetObjectOutput {
             body: Some(StreamingBlob::wrap(got.stream)),
             content_length: Some((end - start) as i64),
             content_range,
-            accept_ranges: Some("bytes".into()),
-            content_type: Some(info.content_type.clone()),
-            e_tag: Some(etag(&info.etag)),
-            last_modified: Some(timestamp(info.last_modified_ns)),
-            metadata: metadata_map(&info),
-            version_id: info.version_id.clone(),
-            cache_control: header_of(&info, "cache-control"),
-            content_disposition: header_of(&info, "content-disposition"),
-            content_encoding: header_of(&info, "content-encoding"),
-            content_language: header_of(&info, "content-language"),
-            expires: header_of(&info, "expires")
-                .and_then(|e| Timestamp::parse(TimestampFormat::HttpDate, &e).ok()),
             tag_count: (!info.tags.is_empty()).then_some(info.tags.len() as i32),
             parts_count,
-            checksum_crc32: crc32,
-            checksum_crc32c: crc32c,
-            checksum_crc64nvme: crc64nvme,
-            checksum_sha1: sha1,
-            checksum_sha256: sha256,
-            ..Default::default()
+            ..object_fields!(GetObjectOutput, info, checksums)
         }))
     }
 
@@ -560,26 +562,11 @@ impl S3 for TarnS3 {
         )?;
         let (len, content_range, parts_count) = match (i.part_number, range_of(i.range)) {
             (Some(n), _) => {
-                let (a, b) = if info.parts.is_empty() {
-                    if n != 1 {
-                        return Err(S3Error::new(S3ErrorCode::InvalidRange));
-                    }
-                    (0, info.size)
-                } else {
-                    let mut off = 0;
-                    let mut found = None;
-                    for p in &info.parts {
-                        if p.number as i32 == n {
-                            found = Some((off, off + p.size));
-                        }
-                        off += p.size;
-                    }
-                    found.ok_or_else(|| S3Error::new(S3ErrorCode::InvalidRange))?
-                };
+                let (a, b) = info.part_range(n.max(0) as u32).map_err(s3_error)?;
                 (
                     b - a,
                     Some(format!("bytes {}-{}/{}", a, b.saturating_sub(1), info.size)),
-                    Some(info.parts.len().max(1) as i32),
+                    Some(info.parts_count() as i32),
                 )
             }
             (None, Some(r)) => {
@@ -596,7 +583,7 @@ impl S3 for TarnS3 {
             .checksum_mode
             .as_ref()
             .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED);
-        let [crc32, crc32c, crc64nvme, sha1, sha256] = if checksum_on {
+        let checksums = if checksum_on {
             checksum_fields(&info.checksum)
         } else {
             Default::default()
@@ -604,25 +591,8 @@ impl S3 for TarnS3 {
         Ok(S3Response::new(HeadObjectOutput {
             content_length: Some(len as i64),
             content_range,
-            accept_ranges: Some("bytes".into()),
-            content_type: Some(info.content_type.clone()),
-            e_tag: Some(etag(&info.etag)),
-            last_modified: Some(timestamp(info.last_modified_ns)),
-            metadata: metadata_map(&info),
-            version_id: info.version_id.clone(),
-            cache_control: header_of(&info, "cache-control"),
-            content_disposition: header_of(&info, "content-disposition"),
-            content_encoding: header_of(&info, "content-encoding"),
-            content_language: header_of(&info, "content-language"),
-            expires: header_of(&info, "expires")
-                .and_then(|e| Timestamp::parse(TimestampFormat::HttpDate, &e).ok()),
             parts_count,
-            checksum_crc32: crc32,
-            checksum_crc32c: crc32c,
-            checksum_crc64nvme: crc64nvme,
-            checksum_sha1: sha1,
-            checksum_sha256: sha256,
-            ..Default::default()
+            ..object_fields!(HeadObjectOutput, info, checksums)
         }))
     }
 
@@ -631,30 +601,14 @@ impl S3 for TarnS3 {
         req: S3Request<DeleteObjectInput>,
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
         let i = req.input;
-        if let Some(cond) = i.if_match.as_ref() {
-            match self
-                .store
-                .head_object(&i.bucket, &i.key, i.version_id.as_deref())
-                .await
-            {
-                Ok(info) => {
-                    let ok = match cond {
-                        ETagCondition::Any => true,
-                        ETagCondition::ETag(e) => e.value() == info.etag,
-                    };
-                    if !ok {
-                        return Err(S3Error::new(S3ErrorCode::PreconditionFailed));
-                    }
-                }
-                Err(tarn_store::StoreError::NoSuchKey { .. }) => {
-                    return Err(S3Error::new(S3ErrorCode::NoSuchKey))
-                }
-                Err(e) => return Err(s3_error(e)),
-            }
-        }
         let r = self
             .store
-            .delete_object(&i.bucket, &i.key, i.version_id.as_deref())
+            .delete_object_if(
+                &i.bucket,
+                &i.key,
+                i.version_id.as_deref(),
+                condition_string(i.if_match.as_ref()).as_deref(),
+            )
             .await
             .map_err(s3_error)?;
         Ok(S3Response::new(DeleteObjectOutput {
@@ -723,18 +677,16 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<CopyObjectOutput>> {
         let i = req.input;
         let (sb, sk, sv) = copy_source(&i.copy_source)?;
-        let src = self
-            .store
-            .head_object(&sb, &sk, sv.as_deref())
-            .await
-            .map_err(s3_error)?;
-        copy_conditions(
-            &src,
+        let conditions = read_conditions(
             i.copy_source_if_match.as_ref(),
             i.copy_source_if_none_match.as_ref(),
             i.copy_source_if_modified_since.as_ref(),
             i.copy_source_if_unmodified_since.as_ref(),
-        )?;
+        );
+        let got = self
+            .open_copy_source(&i.copy_source, conditions, None)
+            .await?;
+        let src = got.info.clone();
         if src.size > COPY_SOURCE_MAX_BYTES {
             return Err(S3Error::with_message(
                 S3ErrorCode::InvalidRequest,
@@ -777,11 +729,6 @@ impl S3 for TarnS3 {
             }
         };
         opts.checksum = src.checksum.clone();
-        let got = self
-            .store
-            .get_object(&sb, &sk, sv.as_deref(), None, None)
-            .await
-            .map_err(s3_error)?;
         let len = got.range.1 - got.range.0;
         let stream = futures::StreamExt::boxed(got.stream);
         let body = tarn_store::ObjectBody {
@@ -1094,39 +1041,45 @@ impl S3 for TarnS3 {
         req: S3Request<UploadPartCopyInput>,
     ) -> S3Result<S3Response<UploadPartCopyOutput>> {
         let i = req.input;
-        let (sb, sk, sv) = copy_source(&i.copy_source)?;
-        let src = self
-            .store
-            .head_object(&sb, &sk, sv.as_deref())
-            .await
-            .map_err(s3_error)?;
-        copy_conditions(
-            &src,
+        let bad_range = || {
+            S3Error::with_message(
+                S3ErrorCode::InvalidRange,
+                "The x-amz-copy-source-range value must be of the form bytes=first-last and within the object",
+            )
+        };
+        let range = match &i.copy_source_range {
+            None => None,
+            Some(r) => match Range::parse(r).map_err(|_| {
+                S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "invalid x-amz-copy-source-range",
+                )
+            })? {
+                Range::Int {
+                    first,
+                    last: Some(last),
+                } => Some((first, last)),
+                _ => return Err(bad_range()),
+            },
+        };
+        let conditions = read_conditions(
             i.copy_source_if_match.as_ref(),
             i.copy_source_if_none_match.as_ref(),
             i.copy_source_if_modified_since.as_ref(),
             i.copy_source_if_unmodified_since.as_ref(),
-        )?;
-        let range = match &i.copy_source_range {
-            None => None,
-            Some(r) => {
-                let parsed = Range::parse(r).map_err(|_| {
-                    S3Error::with_message(
-                        S3ErrorCode::InvalidArgument,
-                        "invalid x-amz-copy-source-range",
-                    )
-                })?;
-                match parsed {
-                    Range::Int { first, last: Some(last) } if last < src.size => Some(ByteRange::Closed(first, last)),
-                    _ => return Err(S3Error::with_message(S3ErrorCode::InvalidRange, "The x-amz-copy-source-range value must be of the form bytes=first-last and within the object")),
-                }
-            }
-        };
+        );
         let got = self
-            .store
-            .get_object(&sb, &sk, sv.as_deref(), range, None)
-            .await
-            .map_err(s3_error)?;
+            .open_copy_source(
+                &i.copy_source,
+                conditions,
+                range.map(|(a, b)| ByteRange::Closed(a, b)),
+            )
+            .await?;
+        // Unlike GET, a copy range may not run past the end of the source.
+        if range.is_some_and(|(_, last)| last >= got.info.size) {
+            return Err(bad_range());
+        }
+        let src_version = got.info.version_id.clone();
         let len = got.range.1 - got.range.0;
         let body = tarn_store::ObjectBody {
             stream: futures::StreamExt::boxed(got.stream),
@@ -1152,7 +1105,7 @@ impl S3 for TarnS3 {
                 last_modified: Some(timestamp(part.last_modified_ns)),
                 ..Default::default()
             }),
-            copy_source_version_id: src.version_id,
+            copy_source_version_id: src_version,
             ..Default::default()
         }))
     }

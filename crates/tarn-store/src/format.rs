@@ -399,7 +399,21 @@ pub struct Layout {
     pub distribution: Vec<u8>,
 }
 
+/// Largest stripe a layout may name (the configuration allows no more).
+pub const STRIPE_SIZE_MAX_BYTES: u32 = 64 << 20;
+
 impl Layout {
+    /// One shard, no parity: inline objects and delete markers.
+    pub fn single_copy(stripe_size_bytes: u32) -> Self {
+        Layout {
+            data_shards: 1,
+            parity_shards: 0,
+            codec: CodecId::Replicate,
+            stripe_size_bytes,
+            distribution: vec![0],
+        }
+    }
+
     pub fn shard_count(&self) -> usize {
         self.data_shards as usize + self.parity_shards as usize
     }
@@ -432,6 +446,7 @@ impl Layout {
         let valid = l.data_shards >= 1
             && l.distribution.len() == l.shard_count()
             && l.stripe_size_bytes >= 2
+            && l.stripe_size_bytes <= STRIPE_SIZE_MAX_BYTES
             && l.stripe_size_bytes.is_multiple_of(2)
             && (l.codec != CodecId::Replicate || l.data_shards == 1);
         if !valid {

@@ -82,6 +82,33 @@ pub struct ObjectInfo {
     pub parts: Vec<PartSummary>,
 }
 
+impl ObjectInfo {
+    /// Byte range [start, end) of part `n`. An object written in one piece has
+    /// exactly part 1.
+    pub fn part_range(&self, n: u32) -> Result<(u64, u64), StoreError> {
+        if self.parts.is_empty() {
+            return if n == 1 {
+                Ok((0, self.size))
+            } else {
+                Err(StoreError::InvalidRange)
+            };
+        }
+        let mut offset = 0;
+        for p in &self.parts {
+            if p.number == n {
+                return Ok((offset, offset + p.size));
+            }
+            offset += p.size;
+        }
+        Err(StoreError::InvalidRange)
+    }
+
+    /// How many parts the object has (1 for one written in one piece).
+    pub fn parts_count(&self) -> u32 {
+        self.parts.len().max(1) as u32
+    }
+}
+
 /// Conditional-read headers, evaluated on the version before any byte is read
 /// (RFC 9110 order: If-Match, else If-Unmodified-Since; then If-None-Match,
 /// else If-Modified-Since). Times are whole seconds since the epoch.

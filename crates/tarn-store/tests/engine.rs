@@ -935,3 +935,31 @@ fn a_slow_reader_never_blocks_a_writer_and_keeps_its_bytes() {
         );
     });
 }
+
+#[test]
+fn objects_stay_readable_after_the_stripe_size_shrinks() {
+    // Buffers come from pools sized by the configured stripe, but stored
+    // objects keep the stripe they were written with. Reopening with a smaller
+    // --stripe-size made every read of older objects assert on buffer capacity.
+    let c = Cluster::new(4);
+    let body = data(41, 3 * MIB + 9);
+    {
+        let store = c.open();
+        let b = body.clone();
+        run(async move {
+            bucket(&store, "bk-stripe").await;
+            put(&store, "bk-stripe", "k", &b).await;
+        });
+    }
+    let mut cfg = c.config();
+    cfg.stripe_size_bytes = 64 << 10;
+    let store = Store::open(cfg).unwrap();
+    run(async move {
+        assert_eq!(get(&store, "bk-stripe", "k").await, body);
+        assert_eq!(
+            get_range(&store, "bk-stripe", "k", MIB as u64 - 5, MIB as u64 + 5).await,
+            &body[MIB - 5..MIB + 6]
+        );
+        assert_eq!(store.heal_all().await.failures, 0);
+    });
+}

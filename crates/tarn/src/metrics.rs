@@ -81,69 +81,64 @@ impl Metrics {
             );
         }
         drop(ops);
-        let g = |out: &mut String, name: &str, help: &str, kind: &str, v: u64| {
+        let st = &store.stats;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let scalars: [(&str, &str, &str, u64); 8] = [
+            (
+                "tarn_request_bytes_in_total",
+                "Declared request body bytes.",
+                "counter",
+                load(&self.bytes_in),
+            ),
+            (
+                "tarn_response_bytes_out_total",
+                "Declared response body bytes.",
+                "counter",
+                load(&self.bytes_out),
+            ),
+            (
+                "tarn_requests_inflight",
+                "Requests being served.",
+                "gauge",
+                load(&self.inflight),
+            ),
+            (
+                "tarn_requests_rejected_overload_total",
+                "Requests answered 503 SlowDown by admission control.",
+                "counter",
+                load(&self.rejected_overload),
+            ),
+            (
+                "tarn_heal_queued_total",
+                "Objects queued for healing by reads.",
+                "counter",
+                load(&st.heal_queued),
+            ),
+            (
+                "tarn_heal_dropped_total",
+                "Heal requests dropped because the queue was full.",
+                "counter",
+                load(&st.heal_dropped),
+            ),
+            (
+                "tarn_shards_reconstructed_total",
+                "Shard blocks rebuilt from parity during reads.",
+                "counter",
+                load(&st.shards_reconstructed),
+            ),
+            (
+                "tarn_shards_rebuilt_total",
+                "Shard files rewritten by healing.",
+                "counter",
+                load(&st.shards_rebuilt),
+            ),
+        ];
+        for (name, help, kind, v) in scalars {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
-        };
-        g(
-            &mut out,
-            "tarn_request_bytes_in_total",
-            "Declared request body bytes.",
-            "counter",
-            self.bytes_in.load(Ordering::Relaxed),
-        );
-        g(
-            &mut out,
-            "tarn_response_bytes_out_total",
-            "Declared response body bytes.",
-            "counter",
-            self.bytes_out.load(Ordering::Relaxed),
-        );
-        g(
-            &mut out,
-            "tarn_requests_inflight",
-            "Requests being served.",
-            "gauge",
-            self.inflight.load(Ordering::Relaxed),
-        );
-        g(
-            &mut out,
-            "tarn_requests_rejected_overload_total",
-            "Requests answered 503 SlowDown by admission control.",
-            "counter",
-            self.rejected_overload.load(Ordering::Relaxed),
-        );
-        let st = &store.stats;
-        g(
-            &mut out,
-            "tarn_heal_queued_total",
-            "Objects queued for healing by reads.",
-            "counter",
-            st.heal_queued.load(Ordering::Relaxed),
-        );
-        g(
-            &mut out,
-            "tarn_heal_dropped_total",
-            "Heal requests dropped because the queue was full.",
-            "counter",
-            st.heal_dropped.load(Ordering::Relaxed),
-        );
-        g(
-            &mut out,
-            "tarn_shards_reconstructed_total",
-            "Shard blocks rebuilt from parity during reads.",
-            "counter",
-            st.shards_reconstructed.load(Ordering::Relaxed),
-        );
-        g(
-            &mut out,
-            "tarn_shards_rebuilt_total",
-            "Shard files rewritten by healing.",
-            "counter",
-            st.shards_rebuilt.load(Ordering::Relaxed),
-        );
+        }
         out.push_str(
             "# HELP tarn_drive_online Whether a drive is online.\n# TYPE tarn_drive_online gauge\n",
         );
@@ -170,9 +165,10 @@ pub fn operation(
     has_copy_source: bool,
 ) -> &'static str {
     let has = |k: &str| {
-        query
-            .split('&')
-            .any(|p| p == k || p.starts_with(&format!("{k}=")))
+        query.split('&').any(|p| {
+            p.strip_prefix(k)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('='))
+        })
     };
     let segments = path
         .trim_start_matches('/')

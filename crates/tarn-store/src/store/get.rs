@@ -129,7 +129,7 @@ impl Store {
                     "Range and partNumber together".into(),
                 ))
             }
-            (Some(n), None) => part_range(v, n)?,
+            (Some(n), None) => info.part_range(n)?,
             (None, Some(r)) => r.resolve(v.size)?,
             (None, None) => (0, v.size),
         };
@@ -332,24 +332,6 @@ impl Store {
     }
 }
 
-fn part_range(v: &VersionMeta, n: u32) -> Result<(u64, u64), StoreError> {
-    match &v.storage {
-        Storage::Parts(parts) if v.etag.contains('-') => {
-            let mut off = 0;
-            for p in parts {
-                if p.number == n {
-                    return Ok((off, off + p.size));
-                }
-                off += p.size;
-            }
-            Err(StoreError::InvalidRange)
-        }
-        // A single-part object has exactly part 1.
-        _ if n == 1 => Ok((0, v.size)),
-        _ => Err(StoreError::InvalidRange),
-    }
-}
-
 /// Shard readers for one part and the stripes [first, last].
 pub(crate) struct PartReader {
     pub geometry: StripeGeometry,
@@ -376,6 +358,7 @@ impl PartReader {
         first: u64,
         last: u64,
     ) -> Result<Self, StoreError> {
+        store.check_layout(set, layout)?;
         let n = layout.shard_count();
         let k = layout.data_shards as usize;
         let mut r = PartReader {
@@ -482,6 +465,9 @@ impl PartReader {
                     self.bufs[i] = Some(b);
                 }
             }
+            for &i in &want {
+                self.bufs[i].as_mut().expect("buffer").ensure_capacity(sl);
+            }
             let reads = want.iter().map(|&i| {
                 let reader = self.readers[i].as_ref().expect("opened");
                 let mut pooled = self.bufs[i].take().expect("buffer");
@@ -511,6 +497,7 @@ impl PartReader {
                     if self.bufs[i].is_none() {
                         self.bufs[i] = Some(store.pool().acquire(store.buffer_wait()).await?);
                     }
+                    self.bufs[i].as_mut().expect("buffer").ensure_capacity(sl);
                 }
                 let codec = codec_for(
                     self.layout.codec,

@@ -276,6 +276,7 @@ impl Store {
         layout: &Layout,
         part: &PartMeta,
     ) -> Result<u64, StoreError> {
+        self.check_layout(set, layout)?;
         let g = StripeGeometry::new(part.size, layout.stripe_size_bytes, layout.data_shards);
         let mut bad = Vec::new();
         for (shard, &pos) in layout.distribution.iter().enumerate() {
@@ -322,9 +323,17 @@ impl Store {
         if count > 0 {
             let mut reader = PartReader::open(self, set, layout, part, 0, count - 1).await?;
             let codec = codec_for(layout.codec, k, layout.parity_shards as usize);
+            // Rebuilt blocks are reconstructed straight into the aligned buffers
+            // the writes take, reused for every stripe.
+            let mut outs: Vec<tarn_io::AlignedBuf> = bad
+                .iter()
+                .map(|_| tarn_io::AlignedBuf::with_capacity(g.shard_len(0) as usize))
+                .collect();
             for j in 0..count {
                 let sl = g.shard_len(j) as usize;
-                let mut outs: Vec<Vec<u8>> = bad.iter().map(|_| vec![0u8; sl]).collect();
+                for o in outs.iter_mut() {
+                    o.set_len(sl);
+                }
                 {
                     let data = reader.read_stripe(self, j).await?;
                     let present: Vec<Option<&[u8]>> = (0..n)
@@ -333,16 +342,16 @@ impl Store {
                     let mut wanted: Vec<(usize, &mut [u8])> = bad
                         .iter()
                         .copied()
-                        .zip(outs.iter_mut().map(|o| o.as_mut_slice()))
+                        .zip(outs.iter_mut().map(|o| &mut o[..]))
                         .collect();
                     codec
                         .reconstruct(&present, &mut wanted)
                         .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
                 }
-                for ((_, w), out) in writers.iter_mut().zip(outs) {
-                    let mut buf = tarn_io::AlignedBuf::with_capacity(sl);
-                    buf.extend_from_slice(&out);
-                    let (res, _) = w.write_block(buf).await;
+                for ((_, w), out) in writers.iter_mut().zip(outs.iter_mut()) {
+                    let buf = std::mem::replace(out, tarn_io::AlignedBuf::with_capacity(0));
+                    let (res, buf) = w.write_block(buf).await;
+                    *out = buf;
                     res?;
                 }
             }

@@ -228,7 +228,7 @@ impl Store {
         }
         if cfg.stripe_size_bytes < 4096
             || !cfg.stripe_size_bytes.is_multiple_of(4096)
-            || cfg.stripe_size_bytes > 64 << 20
+            || cfg.stripe_size_bytes > crate::format::STRIPE_SIZE_MAX_BYTES as usize
         {
             return Err(StoreError::Config(
                 "stripe size must be a multiple of 4 KiB between 4 KiB and 64 MiB".into(),
@@ -532,6 +532,20 @@ impl Store {
 
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
         &self.drives[self.sets[set][position]]
+    }
+
+    /// A stored layout must name drives of its set only; a record that does not
+    /// (forged, or from another configuration) is refused instead of indexing
+    /// past the set.
+    pub(crate) fn check_layout(&self, set: usize, layout: &Layout) -> Result<(), StoreError> {
+        let n = self.set_size(set);
+        if layout.distribution.iter().any(|&pos| pos as usize >= n) {
+            return Err(StoreError::CorruptMetadata {
+                drive: String::new(),
+                what: format!("layout names drive positions beyond the set of {n}"),
+            });
+        }
+        Ok(())
     }
 
     pub(crate) fn set_size(&self, set: usize) -> usize {
@@ -1024,6 +1038,18 @@ impl Store {
         key: &str,
         version: Option<&str>,
     ) -> Result<crate::types::DeleteResult, StoreError> {
+        self.delete_object_if(bucket, key, version, None).await
+    }
+
+    /// DELETE with If-Match, checked under the key's lock on the same metadata
+    /// the delete acts on.
+    pub async fn delete_object_if(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        if_match: Option<&str>,
+    ) -> Result<crate::types::DeleteResult, StoreError> {
         let brec = self.bucket_record(bucket)?;
         validate_key(key)?;
         let version_id =
@@ -1036,6 +1062,15 @@ impl Store {
         let set = self.set_for(bucket, key);
         let _g = self.locks.write(bucket, key).await;
         let (mut rec, _) = self.resolved(set, bucket, key).await?;
+        if let Some(condition) = if_match {
+            let (v, _) = self.select_version(&rec, bucket, key, version)?;
+            if v.delete_marker {
+                return Err(StoreError::MethodNotAllowed);
+            }
+            if !put::etag_matches(condition, &v.etag) {
+                return Err(StoreError::PreconditionFailed);
+            }
+        }
         let mut removed: Vec<VersionMeta> = Vec::new();
         let result;
         match (version_id, brec.versioning) {
@@ -1107,13 +1142,7 @@ impl Store {
                     user_metadata: Vec::new(),
                     tags: Vec::new(),
                     checksum: None,
-                    layout: Layout {
-                        data_shards: 1,
-                        parity_shards: 0,
-                        codec: CodecId::Replicate,
-                        stripe_size_bytes: self.cfg.stripe_size_bytes as u32,
-                        distribution: vec![0],
-                    },
+                    layout: Layout::single_copy(self.cfg.stripe_size_bytes as u32),
                     storage: Storage::Inline { crc32c: 0 },
                 };
                 rec.versions.insert(0, marker);
@@ -1211,13 +1240,7 @@ impl Store {
                 user_metadata: Vec::new(),
                 tags: Vec::new(),
                 checksum: None,
-                layout: Layout {
-                    data_shards: 1,
-                    parity_shards: 0,
-                    codec: CodecId::Replicate,
-                    stripe_size_bytes: self.cfg.stripe_size_bytes as u32,
-                    distribution: vec![0],
-                },
+                layout: Layout::single_copy(self.cfg.stripe_size_bytes as u32),
                 storage: Storage::Inline { crc32c: crc },
             };
             let record = ObjectRecord {

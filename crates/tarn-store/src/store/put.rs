@@ -20,7 +20,8 @@ use crate::types::{ObjectBody, ObjectInfo, PutOptions};
 /// Reads a body while hashing it for the ETag.
 pub(crate) struct BodyReader {
     body: ObjectBody,
-    pushed_back: Option<Bytes>,
+    /// Chunks already counted and hashed, to be handed out again first.
+    pushed_back: std::collections::VecDeque<Bytes>,
     md5: Option<Md5>,
     xxh: xxhash_rust::xxh3::Xxh3,
     pub(crate) total: u64,
@@ -38,7 +39,7 @@ impl BodyReader {
     pub(crate) fn new(body: ObjectBody, use_md5: bool, limit: u64) -> Self {
         BodyReader {
             body,
-            pushed_back: None,
+            pushed_back: std::collections::VecDeque::new(),
             md5: use_md5.then(Md5::new),
             xxh: xxhash_rust::xxh3::Xxh3::new(),
             total: 0,
@@ -47,7 +48,7 @@ impl BodyReader {
     }
 
     pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, StoreError> {
-        if let Some(b) = self.pushed_back.take() {
+        if let Some(b) = self.pushed_back.pop_front() {
             return Ok(Some(b));
         }
         loop {
@@ -73,9 +74,9 @@ impl BodyReader {
         }
     }
 
+    /// Returns a chunk so that the next `next()` yields it again.
     pub(crate) fn push_back(&mut self, b: Bytes) {
-        assert!(self.pushed_back.is_none());
-        self.pushed_back = Some(b);
+        self.pushed_back.push_front(b);
     }
 
     /// After the last chunk: length and checksum checks, then the digests.
@@ -382,49 +383,41 @@ impl Store {
         let mut reader = BodyReader::new(body, use_md5, limit);
 
         // Small bodies are stored inline in the metadata: one write, no files.
+        // Read until the body ends or passes the threshold, keeping the chunks
+        // as they came (no copy unless the body does go inline).
         let threshold = self.cfg.inline_threshold_bytes;
-        let mut head: Vec<u8> = Vec::new();
+        let mut head: Vec<Bytes> = Vec::new();
+        let mut head_len = 0usize;
         let mut ended = false;
-        while head.len() <= threshold {
+        while head_len <= threshold {
             match reader.next().await? {
                 None => {
                     ended = true;
                     break;
                 }
                 Some(chunk) => {
-                    if head.len() + chunk.len() > threshold + 1 && !head.is_empty() {
-                        reader.push_back(chunk);
-                        break;
-                    }
-                    head.extend_from_slice(&chunk);
+                    head_len += chunk.len();
+                    head.push(chunk);
                 }
             }
         }
         // Held until the commit below is done, so the orphan sweep keeps out.
         let mut inflight = None;
-        let (storage, inline, written_layout) = if ended && head.len() <= threshold {
-            let digest_layout = Layout {
-                data_shards: 1,
-                parity_shards: 0,
-                codec: crate::format::CodecId::Replicate,
-                distribution: vec![0],
-                ..layout.clone()
-            };
+        let (storage, inline, written_layout) = if ended && head_len <= threshold {
+            let data = head.concat();
             (
                 Storage::Inline {
-                    crc32c: crc32c(&head),
+                    crc32c: crc32c(&data),
                 },
-                Some(head),
-                digest_layout,
+                Some(data),
+                Layout::single_copy(layout.stripe_size_bytes),
             )
         } else {
-            // Re-feed what was read ahead, then stream the rest.
-            let already = Bytes::from(head);
-            let mut chained = PrefixedReader {
-                prefix: Some(already),
-                reader: &mut reader,
-            };
-            let written = chained.write(self, set, &layout).await?;
+            // Hand the read-ahead back in order, then stream the rest.
+            for chunk in head.into_iter().rev() {
+                reader.push_back(chunk);
+            }
+            let written = self.write_data(set, &layout, &mut reader).await?;
             let storage = Storage::Parts(vec![PartMeta {
                 number: 1,
                 size: written.size,
@@ -565,35 +558,4 @@ fn check_alive(writers: &[Option<ShardWriter>], quorum: usize) -> Result<(), Sto
         });
     }
     Ok(())
-}
-
-/// Re-feeds bytes read ahead for the inline decision before the rest of the body.
-struct PrefixedReader<'a> {
-    prefix: Option<Bytes>,
-    reader: &'a mut BodyReader,
-}
-
-impl PrefixedReader<'_> {
-    async fn write(
-        &mut self,
-        store: &Store,
-        set: usize,
-        layout: &Layout,
-    ) -> Result<WrittenData, StoreError> {
-        if let Some(p) = self.prefix.take() {
-            if !p.is_empty() {
-                // The prefix was already hashed and counted; push it back without
-                // re-hashing by parking it in front of any pushed-back chunk.
-                let rest = self.reader.pushed_back.take();
-                let mut joined =
-                    bytes::BytesMut::with_capacity(p.len() + rest.as_ref().map_or(0, |r| r.len()));
-                joined.extend_from_slice(&p);
-                if let Some(r) = rest {
-                    joined.extend_from_slice(&r);
-                }
-                self.reader.pushed_back = Some(joined.freeze());
-            }
-        }
-        store.write_data(set, layout, self.reader).await
-    }
 }
