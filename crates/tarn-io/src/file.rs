@@ -54,6 +54,11 @@ fn check(res: i32) -> io::Result<usize> {
 }
 
 impl File {
+    /// Wraps a descriptor opened elsewhere (for example with O_DIRECT).
+    pub fn from_fd(fd: OwnedFd) -> File {
+        File { fd: Arc::new(fd) }
+    }
+
     /// Creates (truncating) a file for writing and reading.
     pub async fn create(path: impl Into<PathBuf>) -> io::Result<File> {
         crate::fault::check("create")?;

@@ -1,0 +1,856 @@
+//! The KV client: connect (shared memory when the server is on this host, TCP
+//! otherwise), batched async calls, and blocking wrappers.
+//!
+//! Over shared memory a get is one copy from the daemon's arena into the
+//! caller's buffer, checksummed as it is copied; a put copies into a slot the
+//! daemon reserved and commits it. Over TCP the bytes travel in the frames and
+//! land directly in the caller's buffers. Either way every whole-value read is
+//! checked against the value's CRC32C, and a block that fails is a miss.
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{fence, Ordering};
+use std::time::Duration;
+
+use tarn_kv::arena::Arena;
+use tarn_kv::proto::*;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::{TcpStream, UnixStream};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("KV connection: {0}")]
+    Io(#[from] io::Error),
+    #[error("KV server refused the request: {0}")]
+    Server(ProtoError),
+    #[error("KV server sent a malformed response: {0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Usage(String),
+    #[error("KV connection is closed after an earlier error; reconnect")]
+    Broken,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Which transport to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory when the server is on this host, else TCP.
+    #[default]
+    Auto,
+    Tcp,
+    /// Shared memory or fail.
+    Shm,
+}
+
+/// The transport a client ended up with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    Tcp,
+    Shm,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    pub transport: TransportChoice,
+    /// Namespace of every call (model, dtype, layout, block size, tenant).
+    pub namespace: Vec<u8>,
+    pub connect_timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            transport: TransportChoice::Auto,
+            namespace: Vec::new(),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One GET: `len` bytes from `offset` of the value (None: to its end) into
+/// the front of `buf`.
+pub struct GetInto<'a> {
+    pub digest: Digest,
+    pub offset: u64,
+    pub len: Option<u64>,
+    pub buf: &'a mut [u8],
+}
+
+impl<'a> GetInto<'a> {
+    /// The whole value into `buf`.
+    pub fn whole(digest: Digest, buf: &'a mut [u8]) -> Self {
+        GetInto {
+            digest,
+            offset: 0,
+            len: None,
+            buf,
+        }
+    }
+}
+
+/// Outcome of one GET: `len` bytes are in the buffer when `status` is Ok.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GetOutcome {
+    pub status: Status,
+    pub len: u64,
+    /// Length of the whole stored value (0 on a miss).
+    pub value_len: u64,
+}
+
+impl GetOutcome {
+    fn miss(status: Status) -> Self {
+        GetOutcome {
+            status,
+            len: 0,
+            value_len: 0,
+        }
+    }
+}
+
+/// One PUT: a value under a digest.
+#[derive(Debug, Clone, Copy)]
+pub struct PutFrom<'a> {
+    pub digest: Digest,
+    pub data: &'a [u8],
+}
+
+/// A request/response channel over a byte stream (TCP or the Unix socket).
+struct Channel<S> {
+    io: BufReader<S>,
+    out: Vec<u8>,
+    inp: Vec<u8>,
+    next_id: u64,
+    broken: bool,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
+    fn new(s: S) -> Self {
+        Channel {
+            io: BufReader::with_capacity(64 << 10, s),
+            out: Vec::with_capacity(64 << 10),
+            inp: Vec::new(),
+            next_id: 1,
+            broken: false,
+        }
+    }
+
+    fn begin(&mut self, op: Op) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        begin_frame(&mut self.out, op as u16, id);
+        id
+    }
+
+    /// Sends the frame in `out` followed by `bulk` slices.
+    async fn send(&mut self, bulk: &[&[u8]]) -> Result<()> {
+        let total: u64 = bulk.iter().map(|b| b.len() as u64).sum();
+        finish_frame(&mut self.out, total);
+        let w = self.io.get_mut();
+        w.write_all(&self.out).await?;
+        for b in bulk {
+            w.write_all(b).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads a response header for request `id` and op `op`; an error frame
+    /// becomes [`Error::Server`] (its payload read).
+    async fn recv_head(&mut self, id: u64, op: Op) -> Result<FrameHeader> {
+        let mut head = [0u8; FRAME_HEADER_BYTES];
+        self.io.read_exact(&mut head).await?;
+        let h = FrameHeader::decode(&head).map_err(|e| Error::Protocol(e.to_string()))?;
+        if h.op == Op::Error as u16 | RESPONSE_BIT {
+            if h.len > 4096 {
+                return Err(Error::Protocol("oversized error frame".into()));
+            }
+            self.read_payload(h.len).await?;
+            return Err(Error::Server(decode_error(&self.inp)));
+        }
+        if h.op != op as u16 | RESPONSE_BIT || h.request_id != id {
+            return Err(Error::Protocol(format!(
+                "response op {:#x} id {} for request op {:?} id {id}",
+                h.op, h.request_id, op
+            )));
+        }
+        Ok(h)
+    }
+
+    async fn read_payload(&mut self, len: u64) -> Result<()> {
+        if len > CONTROL_MAX_BYTES as u64 {
+            return Err(Error::Protocol(format!("response of {len} bytes")));
+        }
+        self.inp.resize(len as usize, 0);
+        self.io.read_exact(&mut self.inp).await?;
+        Ok(())
+    }
+
+    /// A whole control response (no bulk data).
+    async fn recv(&mut self, id: u64, op: Op) -> Result<()> {
+        let h = self.recv_head(id, op).await?;
+        self.read_payload(h.len).await
+    }
+
+    async fn hello(&mut self, flags: u32) -> Result<HelloReply> {
+        let id = self.begin(Op::Hello);
+        Hello {
+            version_min: VERSION_MIN,
+            version_max: VERSION_MAX,
+            flags,
+        }
+        .encode(&mut self.out);
+        self.send(&[]).await?;
+        self.recv(id, Op::Hello).await?;
+        HelloReply::decode(&self.inp).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+        let id = self.begin(Op::Exists);
+        put_batch_head(&mut self.out, ns, digests.len(), 0);
+        for d in digests {
+            self.out.extend_from_slice(d);
+        }
+        self.send(&[]).await?;
+        self.recv(id, Op::Exists).await?;
+        ExistsReply::decode(&self.inp, digests.len()).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    async fn keys_op(&mut self, op: Op, ns: &[u8], digests: &[Digest], arg: u32) -> Result<Vec<Status>> {
+        let id = self.begin(op);
+        put_batch_head(&mut self.out, ns, digests.len(), arg);
+        for d in digests {
+            self.out.extend_from_slice(d);
+        }
+        self.send(&[]).await?;
+        self.recv(id, op).await?;
+        decode_statuses(&self.inp, digests.len()).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+        let id = self.begin(Op::Stats);
+        put_batch_head(&mut self.out, ns, 0, 0);
+        self.send(&[]).await?;
+        self.recv(id, Op::Stats).await?;
+        decode_stats(&self.inp).map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    fn encode_gets(&mut self, ns: &[u8], reqs: &[GetInto<'_>]) {
+        put_batch_head(&mut self.out, ns, reqs.len(), 0);
+        for r in reqs {
+            GetEntry {
+                digest: r.digest,
+                offset: r.offset,
+                length: r.len.unwrap_or(LENGTH_TO_END),
+            }
+            .encode(&mut self.out);
+        }
+    }
+
+    /// GET with the data in the response, read straight into the caller's buffers.
+    async fn get_tcp(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        let id = self.begin(Op::Get);
+        self.encode_gets(ns, reqs);
+        self.send(&[]).await?;
+        let h = self.recv_head(id, Op::Get).await?;
+        let table = 4 + reqs.len() * GET_TCP_RESULT_BYTES;
+        if h.len < table as u64 {
+            return Err(Error::Protocol("GET response shorter than its table".into()));
+        }
+        self.read_payload(table as u64).await?;
+        let mut r = Reader::new(&self.inp);
+        let n = r.u32().map_err(proto)? as usize;
+        if n != reqs.len() {
+            return Err(Error::Protocol("GET response count mismatch".into()));
+        }
+        let mut results = Vec::with_capacity(n);
+        for _ in 0..n {
+            results.push(GetResult::decode(&mut r).map_err(proto)?);
+        }
+        let bulk: u64 = results.iter().map(|g| g.data_len).sum();
+        if h.len != table as u64 + bulk {
+            return Err(Error::Protocol("GET response length mismatch".into()));
+        }
+        let mut out = Vec::with_capacity(n);
+        for (req, g) in reqs.iter_mut().zip(&results) {
+            if g.status != Status::Ok {
+                out.push(GetOutcome::miss(g.status));
+                continue;
+            }
+            if g.data_len > req.buf.len() as u64 {
+                discard(&mut self.io, g.data_len).await?;
+                out.push(GetOutcome::miss(Status::BufferTooSmall));
+                continue;
+            }
+            let dst = &mut req.buf[..g.data_len as usize];
+            self.io.read_exact(dst).await?;
+            let whole = req.offset == 0 && g.data_len == g.value_len;
+            if whole && crc32c(dst) != g.crc {
+                out.push(GetOutcome::miss(Status::Corrupt));
+                continue;
+            }
+            out.push(GetOutcome {
+                status: Status::Ok,
+                len: g.data_len,
+                value_len: g.value_len,
+            });
+        }
+        Ok(out)
+    }
+
+    /// PUT with the values in the frame.
+    async fn put_tcp(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        let id = self.begin(Op::Put);
+        put_batch_head(&mut self.out, ns, items.len(), 0);
+        for it in items {
+            PutEntry {
+                digest: it.digest,
+                len: it.data.len() as u64,
+                crc: crc32c(it.data),
+            }
+            .encode(&mut self.out);
+        }
+        let bulk: Vec<&[u8]> = items.iter().map(|i| i.data).collect();
+        self.send(&bulk).await?;
+        self.recv(id, Op::Put).await?;
+        decode_statuses(&self.inp, items.len()).map_err(|e| Error::Protocol(e.to_string()))
+    }
+}
+
+fn proto(e: ProtoError) -> Error {
+    Error::Protocol(e.to_string())
+}
+
+async fn discard<R: AsyncRead + Unpin>(r: &mut R, mut n: u64) -> io::Result<()> {
+    let mut scratch = [0u8; 8192];
+    while n > 0 {
+        let k = (n as usize).min(scratch.len());
+        r.read_exact(&mut scratch[..k]).await?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Shared memory: the control channel on the Unix socket plus the mapped arena.
+struct Shm {
+    ch: Channel<UnixStream>,
+    arena: Arena,
+}
+
+impl Shm {
+    async fn get(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        let id = self.ch.begin(Op::GetShm);
+        self.ch.encode_gets(ns, reqs);
+        self.ch.send(&[]).await?;
+        self.ch.recv(id, Op::GetShm).await?;
+        let mut r = Reader::new(&self.ch.inp);
+        let n = r.u32().map_err(proto)? as usize;
+        if n != reqs.len() {
+            return Err(Error::Protocol("GET_SHM response count mismatch".into()));
+        }
+        let mut out = Vec::with_capacity(n);
+        for req in reqs.iter_mut() {
+            let g = ShmGetResult::decode(&mut r).map_err(proto)?;
+            if g.status != Status::Ok {
+                out.push(GetOutcome::miss(g.status));
+                continue;
+            }
+            if !self.arena.check_range(g.arena_offset, g.data_len) {
+                return Err(Error::Protocol("arena offset out of range".into()));
+            }
+            if g.data_len > req.buf.len() as u64 {
+                out.push(GetOutcome::miss(Status::BufferTooSmall));
+                continue;
+            }
+            let Some(generation) = self.arena.generation(g.slot as usize) else {
+                return Err(Error::Protocol("slot out of range".into()));
+            };
+            let dst = &mut req.buf[..g.data_len as usize];
+            // SAFETY: range checked above. The daemon may reuse the slot while
+            // we copy; the generation check below (and the checksum) catch it.
+            let src = unsafe { self.arena.slice(g.arena_offset, g.data_len as usize) };
+            let whole = req.offset == 0 && g.data_len == g.value_len;
+            let crc_ok = if whole {
+                copy_with_crc(dst, src) == g.crc
+            } else {
+                dst.copy_from_slice(src);
+                true
+            };
+            fence(Ordering::Acquire);
+            if generation.load(Ordering::Acquire) != g.generation {
+                // Evicted while we copied: a miss, not wrong bytes.
+                out.push(GetOutcome::miss(Status::NotFound));
+                continue;
+            }
+            if !crc_ok {
+                out.push(GetOutcome::miss(Status::Corrupt));
+                continue;
+            }
+            out.push(GetOutcome {
+                status: Status::Ok,
+                len: g.data_len,
+                value_len: g.value_len,
+            });
+        }
+        Ok(out)
+    }
+
+    async fn put(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        let id = self.ch.begin(Op::Reserve);
+        put_batch_head(&mut self.ch.out, ns, items.len(), 0);
+        for it in items {
+            ReserveEntry {
+                digest: it.digest,
+                len: it.data.len() as u64,
+            }
+            .encode(&mut self.ch.out);
+        }
+        self.ch.send(&[]).await?;
+        self.ch.recv(id, Op::Reserve).await?;
+        let mut r = Reader::new(&self.ch.inp);
+        let n = r.u32().map_err(proto)? as usize;
+        if n != items.len() {
+            return Err(Error::Protocol("RESERVE response count mismatch".into()));
+        }
+        let mut statuses = Vec::with_capacity(n);
+        let mut commits = Vec::new();
+        let mut commit_idx = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let rr = ReserveResult::decode(&mut r).map_err(proto)?;
+            statuses.push(rr.status);
+            if rr.status != Status::Ok {
+                continue;
+            }
+            let len = it.data.len();
+            let crc = if self.arena.check_range(rr.arena_offset, len as u64) {
+                // SAFETY: the daemon reserved this range for us alone.
+                let dst = unsafe { self.arena.slice_mut(rr.arena_offset, len) };
+                Some(copy_with_crc(dst, it.data))
+            } else {
+                None
+            };
+            commits.push(CommitEntry {
+                token: rr.token,
+                crc: crc.unwrap_or(0),
+                flags: if crc.is_some() { 0 } else { COMMIT_ABORT },
+            });
+            commit_idx.push(i);
+        }
+        if commits.is_empty() {
+            return Ok(statuses);
+        }
+        let id = self.ch.begin(Op::Commit);
+        self.ch.out.put_u32(commits.len() as u32);
+        for c in &commits {
+            c.encode(&mut self.ch.out);
+        }
+        self.ch.send(&[]).await?;
+        self.ch.recv(id, Op::Commit).await?;
+        let cs = decode_statuses(&self.ch.inp, commits.len()).map_err(proto)?;
+        for ((i, s), c) in commit_idx.into_iter().zip(cs).zip(&commits) {
+            statuses[i] = if c.flags & COMMIT_ABORT != 0 {
+                return Err(Error::Protocol("reserved range outside the arena".into()));
+            } else {
+                s
+            };
+        }
+        Ok(statuses)
+    }
+}
+
+enum Transport {
+    Tcp(Channel<TcpStream>),
+    Shm(Box<Shm>),
+}
+
+/// The async KV client. Batches longer than the server's limit are split.
+pub struct KvClient {
+    t: Transport,
+    namespace: Vec<u8>,
+    server: HelloReply,
+}
+
+fn parse_endpoint(endpoint: &str) -> Result<String> {
+    let e = endpoint
+        .strip_prefix("tcp://")
+        .or_else(|| endpoint.strip_prefix("tarn://"))
+        .unwrap_or(endpoint);
+    if e.is_empty() || !e.contains(':') {
+        return Err(Error::Usage(format!(
+            "KV endpoint {endpoint:?} is not host:port"
+        )));
+    }
+    Ok(e.trim_end_matches('/').to_string())
+}
+
+impl KvClient {
+    /// Connects to `endpoint` (`host:port`, optionally `tcp://host:port`).
+    pub async fn connect(endpoint: &str, opts: ConnectOptions) -> Result<KvClient> {
+        if opts.namespace.len() > NAMESPACE_MAX_BYTES {
+            return Err(Error::Usage(format!(
+                "namespace of {} bytes exceeds {NAMESPACE_MAX_BYTES}",
+                opts.namespace.len()
+            )));
+        }
+        let addr = parse_endpoint(endpoint)?;
+        let tcp = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(&addr))
+            .await
+            .map_err(|_| Error::Io(io::Error::new(io::ErrorKind::TimedOut, format!("connecting to {addr}"))))??;
+        tcp.set_nodelay(true)?;
+        let local = same_host(&tcp);
+        let mut ch = Channel::new(tcp);
+        let hello = ch.hello(0).await?;
+        let offered = hello.flags & HELLO_SHM_OFFERED != 0 && !hello.shm_socket.is_empty();
+        let want_shm = opts.transport != TransportChoice::Tcp && offered && local;
+        if opts.transport == TransportChoice::Shm && !want_shm {
+            return Err(Error::Usage(
+                "shared memory needs a server on this host that offers it".into(),
+            ));
+        }
+        if want_shm {
+            match connect_shm(&hello).await {
+                Ok(shm) => {
+                    return Ok(KvClient {
+                        t: Transport::Shm(Box::new(shm)),
+                        namespace: opts.namespace,
+                        server: hello,
+                    })
+                }
+                Err(e) if opts.transport == TransportChoice::Shm => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Ok(KvClient {
+            t: Transport::Tcp(ch),
+            namespace: opts.namespace,
+            server: hello,
+        })
+    }
+
+    pub fn transport(&self) -> TransportKind {
+        match self.t {
+            Transport::Tcp(_) => TransportKind::Tcp,
+            Transport::Shm(_) => TransportKind::Shm,
+        }
+    }
+
+    pub fn namespace(&self) -> &[u8] {
+        &self.namespace
+    }
+
+    pub fn set_namespace(&mut self, namespace: &[u8]) -> Result<()> {
+        if namespace.len() > NAMESPACE_MAX_BYTES {
+            return Err(Error::Usage("namespace too long".into()));
+        }
+        self.namespace = namespace.to_vec();
+        Ok(())
+    }
+
+    /// Largest value the server accepts.
+    pub fn value_max_bytes(&self) -> u64 {
+        self.server.value_max_bytes
+    }
+
+    fn batch(&self) -> usize {
+        (self.server.batch_max_keys as usize).clamp(1, BATCH_MAX_KEYS)
+    }
+
+    fn check(&self) -> Result<()> {
+        let broken = match &self.t {
+            Transport::Tcp(c) => c.broken,
+            Transport::Shm(s) => s.ch.broken,
+        };
+        if broken {
+            return Err(Error::Broken);
+        }
+        Ok(())
+    }
+
+    /// Marks the connection unusable after an I/O or protocol error: the
+    /// stream may be mid-frame. A server refusal leaves it usable.
+    fn settle<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if !matches!(e, Error::Server(_) | Error::Usage(_)) {
+                match &mut self.t {
+                    Transport::Tcp(c) => c.broken = true,
+                    Transport::Shm(s) => s.ch.broken = true,
+                }
+            }
+        }
+        r
+    }
+
+    /// Which keys are stored, and how many leading ones are all present.
+    pub async fn exists(&mut self, digests: &[Digest]) -> Result<ExistsReply> {
+        self.check()?;
+        let mut all = ExistsReply {
+            leading_hits: 0,
+            present: Vec::with_capacity(digests.len()),
+        };
+        for chunk in digests.chunks(self.batch()) {
+            let ns = self.namespace.clone();
+            let r = match &mut self.t {
+                Transport::Tcp(c) => c.exists(&ns, chunk).await,
+                Transport::Shm(s) => s.ch.exists(&ns, chunk).await,
+            };
+            let r = self.settle(r)?;
+            all.present.extend(r.present);
+        }
+        all.leading_hits = all.present.iter().take_while(|p| **p).count() as u32;
+        Ok(all)
+    }
+
+    /// Reads values (or ranges) into the caller's buffers.
+    pub async fn get_into(&mut self, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        self.check()?;
+        let mut out = Vec::with_capacity(reqs.len());
+        let batch = self.batch();
+        for chunk in reqs.chunks_mut(batch) {
+            let ns = self.namespace.clone();
+            let r = match &mut self.t {
+                Transport::Tcp(c) => c.get_tcp(&ns, chunk).await,
+                Transport::Shm(s) => s.get(&ns, chunk).await,
+            };
+            out.extend(self.settle(r)?);
+        }
+        Ok(out)
+    }
+
+    /// Stores values. A key already stored answers `AlreadyExists` (success).
+    pub async fn put_from(&mut self, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        self.check()?;
+        if let Some(big) = items.iter().find(|i| i.data.len() as u64 > self.server.value_max_bytes) {
+            return Err(Error::Usage(format!(
+                "value of {} bytes exceeds the server's maximum of {}",
+                big.data.len(),
+                self.server.value_max_bytes
+            )));
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(self.batch()) {
+            let ns = self.namespace.clone();
+            let r = match &mut self.t {
+                Transport::Tcp(c) => c.put_tcp(&ns, chunk).await,
+                Transport::Shm(s) => s.put(&ns, chunk).await,
+            };
+            out.extend(self.settle(r)?);
+        }
+        Ok(out)
+    }
+
+    async fn keys_op(&mut self, op: Op, digests: &[Digest], arg: u32) -> Result<Vec<Status>> {
+        self.check()?;
+        let mut out = Vec::with_capacity(digests.len());
+        for chunk in digests.chunks(self.batch()) {
+            let ns = self.namespace.clone();
+            let r = match &mut self.t {
+                Transport::Tcp(c) => c.keys_op(op, &ns, chunk, arg).await,
+                Transport::Shm(s) => s.ch.keys_op(op, &ns, chunk, arg).await,
+            };
+            out.extend(self.settle(r)?);
+        }
+        Ok(out)
+    }
+
+    /// Marks blocks recently used.
+    pub async fn touch(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
+        self.keys_op(Op::Touch, digests, 0).await
+    }
+
+    /// Protects blocks from eviction for `lease` (capped by the server) or
+    /// until unpinned or this connection closes.
+    pub async fn pin(&mut self, digests: &[Digest], lease: Duration) -> Result<Vec<Status>> {
+        let ms = lease.as_millis().min(u32::MAX as u128) as u32;
+        self.keys_op(Op::Pin, digests, ms.max(1)).await
+    }
+
+    pub async fn unpin(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
+        self.keys_op(Op::Unpin, digests, 0).await
+    }
+
+    pub async fn delete(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
+        self.keys_op(Op::Delete, digests, 0).await
+    }
+
+    /// Server counters, with this client's namespace's (prefixed `namespace.`).
+    pub async fn stats(&mut self) -> Result<Vec<(String, u64)>> {
+        self.check()?;
+        let ns = self.namespace.clone();
+        let r = match &mut self.t {
+            Transport::Tcp(c) => c.stats(&ns).await,
+            Transport::Shm(s) => s.ch.stats(&ns).await,
+        };
+        self.settle(r)
+    }
+}
+
+/// True when the peer is this host (loopback, or our own address).
+fn same_host(s: &TcpStream) -> bool {
+    match (s.peer_addr(), s.local_addr()) {
+        (Ok(p), Ok(l)) => p.ip().is_loopback() || p.ip() == l.ip(),
+        _ => false,
+    }
+}
+
+async fn connect_shm(tcp_hello: &HelloReply) -> Result<Shm> {
+    use std::os::linux::net::SocketAddrExt;
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(&tcp_hello.shm_socket)?;
+    let std_stream = std::os::unix::net::UnixStream::connect_addr(&addr)?;
+    std_stream.set_nonblocking(true)?;
+    let s = UnixStream::from_std(std_stream)?;
+    let mut out = Vec::new();
+    begin_frame(&mut out, Op::Hello as u16, 1);
+    Hello {
+        version_min: VERSION_MIN,
+        version_max: VERSION_MAX,
+        flags: HELLO_WANT_SHM,
+    }
+    .encode(&mut out);
+    finish_frame(&mut out, 0);
+    let mut written = 0;
+    while written < out.len() {
+        s.writable().await?;
+        match s.try_write(&out[written..]) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // The reply frame carries the arena's descriptor.
+    let mut buf = vec![0u8; 4096];
+    let mut got = 0usize;
+    let mut fd: Option<OwnedFd> = None;
+    let total = loop {
+        s.readable().await?;
+        match s.try_io(tokio::io::Interest::READABLE, || recvmsg_fd(s.as_raw_fd(), &mut buf[got..])) {
+            Ok((0, _)) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+            Ok((n, f)) => {
+                got += n;
+                if f.is_some() {
+                    fd = f;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e.into()),
+        }
+        if got >= FRAME_HEADER_BYTES {
+            let h = FrameHeader::decode(buf[..FRAME_HEADER_BYTES].try_into().expect("24"))
+                .map_err(proto)?;
+            let total = FRAME_HEADER_BYTES + h.len as usize;
+            if total > buf.len() {
+                return Err(Error::Protocol("oversized HELLO reply".into()));
+            }
+            if got >= total {
+                if h.op == Op::Error as u16 | RESPONSE_BIT {
+                    return Err(Error::Server(decode_error(&buf[FRAME_HEADER_BYTES..total])));
+                }
+                break total;
+            }
+        }
+    };
+    if got != total {
+        return Err(Error::Protocol("data after the HELLO reply".into()));
+    }
+    let reply = HelloReply::decode(&buf[FRAME_HEADER_BYTES..total]).map_err(proto)?;
+    if reply.instance_id != tcp_hello.instance_id {
+        return Err(Error::Protocol(
+            "the shared-memory socket belongs to another server".into(),
+        ));
+    }
+    let fd = fd.ok_or_else(|| Error::Protocol("no arena descriptor in the HELLO reply".into()))?;
+    let arena = Arena::open(fd)?;
+    if arena.len() as u64 != reply.arena_bytes {
+        return Err(Error::Protocol("arena size differs from the HELLO reply".into()));
+    }
+    let mut ch = Channel::new(s);
+    ch.next_id = 2;
+    Ok(Shm { ch, arena })
+}
+
+fn recvmsg_fd(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cmsg_buf = [0u64; 8];
+    // SAFETY: msghdr over live buffers; CMSG macros stay inside cmsg_buf.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg_buf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cmsg_buf);
+        let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut fd = None;
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<i32>());
+                // Take ownership so it is closed even if unused.
+                let owned = OwnedFd::from_raw_fd(raw);
+                if fd.is_none() {
+                    fd = Some(owned);
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        Ok((n as usize, fd))
+    }
+}
+
+/// Blocking wrapper: the same calls on a private current-thread runtime.
+pub struct BlockingKvClient {
+    rt: tokio::runtime::Runtime,
+    inner: KvClient,
+}
+
+impl BlockingKvClient {
+    pub fn connect(endpoint: &str, opts: ConnectOptions) -> Result<BlockingKvClient> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let inner = rt.block_on(KvClient::connect(endpoint, opts))?;
+        Ok(BlockingKvClient { rt, inner })
+    }
+    pub fn transport(&self) -> TransportKind {
+        self.inner.transport()
+    }
+    pub fn client(&mut self) -> &mut KvClient {
+        &mut self.inner
+    }
+    pub fn exists(&mut self, digests: &[Digest]) -> Result<ExistsReply> {
+        self.rt.block_on(self.inner.exists(digests))
+    }
+    pub fn get_into(&mut self, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        self.rt.block_on(self.inner.get_into(reqs))
+    }
+    pub fn put_from(&mut self, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.put_from(items))
+    }
+    pub fn touch(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.touch(digests))
+    }
+    pub fn pin(&mut self, digests: &[Digest], lease: Duration) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.pin(digests, lease))
+    }
+    pub fn unpin(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.unpin(digests))
+    }
+    pub fn delete(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.delete(digests))
+    }
+    pub fn stats(&mut self) -> Result<Vec<(String, u64)>> {
+        self.rt.block_on(self.inner.stats())
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send() {
+    fn is_send<T: Send>() {}
+    is_send::<KvClient>();
+    let _: Option<SocketAddr> = None;
+}

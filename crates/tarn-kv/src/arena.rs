@@ -1,0 +1,311 @@
+//! The RAM tier's memory: one preallocated shared-memory file (memfd), mapped
+//! by the daemon and by every same-host client.
+//!
+//! Layout (see docs/kv-protocol.md, "Arena"):
+//! ```text
+//! 0                 header page (4 KiB): magic, version, geometry
+//! 4096              generation table: one u32 per possible slot
+//! data_offset       slab pages, page_size_bytes each (2 MiB aligned)
+//! ```
+//! The generation of a slot changes every time the slot is freed, so a client
+//! that copied bytes out of a slot can tell whether the slot was reused while
+//! it copied (a seqlock with the server as the only writer of generations).
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"TARNKVA1");
+pub const ARENA_HEADER_BYTES: usize = 4096;
+/// Data pages start on a huge-page boundary.
+pub const ARENA_DATA_ALIGN: usize = 2 << 20;
+
+/// A mapped arena. The daemon creates it; clients map the fd it sends them.
+pub struct Arena {
+    fd: OwnedFd,
+    base: *mut u8,
+    len: usize,
+    pub huge_pages: bool,
+    pub geometry: Geometry,
+}
+
+// SAFETY: the mapping is shared memory; all access goes through raw pointers
+// with ownership rules enforced by the engine (reservations, read refs).
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+/// Where things are in the arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub page_size_bytes: usize,
+    pub page_count: usize,
+    /// Slots a page can hold in the smallest class: the generation table has
+    /// `page_count * slots_per_page_max` entries.
+    pub slots_per_page_max: usize,
+    pub data_offset: usize,
+}
+
+impl Geometry {
+    pub fn new(page_size_bytes: usize, page_count: usize, slot_min_bytes: usize) -> Geometry {
+        let slots_per_page_max = page_size_bytes / slot_min_bytes;
+        let gen_bytes = page_count * slots_per_page_max * 4;
+        let data_offset = (ARENA_HEADER_BYTES + gen_bytes).next_multiple_of(ARENA_DATA_ALIGN);
+        Geometry {
+            page_size_bytes,
+            page_count,
+            slots_per_page_max,
+            data_offset,
+        }
+    }
+    pub fn total_bytes(&self) -> usize {
+        self.data_offset + self.page_size_bytes * self.page_count
+    }
+    fn encode(&self) -> [u8; 40] {
+        let mut b = [0u8; 40];
+        b[0..8].copy_from_slice(&ARENA_MAGIC.to_le_bytes());
+        b[8..16].copy_from_slice(&(self.page_size_bytes as u64).to_le_bytes());
+        b[16..24].copy_from_slice(&(self.page_count as u64).to_le_bytes());
+        b[24..32].copy_from_slice(&(self.slots_per_page_max as u64).to_le_bytes());
+        b[32..40].copy_from_slice(&(self.data_offset as u64).to_le_bytes());
+        b
+    }
+    fn decode(b: &[u8]) -> io::Result<Geometry> {
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8")) as usize;
+        if word(0) as u64 != ARENA_MAGIC {
+            return Err(invalid("shared memory is not a Tarn KV arena"));
+        }
+        let g = Geometry {
+            page_size_bytes: word(8),
+            page_count: word(16),
+            slots_per_page_max: word(24),
+            data_offset: word(32),
+        };
+        let check = Geometry::new(
+            g.page_size_bytes.max(1),
+            g.page_count,
+            g.page_size_bytes.max(1) / g.slots_per_page_max.max(1),
+        );
+        if g.page_size_bytes == 0 || g.slots_per_page_max == 0 || check != g {
+            return Err(invalid("arena header geometry is inconsistent"));
+        }
+        Ok(g)
+    }
+}
+
+fn invalid(msg: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
+}
+
+impl Arena {
+    /// Creates and preallocates the arena: huge pages (hugetlbfs) when the
+    /// machine has them reserved, else normal shared memory with transparent
+    /// huge pages requested.
+    pub fn create(geometry: Geometry) -> io::Result<Arena> {
+        let len = geometry.total_bytes();
+        let name = c"tarn-kv-arena";
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        for huge in [true, false] {
+            let f = if huge {
+                flags | libc::MFD_HUGETLB
+            } else {
+                flags
+            };
+            // SAFETY: plain syscall with a static C string.
+            let fd = unsafe { libc::memfd_create(name.as_ptr(), f) };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: fresh descriptor we own.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            // SAFETY: plain syscalls on our fd.
+            if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } < 0 {
+                continue;
+            }
+            // Preallocate now so that running out of memory is a start-up error,
+            // not a SIGBUS in the middle of a put.
+            let rc = unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t) };
+            if rc < 0 {
+                let e = io::Error::last_os_error();
+                if huge {
+                    continue;
+                }
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("preallocating {len} bytes of shared memory for the KV arena: {e}"),
+                ));
+            }
+            // No one may shrink the arena under the daemon (a client with the fd
+            // could otherwise make our accesses SIGBUS).
+            unsafe {
+                libc::fcntl(
+                    fd.as_raw_fd(),
+                    libc::F_ADD_SEALS,
+                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+                )
+            };
+            let mut arena = Arena::map(fd, len, geometry)?;
+            arena.huge_pages = huge;
+            if !huge {
+                // SAFETY: advice on our own mapping.
+                let rc = unsafe {
+                    libc::madvise(
+                        arena.base.add(geometry.data_offset).cast(),
+                        len - geometry.data_offset,
+                        libc::MADV_HUGEPAGE,
+                    )
+                };
+                let _ = rc;
+            }
+            arena.header_mut().copy_from_slice(&geometry.encode());
+            return Ok(arena);
+        }
+        Err(io::Error::last_os_error())
+    }
+
+    /// Maps an arena received from the daemon and checks its header.
+    pub fn open(fd: OwnedFd) -> io::Result<Arena> {
+        // SAFETY: fstat into a zeroed struct on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let len = st.st_size as usize;
+        if len < ARENA_HEADER_BYTES {
+            return Err(invalid("arena too small"));
+        }
+        let mut arena = Arena::map(
+            fd,
+            len,
+            Geometry {
+                page_size_bytes: 0,
+                page_count: 0,
+                slots_per_page_max: 0,
+                data_offset: 0,
+            },
+        )?;
+        // SAFETY: the header page lies inside the mapping.
+        let head = unsafe { std::slice::from_raw_parts(arena.base, 40) };
+        let g = Geometry::decode(head)?;
+        if g.total_bytes() != len {
+            return Err(invalid("arena length does not match its header"));
+        }
+        arena.geometry = g;
+        Ok(arena)
+    }
+
+    fn map(fd: OwnedFd, len: usize, geometry: Geometry) -> io::Result<Arena> {
+        // SAFETY: mapping a shared file we hold open; length checked by callers.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Arena {
+            fd,
+            base: p.cast(),
+            len,
+            huge_pages: false,
+            geometry,
+        })
+    }
+
+    fn header_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the header page is inside the mapping and only written here.
+        unsafe { std::slice::from_raw_parts_mut(self.base, 40) }
+    }
+
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The generation counter of slot `index` (page * slots_per_page_max + slot).
+    pub fn generation(&self, index: usize) -> Option<&AtomicU32> {
+        let g = &self.geometry;
+        if index >= g.page_count * g.slots_per_page_max {
+            return None;
+        }
+        // SAFETY: in bounds (checked above), 4-byte aligned (header is 4 KiB),
+        // and only ever accessed atomically.
+        Some(unsafe { &*(self.base.add(ARENA_HEADER_BYTES + index * 4) as *const AtomicU32) })
+    }
+
+    /// Bumps a slot's generation: called whenever the slot stops holding what a
+    /// reader may have been told it holds.
+    pub fn bump_generation(&self, index: usize) {
+        if let Some(g) = self.generation(index) {
+            g.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// Checks that `[offset, offset+len)` lies inside the data pages.
+    pub fn check_range(&self, offset: u64, len: u64) -> bool {
+        let start = self.geometry.data_offset as u64;
+        let end = self.len as u64;
+        offset >= start && offset <= end && len <= end - offset
+    }
+
+    /// Bytes of the arena. The caller must own the range for writing (a
+    /// reservation) or accept that another writer may change it (seqlock +
+    /// checksum on every read).
+    ///
+    /// # Safety
+    /// `check_range(offset, len)` must hold.
+    pub unsafe fn slice(&self, offset: u64, len: usize) -> &[u8] {
+        unsafe { std::slice::from_raw_parts(self.base.add(offset as usize), len) }
+    }
+
+    /// # Safety
+    /// `check_range(offset, len)` must hold and the caller must hold the slot
+    /// exclusively (its reservation).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: u64, len: usize) -> &mut [u8] {
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(offset as usize), len) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping once.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_then_open_by_fd() {
+        let g = Geometry::new(4 << 20, 3, 4096);
+        let a = Arena::create(g).unwrap();
+        assert_eq!(a.len(), g.total_bytes());
+        // SAFETY: in range.
+        unsafe { a.slice_mut(g.data_offset as u64, 4)[..].copy_from_slice(b"abcd") };
+        a.bump_generation(5);
+        let dup = a.fd().try_clone().unwrap();
+        let b = Arena::open(dup).unwrap();
+        assert_eq!(b.geometry, g);
+        assert_eq!(unsafe { b.slice(g.data_offset as u64, 4) }, b"abcd");
+        assert_eq!(b.generation(5).unwrap().load(Ordering::Acquire), 1);
+        assert!(b.generation(3 * 1024).is_none());
+        assert!(!b.check_range(0, 1));
+        assert!(!b.check_range(g.total_bytes() as u64 - 1, 2));
+        assert!(b.check_range(g.data_offset as u64, (g.total_bytes() - g.data_offset) as u64));
+    }
+}

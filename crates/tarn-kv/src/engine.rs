@@ -1,0 +1,1354 @@
+//! The KV engine: a hash index over a RAM tier (slab classes in the shared
+//! arena, SIEVE eviction per class) and an optional NVMe tier (disk.rs).
+//!
+//! All bookkeeping sits behind one lock whose critical sections never wait
+//! for I/O: lookups, slot allocation and eviction. Bulk bytes move outside it
+//! (TCP sends, client copies over shared memory, checksums of committed puts),
+//! protected by reservations and per-slot read references. Demotion to the
+//! NVMe tier copies into the tier's write buffer under the lock.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use tarn_io::AlignedBuf;
+
+use crate::arena::{Arena, Geometry};
+use crate::disk::{self, DiskLoc, DiskTier, RecordKind, RecordSource};
+use crate::proto::{crc32c, Digest, GetEntry, Status};
+use crate::KvError;
+
+/// Smallest slab class; smaller values still take a slot of this size.
+pub const SLOT_MIN_BYTES: usize = 4096;
+/// Each slab class is this much larger than the previous (then rounded up to
+/// 4 KiB): at most ~25% of a slot is unused.
+const CLASS_GROWTH: f64 = 1.25;
+/// Smallest slab page. Pages move between classes as the value mix changes.
+const PAGE_MIN_BYTES: usize = 4 << 20;
+/// Slot ids pack the page into 16 bits and the slot within it into 16 bits.
+const PAGES_MAX: usize = u16::MAX as usize;
+const NO_SLOT: u32 = u32::MAX;
+/// Distinct namespaces a server tracks (each has its counters).
+pub const NAMESPACES_MAX: usize = 65_536;
+/// Longest lease a PIN may ask for; a client that dies cannot hold blocks longer.
+pub const PIN_LEASE_MAX_MS: u64 = 10 * 60 * 1000;
+/// Lease of a PIN that names none.
+pub const PIN_LEASE_DEFAULT_MS: u64 = 30 * 1000;
+
+const _: () = assert!(PAGE_MIN_BYTES / SLOT_MIN_BYTES <= 1 << 16);
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct KvConfig {
+    /// RAM tier budget.
+    pub memory_bytes: u64,
+    /// Largest value accepted.
+    pub value_max_bytes: u64,
+    /// NVMe tier directory (None: RAM only).
+    pub disk_dir: Option<PathBuf>,
+    /// NVMe tier budget.
+    pub disk_bytes: u64,
+    /// Segment file size (rounded up to fit two write buffers).
+    pub segment_bytes: u64,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        KvConfig {
+            memory_bytes: 1 << 30,
+            value_max_bytes: 4 << 20,
+            disk_dir: None,
+            disk_bytes: 64 << 30,
+            segment_bytes: 256 << 20,
+        }
+    }
+}
+
+/// A block's identity inside the engine: interned namespace plus digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Key {
+    pub namespace: u32,
+    pub digest: Digest,
+}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let mut b = [0u8; 36];
+        b[..4].copy_from_slice(&self.namespace.to_le_bytes());
+        b[4..].copy_from_slice(&self.digest);
+        state.write(&b);
+    }
+}
+
+/// xxh3 with a per-process random seed: digests come from clients, so the
+/// index must not be floodable with chosen collisions.
+#[derive(Clone)]
+struct KeyHasher {
+    seed: u64,
+}
+
+struct KeyHasherState {
+    seed: u64,
+    hash: u64,
+}
+
+impl BuildHasher for KeyHasher {
+    type Hasher = KeyHasherState;
+    fn build_hasher(&self) -> KeyHasherState {
+        KeyHasherState {
+            seed: self.seed,
+            hash: 0,
+        }
+    }
+}
+
+impl Hasher for KeyHasherState {
+    fn write(&mut self, bytes: &[u8]) {
+        self.hash ^= xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.seed);
+    }
+    fn finish(&self) -> u64 {
+        self.hash
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    len: u64,
+    crc: u32,
+    ram: u32,
+    disk: Option<DiskLoc>,
+    pins: u32,
+    pin_until_ms: u64,
+}
+
+impl Entry {
+    fn pinned(&self, now_ms: u64) -> bool {
+        self.pins > 0 && now_ms < self.pin_until_ms
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Reserved { conn: u64, seq: u32, len: u64 },
+    Live,
+    /// Deleted while a TCP send was reading it; freed by the last reader.
+    Dying,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SlotMeta {
+    key: Key,
+    state: SlotState,
+    visited: bool,
+    readers: u16,
+    /// Toward the head (newer).
+    prev: u32,
+    /// Toward the tail (older).
+    next: u32,
+}
+
+const EMPTY_SLOT: SlotMeta = SlotMeta {
+    key: Key {
+        namespace: 0,
+        digest: [0; 32],
+    },
+    state: SlotState::Free,
+    visited: false,
+    readers: 0,
+    prev: NO_SLOT,
+    next: NO_SLOT,
+};
+
+struct Page {
+    class: Option<usize>,
+    slots: Vec<SlotMeta>,
+}
+
+/// A slab class with its SIEVE queue of live slots (head newest).
+struct Class {
+    size: usize,
+    free: Vec<u32>,
+    pages: usize,
+    head: u32,
+    tail: u32,
+    hand: u32,
+    live: usize,
+}
+
+/// Counters per namespace: hit rates that can be explained.
+#[derive(Debug, Default, Clone)]
+pub struct NamespaceStats {
+    pub gets: u64,
+    pub hits_ram: u64,
+    pub hits_disk: u64,
+    pub misses_not_found: u64,
+    pub misses_corrupt: u64,
+    pub misses_no_space: u64,
+    pub exists_keys: u64,
+    pub exists_hits: u64,
+    pub puts_stored: u64,
+    pub puts_existing: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub blocks: u64,
+}
+
+#[derive(Debug, Default, Clone)]
+struct GlobalStats {
+    evicted_demoted: u64,
+    evicted_dropped: u64,
+    promoted: u64,
+    demote_dropped: u64,
+    disk_segments_dropped: u64,
+    disk_blocks_dropped: u64,
+    pinned_relocated: u64,
+    corrupt_ram: u64,
+    corrupt_disk: u64,
+    reservations_aborted: u64,
+    checksum_mismatches: u64,
+    pages_stolen: u64,
+}
+
+struct State {
+    index: HashMap<Key, Entry, KeyHasher>,
+    ns_ids: HashMap<Box<[u8]>, u32>,
+    ns_names: Vec<Box<[u8]>>,
+    ns_stats: Vec<NamespaceStats>,
+    classes: Vec<Class>,
+    pages: Vec<Page>,
+    free_pages: Vec<usize>,
+    disk: Option<DiskTier>,
+    stats: GlobalStats,
+    reservation_seq: u32,
+    ram_live_bytes: u64,
+}
+
+/// Where a GET's bytes come from, decided under the lock.
+pub enum ReadPlan {
+    /// In the RAM tier. With a read reference held (TCP) the slot cannot be
+    /// reused until [`Engine::release`]; without (shared memory) the client
+    /// checks the generation after copying.
+    Ram(RamRef),
+    /// On the NVMe tier: read, verify, then promote.
+    Disk(DiskRead),
+    Miss(Status),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RamRef {
+    pub slot: u32,
+    /// Index into the arena's generation table.
+    pub generation_index: u32,
+    pub generation: u32,
+    /// Arena offset of the value's first byte.
+    pub value_offset: u64,
+    pub value_len: u64,
+    pub crc: u32,
+}
+
+pub struct DiskRead {
+    key: Key,
+    loc: DiskLoc,
+    source: RecordSource,
+    namespace_len: usize,
+    pub value_len: u64,
+    pub crc: u32,
+}
+
+/// A verified value read from the NVMe tier.
+pub struct DiskBytes {
+    buf: Arc<AlignedBuf>,
+    start: usize,
+    len: usize,
+}
+
+impl DiskBytes {
+    pub fn value(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// The engine.
+pub struct Engine {
+    arena: Arena,
+    state: Mutex<State>,
+    config: KvConfig,
+    epoch: Instant,
+    pub instance_id: [u8; 16],
+}
+
+fn slot_id(page: usize, index: usize) -> u32 {
+    ((page as u32) << 16) | index as u32
+}
+
+fn slot_parts(slot: u32) -> (usize, usize) {
+    ((slot >> 16) as usize, (slot & 0xffff) as usize)
+}
+
+fn class_sizes(value_max_bytes: usize) -> Vec<usize> {
+    let top = value_max_bytes.max(SLOT_MIN_BYTES).next_multiple_of(4096);
+    let mut sizes = vec![SLOT_MIN_BYTES];
+    while *sizes.last().expect("non-empty") < top {
+        let last = *sizes.last().expect("non-empty");
+        let next = ((last as f64 * CLASS_GROWTH) as usize)
+            .next_multiple_of(4096)
+            .max(last + 4096)
+            .min(top);
+        sizes.push(next);
+    }
+    sizes
+}
+
+impl Engine {
+    /// Creates the arena, opens (and rescans) the NVMe tier.
+    pub fn open(config: KvConfig) -> Result<Arc<Engine>, KvError> {
+        if config.value_max_bytes == 0 || config.value_max_bytes > 1 << 30 {
+            return Err(KvError::Config(
+                "the largest KV value must be between 1 byte and 1 GiB".into(),
+            ));
+        }
+        let sizes = class_sizes(config.value_max_bytes as usize);
+        let page_size = PAGE_MIN_BYTES.max(sizes.last().expect("classes").next_power_of_two());
+        let page_count = (config.memory_bytes / page_size as u64) as usize;
+        if page_count < 2 {
+            return Err(KvError::Config(format!(
+                "--kv-memory must hold at least two slab pages of {page_size} bytes"
+            )));
+        }
+        let page_count = page_count.min(PAGES_MAX);
+        let geometry = Geometry::new(page_size, page_count, SLOT_MIN_BYTES);
+        let arena = Arena::create(geometry).map_err(|e| KvError::Io("creating the arena", e))?;
+        let mut seed = [0u8; 8];
+        let mut instance_id = [0u8; 16];
+        getrandom::fill(&mut seed).map_err(|e| KvError::Config(e.to_string()))?;
+        getrandom::fill(&mut instance_id).map_err(|e| KvError::Config(e.to_string()))?;
+        let expected_blocks = (config.memory_bytes / (64 << 10)) as usize;
+        let state = State {
+            index: HashMap::with_capacity_and_hasher(
+                expected_blocks.max(1024),
+                KeyHasher {
+                    seed: u64::from_le_bytes(seed),
+                },
+            ),
+            ns_ids: HashMap::new(),
+            ns_names: Vec::new(),
+            ns_stats: Vec::new(),
+            classes: sizes
+                .iter()
+                .map(|s| Class {
+                    size: *s,
+                    free: Vec::new(),
+                    pages: 0,
+                    head: NO_SLOT,
+                    tail: NO_SLOT,
+                    hand: NO_SLOT,
+                    live: 0,
+                })
+                .collect(),
+            pages: (0..page_count)
+                .map(|_| Page {
+                    class: None,
+                    slots: Vec::new(),
+                })
+                .collect(),
+            free_pages: (0..page_count).rev().collect(),
+            disk: None,
+            stats: GlobalStats::default(),
+            reservation_seq: 0,
+            ram_live_bytes: 0,
+        };
+        let engine = Arc::new(Engine {
+            arena,
+            state: Mutex::new(state),
+            config: config.clone(),
+            epoch: Instant::now(),
+            instance_id,
+        });
+        if let Some(dir) = &config.disk_dir {
+            let weak = Arc::downgrade(&engine);
+            let (tier, report) = DiskTier::open(
+                dir,
+                config.disk_bytes,
+                config.segment_bytes,
+                config.value_max_bytes,
+                move |f| {
+                    if let Some(e) = weak.upgrade() {
+                        e.flushed(f);
+                    }
+                },
+            )
+            .map_err(|e| KvError::Io("opening the KV disk tier", e))?;
+            let mut st = engine.lock();
+            let mut blocks = 0u64;
+            for rec in report.records {
+                let Ok(ns) = st.intern(&rec.header.namespace) else {
+                    continue;
+                };
+                let key = Key {
+                    namespace: ns,
+                    digest: rec.header.digest,
+                };
+                match rec.header.kind {
+                    RecordKind::Block => {
+                        let fresh = st.index.insert(
+                            key,
+                            Entry {
+                                len: rec.header.value_len,
+                                crc: rec.header.value_crc,
+                                ram: NO_SLOT,
+                                disk: Some(rec.loc),
+                                pins: 0,
+                                pin_until_ms: 0,
+                            },
+                        );
+                        if fresh.is_none() {
+                            st.ns_stats[ns as usize].blocks += 1;
+                        }
+                    }
+                    RecordKind::Tombstone => {
+                        if st.index.remove(&key).is_some() {
+                            st.ns_stats[ns as usize].blocks -= 1;
+                        }
+                    }
+                }
+            }
+            // Segments learn which keys point into them only now (the newest
+            // record of a key wins).
+            let mut tier = tier;
+            for (key, e) in st.index.iter() {
+                if let Some(seg) = e.disk.and_then(|loc| tier.segment_mut(loc.segment)) {
+                    seg.keys.push(*key);
+                    blocks += 1;
+                }
+            }
+            tracing::info!(
+                dir = %dir.display(),
+                segments = report.segments,
+                blocks,
+                skipped_4k_blocks = report.blocks_skipped,
+                discarded_segments = report.segments_discarded,
+                direct_io = tier.direct_io,
+                "KV disk tier rebuilt"
+            );
+            st.disk = Some(tier);
+        }
+        Ok(engine)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic under the lock leaves counters possibly off, never bytes
+        // wrong (every read is checksummed): keep serving.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    /// Interns a namespace (creating its counters on first use).
+    pub fn namespace(&self, name: &[u8]) -> Result<u32, Status> {
+        let mut st = self.lock();
+        if let Some(id) = st.ns_ids.get(name) {
+            return Ok(*id);
+        }
+        st.intern(name).map_err(|_| Status::NoSpace)
+    }
+
+    /// Namespaces known, with their counters.
+    pub fn namespace_stats(&self) -> Vec<(Vec<u8>, NamespaceStats)> {
+        let st = self.lock();
+        st.ns_names
+            .iter()
+            .zip(&st.ns_stats)
+            .map(|(n, s)| (n.to_vec(), s.clone()))
+            .collect()
+    }
+
+    pub fn exists(&self, namespace: u32, digests: &[Digest], out: &mut Vec<bool>) {
+        let mut st = self.lock();
+        out.clear();
+        let mut hits = 0;
+        for d in digests {
+            let hit = st.index.contains_key(&Key {
+                namespace,
+                digest: *d,
+            });
+            hits += hit as u64;
+            out.push(hit);
+        }
+        let s = &mut st.ns_stats[namespace as usize];
+        s.exists_keys += digests.len() as u64;
+        s.exists_hits += hits;
+    }
+
+    /// Decides where each GET entry's bytes come from. `hold` takes a read
+    /// reference on RAM slots (release with [`Engine::release`]).
+    pub fn plan_reads(
+        &self,
+        namespace: u32,
+        entries: &[GetEntry],
+        hold: bool,
+        out: &mut Vec<ReadPlan>,
+    ) {
+        out.clear();
+        let mut st = self.lock();
+        let st = &mut *st;
+        for g in entries {
+            let key = Key {
+                namespace,
+                digest: g.digest,
+            };
+            st.ns_stats[namespace as usize].gets += 1;
+            let Some(e) = st.index.get(&key).copied() else {
+                st.ns_stats[namespace as usize].misses_not_found += 1;
+                out.push(ReadPlan::Miss(Status::NotFound));
+                continue;
+            };
+            if g.range(e.len).is_none() {
+                out.push(ReadPlan::Miss(Status::BadRange));
+                continue;
+            }
+            if e.ram != NO_SLOT {
+                st.ns_stats[namespace as usize].hits_ram += 1;
+                out.push(ReadPlan::Ram(st.ram_ref(&self.arena, e.ram, &e, hold)));
+                continue;
+            }
+            let loc = e.disk.expect("an entry is in RAM or on disk");
+            let ns_len = st.ns_names[namespace as usize].len();
+            match st.disk.as_mut().and_then(|d| d.source(loc)) {
+                Some(source) => out.push(ReadPlan::Disk(DiskRead {
+                    key,
+                    loc,
+                    source,
+                    namespace_len: ns_len,
+                    value_len: e.len,
+                    crc: e.crc,
+                })),
+                None => {
+                    st.forget(key);
+                    st.ns_stats[namespace as usize].misses_not_found += 1;
+                    out.push(ReadPlan::Miss(Status::NotFound));
+                }
+            }
+        }
+    }
+
+    /// Reads a block from the NVMe tier and verifies header and checksum. A
+    /// bad record is dropped from the index and reported as `Corrupt`.
+    pub async fn read_disk(&self, read: &DiskRead) -> Result<DiskBytes, Status> {
+        let rlen = disk::record_len(read.namespace_len, read.value_len) as usize;
+        let (buf, start) = match &read.source {
+            RecordSource::Memory(buf, off) => (buf.clone(), *off),
+            RecordSource::File(file, offset) => {
+                let (res, buf) = file
+                    .read_exact_at(AlignedBuf::with_capacity(rlen), rlen, *offset)
+                    .await;
+                match res {
+                    Ok(()) => (Arc::new(buf), 0),
+                    Err(error) => {
+                        tracing::warn!(%error, "KV disk read failed");
+                        self.drop_bad_record(read, false);
+                        return Err(Status::NotFound);
+                    }
+                }
+            }
+        };
+        let good = buf.len() >= start + rlen
+            && disk::decode_record_header(&buf[start..], self.config.value_max_bytes).is_some_and(
+                |h| {
+                    h.kind == RecordKind::Block
+                        && h.digest == read.key.digest
+                        && h.value_len == read.value_len
+                        && h.value_crc == read.crc
+                        && self.lock().ns_names[read.key.namespace as usize][..] == h.namespace[..]
+                },
+            );
+        let vstart = start + disk::record_header_len(read.namespace_len);
+        let bytes = DiskBytes {
+            buf,
+            start: vstart,
+            len: read.value_len as usize,
+        };
+        if !good || crc32c(bytes.value()) != read.crc {
+            self.drop_bad_record(read, true);
+            return Err(Status::Corrupt);
+        }
+        let mut st = self.lock();
+        let s = &mut st.ns_stats[read.key.namespace as usize];
+        s.hits_disk += 1;
+        Ok(bytes)
+    }
+
+    fn drop_bad_record(&self, read: &DiskRead, corrupt: bool) {
+        let mut st = self.lock();
+        let ns = read.key.namespace as usize;
+        if corrupt {
+            st.stats.corrupt_disk += 1;
+            st.ns_stats[ns].misses_corrupt += 1;
+            tracing::warn!(
+                segment = read.loc.segment,
+                offset = read.loc.offset,
+                "KV record failed verification; dropped"
+            );
+        } else {
+            st.ns_stats[ns].misses_not_found += 1;
+        }
+        let current = st.index.get(&read.key).copied();
+        if let Some(mut e) = current {
+            if e.disk == Some(read.loc) {
+                e.disk = None;
+                if e.ram == NO_SLOT {
+                    st.forget(read.key);
+                } else {
+                    st.index.insert(read.key, e);
+                }
+            }
+        }
+    }
+
+    /// Puts a verified NVMe-tier value back in RAM. Returns the RAM reference
+    /// (with a read reference when `hold`), or None when RAM has no room.
+    pub fn promote(&self, namespace: u32, digest: &Digest, bytes: &DiskBytes, hold: bool) -> Option<RamRef> {
+        let key = Key { namespace, digest: *digest };
+        let mut st = self.lock();
+        let st = &mut *st;
+        let e = st.index.get(&key).copied()?;
+        if e.ram != NO_SLOT {
+            return Some(st.ram_ref(&self.arena, e.ram, &e, hold));
+        }
+        if e.len != bytes.len as u64 {
+            return None;
+        }
+        let class = st.class_for(e.len)?;
+        let slot = st.alloc(&self.arena, class, self.now_ms())?;
+        // Allocation may have evicted and rolled segments; the entry may be gone.
+        let Some(mut e) = st.index.get(&key).copied() else {
+            st.free_slot(&self.arena, slot);
+            return None;
+        };
+        let off = st.slot_offset(&self.arena, slot);
+        // SAFETY: a freshly allocated slot, exclusively ours under the lock.
+        unsafe { self.arena.slice_mut(off, bytes.len) }.copy_from_slice(bytes.value());
+        e.ram = slot;
+        st.index.insert(key, e);
+        st.make_live(slot, key, e.len);
+        st.stats.promoted += 1;
+        Some(st.ram_ref(&self.arena, slot, &e, hold))
+    }
+
+    /// Drops read references taken by `plan_reads`/`promote` with `hold`.
+    pub fn release(&self, slots: &[u32]) {
+        if slots.is_empty() {
+            return;
+        }
+        let mut st = self.lock();
+        for s in slots {
+            st.release_read(&self.arena, *s);
+        }
+    }
+
+    /// Verifies the whole value's checksum in RAM (before serving a range,
+    /// whose bytes alone cannot be checked against it). A mismatch drops the
+    /// block and returns false.
+    pub fn verify_ram(&self, namespace: u32, digest: &Digest, r: &RamRef) -> bool {
+        // SAFETY: the caller holds a read reference or accepts reuse (checked by
+        // generation); the range lies inside the arena.
+        let bytes = unsafe { self.arena.slice(r.value_offset, r.value_len as usize) };
+        if crc32c(bytes) == r.crc {
+            return true;
+        }
+        let mut st = self.lock();
+        st.stats.corrupt_ram += 1;
+        st.ns_stats[namespace as usize].misses_corrupt += 1;
+        let key = Key { namespace, digest: *digest };
+        if st.index.get(&key).is_some_and(|e| e.ram == r.slot) {
+            st.remove_entry(&self.arena, key);
+        }
+        tracing::warn!("KV block in RAM failed its checksum; dropped");
+        false
+    }
+
+    /// Reserves a slot for a value of `len` bytes. AlreadyExists when the key
+    /// is stored (an idempotent put), TooLarge, or NoSpace.
+    pub fn reserve(&self, conn: u64, namespace: u32, digest: &Digest, len: u64) -> Result<(u64, u64), Status> {
+        if len > self.config.value_max_bytes {
+            return Err(Status::TooLarge);
+        }
+        let key = Key { namespace, digest: *digest };
+        let mut st = self.lock();
+        let st = &mut *st;
+        if st.index.contains_key(&key) {
+            st.ns_stats[namespace as usize].puts_existing += 1;
+            return Err(Status::AlreadyExists);
+        }
+        let class = st.class_for(len).ok_or(Status::TooLarge)?;
+        let slot = st.alloc(&self.arena, class, self.now_ms()).ok_or(Status::NoSpace)?;
+        st.reservation_seq = st.reservation_seq.wrapping_add(1);
+        let seq = st.reservation_seq;
+        let meta = st.meta_mut(slot);
+        meta.key = key;
+        meta.state = SlotState::Reserved { conn, seq, len };
+        let token = ((slot as u64) << 32) | seq as u64;
+        Ok((token, st.slot_offset(&self.arena, slot)))
+    }
+
+    /// The arena range of a reservation this connection holds.
+    pub fn reservation(&self, conn: u64, token: u64) -> Result<(u64, u64), Status> {
+        let mut st = self.lock();
+        let (slot, seq) = ((token >> 32) as u32, token as u32);
+        match st.reserved(slot, conn, seq) {
+            Some(len) => Ok((st.slot_offset(&self.arena, slot), len)),
+            None => Err(Status::BadToken),
+        }
+    }
+
+    /// Makes a reservation's bytes visible (`checksum_ok`), or frees it.
+    pub fn commit(&self, conn: u64, token: u64, crc: u32, checksum_ok: bool) -> Status {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let (slot, seq) = ((token >> 32) as u32, token as u32);
+        let Some(len) = st.reserved(slot, conn, seq) else {
+            return Status::BadToken;
+        };
+        let key = st.meta_mut(slot).key;
+        if !checksum_ok {
+            st.stats.checksum_mismatches += 1;
+            st.free_slot(&self.arena, slot);
+            return Status::ChecksumMismatch;
+        }
+        let ns = key.namespace as usize;
+        if st.index.contains_key(&key) {
+            // Another writer committed the same block first.
+            st.free_slot(&self.arena, slot);
+            st.ns_stats[ns].puts_existing += 1;
+            return Status::AlreadyExists;
+        }
+        st.index.insert(
+            key,
+            Entry {
+                len,
+                crc,
+                ram: slot,
+                disk: None,
+                pins: 0,
+                pin_until_ms: 0,
+            },
+        );
+        st.make_live(slot, key, len);
+        st.ns_stats[ns].puts_stored += 1;
+        st.ns_stats[ns].bytes_written += len;
+        st.ns_stats[ns].blocks += 1;
+        Status::Ok
+    }
+
+    /// Gives back a reservation without storing (a connection that went away).
+    pub fn abort(&self, conn: u64, token: u64) {
+        let mut st = self.lock();
+        let (slot, seq) = ((token >> 32) as u32, token as u32);
+        if st.reserved(slot, conn, seq).is_some() {
+            st.stats.reservations_aborted += 1;
+            st.free_slot(&self.arena, slot);
+        }
+    }
+
+    /// Marks blocks as recently used.
+    pub fn touch(&self, namespace: u32, digests: &[Digest], out: &mut Vec<Status>) {
+        let mut st = self.lock();
+        out.clear();
+        for d in digests {
+            let key = Key { namespace, digest: *d };
+            match st.index.get(&key).copied() {
+                Some(e) => {
+                    if e.ram != NO_SLOT {
+                        st.meta_mut(e.ram).visited = true;
+                    }
+                    out.push(Status::Ok);
+                }
+                None => out.push(Status::NotFound),
+            }
+        }
+    }
+
+    /// Takes a lease on blocks so eviction leaves them alone while an engine
+    /// loads them. `held` collects the keys pinned, for release on disconnect.
+    pub fn pin(&self, namespace: u32, digests: &[Digest], lease_ms: u64, out: &mut Vec<Status>, held: &mut Vec<Key>) {
+        let lease = if lease_ms == 0 { PIN_LEASE_DEFAULT_MS } else { lease_ms.min(PIN_LEASE_MAX_MS) };
+        let until = self.now_ms() + lease;
+        let mut st = self.lock();
+        out.clear();
+        for d in digests {
+            let key = Key { namespace, digest: *d };
+            match st.index.get_mut(&key) {
+                Some(e) => {
+                    e.pins = e.pins.saturating_add(1);
+                    e.pin_until_ms = e.pin_until_ms.max(until);
+                    held.push(key);
+                    out.push(Status::Ok);
+                }
+                None => out.push(Status::NotFound),
+            }
+        }
+    }
+
+    pub fn unpin(&self, namespace: u32, digests: &[Digest], out: &mut Vec<Status>, held: &mut Vec<Key>) {
+        let mut st = self.lock();
+        out.clear();
+        for d in digests {
+            let key = Key { namespace, digest: *d };
+            let Some(i) = held.iter().position(|k| *k == key) else {
+                out.push(Status::NotFound);
+                continue;
+            };
+            held.swap_remove(i);
+            st.unpin_one(key);
+            out.push(Status::Ok);
+        }
+    }
+
+    pub fn delete(&self, namespace: u32, digests: &[Digest], out: &mut Vec<Status>) {
+        let mut st = self.lock();
+        out.clear();
+        for d in digests {
+            let key = Key { namespace, digest: *d };
+            if st.remove_entry(&self.arena, key) {
+                out.push(Status::Ok);
+            } else {
+                out.push(Status::NotFound);
+            }
+        }
+    }
+
+    /// Frees what a closed connection held: reservations never committed and
+    /// pins never released.
+    pub fn release_connection(&self, conn: u64, tokens: &[u64], pins: &[Key]) {
+        for t in tokens {
+            self.abort(conn, *t);
+        }
+        let mut st = self.lock();
+        for k in pins {
+            st.unpin_one(*k);
+        }
+    }
+
+    fn flushed(&self, f: disk::Flushed) {
+        if let Err(error) = &f.result {
+            // The records in that buffer read back as garbage and are caught by
+            // their checksums; nothing wrong is ever served.
+            tracing::warn!(segment = f.segment, %error, "KV segment write failed");
+        }
+        let mut st = self.lock();
+        if let Some(d) = st.disk.as_mut() {
+            d.flushed(&f);
+        }
+    }
+
+    /// Counters and gauges, global and (if given) for one namespace.
+    pub fn stats(&self, namespace: Option<u32>) -> Vec<(String, u64)> {
+        let st = self.lock();
+        let g = &st.stats;
+        let ram_blocks = st.classes.iter().map(|c| c.live as u64).sum::<u64>();
+        let mut v: Vec<(String, u64)> = vec![
+            ("blocks".into(), st.index.len() as u64),
+            ("ram_blocks".into(), ram_blocks),
+            ("ram_used_bytes".into(), st.ram_live_bytes),
+            ("ram_capacity_bytes".into(), (self.arena.geometry.page_count * self.arena.geometry.page_size_bytes) as u64),
+            ("ram_huge_pages".into(), self.arena.huge_pages as u64),
+            ("evicted_demoted".into(), g.evicted_demoted),
+            ("evicted_dropped".into(), g.evicted_dropped),
+            ("promoted".into(), g.promoted),
+            ("demote_dropped".into(), g.demote_dropped),
+            ("disk_segments_dropped".into(), g.disk_segments_dropped),
+            ("disk_blocks_dropped".into(), g.disk_blocks_dropped),
+            ("pinned_relocated".into(), g.pinned_relocated),
+            ("corrupt_ram".into(), g.corrupt_ram),
+            ("corrupt_disk".into(), g.corrupt_disk),
+            ("reservations_aborted".into(), g.reservations_aborted),
+            ("checksum_mismatches".into(), g.checksum_mismatches),
+            ("pages_stolen".into(), g.pages_stolen),
+            ("value_max_bytes".into(), self.config.value_max_bytes),
+        ];
+        if let Some(d) = &st.disk {
+            v.push(("disk_used_bytes".into(), d.used_bytes()));
+            v.push(("disk_capacity_bytes".into(), d.capacity_bytes()));
+            v.push(("disk_segments".into(), d.segments.len() as u64));
+            v.push(("disk_direct_io".into(), d.direct_io as u64));
+        }
+        if let Some(ns) = namespace {
+            let s = &st.ns_stats[ns as usize];
+            for (name, val) in [
+                ("gets", s.gets),
+                ("hits_ram", s.hits_ram),
+                ("hits_disk", s.hits_disk),
+                ("misses_not_found", s.misses_not_found),
+                ("misses_corrupt", s.misses_corrupt),
+                ("misses_no_space", s.misses_no_space),
+                ("exists_keys", s.exists_keys),
+                ("exists_hits", s.exists_hits),
+                ("puts_stored", s.puts_stored),
+                ("puts_existing", s.puts_existing),
+                ("bytes_read", s.bytes_read),
+                ("bytes_written", s.bytes_written),
+                ("blocks", s.blocks),
+            ] {
+                v.push((format!("namespace.{name}"), val));
+            }
+        }
+        v
+    }
+
+    /// Counts bytes served and misses for lack of room (server bookkeeping).
+    pub fn count_read(&self, namespace: u32, bytes: u64, no_space_misses: u64) {
+        let mut st = self.lock();
+        let s = &mut st.ns_stats[namespace as usize];
+        s.bytes_read += bytes;
+        s.misses_no_space += no_space_misses;
+    }
+}
+
+impl State {
+    fn intern(&mut self, name: &[u8]) -> Result<u32, ()> {
+        if let Some(id) = self.ns_ids.get(name) {
+            return Ok(*id);
+        }
+        if self.ns_names.len() >= NAMESPACES_MAX {
+            return Err(());
+        }
+        let id = self.ns_names.len() as u32;
+        self.ns_ids.insert(name.into(), id);
+        self.ns_names.push(name.into());
+        self.ns_stats.push(NamespaceStats::default());
+        Ok(id)
+    }
+
+    fn class_for(&self, len: u64) -> Option<usize> {
+        self.classes.iter().position(|c| c.size as u64 >= len.max(1))
+    }
+
+    fn meta_mut(&mut self, slot: u32) -> &mut SlotMeta {
+        let (p, i) = slot_parts(slot);
+        &mut self.pages[p].slots[i]
+    }
+
+    fn meta(&self, slot: u32) -> &SlotMeta {
+        let (p, i) = slot_parts(slot);
+        &self.pages[p].slots[i]
+    }
+
+    fn slot_class(&self, slot: u32) -> usize {
+        self.pages[slot_parts(slot).0].class.expect("slot of an assigned page")
+    }
+
+    fn slot_offset(&self, arena: &Arena, slot: u32) -> u64 {
+        let (p, i) = slot_parts(slot);
+        let g = &arena.geometry;
+        let size = self.classes[self.slot_class(slot)].size;
+        (g.data_offset + p * g.page_size_bytes + i * size) as u64
+    }
+
+    fn generation_index(arena: &Arena, slot: u32) -> usize {
+        let (p, i) = slot_parts(slot);
+        p * arena.geometry.slots_per_page_max + i
+    }
+
+    fn ram_ref(&mut self, arena: &Arena, slot: u32, e: &Entry, hold: bool) -> RamRef {
+        let gi = State::generation_index(arena, slot);
+        let meta = self.meta_mut(slot);
+        meta.visited = true;
+        if hold {
+            meta.readers += 1;
+        }
+        RamRef {
+            slot,
+            generation_index: gi as u32,
+            generation: arena
+                .generation(gi)
+                .map(|g| g.load(std::sync::atomic::Ordering::Acquire))
+                .unwrap_or(0),
+            value_offset: self.slot_offset(arena, slot),
+            value_len: e.len,
+            crc: e.crc,
+        }
+    }
+
+    fn reserved(&mut self, slot: u32, conn: u64, seq: u32) -> Option<u64> {
+        let (p, i) = slot_parts(slot);
+        let meta = self.pages.get(p)?.slots.get(i)?;
+        match meta.state {
+            SlotState::Reserved { conn: c, seq: s, len } if c == conn && s == seq => Some(len),
+            _ => None,
+        }
+    }
+
+    fn assign_page(&mut self, page: usize, class: usize, arena: &Arena) {
+        let size = self.classes[class].size;
+        let n = arena.geometry.page_size_bytes / size;
+        let p = &mut self.pages[page];
+        p.class = Some(class);
+        p.slots.clear();
+        p.slots.resize(n, EMPTY_SLOT);
+        let c = &mut self.classes[class];
+        c.pages += 1;
+        c.free.reserve(n);
+        c.free.extend((0..n).rev().map(|i| slot_id(page, i)));
+    }
+
+    /// A free slot of `class`: from the free list, an unused page, SIEVE
+    /// eviction within the class, or a page taken from a larger class.
+    fn alloc(&mut self, arena: &Arena, class: usize, now_ms: u64) -> Option<u32> {
+        if let Some(s) = self.classes[class].free.pop() {
+            return Some(s);
+        }
+        if let Some(p) = self.free_pages.pop() {
+            self.assign_page(p, class, arena);
+            return self.classes[class].free.pop();
+        }
+        let active = self.classes.iter().filter(|c| c.pages > 0).count()
+            + (self.classes[class].pages == 0) as usize;
+        let fair = (self.pages.len() / active.max(1)).max(1);
+        if self.classes[class].pages < fair && self.steal_page(arena, class, now_ms) {
+            return self.classes[class].free.pop();
+        }
+        if let Some(s) = self.sieve_evict(arena, class, now_ms) {
+            return Some(s);
+        }
+        if self.steal_page(arena, class, now_ms) {
+            return self.classes[class].free.pop();
+        }
+        None
+    }
+
+    fn evictable(&self, slot: u32, now_ms: u64) -> bool {
+        let m = self.meta(slot);
+        m.state == SlotState::Live
+            && m.readers == 0
+            && !self.index.get(&m.key).is_some_and(|e| e.pinned(now_ms))
+    }
+
+    /// SIEVE: the hand walks from the tail toward the head, clearing visited
+    /// bits, and evicts the first unvisited block nobody holds.
+    fn sieve_evict(&mut self, arena: &Arena, class: usize, now_ms: u64) -> Option<u32> {
+        let c = &self.classes[class];
+        let mut node = if c.hand != NO_SLOT { c.hand } else { c.tail };
+        // Two passes clear every visited bit; anything left is held or pinned.
+        for _ in 0..2 * c.live + 1 {
+            if node == NO_SLOT {
+                node = self.classes[class].tail;
+                if node == NO_SLOT {
+                    return None;
+                }
+            }
+            let prev = self.meta(node).prev;
+            if self.meta(node).visited {
+                self.meta_mut(node).visited = false;
+            } else if self.evictable(node, now_ms) {
+                self.classes[class].hand = prev;
+                self.evict(arena, node);
+                return Some(node);
+            }
+            node = prev;
+        }
+        self.classes[class].hand = node;
+        None
+    }
+
+    /// Frees a whole page of another class (the one with the most pages that
+    /// has a page nobody holds) for `class`.
+    fn steal_page(&mut self, arena: &Arena, class: usize, now_ms: u64) -> bool {
+        let mut order: Vec<usize> = (0..self.classes.len())
+            .filter(|k| *k != class && self.classes[*k].pages > 0)
+            .collect();
+        order.sort_by_key(|k| std::cmp::Reverse(self.classes[*k].pages));
+        for victim in order {
+            let candidate = (0..self.pages.len()).find(|p| {
+                self.pages[*p].class == Some(victim)
+                    && self.pages[*p].slots.iter().enumerate().all(|(i, m)| match m.state {
+                        SlotState::Free => true,
+                        SlotState::Live => self.evictable(slot_id(*p, i), now_ms),
+                        _ => false,
+                    })
+            });
+            let Some(page) = candidate else { continue };
+            for i in 0..self.pages[page].slots.len() {
+                if self.pages[page].slots[i].state == SlotState::Live {
+                    let s = slot_id(page, i);
+                    self.evict(arena, s);
+                    arena.bump_generation(State::generation_index(arena, s));
+                }
+            }
+            let vc = &mut self.classes[victim];
+            vc.free.retain(|s| slot_parts(*s).0 != page);
+            vc.pages -= 1;
+            self.stats.pages_stolen += 1;
+            self.assign_page(page, class, arena);
+            return true;
+        }
+        false
+    }
+
+    /// Takes a live slot out of RAM: its block moves to the NVMe tier (unless
+    /// already there) or is dropped. The slot is left Free but not listed:
+    /// the caller reuses it.
+    fn evict(&mut self, arena: &Arena, slot: u32) {
+        let key = self.meta(slot).key;
+        self.list_remove(slot);
+        let offset = self.slot_offset(arena, slot);
+        let class = self.slot_class(slot);
+        if let Some(mut e) = self.index.get(&key).copied() {
+            self.ram_live_bytes -= e.len;
+            e.ram = NO_SLOT;
+            if e.disk.is_none() {
+                // SAFETY: a live slot holds e.len committed bytes; under the lock
+                // nobody frees it while we copy.
+                let bytes = unsafe { arena.slice(offset, e.len as usize) };
+                e.disk = self.disk_append(RecordKind::Block, key, bytes, e.crc);
+                if e.disk.is_some() {
+                    self.stats.evicted_demoted += 1;
+                }
+            }
+            if e.disk.is_some() {
+                self.index.insert(key, e);
+            } else {
+                self.stats.evicted_dropped += 1;
+                self.index.remove(&key);
+                self.ns_stats[key.namespace as usize].blocks -= 1;
+            }
+        }
+        let _ = class;
+        arena.bump_generation(State::generation_index(arena, slot));
+        let m = self.meta_mut(slot);
+        m.state = SlotState::Free;
+        m.visited = false;
+    }
+
+    /// Appends a record to the NVMe tier, rolling segments as needed.
+    fn disk_append(&mut self, kind: RecordKind, key: Key, value: &[u8], crc: u32) -> Option<DiskLoc> {
+        let ns_len = self.ns_names[key.namespace as usize].len();
+        let rl = disk::record_len(ns_len, value.len() as u64);
+        if self.disk.as_ref()?.needs_new_segment(rl) && !self.roll_segment() {
+            self.stats.demote_dropped += 1;
+            return None;
+        }
+        let disk = self.disk.as_mut()?;
+        let name = &self.ns_names[key.namespace as usize];
+        let Some(loc) = disk.append(kind, name, &key.digest, value, crc) else {
+            self.stats.demote_dropped += 1;
+            return None;
+        };
+        if kind == RecordKind::Block {
+            if let Some(seg) = disk.segment_mut(loc.segment) {
+                seg.keys.push(key);
+            }
+        }
+        Some(loc)
+    }
+
+    /// Starts a new segment; when the tier is full the oldest segment goes,
+    /// its pinned blocks copied forward first.
+    fn roll_segment(&mut self) -> bool {
+        let Some(disk) = self.disk.as_mut() else {
+            return false;
+        };
+        let oldest = if disk.full() { disk.pop_oldest() } else { None };
+        if let Err(error) = disk.start_segment() {
+            tracing::warn!(%error, "could not start a KV segment");
+            if let Some(seg) = oldest {
+                self.drop_segment(seg);
+            }
+            return false;
+        }
+        if let Some(seg) = oldest {
+            self.drop_segment(seg);
+        }
+        true
+    }
+
+    fn drop_segment(&mut self, seg: disk::Segment) {
+        self.stats.disk_segments_dropped += 1;
+        let now_ms = 0; // pins are checked against their lease below
+        let _ = now_ms;
+        for key in &seg.keys {
+            let Some(mut e) = self.index.get(key).copied() else {
+                continue;
+            };
+            let Some(loc) = e.disk.filter(|l| l.segment == seg.id) else {
+                continue;
+            };
+            e.disk = None;
+            if e.ram == NO_SLOT && e.pins > 0 {
+                // Pinned and only here: copy it forward into the new segment.
+                let ns_len = self.ns_names[key.namespace as usize].len();
+                let moved = DiskTier::read_record_sync(&seg, loc, ns_len, e.len)
+                    .ok()
+                    .and_then(|buf| {
+                        let h = disk::decode_record_header(&buf, e.len)?;
+                        let v = &buf[h.value_offset()..h.value_offset() + e.len as usize];
+                        (h.digest == key.digest && crc32c(v) == e.crc).then(|| v.to_vec())
+                    })
+                    .and_then(|v| {
+                        let rl = disk::record_len(ns_len, e.len);
+                        let d = self.disk.as_mut()?;
+                        if d.needs_new_segment(rl) {
+                            return None;
+                        }
+                        let name = &self.ns_names[key.namespace as usize];
+                        let loc = d.append(RecordKind::Block, name, &key.digest, &v, e.crc)?;
+                        if let Some(s) = d.segment_mut(loc.segment) {
+                            s.keys.push(*key);
+                        }
+                        Some(loc)
+                    });
+                e.disk = moved;
+                if moved.is_some() {
+                    self.stats.pinned_relocated += 1;
+                }
+            }
+            if e.ram == NO_SLOT && e.disk.is_none() {
+                self.stats.disk_blocks_dropped += 1;
+                self.forget(*key);
+            } else {
+                self.index.insert(*key, e);
+            }
+        }
+        DiskTier::delete_segment(seg);
+    }
+
+    /// Removes an index entry that has no RAM copy.
+    fn forget(&mut self, key: Key) {
+        if self.index.remove(&key).is_some() {
+            self.ns_stats[key.namespace as usize].blocks -= 1;
+        }
+    }
+
+    /// Deletes a block from both tiers. A slot being sent stays until its
+    /// last reader lets go; a disk copy gets a tombstone so a restart does
+    /// not bring it back.
+    fn remove_entry(&mut self, arena: &Arena, key: Key) -> bool {
+        let Some(e) = self.index.remove(&key) else {
+            return false;
+        };
+        self.ns_stats[key.namespace as usize].blocks -= 1;
+        if e.ram != NO_SLOT {
+            self.list_remove(e.ram);
+            self.ram_live_bytes -= e.len;
+            if self.meta(e.ram).readers > 0 {
+                self.meta_mut(e.ram).state = SlotState::Dying;
+            } else {
+                self.free_slot(arena, e.ram);
+            }
+        }
+        if e.disk.is_some() {
+            self.disk_append(RecordKind::Tombstone, key, &[], 0);
+        }
+        true
+    }
+
+    fn release_read(&mut self, arena: &Arena, slot: u32) {
+        let m = self.meta_mut(slot);
+        m.readers = m.readers.saturating_sub(1);
+        if m.readers == 0 && m.state == SlotState::Dying {
+            self.free_slot(arena, slot);
+        }
+    }
+
+    fn unpin_one(&mut self, key: Key) {
+        if let Some(e) = self.index.get_mut(&key) {
+            e.pins = e.pins.saturating_sub(1);
+            if e.pins == 0 {
+                e.pin_until_ms = 0;
+            }
+        }
+    }
+
+    /// Returns a slot to its class's free list.
+    fn free_slot(&mut self, arena: &Arena, slot: u32) {
+        arena.bump_generation(State::generation_index(arena, slot));
+        let class = self.slot_class(slot);
+        let m = self.meta_mut(slot);
+        m.state = SlotState::Free;
+        m.visited = false;
+        m.readers = 0;
+        self.classes[class].free.push(slot);
+    }
+
+    fn make_live(&mut self, slot: u32, key: Key, len: u64) {
+        let m = self.meta_mut(slot);
+        m.key = key;
+        m.state = SlotState::Live;
+        m.visited = false;
+        self.ram_live_bytes += len;
+        self.list_push_head(slot);
+    }
+
+    fn list_push_head(&mut self, slot: u32) {
+        let class = self.slot_class(slot);
+        let head = self.classes[class].head;
+        {
+            let m = self.meta_mut(slot);
+            m.prev = NO_SLOT;
+            m.next = head;
+        }
+        if head != NO_SLOT {
+            self.meta_mut(head).prev = slot;
+        }
+        let c = &mut self.classes[class];
+        c.head = slot;
+        if c.tail == NO_SLOT {
+            c.tail = slot;
+        }
+        c.live += 1;
+    }
+
+    fn list_remove(&mut self, slot: u32) {
+        let class = self.slot_class(slot);
+        let (prev, next) = {
+            let m = self.meta(slot);
+            (m.prev, m.next)
+        };
+        if prev != NO_SLOT {
+            self.meta_mut(prev).next = next;
+        }
+        if next != NO_SLOT {
+            self.meta_mut(next).prev = prev;
+        }
+        let c = &mut self.classes[class];
+        if c.head == slot {
+            c.head = next;
+        }
+        if c.tail == slot {
+            c.tail = prev;
+        }
+        if c.hand == slot {
+            c.hand = prev;
+        }
+        c.live -= 1;
+        let m = self.meta_mut(slot);
+        m.prev = NO_SLOT;
+        m.next = NO_SLOT;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn class_ladder_is_increasing_and_covers_max() {
+        let s = class_sizes(4 << 20);
+        assert_eq!(s[0], SLOT_MIN_BYTES);
+        assert_eq!(*s.last().unwrap(), 4 << 20);
+        assert!(s.windows(2).all(|w| w[0] < w[1] && (w[1] as f64) <= w[0] as f64 * 1.25 + 4096.0));
+        assert!(s.iter().all(|x| x % 4096 == 0));
+        assert_eq!(class_sizes(100), vec![4096]);
+    }
+}

@@ -1,0 +1,953 @@
+//! The KV wire protocol, version 1: frame header, requests and responses, byte
+//! by byte as `docs/kv-protocol.md` describes them. Client and server both use
+//! this module; nothing else encodes or decodes KV frames.
+//!
+//! Every integer is little-endian. Decoding never panics on any input: a frame
+//! that does not parse is an [`ProtoError`], which the server answers with an
+//! error frame.
+
+use std::fmt;
+
+/// First two bytes of every frame ("TK" read as a little-endian u16).
+pub const FRAME_MAGIC: u16 = 0x4b54;
+/// Frame header length in bytes.
+pub const FRAME_HEADER_BYTES: usize = 24;
+/// Protocol versions this build speaks.
+pub const VERSION_MIN: u16 = 1;
+pub const VERSION_MAX: u16 = 1;
+/// Length of a block digest (vLLM block hash, SGLang page hash, ...).
+pub const DIGEST_BYTES: usize = 32;
+/// Longest namespace accepted (model, dtype, layout, block size, tenant).
+pub const NAMESPACE_MAX_BYTES: usize = 512;
+/// Most keys in one batch. Engines batch a prefix's blocks (128 and more).
+pub const BATCH_MAX_KEYS: usize = 1024;
+/// Largest control part of any frame (everything but PUT's bulk data): the
+/// biggest is a full batch of GET entries plus the namespace.
+pub const CONTROL_MAX_BYTES: usize =
+    BATCH_HEADER_BYTES + NAMESPACE_MAX_BYTES + BATCH_MAX_KEYS * GET_ENTRY_BYTES;
+/// Fixed part of a batch: ns_len u16, flags u16, count u32, arg u32.
+pub const BATCH_HEADER_BYTES: usize = 12;
+pub const GET_ENTRY_BYTES: usize = DIGEST_BYTES + 16;
+pub const PUT_ENTRY_BYTES: usize = DIGEST_BYTES + 16;
+pub const RESERVE_ENTRY_BYTES: usize = DIGEST_BYTES + 8;
+pub const COMMIT_ENTRY_BYTES: usize = 16;
+pub const GET_TCP_RESULT_BYTES: usize = 24;
+pub const GET_SHM_RESULT_BYTES: usize = 40;
+pub const RESERVE_RESULT_BYTES: usize = 24;
+/// Length value meaning "to the end of the value" in a GET entry.
+pub const LENGTH_TO_END: u64 = u64::MAX;
+/// HELLO flag: the client is on a Unix socket and wants the arena.
+pub const HELLO_WANT_SHM: u32 = 1;
+/// HELLO response flag: the server offers shared memory (its socket name follows).
+pub const HELLO_SHM_OFFERED: u32 = 1;
+/// COMMIT entry flag: give the reservation back without storing.
+pub const COMMIT_ABORT: u32 = 1;
+
+const _: () = assert!(CONTROL_MAX_BYTES < 1 << 20);
+const _: () = assert!(BATCH_MAX_KEYS >= 128);
+
+/// Operation codes. A response carries the request's op with [`RESPONSE_BIT`]
+/// set; an error response is [`Op::Error`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Op {
+    Hello = 1,
+    Exists = 2,
+    Get = 3,
+    GetShm = 4,
+    Put = 5,
+    Reserve = 6,
+    Commit = 7,
+    Touch = 8,
+    Pin = 9,
+    Unpin = 10,
+    Delete = 11,
+    Stats = 12,
+    Error = 0x7fff,
+}
+
+pub const RESPONSE_BIT: u16 = 0x8000;
+
+impl Op {
+    pub fn from_u16(v: u16) -> Option<Op> {
+        Some(match v {
+            1 => Op::Hello,
+            2 => Op::Exists,
+            3 => Op::Get,
+            4 => Op::GetShm,
+            5 => Op::Put,
+            6 => Op::Reserve,
+            7 => Op::Commit,
+            8 => Op::Touch,
+            9 => Op::Pin,
+            10 => Op::Unpin,
+            11 => Op::Delete,
+            12 => Op::Stats,
+            0x7fff => Op::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// Per-key outcome, one byte on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    /// Done (get: bytes delivered; put: stored).
+    Ok = 0,
+    /// No such block: never stored, evicted or deleted. A normal miss.
+    NotFound = 1,
+    /// Put of a key already stored: an idempotent success, nothing written.
+    AlreadyExists = 2,
+    /// Value larger than the server's maximum.
+    TooLarge = 3,
+    /// No room: every candidate slot is pinned or reserved.
+    NoSpace = 4,
+    /// Stored bytes failed their checksum; the block was dropped. A miss.
+    Corrupt = 5,
+    /// The byte range lies outside the value.
+    BadRange = 6,
+    /// Put data did not match the checksum the client sent; nothing stored.
+    ChecksumMismatch = 7,
+    /// A commit named a reservation this connection does not hold.
+    BadToken = 8,
+    /// The caller's buffer is smaller than the bytes asked for (client-side).
+    BufferTooSmall = 9,
+}
+
+impl Status {
+    pub fn from_u8(v: u8) -> Option<Status> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::NotFound,
+            2 => Status::AlreadyExists,
+            3 => Status::TooLarge,
+            4 => Status::NoSpace,
+            5 => Status::Corrupt,
+            6 => Status::BadRange,
+            7 => Status::ChecksumMismatch,
+            8 => Status::BadToken,
+            9 => Status::BufferTooSmall,
+            _ => return None,
+        })
+    }
+
+    /// True when the key's data is (now) stored: stored by this call or before.
+    pub fn is_stored(self) -> bool {
+        matches!(self, Status::Ok | Status::AlreadyExists)
+    }
+
+    /// True for outcomes that mean "not available, recompute": a normal miss.
+    pub fn is_miss(self) -> bool {
+        matches!(self, Status::NotFound | Status::Corrupt)
+    }
+}
+
+/// Frame-level error codes (payload of an [`Op::Error`] frame).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum ErrorCode {
+    /// The payload does not parse (counts, lengths, namespace).
+    BadFrame = 1,
+    UnknownOp = 2,
+    /// No protocol version in common.
+    Version = 3,
+    /// A limit was exceeded (batch size, frame length, namespaces).
+    Limit = 4,
+    /// A shared-memory operation on a TCP connection.
+    NotShm = 5,
+    /// The first frame was not HELLO.
+    HandshakeRequired = 6,
+    Internal = 7,
+    /// The frame header itself is bad: the connection is closed after this.
+    BadHeader = 8,
+}
+
+impl ErrorCode {
+    pub fn from_u16(v: u16) -> ErrorCode {
+        match v {
+            1 => ErrorCode::BadFrame,
+            2 => ErrorCode::UnknownOp,
+            3 => ErrorCode::Version,
+            4 => ErrorCode::Limit,
+            5 => ErrorCode::NotShm,
+            6 => ErrorCode::HandshakeRequired,
+            8 => ErrorCode::BadHeader,
+            _ => ErrorCode::Internal,
+        }
+    }
+}
+
+/// A payload that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProtoError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ProtoError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ProtoError {
+            code,
+            message: message.into(),
+        }
+    }
+    fn bad(message: impl Into<String>) -> Self {
+        ProtoError::new(ErrorCode::BadFrame, message)
+    }
+}
+
+impl fmt::Display for ProtoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for ProtoError {}
+
+pub type Digest = [u8; DIGEST_BYTES];
+
+/// The 24-byte frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Raw op code (with [`RESPONSE_BIT`] on responses).
+    pub op: u16,
+    /// Reserved, zero in version 1.
+    pub flags: u16,
+    /// Bytes after the header, bulk data included.
+    pub len: u64,
+    /// Chosen by the client, echoed by the server.
+    pub request_id: u64,
+}
+
+impl FrameHeader {
+    pub fn encode(&self) -> [u8; FRAME_HEADER_BYTES] {
+        let mut b = [0u8; FRAME_HEADER_BYTES];
+        b[0..2].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+        b[2..4].copy_from_slice(&self.op.to_le_bytes());
+        b[4..6].copy_from_slice(&self.flags.to_le_bytes());
+        // 6..8 reserved
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.request_id.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> Result<FrameHeader, ProtoError> {
+        let magic = u16::from_le_bytes([b[0], b[1]]);
+        if magic != FRAME_MAGIC {
+            return Err(ProtoError::new(
+                ErrorCode::BadHeader,
+                format!("bad frame magic {magic:#06x}"),
+            ));
+        }
+        Ok(FrameHeader {
+            op: u16::from_le_bytes([b[2], b[3]]),
+            flags: u16::from_le_bytes([b[4], b[5]]),
+            len: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+            request_id: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+        })
+    }
+}
+
+/// Bounds-checked little-endian reader over a payload.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+    pub fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtoError> {
+        if self.remaining() < n {
+            return Err(ProtoError::bad(format!(
+                "payload ends early: needed {n} bytes at {}, {} left",
+                self.pos,
+                self.remaining()
+            )));
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    pub fn u8(&mut self) -> Result<u8, ProtoError> {
+        Ok(self.bytes(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16, ProtoError> {
+        Ok(u16::from_le_bytes(self.bytes(2)?.try_into().expect("2")))
+    }
+    pub fn u32(&mut self) -> Result<u32, ProtoError> {
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().expect("4")))
+    }
+    pub fn u64(&mut self) -> Result<u64, ProtoError> {
+        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("8")))
+    }
+    pub fn digest(&mut self) -> Result<Digest, ProtoError> {
+        Ok(self.bytes(DIGEST_BYTES)?.try_into().expect("32"))
+    }
+    pub fn finish(&self) -> Result<(), ProtoError> {
+        if self.remaining() != 0 {
+            return Err(ProtoError::bad(format!(
+                "{} trailing bytes in payload",
+                self.remaining()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Little-endian appends onto a reusable buffer.
+pub trait Put {
+    fn put_u8(&mut self, v: u8);
+    fn put_u16(&mut self, v: u16);
+    fn put_u32(&mut self, v: u32);
+    fn put_u64(&mut self, v: u64);
+}
+
+impl Put for Vec<u8> {
+    fn put_u8(&mut self, v: u8) {
+        self.push(v)
+    }
+    fn put_u16(&mut self, v: u16) {
+        self.extend_from_slice(&v.to_le_bytes())
+    }
+    fn put_u32(&mut self, v: u32) {
+        self.extend_from_slice(&v.to_le_bytes())
+    }
+    fn put_u64(&mut self, v: u64) {
+        self.extend_from_slice(&v.to_le_bytes())
+    }
+}
+
+/// Starts a frame in `out` (cleared first): header with a length to be patched
+/// by [`finish_frame`].
+pub fn begin_frame(out: &mut Vec<u8>, op: u16, request_id: u64) {
+    out.clear();
+    out.extend_from_slice(
+        &FrameHeader {
+            op,
+            flags: 0,
+            len: 0,
+            request_id,
+        }
+        .encode(),
+    );
+}
+
+/// Patches the frame length: the bytes in `out` after the header plus `bulk`
+/// bytes sent after it (PUT data, GET data).
+pub fn finish_frame(out: &mut [u8], bulk: u64) {
+    let len = (out.len() - FRAME_HEADER_BYTES) as u64 + bulk;
+    out[8..16].copy_from_slice(&len.to_le_bytes());
+}
+
+/// The fixed head of every batch request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchHead<'a> {
+    pub namespace: &'a [u8],
+    pub flags: u16,
+    pub count: u32,
+    /// Operation-specific: the lease in milliseconds for PIN, else 0.
+    pub arg: u32,
+}
+
+pub fn put_batch_head(out: &mut Vec<u8>, namespace: &[u8], count: usize, arg: u32) {
+    out.put_u16(namespace.len() as u16);
+    out.put_u16(0);
+    out.put_u32(count as u32);
+    out.put_u32(arg);
+    out.extend_from_slice(namespace);
+}
+
+/// Parses a batch head; checks the namespace length and the key count against
+/// the protocol limits and against the bytes that follow (`entry_bytes` each).
+pub fn read_batch_head<'a>(
+    r: &mut Reader<'a>,
+    entry_bytes: usize,
+) -> Result<BatchHead<'a>, ProtoError> {
+    let ns_len = r.u16()? as usize;
+    let flags = r.u16()?;
+    let count = r.u32()?;
+    let arg = r.u32()?;
+    if ns_len > NAMESPACE_MAX_BYTES {
+        return Err(ProtoError::new(
+            ErrorCode::Limit,
+            format!("namespace of {ns_len} bytes exceeds {NAMESPACE_MAX_BYTES}"),
+        ));
+    }
+    if count as usize > BATCH_MAX_KEYS {
+        return Err(ProtoError::new(
+            ErrorCode::Limit,
+            format!("batch of {count} keys exceeds {BATCH_MAX_KEYS}"),
+        ));
+    }
+    let namespace = r.bytes(ns_len)?;
+    if r.remaining() < count as usize * entry_bytes {
+        return Err(ProtoError::bad(format!(
+            "batch says {count} entries but carries {} bytes",
+            r.remaining()
+        )));
+    }
+    Ok(BatchHead {
+        namespace,
+        flags,
+        count,
+        arg,
+    })
+}
+
+/// HELLO request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub version_min: u16,
+    pub version_max: u16,
+    pub flags: u32,
+}
+
+impl Hello {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u16(self.version_min);
+        out.put_u16(self.version_max);
+        out.put_u32(self.flags);
+    }
+    pub fn decode(payload: &[u8]) -> Result<Hello, ProtoError> {
+        let mut r = Reader::new(payload);
+        let h = Hello {
+            version_min: r.u16()?,
+            version_max: r.u16()?,
+            flags: r.u32()?,
+        };
+        r.finish()?;
+        Ok(h)
+    }
+}
+
+/// HELLO response: the chosen version and the server's limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelloReply {
+    pub version: u16,
+    pub flags: u32,
+    pub value_max_bytes: u64,
+    pub batch_max_keys: u32,
+    pub namespace_max_bytes: u16,
+    /// Random per server process: a client on the Unix socket checks it matches
+    /// the server it reached over TCP.
+    pub instance_id: [u8; 16],
+    /// Length of the arena the client maps (shared-memory connections only).
+    pub arena_bytes: u64,
+    /// Abstract Unix socket name for shared memory (empty when not offered).
+    pub shm_socket: Vec<u8>,
+}
+
+impl HelloReply {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u16(self.version);
+        out.put_u16(self.namespace_max_bytes);
+        out.put_u32(self.flags);
+        out.put_u64(self.value_max_bytes);
+        out.put_u32(self.batch_max_keys);
+        out.put_u32(self.shm_socket.len() as u32);
+        out.extend_from_slice(&self.instance_id);
+        out.put_u64(self.arena_bytes);
+        out.extend_from_slice(&self.shm_socket);
+    }
+    pub fn decode(payload: &[u8]) -> Result<HelloReply, ProtoError> {
+        let mut r = Reader::new(payload);
+        let version = r.u16()?;
+        let namespace_max_bytes = r.u16()?;
+        let flags = r.u32()?;
+        let value_max_bytes = r.u64()?;
+        let batch_max_keys = r.u32()?;
+        let name_len = r.u32()? as usize;
+        if name_len > 256 {
+            return Err(ProtoError::bad("shm socket name too long"));
+        }
+        let instance_id = r.bytes(16)?.try_into().expect("16");
+        let arena_bytes = r.u64()?;
+        let shm_socket = r.bytes(name_len)?.to_vec();
+        r.finish()?;
+        Ok(HelloReply {
+            version,
+            flags,
+            value_max_bytes,
+            batch_max_keys,
+            namespace_max_bytes,
+            instance_id,
+            arena_bytes,
+            shm_socket,
+        })
+    }
+}
+
+/// One GET entry: a whole value (`offset` 0, `length` [`LENGTH_TO_END`]) or a
+/// byte range of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GetEntry {
+    pub digest: Digest,
+    pub offset: u64,
+    pub length: u64,
+}
+
+impl GetEntry {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.digest);
+        out.put_u64(self.offset);
+        out.put_u64(self.length);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<GetEntry, ProtoError> {
+        Ok(GetEntry {
+            digest: r.digest()?,
+            offset: r.u64()?,
+            length: r.u64()?,
+        })
+    }
+
+    /// The bytes this entry asks for out of a value of `value_len` bytes.
+    pub fn range(&self, value_len: u64) -> Option<(u64, u64)> {
+        if self.offset > value_len {
+            return None;
+        }
+        let avail = value_len - self.offset;
+        let len = if self.length == LENGTH_TO_END {
+            avail
+        } else if self.length <= avail {
+            self.length
+        } else {
+            return None;
+        };
+        Some((self.offset, len))
+    }
+}
+
+/// Result of one GET entry over TCP; `data_len` bytes follow the result table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GetResult {
+    pub status: Status,
+    /// CRC32C of the whole value.
+    pub crc: u32,
+    pub value_len: u64,
+    pub data_len: u64,
+}
+
+impl GetResult {
+    pub fn miss(status: Status) -> Self {
+        GetResult {
+            status,
+            crc: 0,
+            value_len: 0,
+            data_len: 0,
+        }
+    }
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u8(self.status as u8);
+        out.extend_from_slice(&[0; 3]);
+        out.put_u32(self.crc);
+        out.put_u64(self.value_len);
+        out.put_u64(self.data_len);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<GetResult, ProtoError> {
+        let status = status(r.u8()?)?;
+        r.bytes(3)?;
+        let g = GetResult {
+            status,
+            crc: r.u32()?,
+            value_len: r.u64()?,
+            data_len: r.u64()?,
+        };
+        if g.status != Status::Ok && g.data_len != 0 {
+            return Err(ProtoError::bad("data on a failed get"));
+        }
+        Ok(g)
+    }
+}
+
+/// Result of one GET entry over shared memory: where the bytes are in the
+/// arena and the slot generation to check after copying them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmGetResult {
+    pub status: Status,
+    pub crc: u32,
+    pub value_len: u64,
+    pub data_len: u64,
+    /// Arena offset of the first byte asked for.
+    pub arena_offset: u64,
+    /// Index into the arena's generation table.
+    pub slot: u32,
+    /// The slot's generation when answered; changed means the slot was reused.
+    pub generation: u32,
+}
+
+impl ShmGetResult {
+    pub fn miss(status: Status) -> Self {
+        ShmGetResult {
+            status,
+            crc: 0,
+            value_len: 0,
+            data_len: 0,
+            arena_offset: 0,
+            slot: 0,
+            generation: 0,
+        }
+    }
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u8(self.status as u8);
+        out.extend_from_slice(&[0; 3]);
+        out.put_u32(self.crc);
+        out.put_u64(self.value_len);
+        out.put_u64(self.data_len);
+        out.put_u64(self.arena_offset);
+        out.put_u32(self.slot);
+        out.put_u32(self.generation);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<ShmGetResult, ProtoError> {
+        let status = status(r.u8()?)?;
+        r.bytes(3)?;
+        Ok(ShmGetResult {
+            status,
+            crc: r.u32()?,
+            value_len: r.u64()?,
+            data_len: r.u64()?,
+            arena_offset: r.u64()?,
+            slot: r.u32()?,
+            generation: r.u32()?,
+        })
+    }
+}
+
+/// One PUT entry over TCP; the `len` data bytes follow the entry table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutEntry {
+    pub digest: Digest,
+    pub len: u64,
+    /// CRC32C of the value, checked before the block becomes visible.
+    pub crc: u32,
+}
+
+impl PutEntry {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.digest);
+        out.put_u64(self.len);
+        out.put_u32(self.crc);
+        out.put_u32(0);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<PutEntry, ProtoError> {
+        let e = PutEntry {
+            digest: r.digest()?,
+            len: r.u64()?,
+            crc: r.u32()?,
+        };
+        r.u32()?;
+        Ok(e)
+    }
+}
+
+/// One RESERVE entry (shared memory): room for `len` bytes under a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveEntry {
+    pub digest: Digest,
+    pub len: u64,
+}
+
+impl ReserveEntry {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.digest);
+        out.put_u64(self.len);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<ReserveEntry, ProtoError> {
+        Ok(ReserveEntry {
+            digest: r.digest()?,
+            len: r.u64()?,
+        })
+    }
+}
+
+/// RESERVE result: where to write, and the token that commits it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveResult {
+    pub status: Status,
+    pub arena_offset: u64,
+    pub token: u64,
+}
+
+impl ReserveResult {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u8(self.status as u8);
+        out.extend_from_slice(&[0; 7]);
+        out.put_u64(self.arena_offset);
+        out.put_u64(self.token);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<ReserveResult, ProtoError> {
+        let status = status(r.u8()?)?;
+        r.bytes(7)?;
+        Ok(ReserveResult {
+            status,
+            arena_offset: r.u64()?,
+            token: r.u64()?,
+        })
+    }
+}
+
+/// COMMIT entry: a reservation token and the CRC32C of the bytes written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitEntry {
+    pub token: u64,
+    pub crc: u32,
+    pub flags: u32,
+}
+
+impl CommitEntry {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u64(self.token);
+        out.put_u32(self.crc);
+        out.put_u32(self.flags);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<CommitEntry, ProtoError> {
+        Ok(CommitEntry {
+            token: r.u64()?,
+            crc: r.u32()?,
+            flags: r.u32()?,
+        })
+    }
+}
+
+fn status(v: u8) -> Result<Status, ProtoError> {
+    Status::from_u8(v).ok_or_else(|| ProtoError::bad(format!("unknown status {v}")))
+}
+
+/// A response that is a table of one status byte per key (PUT, COMMIT, TOUCH,
+/// PIN, UNPIN, DELETE): count u32 then the statuses.
+pub fn encode_statuses(out: &mut Vec<u8>, statuses: &[Status]) {
+    out.put_u32(statuses.len() as u32);
+    out.extend(statuses.iter().map(|s| *s as u8));
+}
+
+pub fn decode_statuses(payload: &[u8], expect: usize) -> Result<Vec<Status>, ProtoError> {
+    let mut r = Reader::new(payload);
+    let n = r.u32()? as usize;
+    if n != expect {
+        return Err(ProtoError::bad(format!("{n} statuses for {expect} keys")));
+    }
+    let s = r
+        .bytes(n)?
+        .iter()
+        .map(|b| status(*b))
+        .collect::<Result<Vec<_>, _>>()?;
+    r.finish()?;
+    Ok(s)
+}
+
+/// EXISTS response: how many keys from the first are all present (the prefix
+/// an engine can load), plus one bit per key (bit i of byte i/8, LSB first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExistsReply {
+    pub leading_hits: u32,
+    pub present: Vec<bool>,
+}
+
+impl ExistsReply {
+    pub fn encode_from(out: &mut Vec<u8>, present: &[bool]) {
+        let leading = present.iter().take_while(|p| **p).count();
+        out.put_u32(present.len() as u32);
+        out.put_u32(leading as u32);
+        for chunk in present.chunks(8) {
+            let mut b = 0u8;
+            for (i, p) in chunk.iter().enumerate() {
+                if *p {
+                    b |= 1 << i;
+                }
+            }
+            out.push(b);
+        }
+    }
+    pub fn decode(payload: &[u8], expect: usize) -> Result<ExistsReply, ProtoError> {
+        let mut r = Reader::new(payload);
+        let n = r.u32()? as usize;
+        let leading_hits = r.u32()?;
+        if n != expect || leading_hits as usize > n {
+            return Err(ProtoError::bad("exists reply does not match the request"));
+        }
+        let bits = r.bytes(n.div_ceil(8))?;
+        r.finish()?;
+        let present: Vec<bool> = (0..n).map(|i| bits[i / 8] & (1 << (i % 8)) != 0).collect();
+        if present.iter().take_while(|p| **p).count() != leading_hits as usize {
+            return Err(ProtoError::bad("exists leading run disagrees with the bitmap"));
+        }
+        Ok(ExistsReply {
+            leading_hits,
+            present,
+        })
+    }
+}
+
+/// STATS response: named counters, u32 count then (u16 name length, name, u64).
+pub fn encode_stats(out: &mut Vec<u8>, stats: &[(String, u64)]) {
+    out.put_u32(stats.len() as u32);
+    for (name, v) in stats {
+        out.put_u16(name.len() as u16);
+        out.extend_from_slice(name.as_bytes());
+        out.put_u64(*v);
+    }
+}
+
+pub fn decode_stats(payload: &[u8]) -> Result<Vec<(String, u64)>, ProtoError> {
+    let mut r = Reader::new(payload);
+    let n = r.u32()? as usize;
+    if n > 4096 {
+        return Err(ProtoError::bad("too many stats"));
+    }
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = r.u16()? as usize;
+        let name = String::from_utf8_lossy(r.bytes(len)?).into_owned();
+        out.push((name, r.u64()?));
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+/// Error frame payload: code u16, message length u16, UTF-8 message.
+pub fn encode_error(out: &mut Vec<u8>, code: ErrorCode, message: &str) {
+    let msg = &message.as_bytes()[..message.len().min(1024)];
+    out.put_u16(code as u16);
+    out.put_u16(msg.len() as u16);
+    out.extend_from_slice(msg);
+}
+
+pub fn decode_error(payload: &[u8]) -> ProtoError {
+    let mut r = Reader::new(payload);
+    let parsed = (|| {
+        let code = ErrorCode::from_u16(r.u16()?);
+        let len = r.u16()? as usize;
+        let msg = String::from_utf8_lossy(r.bytes(len)?).into_owned();
+        Ok::<_, ProtoError>(ProtoError::new(code, msg))
+    })();
+    parsed.unwrap_or_else(|_| ProtoError::new(ErrorCode::Internal, "unreadable error frame"))
+}
+
+/// CRC32C, the checksum of every value.
+pub fn crc32c(data: &[u8]) -> u32 {
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data) as u32
+}
+
+/// Incremental CRC32C, for checksumming while copying.
+pub struct Crc32c(crc_fast::Digest);
+
+impl Default for Crc32c {
+    fn default() -> Self {
+        Crc32c(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+    }
+}
+
+impl Crc32c {
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data)
+    }
+    pub fn finish(&self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+/// Bytes copied between checksum updates: small enough that the copied chunk
+/// is still in L1/L2 when it is checksummed.
+pub const COPY_CHUNK_BYTES: usize = 64 << 10;
+
+/// Copies `src` into `dst` (same length) and returns the CRC32C of the bytes
+/// as they landed in `dst`: one pass, so a get costs one copy.
+pub fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> u32 {
+    debug_assert_eq!(dst.len(), src.len());
+    let mut crc = Crc32c::default();
+    for (d, s) in dst
+        .chunks_mut(COPY_CHUNK_BYTES)
+        .zip(src.chunks(COPY_CHUNK_BYTES))
+    {
+        d.copy_from_slice(s);
+        crc.update(d);
+    }
+    crc.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_roundtrip_and_bad_magic() {
+        let h = FrameHeader {
+            op: Op::Get as u16,
+            flags: 0,
+            len: 1 << 40,
+            request_id: 7,
+        };
+        assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
+        let mut b = h.encode();
+        b[0] ^= 1;
+        assert_eq!(
+            FrameHeader::decode(&b).unwrap_err().code,
+            ErrorCode::BadHeader
+        );
+    }
+
+    #[test]
+    fn exists_bitmap_roundtrip() {
+        for n in [0usize, 1, 7, 8, 9, 128, 1000] {
+            let present: Vec<bool> = (0..n).map(|i| i < n / 2 || i % 3 == 0).collect();
+            let mut out = Vec::new();
+            ExistsReply::encode_from(&mut out, &present);
+            let r = ExistsReply::decode(&out, n).unwrap();
+            assert_eq!(r.present, present);
+            assert_eq!(
+                r.leading_hits as usize,
+                present.iter().take_while(|p| **p).count()
+            );
+        }
+    }
+
+    #[test]
+    fn get_range_rules() {
+        let e = |offset, length| GetEntry {
+            digest: [0; 32],
+            offset,
+            length,
+        };
+        assert_eq!(e(0, LENGTH_TO_END).range(10), Some((0, 10)));
+        assert_eq!(e(10, LENGTH_TO_END).range(10), Some((10, 0)));
+        assert_eq!(e(4, 6).range(10), Some((4, 6)));
+        assert_eq!(e(4, 7).range(10), None);
+        assert_eq!(e(11, 0).range(10), None);
+        assert_eq!(e(u64::MAX, 1).range(10), None);
+    }
+
+    #[test]
+    fn batch_head_limits() {
+        let mut out = Vec::new();
+        put_batch_head(&mut out, b"ns", 2, 0);
+        out.extend_from_slice(&[0u8; 64]);
+        let mut r = Reader::new(&out);
+        let h = read_batch_head(&mut r, 32).unwrap();
+        assert_eq!((h.namespace, h.count), (&b"ns"[..], 2));
+        // Claims more entries than the bytes carry.
+        let mut out = Vec::new();
+        put_batch_head(&mut out, b"ns", 3, 0);
+        out.extend_from_slice(&[0u8; 64]);
+        assert!(read_batch_head(&mut Reader::new(&out), 32).is_err());
+        // Too many keys.
+        let mut out = Vec::new();
+        put_batch_head(&mut out, b"", BATCH_MAX_KEYS + 1, 0);
+        assert_eq!(
+            read_batch_head(&mut Reader::new(&out), 0).unwrap_err().code,
+            ErrorCode::Limit
+        );
+    }
+
+    #[test]
+    fn copy_with_crc_matches_crc() {
+        let src: Vec<u8> = (0..300_000u32).map(|i| (i * 7) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        assert_eq!(copy_with_crc(&mut dst, &src), crc32c(&src));
+        assert_eq!(dst, src);
+    }
+}

@@ -1,0 +1,918 @@
+//! The KV server: TCP for any client, and for clients on the same host an
+//! abstract Unix socket over which the daemon sends the arena's descriptor.
+//!
+//! Each connection is served in order (a client may pipeline: frames queue in
+//! the socket). What a connection holds — reservations not yet committed,
+//! pins not yet released — is given back when it closes, however it closes,
+//! so a client killed mid-put leaves no partial block and leaks nothing.
+
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
+use tokio::sync::watch;
+
+use crate::engine::{Engine, Key, ReadPlan};
+use crate::proto::*;
+use crate::KvError;
+
+/// Longest wait for the rest of a frame once its header arrived: a client that
+/// stalls mid-put cannot hold its reservations forever.
+const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Reservations one connection may hold at once.
+const RESERVATIONS_PER_CONNECTION_MAX: usize = 2 * BATCH_MAX_KEYS;
+/// Pins one connection may hold at once.
+const PINS_PER_CONNECTION_MAX: usize = 64 * BATCH_MAX_KEYS;
+/// Read buffer per connection (frame headers and control parts).
+const READ_BUFFER_BYTES: usize = 64 << 10;
+
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    pub listen: SocketAddr,
+    /// Runtime threads serving connections.
+    pub threads: usize,
+    /// Pin thread i to core i.
+    pub pin_cores: bool,
+    pub io_uring: bool,
+    /// Offer shared memory to clients on this host.
+    pub shm: bool,
+}
+
+/// A running KV server; stops when dropped.
+pub struct Server {
+    pub tcp_addr: SocketAddr,
+    /// Abstract Unix socket name of the shared-memory transport.
+    pub shm_socket: Option<String>,
+    stop: watch::Sender<bool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+struct Shared {
+    engine: Arc<Engine>,
+    shm_socket: Option<Vec<u8>>,
+    next_conn: AtomicU64,
+}
+
+impl Server {
+    pub fn start(engine: Arc<Engine>, opts: ServerOptions) -> Result<Server, KvError> {
+        let tcp = std::net::TcpListener::bind(opts.listen)
+            .map_err(|e| KvError::Io("binding the KV listener", e))?;
+        tcp.set_nonblocking(true)
+            .map_err(|e| KvError::Io("KV listener", e))?;
+        let tcp_addr = tcp.local_addr().map_err(|e| KvError::Io("KV listener", e))?;
+        let (uds, shm_socket) = if opts.shm {
+            let mut r = [0u8; 8];
+            getrandom::fill(&mut r).map_err(|e| KvError::Config(e.to_string()))?;
+            let name = format!(
+                "tarn-kv.{}.{}.{:016x}",
+                std::process::id(),
+                tcp_addr.port(),
+                u64::from_le_bytes(r)
+            );
+            use std::os::linux::net::SocketAddrExt;
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+                .map_err(|e| KvError::Io("KV shared-memory socket name", e))?;
+            let l = std::os::unix::net::UnixListener::bind_addr(&addr)
+                .map_err(|e| KvError::Io("binding the KV shared-memory socket", e))?;
+            l.set_nonblocking(true)
+                .map_err(|e| KvError::Io("KV shared-memory socket", e))?;
+            (Some(l), Some(name))
+        } else {
+            (None, None)
+        };
+        let shared = Arc::new(Shared {
+            engine,
+            shm_socket: shm_socket.as_ref().map(|s| s.as_bytes().to_vec()),
+            next_conn: AtomicU64::new(1),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let mut threads = Vec::new();
+        for core in 0..opts.threads.max(1) {
+            let tcp = tcp
+                .try_clone()
+                .map_err(|e| KvError::Io("KV listener", e))?;
+            let uds = match &uds {
+                Some(u) => Some(
+                    u.try_clone()
+                        .map_err(|e| KvError::Io("KV shared-memory socket", e))?,
+                ),
+                None => None,
+            };
+            let shared = shared.clone();
+            let stop = stop_rx.clone();
+            let (pin, uring) = (opts.pin_cores, opts.io_uring);
+            let t = std::thread::Builder::new()
+                .name(format!("tarn-kv-{core}"))
+                .spawn(move || {
+                    let rt = match tarn_io::runtime::build_core_runtime(core, pin, uring) {
+                        Ok(rt) => rt,
+                        Err(error) => {
+                            tracing::error!(%error, "KV runtime failed to start");
+                            return;
+                        }
+                    };
+                    rt.block_on(accept_loop(tcp, uds, shared, stop));
+                })
+                .map_err(|e| KvError::Io("starting a KV thread", e))?;
+            threads.push(t);
+        }
+        Ok(Server {
+            tcp_addr,
+            shm_socket,
+            stop,
+            threads,
+        })
+    }
+
+    /// Stops accepting, drops every connection and joins the threads. The
+    /// arena has no name anywhere: it goes away with the last mapping.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let _ = self.stop.send(true);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+async fn accept_loop(
+    tcp: std::net::TcpListener,
+    uds: Option<std::os::unix::net::UnixListener>,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let tcp = match TcpListener::from_std(tcp) {
+        Ok(l) => l,
+        Err(error) => {
+            tracing::error!(%error, "KV listener");
+            return;
+        }
+    };
+    let uds = uds.and_then(|u| UnixListener::from_std(u).ok());
+    loop {
+        tokio::select! {
+            a = tcp.accept() => match a {
+                Ok((s, _)) => {
+                    let _ = s.set_nodelay(true);
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                        let mut c = Connection::new(conn, shared, false);
+                        c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await;
+                    });
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "KV accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+            a = async { match &uds { Some(u) => u.accept().await, None => std::future::pending().await } } => match a {
+                Ok((s, _)) => {
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                        let mut c = Connection::new(conn, shared, true);
+                        if let Err(error) = c.shm_handshake(&s).await {
+                            tracing::debug!(%error, "KV shared-memory handshake failed");
+                            return;
+                        }
+                        c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await;
+                    });
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "KV accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+            _ = stop.changed() => break,
+        }
+    }
+}
+
+/// Per-connection state, buffers reused across frames.
+struct Connection {
+    id: u64,
+    shared: Arc<Shared>,
+    shm: bool,
+    handshaken: bool,
+    reservations: Vec<u64>,
+    pins: Vec<Key>,
+    payload: Vec<u8>,
+    out: Vec<u8>,
+    digests: Vec<Digest>,
+    gets: Vec<GetEntry>,
+    plans: Vec<ReadPlan>,
+    statuses: Vec<Status>,
+    present: Vec<bool>,
+    held: Vec<u32>,
+}
+
+/// How a frame ended for the connection.
+enum Next {
+    Continue,
+    Close,
+}
+
+fn frame_error(out: &mut Vec<u8>, request_id: u64, e: &ProtoError) {
+    begin_frame(out, Op::Error as u16 | RESPONSE_BIT, request_id);
+    encode_error(out, e.code, &e.message);
+    finish_frame(out, 0);
+}
+
+impl Connection {
+    fn new(id: u64, shared: Arc<Shared>, shm: bool) -> Self {
+        Connection {
+            id,
+            shared,
+            shm,
+            handshaken: false,
+            reservations: Vec::new(),
+            pins: Vec::new(),
+            payload: Vec::new(),
+            out: Vec::new(),
+            digests: Vec::new(),
+            gets: Vec::new(),
+            plans: Vec::new(),
+            statuses: Vec::new(),
+            present: Vec::new(),
+            held: Vec::new(),
+        }
+    }
+
+    fn engine(&self) -> &Engine {
+        &self.shared.engine
+    }
+
+    fn hello_reply(&self, hello: &Hello, request_id: u64, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        let version = hello.version_max.min(VERSION_MAX);
+        if version < hello.version_min.max(VERSION_MIN) {
+            return Err(ProtoError::new(
+                ErrorCode::Version,
+                format!(
+                    "client speaks versions {}..={}, server {VERSION_MIN}..={VERSION_MAX}",
+                    hello.version_min, hello.version_max
+                ),
+            ));
+        }
+        let e = self.engine();
+        let reply = HelloReply {
+            version,
+            flags: if self.shared.shm_socket.is_some() { HELLO_SHM_OFFERED } else { 0 },
+            value_max_bytes: e.config().value_max_bytes,
+            batch_max_keys: BATCH_MAX_KEYS as u32,
+            namespace_max_bytes: NAMESPACE_MAX_BYTES as u16,
+            instance_id: e.instance_id,
+            arena_bytes: if self.shm { e.arena().len() as u64 } else { 0 },
+            shm_socket: self.shared.shm_socket.clone().unwrap_or_default(),
+        };
+        begin_frame(out, Op::Hello as u16 | RESPONSE_BIT, request_id);
+        reply.encode(out);
+        finish_frame(out, 0);
+        Ok(())
+    }
+
+    /// Over the Unix socket the first frame must be HELLO; its reply carries
+    /// the arena's descriptor (SCM_RIGHTS).
+    async fn shm_handshake(&mut self, s: &UnixStream) -> io::Result<()> {
+        let mut head = [0u8; FRAME_HEADER_BYTES];
+        read_exact_uds(s, &mut head).await?;
+        let h = FrameHeader::decode(&head).map_err(io::Error::other)?;
+        if h.op != Op::Hello as u16 || h.len > 64 {
+            return Err(io::Error::other("first frame on the shared-memory socket is not HELLO"));
+        }
+        let mut payload = vec![0u8; h.len as usize];
+        read_exact_uds(s, &mut payload).await?;
+        let mut out = Vec::new();
+        let hello = Hello::decode(&payload).and_then(|hello| self.hello_reply(&hello, h.request_id, &mut out));
+        if let Err(e) = hello {
+            frame_error(&mut out, h.request_id, &e);
+            send_with_fd(s, &out, None).await?;
+            return Err(io::Error::other(e));
+        }
+        send_with_fd(s, &out, Some(self.engine().arena().fd().as_raw_fd())).await?;
+        self.handshaken = true;
+        Ok(())
+    }
+
+    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(&mut self, mut io: BufReader<S>) {
+        loop {
+            let mut head = [0u8; FRAME_HEADER_BYTES];
+            if io.read_exact(&mut head).await.is_err() {
+                break;
+            }
+            match self.frame(&mut io, &head).await {
+                Ok(Next::Continue) => {}
+                Ok(Next::Close) => break,
+                Err(error) => {
+                    tracing::debug!(conn = self.id, %error, "KV connection ended");
+                    break;
+                }
+            }
+        }
+        let _ = io.get_mut().shutdown().await;
+        let engine = self.shared.engine.clone();
+        engine.release_connection(self.id, &self.reservations, &self.pins);
+        self.reservations.clear();
+        self.pins.clear();
+    }
+
+    async fn frame<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut BufReader<S>,
+        head: &[u8; FRAME_HEADER_BYTES],
+    ) -> io::Result<Next> {
+        let mut out = std::mem::take(&mut self.out);
+        let r = self.frame_inner(io, head, &mut out).await;
+        self.out = out;
+        r
+    }
+
+    async fn frame_inner<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut BufReader<S>,
+        head: &[u8; FRAME_HEADER_BYTES],
+        out: &mut Vec<u8>,
+    ) -> io::Result<Next> {
+        let h = match FrameHeader::decode(head) {
+            Ok(h) => h,
+            Err(e) => {
+                // Framing is lost: say why, then close.
+                frame_error(out, 0, &e);
+                io.get_mut().write_all(out).await?;
+                return Ok(Next::Close);
+            }
+        };
+        let op = Op::from_u16(h.op);
+        if op == Some(Op::Put) && self.handshaken {
+            return self.put_tcp(io, &h, out).await;
+        }
+        if h.len > CONTROL_MAX_BYTES as u64 {
+            let e = ProtoError::new(
+                ErrorCode::Limit,
+                format!("frame of {} bytes exceeds {CONTROL_MAX_BYTES}", h.len),
+            );
+            frame_error(out, h.request_id, &e);
+            io.get_mut().write_all(out).await?;
+            return Ok(Next::Close);
+        }
+        let mut payload = std::mem::take(&mut self.payload);
+        payload.resize(h.len as usize, 0);
+        let read = tokio::time::timeout(FRAME_BODY_TIMEOUT, io.read_exact(&mut payload)).await;
+        let result = match read {
+            Ok(Ok(_)) => self.dispatch(io, op, &h, &payload, out).await,
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "frame body timed out")),
+        };
+        self.payload = payload;
+        result
+    }
+
+    async fn dispatch<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut BufReader<S>,
+        op: Option<Op>,
+        h: &FrameHeader,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+    ) -> io::Result<Next> {
+        let reply = |out: &mut Vec<u8>| begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
+        let result: Result<(), ProtoError> = match op {
+            Some(Op::Hello) => Hello::decode(payload).and_then(|hello| self.hello_reply(&hello, h.request_id, out)),
+            _ if !self.handshaken => {
+                let e = ProtoError::new(ErrorCode::HandshakeRequired, "the first frame must be HELLO");
+                frame_error(out, h.request_id, &e);
+                io.get_mut().write_all(out).await?;
+                return Ok(Next::Close);
+            }
+            None | Some(Op::Error) => Err(ProtoError::new(ErrorCode::UnknownOp, format!("unknown op {}", h.op))),
+            Some(Op::Put) => unreachable!("handled before the payload is read"),
+            Some(Op::Get) => {
+                if self.shm {
+                    // Allowed on the Unix socket too: the data simply follows.
+                }
+                return self.get_tcp(io, h, payload, out).await;
+            }
+            Some(Op::GetShm) => self.get_shm(payload, out, reply).await,
+            Some(Op::Exists) => self.digest_batch(payload).map(|ns| {
+                let mut present = std::mem::take(&mut self.present);
+                self.shared.engine.exists(ns, &self.digests, &mut present);
+                reply(out);
+                ExistsReply::encode_from(out, &present);
+                self.present = present;
+            }),
+            Some(o @ (Op::Touch | Op::Pin | Op::Unpin | Op::Delete)) => self.status_batch(o, payload, out, reply),
+            Some(Op::Reserve) => self.reserve(payload, out, reply),
+            Some(Op::Commit) => self.commit(payload, out, reply),
+            Some(Op::Stats) => {
+                let mut r = Reader::new(payload);
+                read_batch_head(&mut r, 0).and_then(|b| {
+                    let ns = if b.namespace.is_empty() {
+                        None
+                    } else {
+                        Some(self.namespace(b.namespace)?)
+                    };
+                    let stats = self.shared.engine.stats(ns);
+                    reply(out);
+                    encode_stats(out, &stats);
+                    Ok(())
+                })
+            }
+        };
+        match result {
+            Ok(()) => finish_frame(out, 0),
+            Err(e) => frame_error(out, h.request_id, &e),
+        }
+        io.get_mut().write_all(out).await?;
+        Ok(Next::Continue)
+    }
+
+    fn namespace(&self, name: &[u8]) -> Result<u32, ProtoError> {
+        self.shared
+            .engine
+            .namespace(name)
+            .map_err(|_| ProtoError::new(ErrorCode::Limit, "too many namespaces"))
+    }
+
+    /// Parses `ns + count digests` into self.digests; returns the namespace id.
+    fn digest_batch(&mut self, payload: &[u8]) -> Result<u32, ProtoError> {
+        let mut r = Reader::new(payload);
+        let b = read_batch_head(&mut r, DIGEST_BYTES)?;
+        self.digests.clear();
+        for _ in 0..b.count {
+            self.digests.push(r.digest()?);
+        }
+        r.finish()?;
+        self.namespace(b.namespace)
+    }
+
+    fn status_batch(
+        &mut self,
+        op: Op,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+        reply: impl Fn(&mut Vec<u8>),
+    ) -> Result<(), ProtoError> {
+        let mut r = Reader::new(payload);
+        let arg = read_batch_head(&mut r, DIGEST_BYTES)?.arg;
+        let ns = self.digest_batch(payload)?;
+        let e = self.shared.engine.clone();
+        let mut st = std::mem::take(&mut self.statuses);
+        match op {
+            Op::Touch => e.touch(ns, &self.digests, &mut st),
+            Op::Pin => {
+                if self.pins.len() + self.digests.len() > PINS_PER_CONNECTION_MAX {
+                    st.clear();
+                    st.resize(self.digests.len(), Status::NoSpace);
+                } else {
+                    e.pin(ns, &self.digests, arg as u64, &mut st, &mut self.pins)
+                }
+            }
+            Op::Unpin => e.unpin(ns, &self.digests, &mut st, &mut self.pins),
+            Op::Delete => e.delete(ns, &self.digests, &mut st),
+            _ => unreachable!("status ops only"),
+        }
+        reply(out);
+        encode_statuses(out, &st);
+        self.statuses = st;
+        Ok(())
+    }
+
+    fn get_entries(&mut self, payload: &[u8]) -> Result<u32, ProtoError> {
+        let mut r = Reader::new(payload);
+        let b = read_batch_head(&mut r, GET_ENTRY_BYTES)?;
+        self.gets.clear();
+        for _ in 0..b.count {
+            self.gets.push(GetEntry::decode(&mut r)?);
+        }
+        r.finish()?;
+        self.namespace(b.namespace)
+    }
+
+    /// GET with the data in the response: result table, then the bytes of
+    /// every hit, sent with vectored writes straight from the arena.
+    async fn get_tcp<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut BufReader<S>,
+        h: &FrameHeader,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+    ) -> io::Result<Next> {
+        let ns = match self.get_entries(payload) {
+            Ok(ns) => ns,
+            Err(e) => {
+                frame_error(out, h.request_id, &e);
+                io.get_mut().write_all(out).await?;
+                return Ok(Next::Continue);
+            }
+        };
+        let engine = self.shared.engine.clone();
+        let mut plans = std::mem::take(&mut self.plans);
+        engine.plan_reads(ns, &self.gets, true, &mut plans);
+        self.held.clear();
+        for p in &plans {
+            if let ReadPlan::Ram(r) = p {
+                self.held.push(r.slot);
+            }
+        }
+        let disk = read_disk_plans(&engine, &plans).await;
+        begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
+        out.put_u32(self.gets.len() as u32);
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(self.gets.len());
+        let mut bulk = 0u64;
+        let mut disk_iter = disk.iter();
+        for (g, plan) in self.gets.iter().zip(&plans) {
+            let res = match plan {
+                ReadPlan::Miss(s) => GetResult::miss(*s),
+                ReadPlan::Ram(r) => {
+                    let (off, len) = g.range(r.value_len).expect("range checked by plan_reads");
+                    let whole = off == 0 && len == r.value_len;
+                    if !whole && !engine.verify_ram(ns, &g.digest, r) {
+                        GetResult::miss(Status::Corrupt)
+                    } else {
+                        // SAFETY: we hold a read reference on the slot; in range.
+                        slices.push(unsafe { engine.arena().slice(r.value_offset + off, len as usize) });
+                        bulk += len;
+                        GetResult {
+                            status: Status::Ok,
+                            crc: r.crc,
+                            value_len: r.value_len,
+                            data_len: len,
+                        }
+                    }
+                }
+                ReadPlan::Disk(d) => match disk_iter.next().expect("one result per disk plan") {
+                    Ok(bytes) => {
+                        let (off, len) = g.range(d.value_len).expect("range checked by plan_reads");
+                        slices.push(&bytes.value()[off as usize..(off + len) as usize]);
+                        bulk += len;
+                        GetResult {
+                            status: Status::Ok,
+                            crc: d.crc,
+                            value_len: d.value_len,
+                            data_len: len,
+                        }
+                    }
+                    Err(s) => GetResult::miss(*s),
+                },
+            };
+            res.encode(out);
+        }
+        finish_frame(out, bulk);
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(slices.len() + 1);
+        iov.push(IoSlice::new(out));
+        iov.extend(slices.iter().filter(|s| !s.is_empty()).map(|s| IoSlice::new(s)));
+        let sent = write_all_vectored(io.get_mut(), &mut iov).await;
+        drop(slices);
+        engine.release(&self.held);
+        engine.count_read(ns, bulk, 0);
+        // Promote what came from the NVMe tier, after the client has its bytes.
+        for (g, (plan, d)) in self.gets.iter().zip(plans.iter().filter(|p| matches!(p, ReadPlan::Disk(_))).zip(disk.iter())) {
+            let _ = plan;
+            if let Ok(bytes) = d {
+                engine.promote(ns, &g.digest, bytes, false);
+            }
+        }
+        self.plans = plans;
+        sent?;
+        Ok(Next::Continue)
+    }
+
+    /// GET over shared memory: where each block is in the arena; the client
+    /// copies and checks. Blocks on the NVMe tier are promoted first.
+    async fn get_shm(
+        &mut self,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+        reply: impl Fn(&mut Vec<u8>),
+    ) -> Result<(), ProtoError> {
+        if !self.shm {
+            return Err(ProtoError::new(ErrorCode::NotShm, "GET_SHM needs the shared-memory socket"));
+        }
+        let ns = self.get_entries(payload)?;
+        let engine = self.shared.engine.clone();
+        let mut plans = std::mem::take(&mut self.plans);
+        engine.plan_reads(ns, &self.gets, false, &mut plans);
+        let disk = read_disk_plans(&engine, &plans).await;
+        reply(out);
+        out.put_u32(self.gets.len() as u32);
+        let mut disk_iter = disk.iter();
+        let (mut bytes_read, mut no_space) = (0u64, 0u64);
+        for (g, plan) in self.gets.iter().zip(&plans) {
+            let ram = match plan {
+                ReadPlan::Miss(s) => Err(*s),
+                ReadPlan::Ram(r) => Ok(*r),
+                ReadPlan::Disk(_) => match disk_iter.next().expect("one result per disk plan") {
+                    Ok(bytes) => engine.promote(ns, &g.digest, bytes, false).ok_or_else(|| {
+                        no_space += 1;
+                        Status::NoSpace
+                    }),
+                    Err(s) => Err(*s),
+                },
+            };
+            let res = match ram {
+                Err(s) => ShmGetResult::miss(s),
+                Ok(r) => {
+                    let (off, len) = g.range(r.value_len).expect("range checked by plan_reads");
+                    let whole = off == 0 && len == r.value_len;
+                    if !whole && !engine.verify_ram(ns, &g.digest, &r) {
+                        ShmGetResult::miss(Status::Corrupt)
+                    } else {
+                        bytes_read += len;
+                        ShmGetResult {
+                            status: Status::Ok,
+                            crc: r.crc,
+                            value_len: r.value_len,
+                            data_len: len,
+                            arena_offset: r.value_offset + off,
+                            slot: r.generation_index,
+                            generation: r.generation,
+                        }
+                    }
+                }
+            };
+            res.encode(out);
+        }
+        engine.count_read(ns, bytes_read, no_space);
+        self.plans = plans;
+        Ok(())
+    }
+
+    fn reserve(&mut self, payload: &[u8], out: &mut Vec<u8>, reply: impl Fn(&mut Vec<u8>)) -> Result<(), ProtoError> {
+        if !self.shm {
+            return Err(ProtoError::new(ErrorCode::NotShm, "RESERVE needs the shared-memory socket"));
+        }
+        let mut r = Reader::new(payload);
+        let b = read_batch_head(&mut r, RESERVE_ENTRY_BYTES)?;
+        let count = b.count;
+        let ns = self.namespace(b.namespace)?;
+        let mut entries = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            entries.push(ReserveEntry::decode(&mut r)?);
+        }
+        r.finish()?;
+        reply(out);
+        out.put_u32(count);
+        let engine = self.shared.engine.clone();
+        for e in entries {
+            let res = if self.reservations.len() >= RESERVATIONS_PER_CONNECTION_MAX {
+                Err(Status::NoSpace)
+            } else {
+                engine.reserve(self.id, ns, &e.digest, e.len)
+            };
+            let rr = match res {
+                Ok((token, offset)) => {
+                    self.reservations.push(token);
+                    ReserveResult { status: Status::Ok, arena_offset: offset, token }
+                }
+                Err(s) => ReserveResult { status: s, arena_offset: 0, token: 0 },
+            };
+            rr.encode(out);
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, payload: &[u8], out: &mut Vec<u8>, reply: impl Fn(&mut Vec<u8>)) -> Result<(), ProtoError> {
+        if !self.shm {
+            return Err(ProtoError::new(ErrorCode::NotShm, "COMMIT needs the shared-memory socket"));
+        }
+        let mut r = Reader::new(payload);
+        let count = r.u32()? as usize;
+        if count > BATCH_MAX_KEYS {
+            return Err(ProtoError::new(ErrorCode::Limit, "commit batch too large"));
+        }
+        let mut entries = Vec::with_capacity(count);
+        for _ in 0..count {
+            entries.push(CommitEntry::decode(&mut r)?);
+        }
+        r.finish()?;
+        let engine = self.shared.engine.clone();
+        let mut st = std::mem::take(&mut self.statuses);
+        st.clear();
+        for c in entries {
+            let Some(i) = self.reservations.iter().position(|t| *t == c.token) else {
+                st.push(Status::BadToken);
+                continue;
+            };
+            self.reservations.swap_remove(i);
+            if c.flags & COMMIT_ABORT != 0 {
+                engine.abort(self.id, c.token);
+                st.push(Status::Ok);
+                continue;
+            }
+            let s = match engine.reservation(self.id, c.token) {
+                Ok((offset, len)) => {
+                    // SAFETY: our reservation, inside the arena.
+                    let crc = crc32c(unsafe { engine.arena().slice(offset, len as usize) });
+                    engine.commit(self.id, c.token, crc, crc == c.crc)
+                }
+                Err(s) => s,
+            };
+            st.push(s);
+        }
+        reply(out);
+        encode_statuses(out, &st);
+        self.statuses = st;
+        Ok(())
+    }
+
+    /// PUT with the data in the frame: each value is read straight into a
+    /// reserved arena slot, checksummed, then committed. The frame's length
+    /// must equal its table plus the values, else framing is lost and the
+    /// connection closes.
+    async fn put_tcp<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut BufReader<S>,
+        h: &FrameHeader,
+        out: &mut Vec<u8>,
+    ) -> io::Result<Next> {
+        let value_max = self.engine().config().value_max_bytes;
+        let close = |out: &mut Vec<u8>, e: ProtoError| {
+            frame_error(out, h.request_id, &e);
+        };
+        let mut fixed = [0u8; BATCH_HEADER_BYTES];
+        if h.len < BATCH_HEADER_BYTES as u64 {
+            close(out, ProtoError::new(ErrorCode::BadFrame, "PUT frame shorter than a batch head"));
+            io.get_mut().write_all(out).await?;
+            return Ok(Next::Close);
+        }
+        timed(io.read_exact(&mut fixed)).await?;
+        let mut r = Reader::new(&fixed);
+        let ns_len = r.u16().expect("fixed") as usize;
+        let _flags = r.u16().expect("fixed");
+        let count = r.u32().expect("fixed") as usize;
+        let table_len = BATCH_HEADER_BYTES + ns_len + count * PUT_ENTRY_BYTES;
+        if ns_len > NAMESPACE_MAX_BYTES || count > BATCH_MAX_KEYS || (table_len as u64) > h.len {
+            close(out, ProtoError::new(ErrorCode::Limit, "PUT batch head out of limits"));
+            io.get_mut().write_all(out).await?;
+            return Ok(Next::Close);
+        }
+        let mut payload = std::mem::take(&mut self.payload);
+        payload.resize(table_len - BATCH_HEADER_BYTES, 0);
+        timed(io.read_exact(&mut payload)).await?;
+        let namespace = payload[..ns_len].to_vec();
+        let mut r = Reader::new(&payload[ns_len..]);
+        let mut entries = Vec::with_capacity(count);
+        for _ in 0..count {
+            entries.push(PutEntry::decode(&mut r).expect("length checked"));
+        }
+        self.payload = payload;
+        let data: u128 = entries.iter().map(|e| e.len as u128).sum();
+        if table_len as u128 + data != h.len as u128 {
+            close(out, ProtoError::new(ErrorCode::BadFrame, "PUT frame length does not match its table"));
+            io.get_mut().write_all(out).await?;
+            return Ok(Next::Close);
+        }
+        let ns = match self.namespace(&namespace) {
+            Ok(ns) => Some(ns),
+            Err(_) => None,
+        };
+        let engine = self.shared.engine.clone();
+        let mut st = std::mem::take(&mut self.statuses);
+        st.clear();
+        for e in &entries {
+            let reserved = match ns {
+                None => Err(Status::NoSpace),
+                Some(_) if e.len > value_max => Err(Status::TooLarge),
+                Some(ns) => engine.reserve(self.id, ns, &e.digest, e.len),
+            };
+            match reserved {
+                Ok((token, offset)) => {
+                    self.reservations.push(token);
+                    // SAFETY: our reservation, inside the arena.
+                    let slot = unsafe { engine.arena().slice_mut(offset, e.len as usize) };
+                    timed(io.read_exact(slot)).await?;
+                    let crc = crc32c(slot);
+                    self.reservations.pop();
+                    st.push(engine.commit(self.id, token, crc, crc == e.crc));
+                }
+                Err(s) => {
+                    discard(io, e.len).await?;
+                    st.push(s);
+                }
+            }
+        }
+        begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
+        encode_statuses(out, &st);
+        finish_frame(out, 0);
+        self.statuses = st;
+        io.get_mut().write_all(out).await?;
+        Ok(Next::Continue)
+    }
+}
+
+async fn timed<T>(f: impl std::future::Future<Output = io::Result<T>>) -> io::Result<T> {
+    match tokio::time::timeout(FRAME_BODY_TIMEOUT, f).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "frame body timed out")),
+    }
+}
+
+async fn discard<R: AsyncRead + Unpin>(io: &mut R, mut n: u64) -> io::Result<()> {
+    let mut scratch = [0u8; 8192];
+    while n > 0 {
+        let k = (n as usize).min(scratch.len());
+        timed(io.read_exact(&mut scratch[..k])).await?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Reads every NVMe-tier plan of a batch at once.
+async fn read_disk_plans(
+    engine: &Engine,
+    plans: &[ReadPlan],
+) -> Vec<Result<crate::engine::DiskBytes, Status>> {
+    let reads = plans.iter().filter_map(|p| match p {
+        ReadPlan::Disk(d) => Some(engine.read_disk(d)),
+        _ => None,
+    });
+    futures::future::join_all(reads).await
+}
+
+async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, mut iov: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !iov.is_empty() {
+        let n = w.write_vectored(iov).await?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed"));
+        }
+        IoSlice::advance_slices(&mut iov, n);
+    }
+    Ok(())
+}
+
+async fn read_exact_uds(s: &UnixStream, buf: &mut [u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        s.readable().await?;
+        match s.try_read(&mut buf[done..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Sends `data` with an optional descriptor attached (SCM_RIGHTS).
+async fn send_with_fd(s: &UnixStream, data: &[u8], fd: Option<i32>) -> io::Result<()> {
+    let mut sent = 0;
+    let mut fd = fd;
+    while sent < data.len() {
+        s.writable().await?;
+        let r = s.try_io(tokio::io::Interest::WRITABLE, || sendmsg_fd(s.as_raw_fd(), &data[sent..], fd));
+        match r {
+            Ok(n) => {
+                sent += n;
+                fd = None;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn sendmsg_fd(sock: i32, data: &[u8], fd: Option<i32>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // Room for one descriptor, 8-byte aligned as cmsg needs.
+    let mut cmsg_buf = [0u64; 4];
+    // SAFETY: msghdr built over live buffers; CMSG macros stay inside cmsg_buf.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if let Some(fd) = fd {
+            let space = libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) as usize;
+            msg.msg_control = cmsg_buf.as_mut_ptr().cast();
+            msg.msg_controllen = space;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), fd);
+        }
+        let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+}
