@@ -217,7 +217,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
         ExistsReply::decode(&self.inp, digests.len()).map_err(|e| Error::Protocol(e.to_string()))
     }
 
-    async fn keys_op(&mut self, op: Op, ns: &[u8], digests: &[Digest], arg: u32) -> Result<Vec<Status>> {
+    async fn keys_op(
+        &mut self,
+        op: Op,
+        ns: &[u8],
+        digests: &[Digest],
+        arg: u32,
+    ) -> Result<Vec<Status>> {
         let id = self.begin(op);
         put_batch_head(&mut self.out, ns, digests.len(), arg);
         for d in digests {
@@ -256,7 +262,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
         let h = self.recv_head(id, Op::Get).await?;
         let table = 4 + reqs.len() * GET_TCP_RESULT_BYTES;
         if h.len < table as u64 {
-            return Err(Error::Protocol("GET response shorter than its table".into()));
+            return Err(Error::Protocol(
+                "GET response shorter than its table".into(),
+            ));
         }
         self.read_payload(table as u64).await?;
         let mut r = Reader::new(&self.inp);
@@ -496,7 +504,12 @@ impl KvClient {
         let addr = parse_endpoint(endpoint)?;
         let tcp = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(&addr))
             .await
-            .map_err(|_| Error::Io(io::Error::new(io::ErrorKind::TimedOut, format!("connecting to {addr}"))))??;
+            .map_err(|_| {
+                Error::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("connecting to {addr}"),
+                ))
+            })??;
         tcp.set_nodelay(true)?;
         let local = same_host(&tcp);
         let mut ch = Channel::new(tcp);
@@ -620,7 +633,10 @@ impl KvClient {
     /// Stores values. A key already stored answers `AlreadyExists` (success).
     pub async fn put_from(&mut self, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         self.check()?;
-        if let Some(big) = items.iter().find(|i| i.data.len() as u64 > self.server.value_max_bytes) {
+        if let Some(big) = items
+            .iter()
+            .find(|i| i.data.len() as u64 > self.server.value_max_bytes)
+        {
             return Err(Error::Usage(format!(
                 "value of {} bytes exceeds the server's maximum of {}",
                 big.data.len(),
@@ -723,7 +739,9 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<Shm> {
     let mut fd: Option<OwnedFd> = None;
     let total = loop {
         s.readable().await?;
-        match s.try_io(tokio::io::Interest::READABLE, || recvmsg_fd(s.as_raw_fd(), &mut buf[got..])) {
+        match s.try_io(tokio::io::Interest::READABLE, || {
+            recvmsg_fd(s.as_raw_fd(), &mut buf[got..])
+        }) {
             Ok((0, _)) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
             Ok((n, f)) => {
                 got += n;
@@ -761,7 +779,9 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<Shm> {
     let fd = fd.ok_or_else(|| Error::Protocol("no arena descriptor in the HELLO reply".into()))?;
     let arena = Arena::open(fd)?;
     if arena.len() as u64 != reply.arena_bytes {
-        return Err(Error::Protocol("arena size differs from the HELLO reply".into()));
+        return Err(Error::Protocol(
+            "arena size differs from the HELLO reply".into(),
+        ));
     }
     let mut ch = Channel::new(s);
     ch.next_id = 2;

@@ -306,6 +306,9 @@ mod tests {
         assert!(b.generation(3 * 1024).is_none());
         assert!(!b.check_range(0, 1));
         assert!(!b.check_range(g.total_bytes() as u64 - 1, 2));
-        assert!(b.check_range(g.data_offset as u64, (g.total_bytes() - g.data_offset) as u64));
+        assert!(b.check_range(
+            g.data_offset as u64,
+            (g.total_bytes() - g.data_offset) as u64
+        ));
     }
 }

@@ -64,7 +64,10 @@ pub fn encode_record(
 ) {
     let start = buf.len();
     let total = record_len(namespace.len(), value.len() as u64) as usize;
-    assert!(buf.remaining() >= total, "record does not fit the write buffer");
+    assert!(
+        buf.remaining() >= total,
+        "record does not fit the write buffer"
+    );
     let mut head = [0u8; RECORD_FIXED_BYTES];
     head[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
     head[4] = RECORD_VERSION;
@@ -424,18 +427,28 @@ impl DiskTier {
     pub fn start_segment(&mut self) -> io::Result<()> {
         self.seal_buffer()?;
         self.open = None;
+        let mut buf = self
+            .take_buffer()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::WouldBlock, "KV flusher is behind"))?;
         let id = self.next_id;
         self.next_id += 1;
         let path = segment_path(&self.dir, id);
-        let (file, direct) = open_segment_file(&path, true)?;
+        let opened = open_segment_file(&path, true).and_then(|(f, direct)| {
+            let f = Arc::new(f);
+            Ok((io_file(&f)?, f, direct))
+        });
+        let (io, file, direct) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                self.spare.push(buf);
+                let _ = fs::remove_file(&path);
+                return Err(e);
+            }
+        };
         if !direct && self.direct_io {
             tracing::warn!(dir = %self.dir.display(), "O_DIRECT refused by the filesystem; KV segments use buffered I/O");
         }
         self.direct_io &= direct;
-        let file = Arc::new(file);
-        let mut buf = self.take_buffer().ok_or_else(|| {
-            io::Error::new(io::ErrorKind::WouldBlock, "KV flusher is behind")
-        })?;
         buf.extend_from_slice(&segment_header(id, self.segment_bytes));
         let len = buf.len();
         buf.spare_mut()[..SEGMENT_HEADER_BYTES as usize - len].fill(0);
@@ -443,7 +456,7 @@ impl DiskTier {
         self.segments.push_back(Segment {
             id,
             path,
-            io: io_file(&file)?,
+            io,
             file,
             keys: Vec::new(),
         });
@@ -627,7 +640,10 @@ struct Window {
 impl Window {
     /// Makes the 4 KiB block at `at` available in the window; false at EOF.
     fn cover(&mut self, file: &fs::File, len: u64, at: u64) -> io::Result<bool> {
-        if self.at != u64::MAX && at >= self.at && at + RECORD_ALIGN <= self.at + self.buf.len() as u64 {
+        if self.at != u64::MAX
+            && at >= self.at
+            && at + RECORD_ALIGN <= self.at + self.buf.len() as u64
+        {
             return Ok(true);
         }
         if at >= len {

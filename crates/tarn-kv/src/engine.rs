@@ -132,7 +132,11 @@ impl Entry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotState {
     Free,
-    Reserved { conn: u64, seq: u32, len: u64 },
+    Reserved {
+        conn: u64,
+        seq: u32,
+        len: u64,
+    },
     Live,
     /// Deleted while a TCP send was reading it; freed by the last reader.
     Dying,
@@ -619,8 +623,17 @@ impl Engine {
 
     /// Puts a verified NVMe-tier value back in RAM. Returns the RAM reference
     /// (with a read reference when `hold`), or None when RAM has no room.
-    pub fn promote(&self, namespace: u32, digest: &Digest, bytes: &DiskBytes, hold: bool) -> Option<RamRef> {
-        let key = Key { namespace, digest: *digest };
+    pub fn promote(
+        &self,
+        namespace: u32,
+        digest: &Digest,
+        bytes: &DiskBytes,
+        hold: bool,
+    ) -> Option<RamRef> {
+        let key = Key {
+            namespace,
+            digest: *digest,
+        };
         let mut st = self.lock();
         let st = &mut *st;
         let e = st.index.get(&key).copied()?;
@@ -671,7 +684,10 @@ impl Engine {
         let mut st = self.lock();
         st.stats.corrupt_ram += 1;
         st.ns_stats[namespace as usize].misses_corrupt += 1;
-        let key = Key { namespace, digest: *digest };
+        let key = Key {
+            namespace,
+            digest: *digest,
+        };
         if st.index.get(&key).is_some_and(|e| e.ram == r.slot) {
             st.remove_entry(&self.arena, key);
         }
@@ -681,11 +697,20 @@ impl Engine {
 
     /// Reserves a slot for a value of `len` bytes. AlreadyExists when the key
     /// is stored (an idempotent put), TooLarge, or NoSpace.
-    pub fn reserve(&self, conn: u64, namespace: u32, digest: &Digest, len: u64) -> Result<(u64, u64), Status> {
+    pub fn reserve(
+        &self,
+        conn: u64,
+        namespace: u32,
+        digest: &Digest,
+        len: u64,
+    ) -> Result<(u64, u64), Status> {
         if len > self.config.value_max_bytes {
             return Err(Status::TooLarge);
         }
-        let key = Key { namespace, digest: *digest };
+        let key = Key {
+            namespace,
+            digest: *digest,
+        };
         let mut st = self.lock();
         let st = &mut *st;
         if st.index.contains_key(&key) {
@@ -693,7 +718,9 @@ impl Engine {
             return Err(Status::AlreadyExists);
         }
         let class = st.class_for(len).ok_or(Status::TooLarge)?;
-        let slot = st.alloc(&self.arena, class, self.now_ms()).ok_or(Status::NoSpace)?;
+        let slot = st
+            .alloc(&self.arena, class, self.now_ms())
+            .ok_or(Status::NoSpace)?;
         st.reservation_seq = st.reservation_seq.wrapping_add(1);
         let seq = st.reservation_seq;
         let meta = st.meta_mut(slot);
@@ -767,7 +794,10 @@ impl Engine {
         let mut st = self.lock();
         out.clear();
         for d in digests {
-            let key = Key { namespace, digest: *d };
+            let key = Key {
+                namespace,
+                digest: *d,
+            };
             match st.index.get(&key).copied() {
                 Some(e) => {
                     if e.ram != NO_SLOT {
@@ -782,13 +812,27 @@ impl Engine {
 
     /// Takes a lease on blocks so eviction leaves them alone while an engine
     /// loads them. `held` collects the keys pinned, for release on disconnect.
-    pub fn pin(&self, namespace: u32, digests: &[Digest], lease_ms: u64, out: &mut Vec<Status>, held: &mut Vec<Key>) {
-        let lease = if lease_ms == 0 { PIN_LEASE_DEFAULT_MS } else { lease_ms.min(PIN_LEASE_MAX_MS) };
+    pub fn pin(
+        &self,
+        namespace: u32,
+        digests: &[Digest],
+        lease_ms: u64,
+        out: &mut Vec<Status>,
+        held: &mut Vec<Key>,
+    ) {
+        let lease = if lease_ms == 0 {
+            PIN_LEASE_DEFAULT_MS
+        } else {
+            lease_ms.min(PIN_LEASE_MAX_MS)
+        };
         let until = self.now_ms() + lease;
         let mut st = self.lock();
         out.clear();
         for d in digests {
-            let key = Key { namespace, digest: *d };
+            let key = Key {
+                namespace,
+                digest: *d,
+            };
             match st.index.get_mut(&key) {
                 Some(e) => {
                     e.pins = e.pins.saturating_add(1);
@@ -801,11 +845,20 @@ impl Engine {
         }
     }
 
-    pub fn unpin(&self, namespace: u32, digests: &[Digest], out: &mut Vec<Status>, held: &mut Vec<Key>) {
+    pub fn unpin(
+        &self,
+        namespace: u32,
+        digests: &[Digest],
+        out: &mut Vec<Status>,
+        held: &mut Vec<Key>,
+    ) {
         let mut st = self.lock();
         out.clear();
         for d in digests {
-            let key = Key { namespace, digest: *d };
+            let key = Key {
+                namespace,
+                digest: *d,
+            };
             let Some(i) = held.iter().position(|k| *k == key) else {
                 out.push(Status::NotFound);
                 continue;
@@ -820,7 +873,10 @@ impl Engine {
         let mut st = self.lock();
         out.clear();
         for d in digests {
-            let key = Key { namespace, digest: *d };
+            let key = Key {
+                namespace,
+                digest: *d,
+            };
             if st.remove_entry(&self.arena, key) {
                 out.push(Status::Ok);
             } else {
@@ -862,7 +918,10 @@ impl Engine {
             ("blocks".into(), st.index.len() as u64),
             ("ram_blocks".into(), ram_blocks),
             ("ram_used_bytes".into(), st.ram_live_bytes),
-            ("ram_capacity_bytes".into(), (self.arena.geometry.page_count * self.arena.geometry.page_size_bytes) as u64),
+            (
+                "ram_capacity_bytes".into(),
+                (self.arena.geometry.page_count * self.arena.geometry.page_size_bytes) as u64,
+            ),
             ("ram_huge_pages".into(), self.arena.huge_pages as u64),
             ("evicted_demoted".into(), g.evicted_demoted),
             ("evicted_dropped".into(), g.evicted_dropped),
@@ -932,7 +991,9 @@ impl State {
     }
 
     fn class_for(&self, len: u64) -> Option<usize> {
-        self.classes.iter().position(|c| c.size as u64 >= len.max(1))
+        self.classes
+            .iter()
+            .position(|c| c.size as u64 >= len.max(1))
     }
 
     fn meta_mut(&mut self, slot: u32) -> &mut SlotMeta {
@@ -946,7 +1007,9 @@ impl State {
     }
 
     fn slot_class(&self, slot: u32) -> usize {
-        self.pages[slot_parts(slot).0].class.expect("slot of an assigned page")
+        self.pages[slot_parts(slot).0]
+            .class
+            .expect("slot of an assigned page")
     }
 
     fn slot_offset(&self, arena: &Arena, slot: u32) -> u64 {
@@ -985,7 +1048,11 @@ impl State {
         let (p, i) = slot_parts(slot);
         let meta = self.pages.get(p)?.slots.get(i)?;
         match meta.state {
-            SlotState::Reserved { conn: c, seq: s, len } if c == conn && s == seq => Some(len),
+            SlotState::Reserved {
+                conn: c,
+                seq: s,
+                len,
+            } if c == conn && s == seq => Some(len),
             _ => None,
         }
     }
@@ -1072,11 +1139,15 @@ impl State {
         for victim in order {
             let candidate = (0..self.pages.len()).find(|p| {
                 self.pages[*p].class == Some(victim)
-                    && self.pages[*p].slots.iter().enumerate().all(|(i, m)| match m.state {
-                        SlotState::Free => true,
-                        SlotState::Live => self.evictable(slot_id(*p, i), now_ms),
-                        _ => false,
-                    })
+                    && self.pages[*p]
+                        .slots
+                        .iter()
+                        .enumerate()
+                        .all(|(i, m)| match m.state {
+                            SlotState::Free => true,
+                            SlotState::Live => self.evictable(slot_id(*p, i), now_ms),
+                            _ => false,
+                        })
             });
             let Some(page) = candidate else { continue };
             for i in 0..self.pages[page].slots.len() {
@@ -1132,7 +1203,13 @@ impl State {
     }
 
     /// Appends a record to the NVMe tier, rolling segments as needed.
-    fn disk_append(&mut self, kind: RecordKind, key: Key, value: &[u8], crc: u32) -> Option<DiskLoc> {
+    fn disk_append(
+        &mut self,
+        kind: RecordKind,
+        key: Key,
+        value: &[u8],
+        crc: u32,
+    ) -> Option<DiskLoc> {
         let ns_len = self.ns_names[key.namespace as usize].len();
         let rl = disk::record_len(ns_len, value.len() as u64);
         if self.disk.as_ref()?.needs_new_segment(rl) && !self.roll_segment() {
@@ -1347,7 +1424,9 @@ mod tests {
         let s = class_sizes(4 << 20);
         assert_eq!(s[0], SLOT_MIN_BYTES);
         assert_eq!(*s.last().unwrap(), 4 << 20);
-        assert!(s.windows(2).all(|w| w[0] < w[1] && (w[1] as f64) <= w[0] as f64 * 1.25 + 4096.0));
+        assert!(s
+            .windows(2)
+            .all(|w| w[0] < w[1] && (w[1] as f64) <= w[0] as f64 * 1.25 + 4096.0));
         assert!(s.iter().all(|x| x % 4096 == 0));
         assert_eq!(class_sizes(100), vec![4096]);
     }

@@ -774,7 +774,9 @@ impl ExistsReply {
         r.finish()?;
         let present: Vec<bool> = (0..n).map(|i| bits[i / 8] & (1 << (i % 8)) != 0).collect();
         if present.iter().take_while(|p| **p).count() != leading_hits as usize {
-            return Err(ProtoError::bad("exists leading run disagrees with the bitmap"));
+            return Err(ProtoError::bad(
+                "exists leading run disagrees with the bitmap",
+            ));
         }
         Ok(ExistsReply {
             leading_hits,

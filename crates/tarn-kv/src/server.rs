@@ -64,7 +64,9 @@ impl Server {
             .map_err(|e| KvError::Io("binding the KV listener", e))?;
         tcp.set_nonblocking(true)
             .map_err(|e| KvError::Io("KV listener", e))?;
-        let tcp_addr = tcp.local_addr().map_err(|e| KvError::Io("KV listener", e))?;
+        let tcp_addr = tcp
+            .local_addr()
+            .map_err(|e| KvError::Io("KV listener", e))?;
         let (uds, shm_socket) = if opts.shm {
             let mut r = [0u8; 8];
             getrandom::fill(&mut r).map_err(|e| KvError::Config(e.to_string()))?;
@@ -93,9 +95,7 @@ impl Server {
         let (stop, stop_rx) = watch::channel(false);
         let mut threads = Vec::new();
         for core in 0..opts.threads.max(1) {
-            let tcp = tcp
-                .try_clone()
-                .map_err(|e| KvError::Io("KV listener", e))?;
+            let tcp = tcp.try_clone().map_err(|e| KvError::Io("KV listener", e))?;
             let uds = match &uds {
                 Some(u) => Some(
                     u.try_clone()
@@ -257,7 +257,12 @@ impl Connection {
         &self.shared.engine
     }
 
-    fn hello_reply(&self, hello: &Hello, request_id: u64, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+    fn hello_reply(
+        &self,
+        hello: &Hello,
+        request_id: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), ProtoError> {
         let version = hello.version_max.min(VERSION_MAX);
         if version < hello.version_min.max(VERSION_MIN) {
             return Err(ProtoError::new(
@@ -271,7 +276,11 @@ impl Connection {
         let e = self.engine();
         let reply = HelloReply {
             version,
-            flags: if self.shared.shm_socket.is_some() { HELLO_SHM_OFFERED } else { 0 },
+            flags: if self.shared.shm_socket.is_some() {
+                HELLO_SHM_OFFERED
+            } else {
+                0
+            },
             value_max_bytes: e.config().value_max_bytes,
             batch_max_keys: BATCH_MAX_KEYS as u32,
             namespace_max_bytes: NAMESPACE_MAX_BYTES as u16,
@@ -292,12 +301,15 @@ impl Connection {
         read_exact_uds(s, &mut head).await?;
         let h = FrameHeader::decode(&head).map_err(io::Error::other)?;
         if h.op != Op::Hello as u16 || h.len > 64 {
-            return Err(io::Error::other("first frame on the shared-memory socket is not HELLO"));
+            return Err(io::Error::other(
+                "first frame on the shared-memory socket is not HELLO",
+            ));
         }
         let mut payload = vec![0u8; h.len as usize];
         read_exact_uds(s, &mut payload).await?;
         let mut out = Vec::new();
-        let hello = Hello::decode(&payload).and_then(|hello| self.hello_reply(&hello, h.request_id, &mut out));
+        let hello = Hello::decode(&payload)
+            .and_then(|hello| self.hello_reply(&hello, h.request_id, &mut out));
         if let Err(e) = hello {
             frame_error(&mut out, h.request_id, &e);
             send_with_fd(s, &out, None).await?;
@@ -375,7 +387,10 @@ impl Connection {
         let result = match read {
             Ok(Ok(_)) => self.dispatch(io, op, &h, &payload, out).await,
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "frame body timed out")),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "frame body timed out",
+            )),
         };
         self.payload = payload;
         result
@@ -391,14 +406,25 @@ impl Connection {
     ) -> io::Result<Next> {
         let reply = |out: &mut Vec<u8>| begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
         let result: Result<(), ProtoError> = match op {
-            Some(Op::Hello) => Hello::decode(payload).and_then(|hello| self.hello_reply(&hello, h.request_id, out)),
+            Some(Op::Hello) => {
+                let r = Hello::decode(payload)
+                    .and_then(|hello| self.hello_reply(&hello, h.request_id, out));
+                self.handshaken |= r.is_ok();
+                r
+            }
             _ if !self.handshaken => {
-                let e = ProtoError::new(ErrorCode::HandshakeRequired, "the first frame must be HELLO");
+                let e = ProtoError::new(
+                    ErrorCode::HandshakeRequired,
+                    "the first frame must be HELLO",
+                );
                 frame_error(out, h.request_id, &e);
                 io.get_mut().write_all(out).await?;
                 return Ok(Next::Close);
             }
-            None | Some(Op::Error) => Err(ProtoError::new(ErrorCode::UnknownOp, format!("unknown op {}", h.op))),
+            None | Some(Op::Error) => Err(ProtoError::new(
+                ErrorCode::UnknownOp,
+                format!("unknown op {}", h.op),
+            )),
             Some(Op::Put) => unreachable!("handled before the payload is read"),
             Some(Op::Get) => {
                 if self.shm {
@@ -414,7 +440,9 @@ impl Connection {
                 ExistsReply::encode_from(out, &present);
                 self.present = present;
             }),
-            Some(o @ (Op::Touch | Op::Pin | Op::Unpin | Op::Delete)) => self.status_batch(o, payload, out, reply),
+            Some(o @ (Op::Touch | Op::Pin | Op::Unpin | Op::Delete)) => {
+                self.status_batch(o, payload, out, reply)
+            }
             Some(Op::Reserve) => self.reserve(payload, out, reply),
             Some(Op::Commit) => self.commit(payload, out, reply),
             Some(Op::Stats) => {
@@ -544,7 +572,9 @@ impl Connection {
                         GetResult::miss(Status::Corrupt)
                     } else {
                         // SAFETY: we hold a read reference on the slot; in range.
-                        slices.push(unsafe { engine.arena().slice(r.value_offset + off, len as usize) });
+                        slices.push(unsafe {
+                            engine.arena().slice(r.value_offset + off, len as usize)
+                        });
                         bulk += len;
                         GetResult {
                             status: Status::Ok,
@@ -574,13 +604,23 @@ impl Connection {
         finish_frame(out, bulk);
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(slices.len() + 1);
         iov.push(IoSlice::new(out));
-        iov.extend(slices.iter().filter(|s| !s.is_empty()).map(|s| IoSlice::new(s)));
+        iov.extend(
+            slices
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| IoSlice::new(s)),
+        );
         let sent = write_all_vectored(io.get_mut(), &mut iov).await;
         drop(slices);
         engine.release(&self.held);
         engine.count_read(ns, bulk, 0);
         // Promote what came from the NVMe tier, after the client has its bytes.
-        for (g, (plan, d)) in self.gets.iter().zip(plans.iter().filter(|p| matches!(p, ReadPlan::Disk(_))).zip(disk.iter())) {
+        for (g, (plan, d)) in self.gets.iter().zip(
+            plans
+                .iter()
+                .filter(|p| matches!(p, ReadPlan::Disk(_)))
+                .zip(disk.iter()),
+        ) {
             let _ = plan;
             if let Ok(bytes) = d {
                 engine.promote(ns, &g.digest, bytes, false);
@@ -600,7 +640,10 @@ impl Connection {
         reply: impl Fn(&mut Vec<u8>),
     ) -> Result<(), ProtoError> {
         if !self.shm {
-            return Err(ProtoError::new(ErrorCode::NotShm, "GET_SHM needs the shared-memory socket"));
+            return Err(ProtoError::new(
+                ErrorCode::NotShm,
+                "GET_SHM needs the shared-memory socket",
+            ));
         }
         let ns = self.get_entries(payload)?;
         let engine = self.shared.engine.clone();
@@ -651,9 +694,17 @@ impl Connection {
         Ok(())
     }
 
-    fn reserve(&mut self, payload: &[u8], out: &mut Vec<u8>, reply: impl Fn(&mut Vec<u8>)) -> Result<(), ProtoError> {
+    fn reserve(
+        &mut self,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+        reply: impl Fn(&mut Vec<u8>),
+    ) -> Result<(), ProtoError> {
         if !self.shm {
-            return Err(ProtoError::new(ErrorCode::NotShm, "RESERVE needs the shared-memory socket"));
+            return Err(ProtoError::new(
+                ErrorCode::NotShm,
+                "RESERVE needs the shared-memory socket",
+            ));
         }
         let mut r = Reader::new(payload);
         let b = read_batch_head(&mut r, RESERVE_ENTRY_BYTES)?;
@@ -676,18 +727,34 @@ impl Connection {
             let rr = match res {
                 Ok((token, offset)) => {
                     self.reservations.push(token);
-                    ReserveResult { status: Status::Ok, arena_offset: offset, token }
+                    ReserveResult {
+                        status: Status::Ok,
+                        arena_offset: offset,
+                        token,
+                    }
                 }
-                Err(s) => ReserveResult { status: s, arena_offset: 0, token: 0 },
+                Err(s) => ReserveResult {
+                    status: s,
+                    arena_offset: 0,
+                    token: 0,
+                },
             };
             rr.encode(out);
         }
         Ok(())
     }
 
-    fn commit(&mut self, payload: &[u8], out: &mut Vec<u8>, reply: impl Fn(&mut Vec<u8>)) -> Result<(), ProtoError> {
+    fn commit(
+        &mut self,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+        reply: impl Fn(&mut Vec<u8>),
+    ) -> Result<(), ProtoError> {
         if !self.shm {
-            return Err(ProtoError::new(ErrorCode::NotShm, "COMMIT needs the shared-memory socket"));
+            return Err(ProtoError::new(
+                ErrorCode::NotShm,
+                "COMMIT needs the shared-memory socket",
+            ));
         }
         let mut r = Reader::new(payload);
         let count = r.u32()? as usize;
@@ -745,7 +812,10 @@ impl Connection {
         };
         let mut fixed = [0u8; BATCH_HEADER_BYTES];
         if h.len < BATCH_HEADER_BYTES as u64 {
-            close(out, ProtoError::new(ErrorCode::BadFrame, "PUT frame shorter than a batch head"));
+            close(
+                out,
+                ProtoError::new(ErrorCode::BadFrame, "PUT frame shorter than a batch head"),
+            );
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
@@ -756,7 +826,10 @@ impl Connection {
         let count = r.u32().expect("fixed") as usize;
         let table_len = BATCH_HEADER_BYTES + ns_len + count * PUT_ENTRY_BYTES;
         if ns_len > NAMESPACE_MAX_BYTES || count > BATCH_MAX_KEYS || (table_len as u64) > h.len {
-            close(out, ProtoError::new(ErrorCode::Limit, "PUT batch head out of limits"));
+            close(
+                out,
+                ProtoError::new(ErrorCode::Limit, "PUT batch head out of limits"),
+            );
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
@@ -772,7 +845,13 @@ impl Connection {
         self.payload = payload;
         let data: u128 = entries.iter().map(|e| e.len as u128).sum();
         if table_len as u128 + data != h.len as u128 {
-            close(out, ProtoError::new(ErrorCode::BadFrame, "PUT frame length does not match its table"));
+            close(
+                out,
+                ProtoError::new(
+                    ErrorCode::BadFrame,
+                    "PUT frame length does not match its table",
+                ),
+            );
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
@@ -817,7 +896,10 @@ impl Connection {
 async fn timed<T>(f: impl std::future::Future<Output = io::Result<T>>) -> io::Result<T> {
     match tokio::time::timeout(FRAME_BODY_TIMEOUT, f).await {
         Ok(r) => r,
-        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "frame body timed out")),
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "frame body timed out",
+        )),
     }
 }
 
@@ -843,11 +925,17 @@ async fn read_disk_plans(
     futures::future::join_all(reads).await
 }
 
-async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, mut iov: &mut [IoSlice<'_>]) -> io::Result<()> {
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut iov: &mut [IoSlice<'_>],
+) -> io::Result<()> {
     while !iov.is_empty() {
         let n = w.write_vectored(iov).await?;
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed"));
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "connection closed",
+            ));
         }
         IoSlice::advance_slices(&mut iov, n);
     }
@@ -874,7 +962,9 @@ async fn send_with_fd(s: &UnixStream, data: &[u8], fd: Option<i32>) -> io::Resul
     let mut fd = fd;
     while sent < data.len() {
         s.writable().await?;
-        let r = s.try_io(tokio::io::Interest::WRITABLE, || sendmsg_fd(s.as_raw_fd(), &data[sent..], fd));
+        let r = s.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg_fd(s.as_raw_fd(), &data[sent..], fd)
+        });
         match r {
             Ok(n) => {
                 sent += n;

@@ -1,0 +1,937 @@
+//! The KV store end to end: a real server (engine + TCP + shared memory) in
+//! this process, driven by the real client over both transports, and by raw
+//! hostile frames.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tarn_client::{
+    BlockingKvClient, ConnectOptions, GetInto, KvClient, PutFrom, Status, TransportChoice,
+    TransportKind,
+};
+use tarn_kv::proto::*;
+use tarn_kv::{Engine, KvConfig, Server, ServerOptions};
+
+fn start(config: KvConfig) -> (Arc<Engine>, Server) {
+    let engine = Engine::open(config).expect("engine");
+    let server = Server::start(
+        engine.clone(),
+        ServerOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            threads: 2,
+            pin_cores: false,
+            io_uring: true,
+            shm: true,
+        },
+    )
+    .expect("server");
+    (engine, server)
+}
+
+fn small_config() -> KvConfig {
+    KvConfig {
+        memory_bytes: 64 << 20,
+        value_max_bytes: 1 << 20,
+        ..KvConfig::default()
+    }
+}
+
+fn digest(i: u64) -> Digest {
+    let mut d = [0u8; 32];
+    d[..8].copy_from_slice(&i.to_le_bytes());
+    d[8..16].copy_from_slice(&(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_le_bytes());
+    d
+}
+
+/// Deterministic bytes for block i (different per block and position).
+fn value(i: u64, len: usize) -> Vec<u8> {
+    let mut x = i.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn connect(server: &Server, choice: TransportChoice, ns: &[u8]) -> BlockingKvClient {
+    BlockingKvClient::connect(
+        &server.tcp_addr.to_string(),
+        ConnectOptions {
+            transport: choice,
+            namespace: ns.to_vec(),
+            ..Default::default()
+        },
+    )
+    .expect("connect")
+}
+
+fn stat(stats: &[(String, u64)], name: &str) -> u64 {
+    stats
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| *v)
+        .unwrap_or_else(|| panic!("no stat {name}"))
+}
+
+fn roundtrip(choice: TransportChoice, kind: TransportKind) {
+    let (_engine, server) = start(small_config());
+    let mut c = connect(&server, choice, b"llama-tiny/f32/bs32");
+    assert_eq!(c.transport(), kind);
+    let n = 160u64; // more than one protocol batch of 128
+    let len = 64 << 10;
+    let values: Vec<Vec<u8>> = (0..n).map(|i| value(i, len + i as usize)).collect();
+    // Store the even keys only: partial hits.
+    let items: Vec<PutFrom> = (0..n)
+        .step_by(2)
+        .map(|i| PutFrom {
+            digest: digest(i),
+            data: &values[i as usize],
+        })
+        .collect();
+    let st = c.put_from(&items).unwrap();
+    assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
+    // Writing again is an idempotent success.
+    let st = c.put_from(&items[..3]).unwrap();
+    assert_eq!(st, vec![Status::AlreadyExists; 3]);
+
+    let digests: Vec<Digest> = (0..n).map(digest).collect();
+    let ex = c.exists(&digests).unwrap();
+    assert_eq!(ex.leading_hits, 1);
+    for i in 0..n as usize {
+        assert_eq!(ex.present[i], i % 2 == 0, "key {i}");
+    }
+    // A leading run: keys 0, 2, 4 are all present.
+    let ex = c
+        .exists(&[digest(0), digest(2), digest(4), digest(5), digest(6)])
+        .unwrap();
+    assert_eq!(ex.leading_hits, 3);
+    assert_eq!(ex.present, vec![true, true, true, false, true]);
+
+    // Whole values into caller buffers, misses as statuses.
+    let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; len + n as usize]).collect();
+    let mut reqs: Vec<GetInto> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| GetInto::whole(digest(i as u64), b))
+        .collect();
+    let out = c.get_into(&mut reqs).unwrap();
+    for (i, o) in out.iter().enumerate() {
+        if i % 2 == 0 {
+            assert_eq!(o.status, Status::Ok, "key {i}");
+            assert_eq!(o.len as usize, values[i].len());
+            assert_eq!(&bufs[i][..o.len as usize], &values[i][..]);
+        } else {
+            assert_eq!(o.status, Status::NotFound, "key {i}");
+        }
+    }
+
+    // Byte ranges (layer-by-layer loading), an out-of-range request, a short buffer.
+    let mut a = vec![0u8; 1000];
+    let mut b = vec![0u8; 10];
+    let mut d = vec![0u8; 5];
+    let mut e = vec![0u8; 100];
+    let mut reqs = vec![
+        GetInto {
+            digest: digest(4),
+            offset: 12_345,
+            len: Some(1000),
+            buf: &mut a,
+        },
+        GetInto {
+            digest: digest(4),
+            offset: values[4].len() as u64 + 1,
+            len: None,
+            buf: &mut b,
+        },
+        GetInto::whole(digest(6), &mut d),
+        GetInto {
+            digest: digest(6),
+            offset: values[6].len() as u64 - 100,
+            len: None,
+            buf: &mut e,
+        },
+    ];
+    let out = c.get_into(&mut reqs).unwrap();
+    assert_eq!(out[0].status, Status::Ok);
+    assert_eq!(&a[..], &values[4][12_345..13_345]);
+    assert_eq!(out[1].status, Status::BadRange);
+    assert_eq!(out[2].status, Status::BufferTooSmall);
+    assert_eq!(out[3].status, Status::Ok);
+    assert_eq!(&e[..], &values[6][values[6].len() - 100..]);
+
+    // Touch, pin, unpin, delete.
+    assert_eq!(
+        c.touch(&[digest(0), digest(1)]).unwrap(),
+        vec![Status::Ok, Status::NotFound]
+    );
+    assert_eq!(
+        c.pin(&[digest(0), digest(1)], Duration::from_secs(5))
+            .unwrap(),
+        vec![Status::Ok, Status::NotFound]
+    );
+    assert_eq!(
+        c.unpin(&[digest(0), digest(2)]).unwrap(),
+        vec![Status::Ok, Status::NotFound]
+    );
+    assert_eq!(
+        c.delete(&[digest(0), digest(1)]).unwrap(),
+        vec![Status::Ok, Status::NotFound]
+    );
+    assert!(!c.exists(&[digest(0)]).unwrap().present[0]);
+    // Deleted, then stored again.
+    assert_eq!(
+        c.put_from(&[PutFrom {
+            digest: digest(0),
+            data: &values[0]
+        }])
+        .unwrap(),
+        vec![Status::Ok]
+    );
+
+    // Another namespace does not see these keys.
+    let mut other = connect(&server, choice, b"another-model");
+    assert!(!other.exists(&[digest(2)]).unwrap().present[0]);
+
+    let stats = c.stats().unwrap();
+    assert_eq!(stat(&stats, "namespace.blocks"), n / 2);
+    assert!(stat(&stats, "namespace.hits_ram") >= n / 2);
+    assert!(stat(&stats, "namespace.misses_not_found") >= n / 2);
+    assert_eq!(stat(&stats, "namespace.puts_existing"), 3);
+}
+
+#[test]
+fn roundtrip_over_tcp() {
+    roundtrip(TransportChoice::Tcp, TransportKind::Tcp);
+}
+
+#[test]
+fn roundtrip_over_shared_memory() {
+    roundtrip(TransportChoice::Auto, TransportKind::Shm);
+}
+
+#[test]
+fn async_client_and_concurrent_clients() {
+    let (_engine, server) = start(small_config());
+    let addr = server.tcp_addr.to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for t in 0..6u64 {
+            let addr = addr.clone();
+            tasks.push(tokio::spawn(async move {
+                let choice = if t % 2 == 0 {
+                    TransportChoice::Shm
+                } else {
+                    TransportChoice::Tcp
+                };
+                let mut c = KvClient::connect(
+                    &addr,
+                    ConnectOptions {
+                        transport: choice,
+                        namespace: b"shared".to_vec(),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+                // Every client writes the same 40 blocks plus 20 of its own.
+                let keys: Vec<u64> = (0..40).chain((0..20).map(|k| 1000 * (t + 1) + k)).collect();
+                let vals: Vec<Vec<u8>> = keys.iter().map(|k| value(*k, 20_000)).collect();
+                let items: Vec<PutFrom> = keys
+                    .iter()
+                    .zip(&vals)
+                    .map(|(k, v)| PutFrom {
+                        digest: digest(*k),
+                        data: v,
+                    })
+                    .collect();
+                let st = c.put_from(&items).await.unwrap();
+                assert!(st.iter().all(|s| s.is_stored()), "{st:?}");
+                let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
+                let mut reqs: Vec<GetInto> = keys
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|(k, b)| GetInto::whole(digest(*k), b))
+                    .collect();
+                let out = c.get_into(&mut reqs).await.unwrap();
+                for ((o, b), v) in out.iter().zip(&bufs).zip(&vals) {
+                    assert_eq!(o.status, Status::Ok);
+                    assert_eq!(b, v);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    let mut c = connect(&server, TransportChoice::Tcp, b"shared");
+    let stats = c.stats().unwrap();
+    assert_eq!(stat(&stats, "namespace.blocks"), 40 + 6 * 20);
+    assert_eq!(stat(&stats, "namespace.puts_stored"), 40 + 6 * 20);
+}
+
+/// Writes `count` blocks of `len` bytes, reading each back at once.
+fn fill(c: &mut BlockingKvClient, range: std::ops::Range<u64>, len: usize) {
+    for chunk in range.collect::<Vec<_>>().chunks(32) {
+        let vals: Vec<Vec<u8>> = chunk.iter().map(|i| value(*i, len)).collect();
+        let items: Vec<PutFrom> = chunk
+            .iter()
+            .zip(&vals)
+            .map(|(i, v)| PutFrom {
+                digest: digest(*i),
+                data: v,
+            })
+            .collect();
+        let st = c.put_from(&items).unwrap();
+        assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
+    }
+}
+
+/// Reads blocks back; returns how many were hits. A hit must be the right bytes.
+fn check(c: &mut BlockingKvClient, range: std::ops::Range<u64>, len: usize) -> usize {
+    let mut hits = 0;
+    for chunk in range.collect::<Vec<_>>().chunks(32) {
+        let mut bufs: Vec<Vec<u8>> = chunk.iter().map(|_| vec![0u8; len]).collect();
+        let mut reqs: Vec<GetInto> = chunk
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(i, b)| GetInto::whole(digest(*i), b))
+            .collect();
+        let out = c.get_into(&mut reqs).unwrap();
+        for ((o, b), i) in out.iter().zip(&bufs).zip(chunk) {
+            match o.status {
+                Status::Ok => {
+                    assert_eq!(b, &value(*i, len), "block {i} has wrong bytes");
+                    hits += 1;
+                }
+                Status::NotFound => {}
+                s => panic!("block {i}: {s:?}"),
+            }
+        }
+    }
+    hits
+}
+
+#[test]
+fn eviction_ram_only_keeps_pinned_blocks() {
+    for choice in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let (_engine, server) = start(KvConfig {
+            memory_bytes: 16 << 20,
+            value_max_bytes: 256 << 10,
+            ..KvConfig::default()
+        });
+        let mut c = connect(&server, choice, b"ns");
+        let len = 200 << 10; // class 256 KiB: 16 per 4 MiB page, 64 in RAM
+        fill(&mut c, 0..8, len);
+        assert_eq!(
+            c.pin(
+                &(0..8).map(digest).collect::<Vec<_>>(),
+                Duration::from_secs(60)
+            )
+            .unwrap(),
+            vec![Status::Ok; 8]
+        );
+        fill(&mut c, 8..400, len);
+        // The working set is 6x RAM: most blocks are gone, the pinned ones stay.
+        assert_eq!(check(&mut c, 0..8, len), 8, "pinned blocks were evicted");
+        let stats = c.stats().unwrap();
+        let in_ram = stat(&stats, "ram_blocks");
+        assert!(in_ram < 100, "{in_ram} blocks in RAM");
+        assert_eq!(stat(&stats, "evicted_dropped"), 400 - in_ram);
+        let hits = check(&mut c, 8..400, len);
+        assert!(hits > 20 && hits as u64 <= in_ram, "hits {hits}");
+        assert!(stat(&stats, "ram_used_bytes") <= 16 << 20);
+    }
+}
+
+#[test]
+fn scan_resistance_keeps_the_hot_set() {
+    let (_engine, server) = start(KvConfig {
+        memory_bytes: 16 << 20,
+        value_max_bytes: 256 << 10,
+        ..KvConfig::default()
+    });
+    let mut c = connect(&server, TransportChoice::Shm, b"ns");
+    let len = 200 << 10;
+    fill(&mut c, 0..16, len);
+    // Hot blocks are read between scans of one-off blocks.
+    for round in 0..10u64 {
+        assert_eq!(
+            check(&mut c, 0..16, len),
+            16,
+            "round {round}: hot block evicted"
+        );
+        fill(&mut c, 1000 + round * 30..1000 + round * 30 + 30, len);
+    }
+}
+
+fn disk_config(dir: &std::path::Path) -> KvConfig {
+    KvConfig {
+        memory_bytes: 16 << 20,
+        value_max_bytes: 256 << 10,
+        disk_dir: Some(dir.to_path_buf()),
+        disk_bytes: 96 << 20,
+        segment_bytes: 16 << 20,
+    }
+}
+
+#[test]
+fn eviction_with_nvme_tier_then_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 200 << 10;
+    {
+        let (_engine, server) = start(disk_config(dir.path()));
+        let mut c = connect(&server, TransportChoice::Shm, b"ns");
+        fill(&mut c, 0..200, len); // 40 MiB through 16 MiB of RAM
+        let stats = c.stats().unwrap();
+        assert_eq!(
+            stat(&stats, "evicted_demoted") + stat(&stats, "ram_blocks"),
+            200,
+            "{stats:?}"
+        );
+        // Everything is still there: RAM or NVMe.
+        assert_eq!(check(&mut c, 0..200, len), 200);
+        let stats = c.stats().unwrap();
+        assert!(stat(&stats, "namespace.hits_disk") > 0);
+        assert!(stat(&stats, "promoted") > 0);
+        assert_eq!(stat(&stats, "disk_direct_io"), 1);
+        // Delete one that lives on disk: a restart must not bring it back.
+        let mut tcp = connect(&server, TransportChoice::Tcp, b"ns");
+        assert_eq!(check(&mut tcp, 0..200, len), 200);
+        assert_eq!(tcp.delete(&[digest(1)]).unwrap(), vec![Status::Ok]);
+    }
+    // Restart: blocks that reached the NVMe tier are found again.
+    let (_engine, server) = start(disk_config(dir.path()));
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    let digests: Vec<Digest> = (0..200).map(digest).collect();
+    let present = c.exists(&digests).unwrap().present;
+    let kept = present.iter().filter(|p| **p).count();
+    assert!(kept >= 100, "only {kept} blocks survived the restart");
+    assert!(!present[1], "a deleted block came back");
+    assert_eq!(check(&mut c, 0..200, len), kept);
+}
+
+#[test]
+fn nvme_tier_wraps_when_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, server) = start(disk_config(dir.path()));
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    let len = 200 << 10;
+    fill(&mut c, 0..800, len); // 160 MiB through 16 MiB RAM + 96 MiB disk
+    let stats = c.stats().unwrap();
+    assert!(stat(&stats, "disk_segments_dropped") > 0);
+    assert!(stat(&stats, "disk_used_bytes") <= 96 << 20);
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    assert!(files <= 6, "{files} segment files");
+    let hits = check(&mut c, 0..800, len);
+    assert!(hits > 300 && hits < 800, "hits {hits}");
+}
+
+#[test]
+fn corrupt_segment_bytes_are_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 200 << 10;
+    {
+        let (_engine, server) = start(disk_config(dir.path()));
+        let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+        fill(&mut c, 0..150, len);
+    }
+    // Flip one byte inside a value of every record in the first segment, and
+    // wreck one record header in the second.
+    let mut segs: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    segs.sort();
+    assert!(segs.len() >= 2);
+    let mut damaged = 0;
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&segs[0])
+            .unwrap();
+        let mut data = Vec::new();
+        f.read_to_end(&mut data).unwrap();
+        let mut at = 4096;
+        while at + 4096 < data.len() {
+            if let Some(h) = tarn_kv::disk::decode_record_header(&data[at..], 1 << 20) {
+                let v = at + h.value_offset() + 1000;
+                data[v] ^= 0x01;
+                damaged += 1;
+                at += h.record_len() as usize;
+            } else {
+                at += 4096;
+            }
+        }
+        use std::io::Seek;
+        f.seek(std::io::SeekFrom::Start(0)).unwrap();
+        f.write_all(&data).unwrap();
+    }
+    assert!(damaged > 5);
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&segs[1])
+            .unwrap();
+        use std::os::unix::fs::FileExt;
+        f.write_all_at(b"garbage!", 4096 + 8).unwrap();
+        f.flush().unwrap();
+    }
+    let (_engine, server) = start(disk_config(dir.path()));
+    for choice in [TransportChoice::Tcp, TransportChoice::Shm] {
+        let mut c = connect(&server, choice, b"ns");
+        let mut corrupt = 0;
+        for i in 0..150u64 {
+            let mut buf = vec![0u8; len];
+            let out = c
+                .get_into(&mut [GetInto::whole(digest(i), &mut buf)])
+                .unwrap();
+            match out[0].status {
+                Status::Ok => assert_eq!(buf, value(i, len), "block {i} served wrong bytes"),
+                Status::Corrupt => corrupt += 1,
+                Status::NotFound => {}
+                s => panic!("{s:?}"),
+            }
+        }
+        if choice == TransportChoice::Tcp {
+            assert_eq!(corrupt, damaged, "every damaged record is reported once");
+        } else {
+            assert_eq!(
+                corrupt, 0,
+                "a corrupt record is dropped after its first read"
+            );
+        }
+    }
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    assert_eq!(stat(&c.stats().unwrap(), "corrupt_disk"), damaged as u64);
+}
+
+// ---- hostile frames -------------------------------------------------------
+
+fn raw(server: &Server) -> std::net::TcpStream {
+    let s = std::net::TcpStream::connect(server.tcp_addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn frame(op: u16, id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    begin_frame(&mut out, op, id);
+    out.extend_from_slice(payload);
+    finish_frame(&mut out, 0);
+    out
+}
+
+fn hello_frame() -> Vec<u8> {
+    let mut p = Vec::new();
+    Hello {
+        version_min: 1,
+        version_max: 1,
+        flags: 0,
+    }
+    .encode(&mut p);
+    frame(Op::Hello as u16, 1, &p)
+}
+
+/// Reads one response; returns (op, payload).
+fn read_frame(s: &mut impl Read) -> Option<(u16, u64, Vec<u8>)> {
+    let mut h = [0u8; FRAME_HEADER_BYTES];
+    s.read_exact(&mut h).ok()?;
+    let h = FrameHeader::decode(&h).unwrap();
+    let mut p = vec![0u8; h.len as usize];
+    s.read_exact(&mut p).ok()?;
+    Some((h.op, h.request_id, p))
+}
+
+fn expect_error(s: &mut impl Read, code: ErrorCode) {
+    let (op, _, p) = read_frame(s).expect("an error frame");
+    assert_eq!(op, Op::Error as u16 | RESPONSE_BIT);
+    assert_eq!(decode_error(&p).code, code, "{:?}", decode_error(&p));
+}
+
+fn exists_frame(id: u64, keys: &[Digest]) -> Vec<u8> {
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", keys.len(), 0);
+    for k in keys {
+        p.extend_from_slice(k);
+    }
+    frame(Op::Exists as u16, id, &p)
+}
+
+fn assert_closed(s: &mut std::net::TcpStream) {
+    let mut b = [0u8; 1];
+    assert_eq!(
+        s.read(&mut b).unwrap_or(0),
+        0,
+        "connection should be closed"
+    );
+}
+
+#[test]
+fn hostile_frames_get_errors_and_the_server_keeps_serving() {
+    let (_engine, server) = start(small_config());
+    let mut good = connect(&server, TransportChoice::Tcp, b"ns");
+    good.put_from(&[PutFrom {
+        digest: digest(1),
+        data: b"hello",
+    }])
+    .unwrap();
+
+    // No HELLO first.
+    let mut s = raw(&server);
+    s.write_all(&exists_frame(1, &[digest(1)])).unwrap();
+    expect_error(&mut s, ErrorCode::HandshakeRequired);
+    assert_closed(&mut s);
+
+    // Bad magic: framing is lost, error then close.
+    let mut s = raw(&server);
+    s.write_all(&hello_frame()).unwrap();
+    read_frame(&mut s).unwrap();
+    s.write_all(&[0xde; 24]).unwrap();
+    expect_error(&mut s, ErrorCode::BadHeader);
+    assert_closed(&mut s);
+
+    // Unknown op, bad counts, batch too large, trailing bytes, GET_SHM and
+    // RESERVE on TCP: an error each, and the connection goes on.
+    let mut s = raw(&server);
+    s.write_all(&hello_frame()).unwrap();
+    let (op, _, p) = read_frame(&mut s).unwrap();
+    assert_eq!(op, Op::Hello as u16 | RESPONSE_BIT);
+    HelloReply::decode(&p).unwrap();
+    s.write_all(&frame(999, 2, b"whatever")).unwrap();
+    expect_error(&mut s, ErrorCode::UnknownOp);
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 5, 0);
+    p.extend_from_slice(&[0u8; 32]);
+    s.write_all(&frame(Op::Exists as u16, 3, &p)).unwrap();
+    expect_error(&mut s, ErrorCode::BadFrame);
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", BATCH_MAX_KEYS + 1, 0);
+    s.write_all(&frame(Op::Delete as u16, 4, &p)).unwrap();
+    expect_error(&mut s, ErrorCode::Limit);
+    let mut p = exists_frame(5, &[digest(1)]);
+    p.push(0);
+    let l = p.len() - FRAME_HEADER_BYTES;
+    p[8..16].copy_from_slice(&(l as u64).to_le_bytes());
+    s.write_all(&p).unwrap();
+    expect_error(&mut s, ErrorCode::BadFrame);
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 1, 0);
+    GetEntry {
+        digest: digest(1),
+        offset: 0,
+        length: LENGTH_TO_END,
+    }
+    .encode(&mut p);
+    s.write_all(&frame(Op::GetShm as u16, 6, &p)).unwrap();
+    expect_error(&mut s, ErrorCode::NotShm);
+    let mut p = Vec::new();
+    put_batch_head(&mut p, &[b'x'; NAMESPACE_MAX_BYTES + 1], 0, 0);
+    s.write_all(&frame(Op::Exists as u16, 7, &p)).unwrap();
+    expect_error(&mut s, ErrorCode::Limit);
+    // Still serving on this very connection, and pipelined: three requests
+    // sent at once get three answers in order.
+    let mut batch = exists_frame(10, &[digest(1)]);
+    batch.extend(exists_frame(11, &[digest(2)]));
+    batch.extend(exists_frame(12, &[digest(1), digest(2)]));
+    s.write_all(&batch).unwrap();
+    for (id, want) in [
+        (10u64, vec![true]),
+        (11, vec![false]),
+        (12, vec![true, false]),
+    ] {
+        let (op, rid, p) = read_frame(&mut s).unwrap();
+        assert_eq!((op, rid), (Op::Exists as u16 | RESPONSE_BIT, id));
+        assert_eq!(ExistsReply::decode(&p, want.len()).unwrap().present, want);
+    }
+
+    // A frame claiming a huge control part.
+    let mut big = frame(Op::Exists as u16, 8, &[]);
+    big[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    s.write_all(&big).unwrap();
+    expect_error(&mut s, ErrorCode::Limit);
+    assert_closed(&mut s);
+
+    // PUT whose length disagrees with its table.
+    let mut s = raw(&server);
+    s.write_all(&hello_frame()).unwrap();
+    read_frame(&mut s).unwrap();
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 1, 0);
+    PutEntry {
+        digest: digest(9),
+        len: 10,
+        crc: crc32c(&[7; 10]),
+    }
+    .encode(&mut p);
+    let mut f = frame(Op::Put as u16, 2, &p);
+    f[8..16].copy_from_slice(&((p.len() + 11) as u64).to_le_bytes());
+    f.extend_from_slice(&[7; 11]);
+    s.write_all(&f).unwrap();
+    expect_error(&mut s, ErrorCode::BadFrame);
+    assert_closed(&mut s);
+
+    // PUT with a wrong checksum and one too large: per-key statuses.
+    let mut s = raw(&server);
+    s.write_all(&hello_frame()).unwrap();
+    read_frame(&mut s).unwrap();
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 2, 0);
+    PutEntry {
+        digest: digest(9),
+        len: 10,
+        crc: 12345,
+    }
+    .encode(&mut p);
+    let too_big = (1 << 20) + 1;
+    PutEntry {
+        digest: digest(10),
+        len: too_big,
+        crc: 0,
+    }
+    .encode(&mut p);
+    let mut f = frame(Op::Put as u16, 2, &p);
+    f[8..16].copy_from_slice(&((p.len() as u64) + 10 + too_big).to_le_bytes());
+    f.extend_from_slice(&[7; 10]);
+    f.extend(std::iter::repeat_n(0u8, too_big as usize));
+    s.write_all(&f).unwrap();
+    let (_, _, p) = read_frame(&mut s).unwrap();
+    assert_eq!(
+        decode_statuses(&p, 2).unwrap(),
+        vec![Status::ChecksumMismatch, Status::TooLarge]
+    );
+
+    // Truncated frames, then hang-ups.
+    for cut in [3usize, 24, 30] {
+        let mut s = raw(&server);
+        s.write_all(&hello_frame()).unwrap();
+        read_frame(&mut s).unwrap();
+        let f = exists_frame(2, &[digest(1)]);
+        s.write_all(&f[..cut]).unwrap();
+        drop(s);
+    }
+
+    // The well-behaved client never noticed; nothing bad was stored.
+    let ex = good.exists(&[digest(1), digest(9), digest(10)]).unwrap();
+    assert_eq!(ex.present, vec![true, false, false]);
+    let mut buf = [0u8; 5];
+    let out = good
+        .get_into(&mut [GetInto::whole(digest(1), &mut buf)])
+        .unwrap();
+    assert_eq!((out[0].status, &buf), (Status::Ok, b"hello"));
+}
+
+mod shm_raw {
+    //! Raw frames on the shared-memory socket.
+    use super::*;
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixStream};
+
+    pub fn connect(server: &Server) -> UnixStream {
+        let name = server.shm_socket.as_ref().unwrap();
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let mut s = UnixStream::connect_addr(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut p = Vec::new();
+        Hello {
+            version_min: 1,
+            version_max: 1,
+            flags: HELLO_WANT_SHM,
+        }
+        .encode(&mut p);
+        s.write_all(&frame(Op::Hello as u16, 1, &p)).unwrap();
+        let (op, _, _) = read_frame(&mut s).unwrap();
+        assert_eq!(op, Op::Hello as u16 | RESPONSE_BIT);
+        s
+    }
+
+    pub fn reserve(s: &mut UnixStream, d: Digest, len: u64) -> ReserveResult {
+        let mut p = Vec::new();
+        put_batch_head(&mut p, b"ns", 1, 0);
+        ReserveEntry { digest: d, len }.encode(&mut p);
+        s.write_all(&frame(Op::Reserve as u16, 2, &p)).unwrap();
+        let (_, _, p) = read_frame(s).unwrap();
+        let mut r = Reader::new(&p);
+        assert_eq!(r.u32().unwrap(), 1);
+        ReserveResult::decode(&mut r).unwrap()
+    }
+}
+
+#[test]
+fn hostile_shared_memory_commits() {
+    let (_engine, server) = start(small_config());
+    let mut s = shm_raw::connect(&server);
+    let r = shm_raw::reserve(&mut s, digest(1), 1000);
+    assert_eq!(r.status, Status::Ok);
+    // Tokens this connection never got: out-of-range slots, wrong sequence.
+    let mut p = Vec::new();
+    p.put_u32(4);
+    for token in [
+        u64::MAX,
+        (0xffffu64 << 32) | 1,
+        r.token ^ 1,
+        r.token + (1 << 32),
+    ] {
+        CommitEntry {
+            token,
+            crc: 0,
+            flags: 0,
+        }
+        .encode(&mut p);
+    }
+    s.write_all(&frame(Op::Commit as u16, 3, &p)).unwrap();
+    let (_, _, p) = read_frame(&mut s).unwrap();
+    assert_eq!(decode_statuses(&p, 4).unwrap(), vec![Status::BadToken; 4]);
+    // Another connection cannot commit this connection's reservation.
+    let mut other = shm_raw::connect(&server);
+    let mut p = Vec::new();
+    p.put_u32(1);
+    CommitEntry {
+        token: r.token,
+        crc: 0,
+        flags: 0,
+    }
+    .encode(&mut p);
+    other.write_all(&frame(Op::Commit as u16, 3, &p)).unwrap();
+    let (_, _, p) = read_frame(&mut other).unwrap();
+    assert_eq!(decode_statuses(&p, 1).unwrap(), vec![Status::BadToken]);
+    // Committing without writing: the checksum of what is there decides.
+    let mut p = Vec::new();
+    p.put_u32(1);
+    CommitEntry {
+        token: r.token,
+        crc: 0xdead_beef,
+        flags: 0,
+    }
+    .encode(&mut p);
+    s.write_all(&frame(Op::Commit as u16, 4, &p)).unwrap();
+    let (_, _, p) = read_frame(&mut s).unwrap();
+    assert_eq!(
+        decode_statuses(&p, 1).unwrap(),
+        vec![Status::ChecksumMismatch]
+    );
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    assert!(!c.exists(&[digest(1)]).unwrap().present[0]);
+}
+
+// ---- a client killed mid-put ----------------------------------------------
+
+/// Child half of `killed_client_leaves_no_partial_block`: starts a put, says
+/// so, and waits to be killed.
+#[test]
+#[ignore]
+fn child_stalls_mid_put() {
+    let Ok(addr) = std::env::var("TARN_KV_CHILD_ADDR") else {
+        return;
+    };
+    let shm_name = std::env::var("TARN_KV_CHILD_SHM").unwrap();
+    // Over TCP: half of a PUT's data.
+    let mut t = std::net::TcpStream::connect(&addr).unwrap();
+    t.write_all(&hello_frame()).unwrap();
+    read_frame(&mut t).unwrap();
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 1, 0);
+    let data = value(77, 100_000);
+    PutEntry {
+        digest: digest(77),
+        len: data.len() as u64,
+        crc: crc32c(&data),
+    }
+    .encode(&mut p);
+    let mut f = frame(Op::Put as u16, 2, &p);
+    f[8..16].copy_from_slice(&((p.len() + data.len()) as u64).to_le_bytes());
+    f.extend_from_slice(&data[..50_000]);
+    t.write_all(&f).unwrap();
+    // Over shared memory: a reservation, half written, never committed.
+    use std::os::linux::net::SocketAddrExt;
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(shm_name.as_bytes()).unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+    let mut p = Vec::new();
+    Hello {
+        version_min: 1,
+        version_max: 1,
+        flags: HELLO_WANT_SHM,
+    }
+    .encode(&mut p);
+    s.write_all(&frame(Op::Hello as u16, 1, &p)).unwrap();
+    read_frame(&mut s).unwrap();
+    let r = shm_raw::reserve(&mut s, digest(78), 100_000);
+    assert_eq!(r.status, Status::Ok);
+    println!("READY");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn killed_client_leaves_no_partial_block() {
+    let (_engine, server) = start(small_config());
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    let before = stat(&c.stats().unwrap(), "ram_used_bytes");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_stalls_mid_put",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TARN_KV_CHILD_ADDR", server.tcp_addr.to_string())
+        .env("TARN_KV_CHILD_SHM", server.shm_socket.clone().unwrap())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut b = [0u8; 256];
+    while !String::from_utf8_lossy(&seen).contains("READY") {
+        let n = out.read(&mut b).unwrap();
+        assert!(
+            n > 0,
+            "child exited early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&b[..n]);
+    }
+    // Mid-put: nothing visible.
+    assert_eq!(
+        c.exists(&[digest(77), digest(78)]).unwrap().present,
+        vec![false, false]
+    );
+    // SIGKILL, by PID.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    child.wait().unwrap();
+    // The server notices both hang-ups and gives the reservations back.
+    let mut aborted = 0;
+    for _ in 0..200 {
+        aborted = stat(&c.stats().unwrap(), "reservations_aborted");
+        if aborted >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(aborted, 2);
+    assert_eq!(
+        c.exists(&[digest(77), digest(78)]).unwrap().present,
+        vec![false, false]
+    );
+    assert_eq!(stat(&c.stats().unwrap(), "ram_used_bytes"), before);
+    // And the keys can be written properly afterwards.
+    let v = value(77, 100_000);
+    assert_eq!(
+        c.put_from(&[PutFrom {
+            digest: digest(77),
+            data: &v
+        }])
+        .unwrap(),
+        vec![Status::Ok]
+    );
+}
