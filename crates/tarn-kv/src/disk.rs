@@ -288,7 +288,10 @@ impl DiskTier {
         fs::create_dir_all(dir)?;
         let max_record = record_len(NAMESPACE_MAX_BYTES, value_max_bytes);
         let write_buffer_bytes = (max_record.max(4 << 20)) as usize;
+        // At least eight segments when the tier is small, so dropping the
+        // oldest loses an eighth of it, not half.
         let segment_bytes = segment_bytes
+            .min(disk_bytes / 8)
             .max(2 * write_buffer_bytes as u64 + SEGMENT_HEADER_BYTES)
             .next_multiple_of(RECORD_ALIGN);
         if disk_bytes < 2 * segment_bytes {

@@ -24,5 +24,5 @@ pub enum KvError {
     #[error("KV configuration: {0}")]
     Config(String),
     #[error("{0}: {1}")]
-    Io(&'static str, #[source] std::io::Error),
+    Io(&'static str, std::io::Error),
 }

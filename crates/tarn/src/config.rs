@@ -31,6 +31,21 @@ pub struct FileConfig {
     pub buffers_per_core: Option<usize>,
     pub scan_interval_secs: Option<u64>,
     pub io_uring: Option<bool>,
+    pub kv: Option<KvFileConfig>,
+}
+
+/// `[kv]`: the KV-cache store (off unless `enabled` or `--kv`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvFileConfig {
+    pub enabled: Option<bool>,
+    pub listen: Option<String>,
+    pub memory: Option<String>,
+    pub disk: Option<PathBuf>,
+    pub disk_size: Option<String>,
+    pub value_max: Option<String>,
+    pub segment_size: Option<String>,
+    pub shared_memory: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -64,6 +79,7 @@ pub fn parse_size(s: &str) -> anyhow::Result<u64> {
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
         other => bail!("unknown size unit {other:?}"),
     };
     Ok(n * mul)

@@ -109,6 +109,24 @@ struct ServerArgs {
     /// Use blocking threads for file I/O instead of io_uring.
     #[arg(long)]
     no_io_uring: bool,
+    /// Also serve the KV-cache store.
+    #[arg(long)]
+    kv: bool,
+    /// KV protocol listen address (TCP; same-host clients switch to shared memory).
+    #[arg(long, env = "TARN_KV_LISTEN")]
+    kv_listen: Option<String>,
+    /// KV RAM tier size (e.g. 8GiB); default a quarter of the machine's RAM.
+    #[arg(long)]
+    kv_memory: Option<String>,
+    /// KV NVMe tier directory (off unless given).
+    #[arg(long)]
+    kv_disk: Option<PathBuf>,
+    /// KV NVMe tier size; default half the free space of --kv-disk's filesystem.
+    #[arg(long)]
+    kv_disk_size: Option<String>,
+    /// Largest KV value (default 4MiB).
+    #[arg(long)]
+    kv_value_max: Option<String>,
 }
 
 fn store_config(
@@ -161,6 +179,82 @@ fn store_config(
         cfg.buffers_per_core = b;
     }
     Ok(cfg)
+}
+
+/// Total RAM from /proc/meminfo.
+fn machine_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
+fn free_space_bytes(dir: &std::path::Path) -> anyhow::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: statvfs into a zeroed struct with a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("statvfs of the KV disk");
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The KV store's settings, if it is enabled.
+fn kv_settings(
+    args: &ServerArgs,
+    file: &FileConfig,
+) -> anyhow::Result<Option<(tarn_kv::KvConfig, std::net::SocketAddr, bool)>> {
+    let f = file.kv.as_ref();
+    let enabled = args.kv
+        || args.kv_listen.is_some()
+        || args.kv_memory.is_some()
+        || args.kv_disk.is_some()
+        || f.and_then(|k| k.enabled).unwrap_or(false);
+    if !enabled {
+        return Ok(None);
+    }
+    let mut cfg = tarn_kv::KvConfig::default();
+    let listen = parse_addr(
+        args.kv_listen
+            .as_deref()
+            .or(f.and_then(|k| k.listen.as_deref()))
+            .unwrap_or("127.0.0.1:9400"),
+    )?;
+    cfg.memory_bytes = match args
+        .kv_memory
+        .as_deref()
+        .or(f.and_then(|k| k.memory.as_deref()))
+    {
+        Some(s) => parse_size(s)?,
+        None => machine_memory_bytes().unwrap_or(4 << 30) / 4,
+    };
+    if let Some(s) = args
+        .kv_value_max
+        .as_deref()
+        .or(f.and_then(|k| k.value_max.as_deref()))
+    {
+        cfg.value_max_bytes = parse_size(s)?;
+    }
+    if let Some(s) = f.and_then(|k| k.segment_size.as_deref()) {
+        cfg.segment_bytes = parse_size(s)?;
+    }
+    cfg.disk_dir = args.kv_disk.clone().or(f.and_then(|k| k.disk.clone()));
+    if let Some(dir) = &cfg.disk_dir {
+        cfg.disk_bytes = match args
+            .kv_disk_size
+            .as_deref()
+            .or(f.and_then(|k| k.disk_size.as_deref()))
+        {
+            Some(s) => parse_size(s)?,
+            None => free_space_bytes(dir)? / 2,
+        };
+    } else if args.kv_disk_size.is_some() {
+        bail!("--kv-disk-size needs --kv-disk");
+    }
+    let shm = f.and_then(|k| k.shared_memory).unwrap_or(true);
+    Ok(Some((cfg, listen, shm)))
 }
 
 fn run_server(args: ServerArgs) -> anyhow::Result<()> {
@@ -222,6 +316,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             bail!("empty drive path");
         }
     }
+    let kv = kv_settings(&args, &file)?;
     let store = Store::open(cfg).context("opening the object engine")?;
     for d in store.drive_status().iter().filter(|d| !d.online) {
         eprintln!(
@@ -267,6 +362,44 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         .or(file.scan_interval_secs)
         .unwrap_or(6 * 3600);
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
+    // The KV store runs on its own runtime threads, one per core like S3's.
+    let kv = match kv {
+        Some((kv_cfg, kv_listen, shm)) => {
+            let memory = kv_cfg.memory_bytes;
+            let engine = tarn_kv::Engine::open(kv_cfg).context("opening the KV store")?;
+            let server = tarn_kv::Server::start(
+                engine.clone(),
+                tarn_kv::ServerOptions {
+                    listen: kv_listen,
+                    threads: cores,
+                    pin_cores: cores > 1,
+                    io_uring,
+                    shm,
+                },
+            )
+            .context("starting the KV server")?;
+            println!(
+                "KV endpoint: {} ({} MiB RAM{}{})",
+                server.tcp_addr,
+                memory >> 20,
+                match &engine.config().disk_dir {
+                    Some(d) => format!(
+                        ", NVMe tier {} ({} MiB)",
+                        d.display(),
+                        engine.config().disk_bytes >> 20
+                    ),
+                    None => String::new(),
+                },
+                if server.shm_socket.is_some() {
+                    ", shared memory for local clients"
+                } else {
+                    ""
+                }
+            );
+            Some((engine, server))
+        }
+        None => None,
+    };
     let settings = server::ServerSettings {
         listen,
         admin_listen,
@@ -280,8 +413,13 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains,
         admin_token: secret,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
+        kv: kv.as_ref().map(|(e, _)| e.clone()),
     };
-    server::run(store, s3, settings)
+    let result = server::run(store, s3, settings);
+    if let Some((_, kv_server)) = kv {
+        kv_server.stop();
+    }
+    result
 }
 
 fn run_heal(args: DriveArgs) -> anyhow::Result<()> {

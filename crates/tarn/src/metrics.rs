@@ -26,6 +26,8 @@ pub struct Metrics {
     pub bytes_out: AtomicU64,
     pub inflight: AtomicU64,
     pub rejected_overload: AtomicU64,
+    /// The KV engine when `--kv` is on.
+    pub kv: std::sync::OnceLock<std::sync::Arc<tarn_kv::Engine>>,
 }
 
 impl Metrics {
@@ -151,6 +153,9 @@ impl Metrics {
                 u8::from(d.online)
             );
         }
+        if let Some(kv) = self.kv.get() {
+            render_kv(&mut out, kv);
+        }
         out
     }
 }
@@ -241,5 +246,46 @@ mod tests {
             operation(&Method::POST, "/b", "delete", false, false),
             "DeleteObjects"
         );
+    }
+}
+
+/// KV store gauges and counters, with hit and miss counts per namespace so a
+/// low hit rate can be explained.
+fn render_kv(out: &mut String, kv: &tarn_kv::Engine) {
+    for (name, v) in kv.stats(None) {
+        let _ = writeln!(out, "tarn_kv_{name} {v}");
+    }
+    out.push_str("# HELP tarn_kv_namespace KV counters per namespace (gets, hits by tier, misses by reason, puts).\n# TYPE tarn_kv_namespace counter\n");
+    for (ns, s) in kv.namespace_stats() {
+        let label: String = String::from_utf8_lossy(&ns)
+            .chars()
+            .take(200)
+            .flat_map(|c| match c {
+                '\\' => vec!['\\', '\\'],
+                '"' => vec!['\\', '"'],
+                '\n' => vec!['\\', 'n'],
+                c => vec![c],
+            })
+            .collect();
+        for (what, v) in [
+            ("gets", s.gets),
+            ("hits_ram", s.hits_ram),
+            ("hits_disk", s.hits_disk),
+            ("misses_not_found", s.misses_not_found),
+            ("misses_corrupt", s.misses_corrupt),
+            ("misses_no_space", s.misses_no_space),
+            ("exists_keys", s.exists_keys),
+            ("exists_hits", s.exists_hits),
+            ("puts_stored", s.puts_stored),
+            ("puts_existing", s.puts_existing),
+            ("bytes_read", s.bytes_read),
+            ("bytes_written", s.bytes_written),
+            ("blocks", s.blocks),
+        ] {
+            let _ = writeln!(
+                out,
+                "tarn_kv_namespace{{namespace=\"{label}\",counter=\"{what}\"}} {v}"
+            );
+        }
     }
 }

@@ -1,0 +1,197 @@
+//! `tarn server --kv` as users run it: the real binary, the real client over
+//! shared memory and TCP, /metrics, SIGTERM, and a restart on the NVMe tier.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+
+use tarn_client::{
+    BlockingKvClient, ConnectOptions, GetInto, PutFrom, Status, TransportChoice, TransportKind,
+};
+
+struct Daemon {
+    child: Child,
+    kv: String,
+    admin: String,
+}
+
+fn start(dir: &std::path::Path) -> Daemon {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tarn"))
+        .args([
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--cores",
+            "2",
+        ])
+        .arg("--drive")
+        .arg(dir.join("data"))
+        .args([
+            "--kv",
+            "--kv-listen",
+            "127.0.0.1:0",
+            "--kv-memory",
+            "16MiB",
+            "--kv-value-max",
+            "256KiB",
+        ])
+        .arg("--kv-disk")
+        .arg(dir.join("kv"))
+        .args(["--kv-disk-size", "64MiB"])
+        .env_remove("TARN_ACCESS_KEY")
+        .env_remove("TARN_SECRET_KEY")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start tarn");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut kv, mut admin) = (None, None);
+    while kv.is_none() || admin.is_none() {
+        let line = lines.next().expect("tarn exited early").unwrap();
+        if let Some(e) = line.strip_prefix("KV endpoint: ") {
+            kv = Some(e.split_whitespace().next().unwrap().to_string());
+        }
+        if let Some(e) = line.strip_prefix("Admin endpoint: http://") {
+            admin = Some(e.split_whitespace().next().unwrap().to_string());
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Daemon {
+        child,
+        kv: kv.unwrap(),
+        admin: admin.unwrap(),
+    }
+}
+
+impl Daemon {
+    fn client(&self, choice: TransportChoice) -> BlockingKvClient {
+        BlockingKvClient::connect(
+            &self.kv,
+            ConnectOptions {
+                transport: choice,
+                namespace: b"model/f32/bs32".to_vec(),
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    fn metrics(&self) -> String {
+        let mut s = std::net::TcpStream::connect(&self.admin).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    /// SIGTERM by PID; returns the exit status.
+    fn terminate(mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn digest(i: u64) -> [u8; 32] {
+    let mut d = [0u8; 32];
+    d[..8].copy_from_slice(&i.to_le_bytes());
+    d[31] = 0xa5;
+    d
+}
+
+fn value(i: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| (j as u64 * 31 + i * 7 + (j as u64 >> 9)) as u8)
+        .collect()
+}
+
+/// Abstract Unix sockets of a process, from /proc/net/unix.
+fn kv_sockets(pid: u32) -> usize {
+    let text = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let needle = format!("@tarn-kv.{pid}.");
+    text.lines().filter(|l| l.contains(&needle)).count()
+}
+
+#[test]
+fn kv_daemon_serves_both_transports_and_keeps_nvme_blocks_across_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 200 << 10;
+    let d = start(dir.path());
+    let pid = d.child.id();
+    assert!(kv_sockets(pid) >= 1, "no shared-memory socket");
+    let shm_files_before = std::fs::read_dir("/dev/shm")
+        .map(|r| r.count())
+        .unwrap_or(0);
+    let mut shm = d.client(TransportChoice::Auto);
+    assert_eq!(shm.transport(), TransportKind::Shm);
+    let mut tcp = d.client(TransportChoice::Tcp);
+    // 200 blocks of 200 KiB through 16 MiB of RAM: most are demoted to NVMe.
+    for chunk in (0..200u64).collect::<Vec<_>>().chunks(32) {
+        let vals: Vec<Vec<u8>> = chunk.iter().map(|i| value(*i, len)).collect();
+        let items: Vec<PutFrom> = chunk
+            .iter()
+            .zip(&vals)
+            .map(|(i, v)| PutFrom {
+                digest: digest(*i),
+                data: v,
+            })
+            .collect();
+        assert!(shm
+            .put_from(&items)
+            .unwrap()
+            .iter()
+            .all(|s| *s == Status::Ok));
+    }
+    for i in [0u64, 100, 199] {
+        let mut buf = vec![0u8; len];
+        let out = tcp
+            .get_into(&mut [GetInto::whole(digest(i), &mut buf)])
+            .unwrap();
+        assert_eq!(out[0].status, Status::Ok);
+        assert_eq!(buf, value(i, len));
+    }
+    let m = d.metrics();
+    assert!(m.contains("tarn_kv_evicted_demoted "), "{m}");
+    assert!(
+        m.contains("tarn_kv_namespace{namespace=\"model/f32/bs32\",counter=\"puts_stored\"} 200"),
+        "{m}"
+    );
+    assert_eq!(
+        std::fs::read_dir("/dev/shm")
+            .map(|r| r.count())
+            .unwrap_or(0),
+        shm_files_before,
+        "the arena must not be a named file"
+    );
+
+    drop(shm);
+    drop(tcp);
+    let status = d.terminate();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(kv_sockets(pid), 0, "shared-memory socket left behind");
+
+    // Restart on the same NVMe tier: blocks that were demoted are still there.
+    let d = start(dir.path());
+    let mut c = d.client(TransportChoice::Auto);
+    let present = c
+        .exists(&(0..200).map(digest).collect::<Vec<_>>())
+        .unwrap()
+        .present;
+    let kept: Vec<u64> = (0..200).filter(|i| present[*i as usize]).collect();
+    assert!(kept.len() >= 100, "only {} blocks survived", kept.len());
+    for i in kept {
+        let mut buf = vec![0u8; len];
+        let out = c
+            .get_into(&mut [GetInto::whole(digest(i), &mut buf)])
+            .unwrap();
+        assert_eq!(out[0].status, Status::Ok, "block {i}");
+        assert_eq!(buf, value(i, len), "block {i}");
+    }
+}
