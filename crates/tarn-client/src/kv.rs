@@ -120,15 +120,23 @@ pub struct PutFrom<'a> {
 /// A request/response channel over a byte stream (TCP or the Unix socket).
 struct Channel<S> {
     io: BufReader<S>,
+    /// The socket, for polling without parking the thread.
+    fd: i32,
     out: Vec<u8>,
     inp: Vec<u8>,
     next_id: u64,
     broken: bool,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
+/// How long a caller spins waiting for a response before parking its thread.
+/// A parked thread costs a wakeup (tens of microseconds on a VM) per round
+/// trip; KV calls usually answer within this budget.
+const RESPONSE_SPIN: Duration = Duration::from_micros(100);
+
+impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     fn new(s: S) -> Self {
         Channel {
+            fd: s.as_raw_fd(),
             io: BufReader::with_capacity(64 << 10, s),
             out: Vec::with_capacity(64 << 10),
             inp: Vec::new(),
@@ -159,6 +167,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
     /// Reads a response header for request `id` and op `op`; an error frame
     /// becomes [`Error::Server`] (its payload read).
     async fn recv_head(&mut self, id: u64, op: Op) -> Result<FrameHeader> {
+        if self.io.buffer().is_empty() {
+            tarn_kv::server::spin_until_readable(self.fd, RESPONSE_SPIN);
+        }
         let mut head = [0u8; FRAME_HEADER_BYTES];
         self.io.read_exact(&mut head).await?;
         let h = FrameHeader::decode(&head).map_err(|e| Error::Protocol(e.to_string()))?;

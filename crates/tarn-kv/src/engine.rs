@@ -303,6 +303,15 @@ fn class_sizes(value_max_bytes: usize) -> Vec<usize> {
             .min(top);
         sizes.push(next);
     }
+    // KV blocks are often exactly a power of two: give those a class of their
+    // own instead of a slot up to 25% larger.
+    let mut p = SLOT_MIN_BYTES;
+    while p < top {
+        sizes.push(p);
+        p *= 2;
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
     sizes
 }
 
@@ -1080,16 +1089,20 @@ impl State {
             self.assign_page(p, class, arena);
             return self.classes[class].free.pop();
         }
+        // A page another class holds but does not use costs no eviction.
+        if self.steal_page(arena, class, now_ms, true) {
+            return self.classes[class].free.pop();
+        }
         let active = self.classes.iter().filter(|c| c.pages > 0).count()
             + (self.classes[class].pages == 0) as usize;
         let fair = (self.pages.len() / active.max(1)).max(1);
-        if self.classes[class].pages < fair && self.steal_page(arena, class, now_ms) {
+        if self.classes[class].pages < fair && self.steal_page(arena, class, now_ms, false) {
             return self.classes[class].free.pop();
         }
         if let Some(s) = self.sieve_evict(arena, class, now_ms) {
             return Some(s);
         }
-        if self.steal_page(arena, class, now_ms) {
+        if self.steal_page(arena, class, now_ms, false) {
             return self.classes[class].free.pop();
         }
         None
@@ -1131,7 +1144,7 @@ impl State {
 
     /// Frees a whole page of another class (the one with the most pages that
     /// has a page nobody holds) for `class`.
-    fn steal_page(&mut self, arena: &Arena, class: usize, now_ms: u64) -> bool {
+    fn steal_page(&mut self, arena: &Arena, class: usize, now_ms: u64, unused_only: bool) -> bool {
         let mut order: Vec<usize> = (0..self.classes.len())
             .filter(|k| *k != class && self.classes[*k].pages > 0)
             .collect();
@@ -1145,7 +1158,9 @@ impl State {
                         .enumerate()
                         .all(|(i, m)| match m.state {
                             SlotState::Free => true,
-                            SlotState::Live => self.evictable(slot_id(*p, i), now_ms),
+                            SlotState::Live => {
+                                !unused_only && self.evictable(slot_id(*p, i), now_ms)
+                            }
                             _ => false,
                         })
             });

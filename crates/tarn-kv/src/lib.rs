@@ -12,6 +12,7 @@
 pub mod arena;
 pub mod disk;
 pub mod engine;
+pub mod fuzz;
 pub mod proto;
 pub mod server;
 

@@ -218,37 +218,6 @@ pub fn operation(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use http::Method;
-
-    #[test]
-    fn names() {
-        assert_eq!(
-            operation(&Method::GET, "/", "", false, false),
-            "ListBuckets"
-        );
-        assert_eq!(
-            operation(&Method::GET, "/b", "list-type=2&prefix=a", false, false),
-            "ListObjectsV2"
-        );
-        assert_eq!(
-            operation(&Method::PUT, "/b/k/x", "", false, false),
-            "PutObject"
-        );
-        assert_eq!(
-            operation(&Method::PUT, "/k", "partNumber=1&uploadId=x", true, false),
-            "UploadPart"
-        );
-        assert_eq!(operation(&Method::GET, "/", "", true, false), "ListObjects");
-        assert_eq!(
-            operation(&Method::POST, "/b", "delete", false, false),
-            "DeleteObjects"
-        );
-    }
-}
-
 /// KV store gauges and counters, with hit and miss counts per namespace so a
 /// low hit rate can be explained.
 fn render_kv(out: &mut String, kv: &tarn_kv::Engine) {
@@ -287,5 +256,36 @@ fn render_kv(out: &mut String, kv: &tarn_kv::Engine) {
                 "tarn_kv_namespace{{namespace=\"{label}\",counter=\"{what}\"}} {v}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Method;
+
+    #[test]
+    fn names() {
+        assert_eq!(
+            operation(&Method::GET, "/", "", false, false),
+            "ListBuckets"
+        );
+        assert_eq!(
+            operation(&Method::GET, "/b", "list-type=2&prefix=a", false, false),
+            "ListObjectsV2"
+        );
+        assert_eq!(
+            operation(&Method::PUT, "/b/k/x", "", false, false),
+            "PutObject"
+        );
+        assert_eq!(
+            operation(&Method::PUT, "/k", "partNumber=1&uploadId=x", true, false),
+            "UploadPart"
+        );
+        assert_eq!(operation(&Method::GET, "/", "", true, false), "ListObjects");
+        assert_eq!(
+            operation(&Method::POST, "/b", "delete", false, false),
+            "DeleteObjects"
+        );
     }
 }

@@ -1,0 +1,216 @@
+//! KV store throughput and latency over shared memory and TCP, next to a
+//! plain memcpy of the same bytes in the same run.
+//!
+//! `cargo bench -p tarn-client --bench kv` (TARN_BENCH_SECONDS per phase,
+//! default 2; TARN_BENCH_WORKING_SET in MiB, default 256). The server runs in
+//! this process on its own threads; the client is this thread.
+
+use std::time::{Duration, Instant};
+
+use tarn_client::{BlockingKvClient, ConnectOptions, GetInto, PutFrom, Status, TransportChoice};
+use tarn_kv::{Engine, KvConfig, Server, ServerOptions};
+
+const BATCH: usize = 32;
+
+struct Lat(Vec<u64>);
+
+impl Lat {
+    fn pct(&mut self, p: f64) -> f64 {
+        self.0.sort_unstable();
+        let i = ((self.0.len() as f64 - 1.0) * p).round() as usize;
+        self.0[i] as f64 / 1000.0
+    }
+}
+
+fn digest(i: u64) -> [u8; 32] {
+    let mut d = [0u8; 32];
+    d[..8].copy_from_slice(&i.to_le_bytes());
+    d[8] = 1;
+    d
+}
+
+fn row(name: &str, bytes: u64, elapsed: Duration, lat: &mut Lat) -> f64 {
+    let gbps = bytes as f64 / elapsed.as_secs_f64() / 1e9;
+    println!(
+        "{name:<34} {gbps:>7.2} GB/s   p50 {:>9.1} us   p99 {:>9.1} us   ({} samples)",
+        lat.pct(0.5),
+        lat.pct(0.99),
+        lat.0.len()
+    );
+    gbps
+}
+
+fn main() {
+    let seconds: f64 = std::env::var("TARN_BENCH_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2.0);
+    let working_set: usize = std::env::var("TARN_BENCH_WORKING_SET")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+        << 20;
+    let phase = Duration::from_secs_f64(seconds);
+    let engine = Engine::open(KvConfig {
+        memory_bytes: (working_set as u64 * 4).max(1 << 30),
+        value_max_bytes: 4 << 20,
+        ..KvConfig::default()
+    })
+    .expect("engine");
+    let huge = engine.arena().huge_pages;
+    let server = Server::start(
+        engine,
+        ServerOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            threads: 1,
+            pin_cores: false,
+            io_uring: true,
+            shm: true,
+        },
+    )
+    .expect("server");
+    let addr = server.tcp_addr.to_string();
+    println!(
+        "working set {} MiB, batches of {BATCH}, {seconds} s per phase, arena on {}",
+        working_set >> 20,
+        if huge { "huge pages" } else { "4 KiB pages" }
+    );
+    for size in [64usize << 10, 256 << 10, 2 << 20] {
+        let blocks = (working_set / size).max(BATCH);
+        let batches = blocks / BATCH;
+        // Source data: one distinct buffer per block.
+        let src: Vec<Vec<u8>> = (0..blocks)
+            .map(|i| vec![(i % 251) as u8 ^ 0x5a; size])
+            .collect();
+        let mut dst: Vec<Vec<u8>> = (0..BATCH).map(|_| vec![0u8; size]).collect();
+        let label = format!("{}KiB", size >> 10);
+
+        // memcpy of the same bytes, batch by batch.
+        let mut lat = Lat(Vec::new());
+        let (mut bytes, start) = (0u64, Instant::now());
+        let mut b = 0;
+        while start.elapsed() < phase {
+            let t = Instant::now();
+            for (j, d) in dst.iter_mut().enumerate() {
+                d.copy_from_slice(&src[(b % batches) * BATCH + j]);
+            }
+            std::hint::black_box(&dst);
+            lat.0.push(t.elapsed().as_nanos() as u64);
+            bytes += (BATCH * size) as u64;
+            b += 1;
+        }
+        let memcpy = row(
+            &format!("memcpy {label} x{BATCH}"),
+            bytes,
+            start.elapsed(),
+            &mut lat,
+        );
+
+        for (tname, choice) in [("shm", TransportChoice::Shm), ("tcp", TransportChoice::Tcp)] {
+            let mut c = BlockingKvClient::connect(
+                &addr,
+                ConnectOptions {
+                    transport: choice,
+                    namespace: format!("bench-{tname}-{label}").into_bytes(),
+                    ..Default::default()
+                },
+            )
+            .expect("connect");
+            // put: the working set once.
+            let mut lat = Lat(Vec::new());
+            let start = Instant::now();
+            for b in 0..batches {
+                let items: Vec<PutFrom> = (0..BATCH)
+                    .map(|j| PutFrom {
+                        digest: digest((b * BATCH + j) as u64),
+                        data: &src[b * BATCH + j],
+                    })
+                    .collect();
+                let t = Instant::now();
+                let st = c.put_from(&items).expect("put");
+                lat.0.push(t.elapsed().as_nanos() as u64);
+                assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
+            }
+            row(
+                &format!("{tname} put {label} x{BATCH}"),
+                (batches * BATCH * size) as u64,
+                start.elapsed(),
+                &mut lat,
+            );
+            // get: cycle over the working set.
+            let mut lat = Lat(Vec::new());
+            let (mut bytes, start) = (0u64, Instant::now());
+            let mut b = 0;
+            while start.elapsed() < phase {
+                let base = (b % batches) * BATCH;
+                let mut reqs: Vec<GetInto> = dst
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, d)| GetInto::whole(digest((base + j) as u64), d))
+                    .collect();
+                let t = Instant::now();
+                let out = c.get_into(&mut reqs).expect("get");
+                lat.0.push(t.elapsed().as_nanos() as u64);
+                assert!(out.iter().all(|o| o.status == Status::Ok));
+                bytes += (BATCH * size) as u64;
+                b += 1;
+            }
+            let g = row(
+                &format!("{tname} get {label} x{BATCH}"),
+                bytes,
+                start.elapsed(),
+                &mut lat,
+            );
+            println!(
+                "{:<34} {:>7.0} %",
+                format!("  {tname} get / memcpy"),
+                100.0 * g / memcpy
+            );
+            let all: Vec<[u8; 32]> = (0..blocks as u64).map(digest).collect();
+            if size == 64 << 10 {
+                // The floor: one round trip with no data.
+                let mut lat = Lat(Vec::new());
+                let start = Instant::now();
+                while start.elapsed() < phase {
+                    let t = Instant::now();
+                    c.exists(&all[..1]).expect("exists");
+                    lat.0.push(t.elapsed().as_nanos() as u64);
+                }
+                row(
+                    &format!("{tname} exists x1 (round trip)"),
+                    0,
+                    start.elapsed(),
+                    &mut lat,
+                );
+            }
+            if size == 256 << 10 {
+                // A single block, as an engine loading one block would.
+                let mut lat = Lat(Vec::new());
+                let (mut bytes, start) = (0u64, Instant::now());
+                let mut i = 0u64;
+                while start.elapsed() < phase {
+                    let mut reqs = [GetInto::whole(digest(i % blocks as u64), &mut dst[0])];
+                    let t = Instant::now();
+                    let out = c.get_into(&mut reqs).expect("get");
+                    lat.0.push(t.elapsed().as_nanos() as u64);
+                    assert_eq!(out[0].status, Status::Ok);
+                    bytes += size as u64;
+                    i += 1;
+                }
+                row(
+                    &format!("{tname} get {label} x1"),
+                    bytes,
+                    start.elapsed(),
+                    &mut lat,
+                );
+            }
+            // Make room for the next phase.
+            assert!(c
+                .delete(&all)
+                .expect("delete")
+                .iter()
+                .all(|s| *s == Status::Ok));
+        }
+    }
+    server.stop();
+}

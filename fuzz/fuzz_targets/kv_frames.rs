@@ -1,0 +1,9 @@
+//! Arbitrary bytes after a valid HELLO on a KV server connection: the server
+//! must answer with well-formed frames or close, never panic.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    tarn_kv::fuzz::frames(data);
+});
