@@ -421,7 +421,7 @@ impl DiskTier {
         let seg = self.segments.pop_front()?;
         self.pending.retain(|p| p.segment != seg.id);
         if self.open.as_ref().is_some_and(|o| o.segment == seg.id) {
-            self.open = None;
+            self.recycle_open();
         }
         Some(seg)
     }
@@ -429,7 +429,7 @@ impl DiskTier {
     /// Seals the open segment and starts a new one.
     pub fn start_segment(&mut self) -> io::Result<()> {
         self.seal_buffer()?;
-        self.open = None;
+        self.recycle_open();
         let mut buf = self
             .take_buffer()
             .ok_or_else(|| io::Error::new(io::ErrorKind::WouldBlock, "KV flusher is behind"))?;
@@ -469,6 +469,15 @@ impl DiskTier {
             buf,
         });
         Ok(())
+    }
+
+    /// Closes the open segment for appends; its (sealed, so empty or unsent)
+    /// buffer goes back to the spares. Buffers are counted: dropping one
+    /// without returning it would shrink the write pipeline for good.
+    fn recycle_open(&mut self) {
+        if let Some(o) = self.open.take() {
+            self.spare.push(o.buf);
+        }
     }
 
     fn take_buffer(&mut self) -> Option<AlignedBuf> {
