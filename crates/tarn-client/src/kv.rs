@@ -117,6 +117,95 @@ pub struct PutFrom<'a> {
     pub data: &'a [u8],
 }
 
+/// Memory registered with the client: page-aligned, faulted in and locked in
+/// RAM (best effort) when registered, so batched I/O into it never waits on a
+/// page fault or an allocation. I/O names regions of it by offset (the style
+/// of 3FS USRBIO): many `(key, value range, buffer offset)` reads or writes
+/// in one call.
+pub struct RegisteredBuffer {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    locked: bool,
+}
+
+// SAFETY: plain owned memory.
+unsafe impl Send for RegisteredBuffer {}
+unsafe impl Sync for RegisteredBuffer {}
+
+impl RegisteredBuffer {
+    pub fn new(len: usize) -> Result<RegisteredBuffer> {
+        if len == 0 {
+            return Err(Error::Usage("a registered buffer needs a length".into()));
+        }
+        let map_len = len.next_multiple_of(4096);
+        // SAFETY: a fresh private anonymous mapping, faulted in now.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Io(io::Error::last_os_error()));
+        }
+        // SAFETY: locking our own mapping; failure (RLIMIT_MEMLOCK) is fine.
+        let locked = unsafe { libc::mlock(p, map_len) } == 0;
+        Ok(RegisteredBuffer {
+            ptr: std::ptr::NonNull::new(p.cast()).expect("mmap never returns null"),
+            len,
+            locked,
+        })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Whether the pages are locked in RAM (mlock can fail under RLIMIT_MEMLOCK).
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: our mapping of len bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: our mapping, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping once.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len.next_multiple_of(4096)) };
+    }
+}
+
+/// One read into a registered buffer: `len` bytes (None: to the end) from
+/// `value_offset` of the value, into `buf_len` bytes at `buf_offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadIo {
+    pub digest: Digest,
+    pub value_offset: u64,
+    pub len: Option<u64>,
+    pub buf_offset: usize,
+    pub buf_len: usize,
+}
+
+/// One write from a registered buffer: the `len` bytes at `buf_offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteIo {
+    pub digest: Digest,
+    pub buf_offset: usize,
+    pub len: usize,
+}
+
 /// A request/response channel over a byte stream (TCP or the Unix socket).
 struct Channel<S> {
     io: BufReader<S>,
@@ -352,12 +441,12 @@ async fn discard<R: AsyncRead + Unpin>(r: &mut R, mut n: u64) -> io::Result<()> 
 }
 
 /// Shared memory: the control channel on the Unix socket plus the mapped arena.
-struct Shm {
+pub struct ShmTransport {
     ch: Channel<UnixStream>,
     arena: Arena,
 }
 
-impl Shm {
+impl ShmTransport {
     async fn get(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         let id = self.ch.begin(Op::GetShm);
         self.ch.encode_gets(ns, reqs);
@@ -478,14 +567,140 @@ impl Shm {
     }
 }
 
-enum Transport {
-    Tcp(Channel<TcpStream>),
-    Shm(Box<Shm>),
+/// A way to reach the KV server. Every transport speaks the same protocol
+/// (`tarn_kv::proto`); they differ in how values move: inside the frames
+/// (TCP) or through the daemon's arena (shared memory).
+#[allow(async_fn_in_trait)]
+pub trait Transport {
+    fn kind(&self) -> TransportKind;
+    /// True after an I/O or protocol error: the stream may be mid-frame.
+    fn broken(&mut self) -> &mut bool;
+    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply>;
+    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>>;
+    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>>;
+    async fn keys_op(
+        &mut self,
+        op: Op,
+        ns: &[u8],
+        digests: &[Digest],
+        arg: u32,
+    ) -> Result<Vec<Status>>;
+    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>>;
+}
+
+/// TCP: values inside the frames, read straight into the caller's buffers.
+pub struct TcpTransport {
+    ch: Channel<TcpStream>,
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn broken(&mut self) -> &mut bool {
+        &mut self.ch.broken
+    }
+    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+        self.ch.exists(ns, digests).await
+    }
+    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        self.ch.get_tcp(ns, reqs).await
+    }
+    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        self.ch.put_tcp(ns, items).await
+    }
+    async fn keys_op(
+        &mut self,
+        op: Op,
+        ns: &[u8],
+        digests: &[Digest],
+        arg: u32,
+    ) -> Result<Vec<Status>> {
+        self.ch.keys_op(op, ns, digests, arg).await
+    }
+    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+        self.ch.stats(ns).await
+    }
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+    fn broken(&mut self) -> &mut bool {
+        &mut self.ch.broken
+    }
+    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+        self.ch.exists(ns, digests).await
+    }
+    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        self.get(ns, reqs).await
+    }
+    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        self.put(ns, items).await
+    }
+    async fn keys_op(
+        &mut self,
+        op: Op,
+        ns: &[u8],
+        digests: &[Digest],
+        arg: u32,
+    ) -> Result<Vec<Status>> {
+        self.ch.keys_op(op, ns, digests, arg).await
+    }
+    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+        self.ch.stats(ns).await
+    }
+}
+
+/// The transport a client chose at connect.
+pub enum AnyTransport {
+    Tcp(TcpTransport),
+    Shm(Box<ShmTransport>),
+}
+
+macro_rules! each {
+    ($self:ident, $t:ident => $e:expr) => {
+        match $self {
+            AnyTransport::Tcp($t) => $e,
+            AnyTransport::Shm($t) => $e,
+        }
+    };
+}
+
+impl Transport for AnyTransport {
+    fn kind(&self) -> TransportKind {
+        each!(self, t => t.kind())
+    }
+    fn broken(&mut self) -> &mut bool {
+        each!(self, t => t.broken())
+    }
+    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+        each!(self, t => t.exists(ns, digests).await)
+    }
+    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+        each!(self, t => t.get_into(ns, reqs).await)
+    }
+    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        each!(self, t => t.put_from(ns, items).await)
+    }
+    async fn keys_op(
+        &mut self,
+        op: Op,
+        ns: &[u8],
+        digests: &[Digest],
+        arg: u32,
+    ) -> Result<Vec<Status>> {
+        each!(self, t => t.keys_op(op, ns, digests, arg).await)
+    }
+    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+        each!(self, t => t.stats(ns).await)
+    }
 }
 
 /// The async KV client. Batches longer than the server's limit are split.
 pub struct KvClient {
-    t: Transport,
+    t: AnyTransport,
     namespace: Vec<u8>,
     server: HelloReply,
 }
@@ -536,7 +751,7 @@ impl KvClient {
             match connect_shm(&hello).await {
                 Ok(shm) => {
                     return Ok(KvClient {
-                        t: Transport::Shm(Box::new(shm)),
+                        t: AnyTransport::Shm(Box::new(shm)),
                         namespace: opts.namespace,
                         server: hello,
                     })
@@ -546,17 +761,14 @@ impl KvClient {
             }
         }
         Ok(KvClient {
-            t: Transport::Tcp(ch),
+            t: AnyTransport::Tcp(TcpTransport { ch }),
             namespace: opts.namespace,
             server: hello,
         })
     }
 
     pub fn transport(&self) -> TransportKind {
-        match self.t {
-            Transport::Tcp(_) => TransportKind::Tcp,
-            Transport::Shm(_) => TransportKind::Shm,
-        }
+        self.t.kind()
     }
 
     pub fn namespace(&self) -> &[u8] {
@@ -580,12 +792,8 @@ impl KvClient {
         (self.server.batch_max_keys as usize).clamp(1, BATCH_MAX_KEYS)
     }
 
-    fn check(&self) -> Result<()> {
-        let broken = match &self.t {
-            Transport::Tcp(c) => c.broken,
-            Transport::Shm(s) => s.ch.broken,
-        };
-        if broken {
+    fn check(&mut self) -> Result<()> {
+        if *self.t.broken() {
             return Err(Error::Broken);
         }
         Ok(())
@@ -596,10 +804,7 @@ impl KvClient {
     fn settle<T>(&mut self, r: Result<T>) -> Result<T> {
         if let Err(e) = &r {
             if !matches!(e, Error::Server(_) | Error::Usage(_)) {
-                match &mut self.t {
-                    Transport::Tcp(c) => c.broken = true,
-                    Transport::Shm(s) => s.ch.broken = true,
-                }
+                *self.t.broken() = true;
             }
         }
         r
@@ -614,10 +819,7 @@ impl KvClient {
         };
         for chunk in digests.chunks(self.batch()) {
             let ns = self.namespace.clone();
-            let r = match &mut self.t {
-                Transport::Tcp(c) => c.exists(&ns, chunk).await,
-                Transport::Shm(s) => s.ch.exists(&ns, chunk).await,
-            };
+            let r = self.t.exists(&ns, chunk).await;
             let r = self.settle(r)?;
             all.present.extend(r.present);
         }
@@ -632,10 +834,7 @@ impl KvClient {
         let batch = self.batch();
         for chunk in reqs.chunks_mut(batch) {
             let ns = self.namespace.clone();
-            let r = match &mut self.t {
-                Transport::Tcp(c) => c.get_tcp(&ns, chunk).await,
-                Transport::Shm(s) => s.get(&ns, chunk).await,
-            };
+            let r = self.t.get_into(&ns, chunk).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -657,13 +856,73 @@ impl KvClient {
         let mut out = Vec::with_capacity(items.len());
         for chunk in items.chunks(self.batch()) {
             let ns = self.namespace.clone();
-            let r = match &mut self.t {
-                Transport::Tcp(c) => c.put_tcp(&ns, chunk).await,
-                Transport::Shm(s) => s.put(&ns, chunk).await,
-            };
+            let r = self.t.put_from(&ns, chunk).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
+    }
+
+    /// Reads into regions of a registered buffer. Regions must lie inside it
+    /// and must not overlap.
+    pub async fn get_registered(
+        &mut self,
+        buf: &mut RegisteredBuffer,
+        ios: &[ReadIo],
+    ) -> Result<Vec<GetOutcome>> {
+        let mut order: Vec<usize> = (0..ios.len()).collect();
+        order.sort_by_key(|i| ios[*i].buf_offset);
+        let mut end = 0usize;
+        for i in &order {
+            let io = &ios[*i];
+            let stop = io
+                .buf_offset
+                .checked_add(io.buf_len)
+                .filter(|e| *e <= buf.len())
+                .ok_or_else(|| {
+                    Error::Usage(format!("read {i}: region outside the registered buffer"))
+                })?;
+            if io.buf_offset < end {
+                return Err(Error::Usage(format!("read {i}: region overlaps another")));
+            }
+            end = stop;
+        }
+        let base = buf.as_mut_slice().as_mut_ptr();
+        let mut reqs: Vec<GetInto<'_>> = ios
+            .iter()
+            .map(|io| GetInto {
+                digest: io.digest,
+                offset: io.value_offset,
+                len: io.len,
+                // SAFETY: inside the buffer (checked) and disjoint from every
+                // other region (checked), all under our &mut borrow of buf.
+                buf: unsafe { std::slice::from_raw_parts_mut(base.add(io.buf_offset), io.buf_len) },
+            })
+            .collect();
+        self.get_into(&mut reqs).await
+    }
+
+    /// Stores values from regions of a registered buffer (regions may overlap).
+    pub async fn put_registered(
+        &mut self,
+        buf: &RegisteredBuffer,
+        ios: &[WriteIo],
+    ) -> Result<Vec<Status>> {
+        let data = buf.as_slice();
+        let mut items = Vec::with_capacity(ios.len());
+        for (i, io) in ios.iter().enumerate() {
+            let slice = io
+                .buf_offset
+                .checked_add(io.len)
+                .and_then(|e| data.get(io.buf_offset..e))
+                .ok_or_else(|| {
+                    Error::Usage(format!("write {i}: region outside the registered buffer"))
+                })?;
+            items.push(PutFrom {
+                digest: io.digest,
+                data: slice,
+            });
+        }
+        self.put_from(&items).await
     }
 
     async fn keys_op(&mut self, op: Op, digests: &[Digest], arg: u32) -> Result<Vec<Status>> {
@@ -671,10 +930,7 @@ impl KvClient {
         let mut out = Vec::with_capacity(digests.len());
         for chunk in digests.chunks(self.batch()) {
             let ns = self.namespace.clone();
-            let r = match &mut self.t {
-                Transport::Tcp(c) => c.keys_op(op, &ns, chunk, arg).await,
-                Transport::Shm(s) => s.ch.keys_op(op, &ns, chunk, arg).await,
-            };
+            let r = self.t.keys_op(op, &ns, chunk, arg).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -704,10 +960,7 @@ impl KvClient {
     pub async fn stats(&mut self) -> Result<Vec<(String, u64)>> {
         self.check()?;
         let ns = self.namespace.clone();
-        let r = match &mut self.t {
-            Transport::Tcp(c) => c.stats(&ns).await,
-            Transport::Shm(s) => s.ch.stats(&ns).await,
-        };
+        let r = self.t.stats(&ns).await;
         self.settle(r)
     }
 }
@@ -720,7 +973,7 @@ fn same_host(s: &TcpStream) -> bool {
     }
 }
 
-async fn connect_shm(tcp_hello: &HelloReply) -> Result<Shm> {
+async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
     use std::os::linux::net::SocketAddrExt;
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(&tcp_hello.shm_socket)?;
     let std_stream = std::os::unix::net::UnixStream::connect_addr(&addr)?;
@@ -796,7 +1049,7 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<Shm> {
     }
     let mut ch = Channel::new(s);
     ch.next_id = 2;
-    Ok(Shm { ch, arena })
+    Ok(ShmTransport { ch, arena })
 }
 
 fn recvmsg_fd(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
@@ -864,6 +1117,20 @@ impl BlockingKvClient {
     }
     pub fn touch(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
         self.rt.block_on(self.inner.touch(digests))
+    }
+    pub fn get_registered(
+        &mut self,
+        buf: &mut RegisteredBuffer,
+        ios: &[ReadIo],
+    ) -> Result<Vec<GetOutcome>> {
+        self.rt.block_on(self.inner.get_registered(buf, ios))
+    }
+    pub fn put_registered(
+        &mut self,
+        buf: &RegisteredBuffer,
+        ios: &[WriteIo],
+    ) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.put_registered(buf, ios))
     }
     pub fn pin(&mut self, digests: &[Digest], lease: Duration) -> Result<Vec<Status>> {
         self.rt.block_on(self.inner.pin(digests, lease))

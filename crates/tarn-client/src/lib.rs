@@ -5,7 +5,8 @@
 pub mod kv;
 
 pub use kv::{
-    BlockingKvClient, ConnectOptions, Error, GetInto, GetOutcome, KvClient, PutFrom,
-    TransportChoice, TransportKind,
+    AnyTransport, BlockingKvClient, ConnectOptions, Error, GetInto, GetOutcome, KvClient, PutFrom,
+    ReadIo, RegisteredBuffer, ShmTransport, TcpTransport, Transport, TransportChoice,
+    TransportKind, WriteIo,
 };
 pub use tarn_kv::proto::{Digest, ExistsReply, Status};

@@ -214,6 +214,106 @@ fn roundtrip_over_shared_memory() {
 }
 
 #[test]
+fn registered_buffers_over_both_transports() {
+    use tarn_client::{ReadIo, RegisteredBuffer, WriteIo};
+    let (_engine, server) = start(small_config());
+    for choice in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let mut c = connect(&server, choice, format!("{choice:?}").as_bytes());
+        let block = 64 << 10;
+        let mut src = RegisteredBuffer::new(32 * block).unwrap();
+        for (i, chunk) in src.as_mut_slice().chunks_mut(block).enumerate() {
+            chunk.copy_from_slice(&value(i as u64, block));
+        }
+        let writes: Vec<WriteIo> = (0..32)
+            .map(|i| WriteIo {
+                digest: digest(i),
+                buf_offset: i as usize * block,
+                len: block,
+            })
+            .collect();
+        assert!(c
+            .put_registered(&src, &writes)
+            .unwrap()
+            .iter()
+            .all(|s| *s == Status::Ok));
+        // Read them back in reverse order into another registered buffer,
+        // plus a range of one block into the tail.
+        let mut dst = RegisteredBuffer::new(33 * block).unwrap();
+        let mut reads: Vec<ReadIo> = (0..32)
+            .map(|i| ReadIo {
+                digest: digest(31 - i),
+                value_offset: 0,
+                len: None,
+                buf_offset: i as usize * block,
+                buf_len: block,
+            })
+            .collect();
+        reads.push(ReadIo {
+            digest: digest(5),
+            value_offset: 100,
+            len: Some(1000),
+            buf_offset: 32 * block,
+            buf_len: block,
+        });
+        let out = c.get_registered(&mut dst, &reads).unwrap();
+        assert!(out.iter().all(|o| o.status == Status::Ok));
+        for i in 0..32usize {
+            assert_eq!(
+                &dst.as_slice()[i * block..(i + 1) * block],
+                &value(31 - i as u64, block)[..]
+            );
+        }
+        assert_eq!(
+            &dst.as_slice()[32 * block..32 * block + 1000],
+            &value(5, block)[100..1100]
+        );
+        // Regions outside the buffer or overlapping are refused before any I/O.
+        let bad = [ReadIo {
+            digest: digest(1),
+            value_offset: 0,
+            len: None,
+            buf_offset: 33 * block - 10,
+            buf_len: 11,
+        }];
+        assert!(matches!(
+            c.get_registered(&mut dst, &bad),
+            Err(tarn_client::Error::Usage(_))
+        ));
+        let overlap = [
+            ReadIo {
+                digest: digest(1),
+                value_offset: 0,
+                len: None,
+                buf_offset: 0,
+                buf_len: block,
+            },
+            ReadIo {
+                digest: digest(2),
+                value_offset: 0,
+                len: None,
+                buf_offset: block - 1,
+                buf_len: block,
+            },
+        ];
+        assert!(matches!(
+            c.get_registered(&mut dst, &overlap),
+            Err(tarn_client::Error::Usage(_))
+        ));
+        let bad = [WriteIo {
+            digest: digest(99),
+            buf_offset: usize::MAX,
+            len: 2,
+        }];
+        assert!(matches!(
+            c.put_registered(&src, &bad),
+            Err(tarn_client::Error::Usage(_))
+        ));
+        // The connection is still fine after refusals.
+        assert!(c.exists(&[digest(0)]).unwrap().present[0]);
+    }
+}
+
+#[test]
 fn async_client_and_concurrent_clients() {
     let (_engine, server) = start(small_config());
     let addr = server.tcp_addr.to_string();
