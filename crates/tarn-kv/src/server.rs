@@ -752,16 +752,18 @@ impl Connection {
         let mut r = Reader::new(payload);
         let b = read_batch_head(&mut r, RESERVE_ENTRY_BYTES)?;
         let count = b.count;
-        let ns = self.namespace(b.namespace)?;
-        let mut entries = Vec::with_capacity(count as usize);
-        for _ in 0..count {
-            entries.push(ReserveEntry::decode(&mut r)?);
+        if r.remaining() != count as usize * RESERVE_ENTRY_BYTES {
+            return Err(ProtoError::new(
+                ErrorCode::BadFrame,
+                "RESERVE length does not match its count",
+            ));
         }
-        r.finish()?;
+        let ns = self.namespace(b.namespace)?;
         reply(out);
         out.put_u32(count);
         let engine = self.shared.engine.clone();
-        for e in entries {
+        for _ in 0..count {
+            let e = ReserveEntry::decode(&mut r)?;
             let res = if self.reservations.len() >= RESERVATIONS_PER_CONNECTION_MAX {
                 Err(Status::NoSpace)
             } else {
@@ -804,15 +806,17 @@ impl Connection {
         if count > BATCH_MAX_KEYS {
             return Err(ProtoError::new(ErrorCode::Limit, "commit batch too large"));
         }
-        let mut entries = Vec::with_capacity(count);
-        for _ in 0..count {
-            entries.push(CommitEntry::decode(&mut r)?);
+        if r.remaining() != count * COMMIT_ENTRY_BYTES {
+            return Err(ProtoError::new(
+                ErrorCode::BadFrame,
+                "COMMIT length does not match its count",
+            ));
         }
-        r.finish()?;
         let engine = self.shared.engine.clone();
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
-        for c in entries {
+        for _ in 0..count {
+            let c = CommitEntry::decode(&mut r)?;
             let Some(i) = self.reservations.iter().position(|t| *t == c.token) else {
                 st.push(Status::BadToken);
                 continue;
@@ -879,15 +883,12 @@ impl Connection {
         let mut payload = std::mem::take(&mut self.payload);
         payload.resize(table_len - BATCH_HEADER_BYTES, 0);
         timed(io.read_exact(&mut payload)).await?;
-        let namespace = payload[..ns_len].to_vec();
         let mut r = Reader::new(&payload[ns_len..]);
-        let mut entries = Vec::with_capacity(count);
-        for _ in 0..count {
-            entries.push(PutEntry::decode(&mut r).expect("length checked"));
-        }
-        self.payload = payload;
-        let data: u128 = entries.iter().map(|e| e.len as u128).sum();
+        let data: u128 = (0..count)
+            .map(|_| PutEntry::decode(&mut r).expect("length checked").len as u128)
+            .sum();
         if table_len as u128 + data != h.len as u128 {
+            self.payload = payload;
             close(
                 out,
                 ProtoError::new(
@@ -898,11 +899,13 @@ impl Connection {
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
-        let ns = self.namespace(&namespace).ok();
+        let ns = self.namespace(&payload[..ns_len]).ok();
         let engine = self.shared.engine.clone();
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
-        for e in &entries {
+        let mut r = Reader::new(&payload[ns_len..]);
+        for _ in 0..count {
+            let e = PutEntry::decode(&mut r).expect("length checked");
             let reserved = match ns {
                 None => Err(Status::NoSpace),
                 Some(_) if e.len > value_max => Err(Status::TooLarge),
@@ -924,6 +927,7 @@ impl Connection {
                 }
             }
         }
+        self.payload = payload;
         begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
         encode_statuses(out, &st);
         finish_frame(out, 0);
