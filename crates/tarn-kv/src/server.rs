@@ -30,10 +30,51 @@ const RESERVATIONS_PER_CONNECTION_MAX: usize = 2 * BATCH_MAX_KEYS;
 const PINS_PER_CONNECTION_MAX: usize = 64 * BATCH_MAX_KEYS;
 /// Read buffer per connection (frame headers and control parts).
 const READ_BUFFER_BYTES: usize = 64 << 10;
-/// After answering, a connection spins this long for the client's next frame
-/// before parking: an engine loading a prefix sends batches back to back, and
-/// a parked thread costs a wakeup (tens of microseconds on a VM) per request.
-const NEXT_FRAME_SPIN: Duration = Duration::from_micros(50);
+/// Longest a connection spins for the client's next frame before parking.
+/// A parked thread costs a wakeup (tens of microseconds on a VM) when the
+/// next frame comes; an engine loading a prefix sends batches back to back,
+/// a few hundred microseconds apart (the time it takes to copy one out).
+/// The spin watches every socket of the thread (connections and listeners)
+/// and ends as soon as any is readable, so it never holds up another client.
+const NEXT_FRAME_SPIN_MAX: Duration = Duration::from_micros(2000);
+/// Gaps longer than this count as idle: they are clamped before averaging so
+/// that a burst after a pause starts spinning after a couple of frames.
+const FRAME_GAP_CLAMP_US: u64 = 4000;
+
+thread_local! {
+    /// Sockets served by this runtime thread: what a spin watches.
+    static SOCKETS: std::cell::RefCell<Vec<libc::pollfd>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn watch_socket(fd: i32) {
+    SOCKETS.with(|s| {
+        s.borrow_mut().push(libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+    });
+}
+
+fn unwatch_socket(fd: i32) {
+    SOCKETS.with(|s| s.borrow_mut().retain(|p| p.fd != fd));
+}
+
+/// Spins until any socket of this thread is readable or the budget is spent.
+fn spin_until_any_readable(budget: Duration) {
+    let start = std::time::Instant::now();
+    SOCKETS.with(|s| {
+        let mut fds = s.borrow_mut();
+        loop {
+            // SAFETY: poll on live descriptors with a zero timeout.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+            if n != 0 || start.elapsed() >= budget {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+    });
+}
 
 /// Spins until `fd` is readable or the budget is spent.
 pub fn spin_until_readable(fd: i32, budget: Duration) {
@@ -198,6 +239,10 @@ async fn accept_loop(
         }
     };
     let uds = uds.and_then(|u| UnixListener::from_std(u).ok());
+    watch_socket(tcp.as_raw_fd());
+    if let Some(u) = &uds {
+        watch_socket(u.as_raw_fd());
+    }
     loop {
         tokio::select! {
             a = tcp.accept() => match a {
@@ -240,6 +285,17 @@ async fn accept_loop(
     }
 }
 
+/// Takes a connection's socket off the thread's spin list however `serve` ends.
+struct WatchGuard(Option<i32>);
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        if let Some(fd) = self.0 {
+            unwatch_socket(fd);
+        }
+    }
+}
+
 /// Per-connection state, buffers reused across frames.
 struct Connection {
     id: u64,
@@ -248,6 +304,10 @@ struct Connection {
     handshaken: bool,
     /// The socket to spin on between frames (None: never spin).
     spin_fd: Option<i32>,
+    /// When the last answer went out, and the average time the client took
+    /// to send its next frame (microseconds, clamped).
+    answered_at: std::time::Instant,
+    gap_ewma_us: u64,
     reservations: Vec<u64>,
     pins: Vec<Key>,
     payload: Vec<u8>,
@@ -280,6 +340,8 @@ impl Connection {
             shm,
             handshaken: false,
             spin_fd: None,
+            answered_at: std::time::Instant::now(),
+            gap_ewma_us: FRAME_GAP_CLAMP_US,
             reservations: Vec::new(),
             pins: Vec::new(),
             payload: Vec::new(),
@@ -361,15 +423,28 @@ impl Connection {
     }
 
     async fn serve<S: AsyncRead + AsyncWrite + Unpin>(&mut self, mut io: BufReader<S>) {
+        if let Some(fd) = self.spin_fd {
+            watch_socket(fd);
+        }
+        let _watch = WatchGuard(self.spin_fd);
         loop {
-            if let Some(fd) = self.spin_fd.filter(|_| io.buffer().is_empty()) {
-                spin_until_readable(fd, NEXT_FRAME_SPIN);
+            if self.spin_fd.is_some() && io.buffer().is_empty() {
+                // Adaptive: spin about as long as this client usually takes to
+                // send its next frame, and not at all for an idle client.
+                let spin = Duration::from_micros(self.gap_ewma_us * 3 / 2 + 20);
+                if spin <= NEXT_FRAME_SPIN_MAX {
+                    spin_until_any_readable(spin);
+                }
             }
             let mut head = [0u8; FRAME_HEADER_BYTES];
             if io.read_exact(&mut head).await.is_err() {
                 break;
             }
-            match self.frame(&mut io, &head).await {
+            let gap = (self.answered_at.elapsed().as_micros() as u64).min(FRAME_GAP_CLAMP_US);
+            self.gap_ewma_us = (3 * self.gap_ewma_us + gap) / 4;
+            let r = self.frame(&mut io, &head).await;
+            self.answered_at = std::time::Instant::now();
+            match r {
                 Ok(Next::Continue) => {}
                 Ok(Next::Close) => break,
                 Err(error) => {
