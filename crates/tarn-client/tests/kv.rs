@@ -518,6 +518,38 @@ fn eviction_with_nvme_tier_then_restart() {
     assert_eq!(check(&mut c, 0..200, len), kept);
 }
 
+/// Regression: after a TCP get, blocks read from the NVMe tier were promoted
+/// into RAM under the digests of the batch's first entries, not their own.
+/// With RAM hits ahead of disk hits in a batch, another key's RAM copy got
+/// the wrong bytes (caught by the checksum on the next read, as a miss).
+#[test]
+fn tcp_gets_promote_each_disk_block_under_its_own_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, server) = start(disk_config(dir.path()));
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    let len = 200 << 10;
+    fill(&mut c, 0..200, len); // 0.. are on disk now, the last ones in RAM
+                               // RAM hits first, then disk hits, in one batch; then read them all again.
+    let order: Vec<u64> = (190..200).chain(0..20).collect();
+    for _ in 0..2 {
+        let mut bufs: Vec<Vec<u8>> = order.iter().map(|_| vec![0u8; len]).collect();
+        let mut reqs: Vec<GetInto> = order
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(i, b)| GetInto::whole(digest(*i), b))
+            .collect();
+        let out = c.get_into(&mut reqs).unwrap();
+        for ((o, b), i) in out.iter().zip(&bufs).zip(&order) {
+            assert_eq!(o.status, Status::Ok, "block {i}");
+            assert_eq!(b, &value(*i, len), "block {i}");
+        }
+    }
+    let stats = c.stats().unwrap();
+    assert!(stat(&stats, "promoted") >= 20, "{stats:?}");
+    assert_eq!(stat(&stats, "corrupt_ram"), 0);
+    assert_eq!(stat(&stats, "namespace.misses_corrupt"), 0);
+}
+
 #[test]
 fn nvme_tier_wraps_when_full() {
     let dir = tempfile::tempdir().unwrap();

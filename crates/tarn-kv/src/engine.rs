@@ -262,8 +262,11 @@ pub struct DiskRead {
     pub crc: u32,
 }
 
-/// A verified value read from the NVMe tier.
+/// A verified value read from the NVMe tier, with the key it belongs to (so
+/// it can only ever be promoted under that key).
 pub struct DiskBytes {
+    key: Key,
+    crc: u32,
     buf: Arc<AlignedBuf>,
     start: usize,
     len: usize,
@@ -589,6 +592,8 @@ impl Engine {
             );
         let vstart = start + disk::record_header_len(read.namespace_len);
         let bytes = DiskBytes {
+            key: read.key,
+            crc: read.crc,
             buf,
             start: vstart,
             len: read.value_len as usize,
@@ -632,24 +637,15 @@ impl Engine {
 
     /// Puts a verified NVMe-tier value back in RAM. Returns the RAM reference
     /// (with a read reference when `hold`), or None when RAM has no room.
-    pub fn promote(
-        &self,
-        namespace: u32,
-        digest: &Digest,
-        bytes: &DiskBytes,
-        hold: bool,
-    ) -> Option<RamRef> {
-        let key = Key {
-            namespace,
-            digest: *digest,
-        };
+    pub fn promote(&self, bytes: &DiskBytes, hold: bool) -> Option<RamRef> {
+        let key = bytes.key;
         let mut st = self.lock();
         let st = &mut *st;
         let e = st.index.get(&key).copied()?;
         if e.ram != NO_SLOT {
             return Some(st.ram_ref(&self.arena, e.ram, &e, hold));
         }
-        if e.len != bytes.len as u64 {
+        if e.len != bytes.len as u64 || e.crc != bytes.crc {
             return None;
         }
         let class = st.class_for(e.len)?;
@@ -1189,7 +1185,6 @@ impl State {
         let key = self.meta(slot).key;
         self.list_remove(slot);
         let offset = self.slot_offset(arena, slot);
-        let class = self.slot_class(slot);
         if let Some(mut e) = self.index.get(&key).copied() {
             self.ram_live_bytes -= e.len;
             e.ram = NO_SLOT;
@@ -1210,7 +1205,6 @@ impl State {
                 self.ns_stats[key.namespace as usize].blocks -= 1;
             }
         }
-        let _ = class;
         arena.bump_generation(State::generation_index(arena, slot));
         let m = self.meta_mut(slot);
         m.state = SlotState::Free;
@@ -1267,8 +1261,6 @@ impl State {
 
     fn drop_segment(&mut self, seg: disk::Segment) {
         self.stats.disk_segments_dropped += 1;
-        let now_ms = 0; // pins are checked against their lease below
-        let _ = now_ms;
         for key in &seg.keys {
             let Some(mut e) = self.index.get(key).copied() else {
                 continue;
@@ -1278,7 +1270,8 @@ impl State {
             };
             e.disk = None;
             if e.ram == NO_SLOT && e.pins > 0 {
-                // Pinned and only here: copy it forward into the new segment.
+                // Pinned (an expired lease counts too: cheap to be safe) and
+                // only here: copy it forward into the new segment.
                 let ns_len = self.ns_names[key.namespace as usize].len();
                 let moved = DiskTier::read_record_sync(&seg, loc, ns_len, e.len)
                     .ok()

@@ -544,12 +544,8 @@ impl Connection {
                 format!("unknown op {}", h.op),
             )),
             Some(Op::Put) => unreachable!("handled before the payload is read"),
-            Some(Op::Get) => {
-                if self.shm {
-                    // Allowed on the Unix socket too: the data simply follows.
-                }
-                return self.get_tcp(io, h, payload, out).await;
-            }
+            // Allowed on the Unix socket too: the data simply follows.
+            Some(Op::Get) => return self.get_tcp(io, h, payload, out).await,
             Some(Op::GetShm) => self.get_shm(payload, out, reply).await,
             Some(Op::Exists) => self.digest_batch(payload).map(|ns| {
                 let mut present = std::mem::take(&mut self.present);
@@ -733,16 +729,8 @@ impl Connection {
         engine.release(&self.held);
         engine.count_read(ns, bulk, 0);
         // Promote what came from the NVMe tier, after the client has its bytes.
-        for (g, (plan, d)) in self.gets.iter().zip(
-            plans
-                .iter()
-                .filter(|p| matches!(p, ReadPlan::Disk(_)))
-                .zip(disk.iter()),
-        ) {
-            let _ = plan;
-            if let Ok(bytes) = d {
-                engine.promote(ns, &g.digest, bytes, false);
-            }
+        for bytes in disk.iter().flatten() {
+            engine.promote(bytes, false);
         }
         self.plans = plans;
         sent?;
@@ -777,7 +765,7 @@ impl Connection {
                 ReadPlan::Miss(s) => Err(*s),
                 ReadPlan::Ram(r) => Ok(*r),
                 ReadPlan::Disk(_) => match disk_iter.next().expect("one result per disk plan") {
-                    Ok(bytes) => engine.promote(ns, &g.digest, bytes, false).ok_or_else(|| {
+                    Ok(bytes) => engine.promote(bytes, false).ok_or_else(|| {
                         no_space += 1;
                         Status::NoSpace
                     }),
