@@ -560,10 +560,19 @@ impl DiskTier {
 
     /// Where to read the record at `loc`: a buffer still in memory (the open one
     /// is sealed first) or the file.
-    pub fn source(&mut self, loc: DiskLoc) -> Option<RecordSource> {
+    /// None only when the record's segment is gone.
+    pub fn source(&mut self, loc: DiskLoc, record_len: usize) -> Option<RecordSource> {
         if let Some(o) = &self.open {
-            if o.segment == loc.segment && loc.offset >= o.buf_offset {
-                self.seal_buffer().ok()?;
+            if o.segment == loc.segment && loc.offset >= o.buf_offset && self.seal_buffer().is_err()
+            {
+                // The flusher is behind and no buffer is free to swap in:
+                // copy the record out of the open buffer instead.
+                let o = self.open.as_ref()?;
+                let start = (loc.offset - o.buf_offset) as usize;
+                let bytes = o.buf.get(start..start + record_len)?;
+                let mut copy = AlignedBuf::with_capacity(record_len);
+                copy.extend_from_slice(bytes);
+                return Some(RecordSource::Memory(Arc::new(copy), 0));
             }
         }
         for p in &self.pending {

@@ -542,7 +542,8 @@ impl Engine {
             }
             let loc = e.disk.expect("an entry is in RAM or on disk");
             let ns_len = st.ns_names[namespace as usize].len();
-            match st.disk.as_mut().and_then(|d| d.source(loc)) {
+            let record_len = disk::record_len(ns_len, e.len) as usize;
+            match st.disk.as_mut().and_then(|d| d.source(loc, record_len)) {
                 Some(source) => out.push(ReadPlan::Disk(DiskRead {
                     key,
                     loc,
