@@ -63,13 +63,21 @@ fn main() {
         ServerOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             threads: 1,
-            pin_cores: false,
+            pin_cores: true,
             io_uring: true,
             shm: true,
         },
     )
     .expect("server");
     let addr = server.tcp_addr.to_string();
+    // The server thread is pinned to core 0 (as the daemon pins its threads);
+    // the client, like an inference engine's loader thread, sits on core 1.
+    // SAFETY: plain syscall on a zeroed cpu_set_t.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(1, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
     println!(
         "working set {} MiB, batches of {BATCH}, {seconds} s per phase, arena on {}",
         working_set >> 20,
