@@ -14,8 +14,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
 use tarn_kv::arena::Arena;
+use tarn_kv::mailbox::{self, Area, Mailbox};
 use tarn_kv::proto::*;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpStream, UnixStream};
 
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +59,14 @@ pub struct ConnectOptions {
     /// Namespace of every call (model, dtype, layout, block size, tenant).
     pub namespace: Vec<u8>,
     pub connect_timeout: Duration,
+    /// Over shared memory, send requests through a mailbox in shared memory
+    /// (no system call per request while the daemon is awake) instead of the
+    /// Unix socket.
+    pub shm_mailbox: bool,
+    /// How long a call spins waiting for its response before parking the
+    /// thread: a parked thread costs a wakeup (tens of microseconds on a VM)
+    /// per round trip, a spinning one costs a core while it waits.
+    pub response_spin: Duration,
 }
 
 impl Default for ConnectOptions {
@@ -66,6 +75,8 @@ impl Default for ConnectOptions {
             transport: TransportChoice::Auto,
             namespace: Vec::new(),
             connect_timeout: Duration::from_secs(5),
+            shm_mailbox: true,
+            response_spin: RESPONSE_SPIN_DEFAULT,
         }
     }
 }
@@ -215,12 +226,16 @@ struct Channel<S> {
     inp: Vec<u8>,
     next_id: u64,
     broken: bool,
+    response_spin: Duration,
+    /// Shared-memory connections that negotiated one: requests and responses
+    /// travel through it, and the socket only carries doorbells.
+    mailbox: Option<Mailbox>,
+    /// Sequence number of the last request posted to the mailbox.
+    mailbox_seq: u64,
 }
 
-/// How long a caller spins waiting for a response before parking its thread.
-/// A parked thread costs a wakeup (tens of microseconds on a VM) per round
-/// trip; KV calls usually answer within this budget.
-const RESPONSE_SPIN: Duration = Duration::from_micros(100);
+/// KV calls usually answer within this; see [`ConnectOptions::response_spin`].
+const RESPONSE_SPIN_DEFAULT: Duration = Duration::from_micros(100);
 
 impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     fn new(s: S) -> Self {
@@ -231,6 +246,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
             inp: Vec::new(),
             next_id: 1,
             broken: false,
+            response_spin: RESPONSE_SPIN_DEFAULT,
+            mailbox: None,
+            mailbox_seq: 0,
         }
     }
 
@@ -245,6 +263,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     async fn send(&mut self, bulk: &[&[u8]]) -> Result<()> {
         let total: u64 = bulk.iter().map(|b| b.len() as u64).sum();
         finish_frame(&mut self.out, total);
+        if let Some(mb) = &self.mailbox {
+            // Callers on a mailbox send control frames only (GET_SHM,
+            // RESERVE/COMMIT): bulk data goes through the arena.
+            assert!(bulk.is_empty(), "bulk data on a mailbox connection");
+            mb.write(Area::Request, &self.out)?;
+            self.mailbox_seq += 1;
+            mb.request_seq().store(self.mailbox_seq, Ordering::Release);
+            fence(Ordering::SeqCst);
+            if mb.server_parked().load(Ordering::Relaxed) != 0 {
+                mailbox::ring(self.fd);
+            }
+            return Ok(());
+        }
         let w = self.io.get_mut();
         w.write_all(&self.out).await?;
         for b in bulk {
@@ -256,11 +287,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     /// Reads a response header for request `id` and op `op`; an error frame
     /// becomes [`Error::Server`] (its payload read).
     async fn recv_head(&mut self, id: u64, op: Op) -> Result<FrameHeader> {
-        if self.io.buffer().is_empty() {
-            tarn_kv::server::spin_until_readable(self.fd, RESPONSE_SPIN);
-        }
         let mut head = [0u8; FRAME_HEADER_BYTES];
-        self.io.read_exact(&mut head).await?;
+        if self.mailbox.is_some() {
+            self.await_mailbox().await?;
+            let mb = self.mailbox.as_ref().expect("mailbox");
+            mb.read(Area::Response, 0, &mut head);
+        } else {
+            if self.io.buffer().is_empty() {
+                tarn_kv::server::spin_until_readable(self.fd, self.response_spin);
+            }
+            self.io.read_exact(&mut head).await?;
+        }
         let h = FrameHeader::decode(&head).map_err(|e| Error::Protocol(e.to_string()))?;
         if h.op == Op::Error as u16 | RESPONSE_BIT {
             if h.len > 4096 {
@@ -283,8 +320,52 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
             return Err(Error::Protocol(format!("response of {len} bytes")));
         }
         self.inp.resize(len as usize, 0);
+        if let Some(mb) = &self.mailbox {
+            if !mb.read(Area::Response, FRAME_HEADER_BYTES, &mut self.inp) {
+                return Err(Error::Protocol("response overruns the mailbox".into()));
+            }
+            return Ok(());
+        }
         self.io.read_exact(&mut self.inp).await?;
         Ok(())
+    }
+
+    /// Waits until the daemon has answered the last mailbox request: spins,
+    /// then parks on the socket until a doorbell (see `tarn_kv::mailbox`).
+    async fn await_mailbox(&mut self) -> Result<()> {
+        let Channel {
+            mailbox,
+            io,
+            response_spin,
+            mailbox_seq,
+            ..
+        } = self;
+        let mb = mailbox.as_ref().expect("mailbox");
+        let answered = || mb.response_seq().load(Ordering::Acquire) == *mailbox_seq;
+        if mailbox::spin_until(*response_spin, answered) {
+            return Ok(());
+        }
+        loop {
+            mb.client_parked().store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            if answered() {
+                mb.client_parked().store(0, Ordering::Relaxed);
+                return Ok(());
+            }
+            // Doorbell bytes carry no data: drain whatever is there.
+            let n = io.fill_buf().await?.len();
+            io.consume(n);
+            mb.client_parked().store(0, Ordering::Relaxed);
+            if n == 0 {
+                return Err(Error::Io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the KV server closed the connection",
+                )));
+            }
+            if answered() {
+                return Ok(());
+            }
+        }
     }
 
     /// A whole control response (no bulk data).
@@ -440,6 +521,55 @@ async fn discard<R: AsyncRead + Unpin>(r: &mut R, mut n: u64) -> io::Result<()> 
     Ok(())
 }
 
+/// The client's half of a GET over shared memory.
+trait CopyOut {
+    fn copy_out(&self, g: &ShmGetResult, req: &mut GetInto<'_>) -> Result<GetOutcome>;
+}
+
+impl CopyOut for Arena {
+    /// Copies one block the daemon located out of the arena into the caller's
+    /// buffer, checking the checksum (whole values) as it copies and the
+    /// slot's generation after: a block evicted while we copied is a miss.
+    fn copy_out(&self, g: &ShmGetResult, req: &mut GetInto<'_>) -> Result<GetOutcome> {
+        if g.status != Status::Ok {
+            return Ok(GetOutcome::miss(g.status));
+        }
+        if !self.check_range(g.arena_offset, g.data_len) {
+            return Err(Error::Protocol("arena offset out of range".into()));
+        }
+        if g.data_len > req.buf.len() as u64 {
+            return Ok(GetOutcome::miss(Status::BufferTooSmall));
+        }
+        let Some(generation) = self.generation(g.slot as usize) else {
+            return Err(Error::Protocol("slot out of range".into()));
+        };
+        let dst = &mut req.buf[..g.data_len as usize];
+        // SAFETY: range checked above. The daemon may reuse the slot while
+        // we copy; the generation check below (and the checksum) catch it.
+        let src = unsafe { self.slice(g.arena_offset, g.data_len as usize) };
+        let whole = req.offset == 0 && g.data_len == g.value_len;
+        let crc_ok = if whole {
+            copy_with_crc(dst, src) == g.crc
+        } else {
+            dst.copy_from_slice(src);
+            true
+        };
+        fence(Ordering::Acquire);
+        if generation.load(Ordering::Acquire) != g.generation {
+            // Evicted while we copied: a miss, not wrong bytes.
+            return Ok(GetOutcome::miss(Status::NotFound));
+        }
+        if !crc_ok {
+            return Ok(GetOutcome::miss(Status::Corrupt));
+        }
+        Ok(GetOutcome {
+            status: Status::Ok,
+            len: g.data_len,
+            value_len: g.value_len,
+        })
+    }
+}
+
 /// Shared memory: the control channel on the Unix socket plus the mapped arena.
 pub struct ShmTransport {
     ch: Channel<UnixStream>,
@@ -451,55 +581,37 @@ impl ShmTransport {
         let id = self.ch.begin(Op::GetShm);
         self.ch.encode_gets(ns, reqs);
         self.ch.send(&[]).await?;
+        let mut out = Vec::with_capacity(reqs.len());
+        // Through a mailbox the daemon publishes results as it finds them:
+        // copy each block as soon as its result is there.
+        if let Some(mb) = &self.ch.mailbox {
+            let seq = self.ch.mailbox_seq;
+            for (i, req) in reqs.iter_mut().enumerate() {
+                let published =
+                    || mb.progress(seq) > i || mb.response_seq().load(Ordering::Acquire) == seq;
+                if !mailbox::spin_until(self.ch.response_spin, published) || mb.progress(seq) <= i {
+                    // Parked daemon, or a response without streamed results
+                    // (an error): the whole response decides the rest.
+                    break;
+                }
+                let mut entry = [0u8; GET_SHM_RESULT_BYTES];
+                let at = FRAME_HEADER_BYTES + 4 + i * GET_SHM_RESULT_BYTES;
+                mb.read(Area::Response, at, &mut entry);
+                let g = ShmGetResult::decode(&mut Reader::new(&entry)).map_err(proto)?;
+                out.push(self.arena.copy_out(&g, req)?);
+            }
+        }
         self.ch.recv(id, Op::GetShm).await?;
         let mut r = Reader::new(&self.ch.inp);
         let n = r.u32().map_err(proto)? as usize;
         if n != reqs.len() {
             return Err(Error::Protocol("GET_SHM response count mismatch".into()));
         }
-        let mut out = Vec::with_capacity(n);
-        for req in reqs.iter_mut() {
+        for (i, req) in reqs.iter_mut().enumerate() {
             let g = ShmGetResult::decode(&mut r).map_err(proto)?;
-            if g.status != Status::Ok {
-                out.push(GetOutcome::miss(g.status));
-                continue;
+            if i >= out.len() {
+                out.push(self.arena.copy_out(&g, req)?);
             }
-            if !self.arena.check_range(g.arena_offset, g.data_len) {
-                return Err(Error::Protocol("arena offset out of range".into()));
-            }
-            if g.data_len > req.buf.len() as u64 {
-                out.push(GetOutcome::miss(Status::BufferTooSmall));
-                continue;
-            }
-            let Some(generation) = self.arena.generation(g.slot as usize) else {
-                return Err(Error::Protocol("slot out of range".into()));
-            };
-            let dst = &mut req.buf[..g.data_len as usize];
-            // SAFETY: range checked above. The daemon may reuse the slot while
-            // we copy; the generation check below (and the checksum) catch it.
-            let src = unsafe { self.arena.slice(g.arena_offset, g.data_len as usize) };
-            let whole = req.offset == 0 && g.data_len == g.value_len;
-            let crc_ok = if whole {
-                copy_with_crc(dst, src) == g.crc
-            } else {
-                dst.copy_from_slice(src);
-                true
-            };
-            fence(Ordering::Acquire);
-            if generation.load(Ordering::Acquire) != g.generation {
-                // Evicted while we copied: a miss, not wrong bytes.
-                out.push(GetOutcome::miss(Status::NotFound));
-                continue;
-            }
-            if !crc_ok {
-                out.push(GetOutcome::miss(Status::Corrupt));
-                continue;
-            }
-            out.push(GetOutcome {
-                status: Status::Ok,
-                len: g.data_len,
-                value_len: g.value_len,
-            });
         }
         Ok(out)
     }
@@ -739,6 +851,7 @@ impl KvClient {
         tcp.set_nodelay(true)?;
         let local = same_host(&tcp);
         let mut ch = Channel::new(tcp);
+        ch.response_spin = opts.response_spin;
         let hello = ch.hello(0).await?;
         let offered = hello.flags & HELLO_SHM_OFFERED != 0 && !hello.shm_socket.is_empty();
         let want_shm = opts.transport != TransportChoice::Tcp && offered && local;
@@ -748,7 +861,7 @@ impl KvClient {
             ));
         }
         if want_shm {
-            match connect_shm(&hello).await {
+            match connect_shm(&hello, &opts).await {
                 Ok(shm) => {
                     return Ok(KvClient {
                         t: AnyTransport::Shm(Box::new(shm)),
@@ -973,7 +1086,7 @@ fn same_host(s: &TcpStream) -> bool {
     }
 }
 
-async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
+async fn connect_shm(tcp_hello: &HelloReply, opts: &ConnectOptions) -> Result<ShmTransport> {
     use std::os::linux::net::SocketAddrExt;
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(&tcp_hello.shm_socket)?;
     let std_stream = std::os::unix::net::UnixStream::connect_addr(&addr)?;
@@ -984,7 +1097,12 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
     Hello {
         version_min: VERSION_MIN,
         version_max: VERSION_MAX,
-        flags: HELLO_WANT_SHM,
+        flags: HELLO_WANT_SHM
+            | if opts.shm_mailbox {
+                HELLO_WANT_MAILBOX
+            } else {
+                0
+            },
     }
     .encode(&mut out);
     finish_frame(&mut out, 0);
@@ -997,10 +1115,10 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
             Err(e) => return Err(e.into()),
         }
     }
-    // The reply frame carries the arena's descriptor.
+    // The reply frame carries the arena's descriptor (and the mailbox's).
     let mut buf = vec![0u8; 4096];
     let mut got = 0usize;
-    let mut fd: Option<OwnedFd> = None;
+    let mut fds: Vec<OwnedFd> = Vec::new();
     let total = loop {
         s.readable().await?;
         match s.try_io(tokio::io::Interest::READABLE, || {
@@ -1009,8 +1127,8 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
             Ok((0, _)) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
             Ok((n, f)) => {
                 got += n;
-                if f.is_some() {
-                    fd = f;
+                if !f.is_empty() {
+                    fds = f;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -1040,8 +1158,19 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
             "the shared-memory socket belongs to another server".into(),
         ));
     }
-    let fd = fd.ok_or_else(|| Error::Protocol("no arena descriptor in the HELLO reply".into()))?;
+    let mut fds = fds.into_iter();
+    let fd = fds
+        .next()
+        .ok_or_else(|| Error::Protocol("no arena descriptor in the HELLO reply".into()))?;
     let arena = Arena::open(fd)?;
+    let mailbox = if reply.flags & HELLO_MAILBOX != 0 {
+        let fd = fds
+            .next()
+            .ok_or_else(|| Error::Protocol("no mailbox descriptor in the HELLO reply".into()))?;
+        Some(Mailbox::open(fd)?)
+    } else {
+        None
+    };
     if arena.len() as u64 != reply.arena_bytes {
         return Err(Error::Protocol(
             "arena size differs from the HELLO reply".into(),
@@ -1049,10 +1178,13 @@ async fn connect_shm(tcp_hello: &HelloReply) -> Result<ShmTransport> {
     }
     let mut ch = Channel::new(s);
     ch.next_id = 2;
+    ch.response_spin = opts.response_spin;
+    ch.mailbox = mailbox;
     Ok(ShmTransport { ch, arena })
 }
 
-fn recvmsg_fd(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+/// Receives bytes and any descriptors attached to them, in the order sent.
+fn recvmsg_fd(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -1069,20 +1201,21 @@ fn recvmsg_fd(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)>
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
-        let mut fd = None;
+        let mut fds = Vec::new();
         let mut c = libc::CMSG_FIRSTHDR(&msg);
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<i32>());
-                // Take ownership so it is closed even if unused.
-                let owned = OwnedFd::from_raw_fd(raw);
-                if fd.is_none() {
-                    fd = Some(owned);
+                let data = libc::CMSG_DATA(c);
+                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..count {
+                    let raw = std::ptr::read_unaligned(data.add(i * 4).cast::<i32>());
+                    // Owned at once, so that any we do not use are closed.
+                    fds.push(OwnedFd::from_raw_fd(raw));
                 }
             }
             c = libc::CMSG_NXTHDR(&msg, c);
         }
-        Ok((n as usize, fd))
+        Ok((n as usize, fds))
     }
 }
 

@@ -13,6 +13,7 @@ pub mod arena;
 pub mod disk;
 pub mod engine;
 pub mod fuzz;
+pub mod mailbox;
 pub mod proto;
 pub mod server;
 

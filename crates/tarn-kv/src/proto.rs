@@ -40,6 +40,11 @@ pub const LENGTH_TO_END: u64 = u64::MAX;
 pub const HELLO_WANT_SHM: u32 = 1;
 /// HELLO response flag: the server offers shared memory (its socket name follows).
 pub const HELLO_SHM_OFFERED: u32 = 1;
+/// HELLO flag on the Unix socket: the client wants a request mailbox
+/// (`mailbox.rs`); requests then travel through it instead of the socket.
+pub const HELLO_WANT_MAILBOX: u32 = 2;
+/// HELLO response flag: a mailbox descriptor follows the arena's.
+pub const HELLO_MAILBOX: u32 = 2;
 /// COMMIT entry flag: give the reservation back without storing.
 pub const COMMIT_ABORT: u32 = 1;
 

@@ -5,11 +5,15 @@
 //! the socket). What a connection holds — reservations not yet committed,
 //! pins not yet released — is given back when it closes, however it closes,
 //! so a client killed mid-put leaves no partial block and leaks nothing.
+//!
+//! A shared-memory client may also ask for a request mailbox at HELLO
+//! (`mailbox.rs`): its requests and responses then travel through shared
+//! memory and the socket carries only doorbells.
 
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,12 +22,15 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::engine::{Engine, Key, ReadPlan};
+use crate::mailbox::{self, Area, Mailbox};
 use crate::proto::*;
 use crate::KvError;
 
 /// Longest wait for the rest of a frame once its header arrived: a client that
 /// stalls mid-put cannot hold its reservations forever.
 const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// GET_SHM results a mailbox publishes first; then twice as many each time.
+const STREAM_FIRST_KEYS: usize = 2;
 /// Reservations one connection may hold at once.
 const RESERVATIONS_PER_CONNECTION_MAX: usize = 2 * BATCH_MAX_KEYS;
 /// Pins one connection may hold at once.
@@ -60,6 +67,12 @@ fn unwatch_socket(fd: i32) {
     SOCKETS.with(|s| s.borrow_mut().retain(|p| p.fd != fd));
 }
 
+thread_local! {
+    /// Mailboxes served by this runtime thread: a spin ends when any of them
+    /// holds a request, as it does when a socket becomes readable.
+    static MAILBOXES: std::cell::RefCell<Vec<Arc<Mailbox>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Spins until any socket of this thread is readable or the budget is spent.
 fn spin_until_any_readable(budget: Duration) {
     let start = std::time::Instant::now();
@@ -68,7 +81,10 @@ fn spin_until_any_readable(budget: Duration) {
         loop {
             // SAFETY: poll on live descriptors with a zero timeout.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-            if n != 0 || start.elapsed() >= budget {
+            if n != 0
+                || MAILBOXES.with(|m| m.borrow().iter().any(|mb| mb.request_pending()))
+                || start.elapsed() >= budget
+            {
                 return;
             }
             std::hint::spin_loop();
@@ -272,7 +288,10 @@ async fn accept_loop(
                             return;
                         }
                         c.spin_fd = Some(s.as_raw_fd());
-                        c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await;
+                        match c.mailbox.take() {
+                            Some(mailbox) => c.serve_mailbox(s, mailbox).await,
+                            None => c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await,
+                        }
                     });
                 }
                 Err(error) => {
@@ -285,13 +304,29 @@ async fn accept_loop(
     }
 }
 
-/// Takes a connection's socket off the thread's spin list however `serve` ends.
-struct WatchGuard(Option<i32>);
+/// Takes a connection's socket (and mailbox) off the thread's spin lists
+/// however `serve` ends.
+struct WatchGuard(Option<i32>, Option<Arc<Mailbox>>);
+
+impl WatchGuard {
+    fn new(fd: Option<i32>, mailbox: Option<Arc<Mailbox>>) -> WatchGuard {
+        if let Some(fd) = fd {
+            watch_socket(fd);
+        }
+        if let Some(mb) = &mailbox {
+            MAILBOXES.with(|m| m.borrow_mut().push(mb.clone()));
+        }
+        WatchGuard(fd, mailbox)
+    }
+}
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
         if let Some(fd) = self.0 {
             unwatch_socket(fd);
+        }
+        if let Some(mb) = self.1.take() {
+            MAILBOXES.with(|m| m.borrow_mut().retain(|x| !Arc::ptr_eq(x, &mb)));
         }
     }
 }
@@ -304,6 +339,8 @@ struct Connection {
     handshaken: bool,
     /// The socket to spin on between frames (None: never spin).
     spin_fd: Option<i32>,
+    /// Set by a handshake that asked for a request mailbox.
+    mailbox: Option<Arc<Mailbox>>,
     /// When the last answer went out, and the average time the client took
     /// to send its next frame (microseconds, clamped).
     answered_at: std::time::Instant,
@@ -340,6 +377,7 @@ impl Connection {
             shm,
             handshaken: false,
             spin_fd: None,
+            mailbox: None,
             answered_at: std::time::Instant::now(),
             gap_ewma_us: FRAME_GAP_CLAMP_US,
             reservations: Vec::new(),
@@ -382,6 +420,10 @@ impl Connection {
                 HELLO_SHM_OFFERED
             } else {
                 0
+            } | if self.mailbox.is_some() {
+                HELLO_MAILBOX
+            } else {
+                0
             },
             value_max_bytes: e.config().value_max_bytes,
             batch_max_keys: BATCH_MAX_KEYS as u32,
@@ -410,23 +452,31 @@ impl Connection {
         let mut payload = vec![0u8; h.len as usize];
         read_exact_uds(s, &mut payload).await?;
         let mut out = Vec::new();
-        let hello = Hello::decode(&payload)
-            .and_then(|hello| self.hello_reply(&hello, h.request_id, &mut out));
+        let hello = Hello::decode(&payload).and_then(|hello| {
+            if hello.flags & HELLO_WANT_MAILBOX != 0 {
+                let mb = Mailbox::create().map_err(|e| {
+                    ProtoError::new(ErrorCode::Internal, format!("creating a mailbox: {e}"))
+                })?;
+                self.mailbox = Some(Arc::new(mb));
+            }
+            self.hello_reply(&hello, h.request_id, &mut out)
+        });
         if let Err(e) = hello {
             frame_error(&mut out, h.request_id, &e);
-            send_with_fd(s, &out, None).await?;
+            send_with_fd(s, &out, &[]).await?;
             return Err(io::Error::other(e));
         }
-        send_with_fd(s, &out, Some(self.engine().arena().fd().as_raw_fd())).await?;
+        let arena = self.engine().arena().fd().as_raw_fd();
+        match &self.mailbox {
+            Some(mb) => send_with_fd(s, &out, &[arena, mb.fd().as_raw_fd()]).await?,
+            None => send_with_fd(s, &out, &[arena]).await?,
+        }
         self.handshaken = true;
         Ok(())
     }
 
     async fn serve<S: AsyncRead + AsyncWrite + Unpin>(&mut self, mut io: BufReader<S>) {
-        if let Some(fd) = self.spin_fd {
-            watch_socket(fd);
-        }
-        let _watch = WatchGuard(self.spin_fd);
+        let _watch = WatchGuard::new(self.spin_fd, None);
         loop {
             if self.spin_fd.is_some() && io.buffer().is_empty() {
                 // Adaptive: spin about as long as this client usually takes to
@@ -522,7 +572,6 @@ impl Connection {
         payload: &[u8],
         out: &mut Vec<u8>,
     ) -> io::Result<Next> {
-        let reply = |out: &mut Vec<u8>| begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
         let result: Result<(), ProtoError> = match op {
             Some(Op::Hello) => {
                 let r = Hello::decode(payload)
@@ -539,14 +588,43 @@ impl Connection {
                 io.get_mut().write_all(out).await?;
                 return Ok(Next::Close);
             }
+            Some(Op::Put) => unreachable!("handled before the payload is read"),
+            // Allowed on the Unix socket too: the data simply follows.
+            Some(Op::Get) => return self.get_tcp(io, h, payload, out).await,
+            _ => self.control(op, h, payload, out, None).await,
+        };
+        match result {
+            Ok(()) => finish_frame(out, 0),
+            Err(e) => frame_error(out, h.request_id, &e),
+        }
+        io.get_mut().write_all(out).await?;
+        Ok(Next::Continue)
+    }
+
+    /// The operations whose requests and responses are control bytes only,
+    /// over a socket or through a mailbox. Leaves the response in `out`.
+    ///
+    /// `stream`: the mailbox (and the request's sequence) that GET_SHM may
+    /// publish its results through as it finds them.
+    async fn control(
+        &mut self,
+        op: Option<Op>,
+        h: &FrameHeader,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+        stream: Option<(&Mailbox, u64)>,
+    ) -> Result<(), ProtoError> {
+        let reply = |out: &mut Vec<u8>| begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
+        match op {
             None | Some(Op::Error) => Err(ProtoError::new(
                 ErrorCode::UnknownOp,
                 format!("unknown op {}", h.op),
             )),
-            Some(Op::Put) => unreachable!("handled before the payload is read"),
-            // Allowed on the Unix socket too: the data simply follows.
-            Some(Op::Get) => return self.get_tcp(io, h, payload, out).await,
-            Some(Op::GetShm) => self.get_shm(payload, out, reply).await,
+            Some(o @ (Op::Hello | Op::Get | Op::Put)) => Err(ProtoError::new(
+                ErrorCode::UnknownOp,
+                format!("{o:?} does not travel through a mailbox"),
+            )),
+            Some(Op::GetShm) => self.get_shm(payload, out, reply, stream).await,
             Some(Op::Exists) => self.digest_batch(payload).map(|ns| {
                 let mut present = std::mem::take(&mut self.present);
                 self.shared.engine.exists(ns, &self.digests, &mut present);
@@ -573,13 +651,108 @@ impl Connection {
                     Ok(())
                 })
             }
+        }
+    }
+
+    /// Serves a shared-memory connection whose requests come through its
+    /// mailbox (see `mailbox.rs` for the protocol). The socket only carries
+    /// doorbells now, and its end is the client's end.
+    async fn serve_mailbox(&mut self, s: UnixStream, mailbox: Arc<Mailbox>) {
+        let fd = s.as_raw_fd();
+        let _watch = WatchGuard::new(Some(fd), Some(mailbox.clone()));
+        let mb = &*mailbox;
+        let mut answered = 0u64;
+        let mut out = std::mem::take(&mut self.out);
+        loop {
+            let mut seq = mb.request_seq().load(Ordering::Acquire);
+            if seq == answered {
+                let spin = Duration::from_micros(self.gap_ewma_us * 3 / 2 + 20);
+                if spin <= NEXT_FRAME_SPIN_MAX {
+                    spin_until_any_readable(spin);
+                }
+                seq = mb.request_seq().load(Ordering::Acquire);
+            }
+            if seq == answered {
+                // Park: announce it, then look once more (the client
+                // publishes, then looks at the flag: one of us sees the other).
+                mb.server_parked().store(1, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                seq = mb.request_seq().load(Ordering::Acquire);
+                if seq == answered {
+                    let open = wait_doorbell(&s).await;
+                    mb.server_parked().store(0, Ordering::Relaxed);
+                    if !open {
+                        break;
+                    }
+                    continue;
+                }
+                mb.server_parked().store(0, Ordering::Relaxed);
+            }
+            let gap = (self.answered_at.elapsed().as_micros() as u64).min(FRAME_GAP_CLAMP_US);
+            self.gap_ewma_us = (3 * self.gap_ewma_us + gap) / 4;
+            self.answer_mailbox(mb, seq, &mut out).await;
+            mb.response_seq().store(seq, Ordering::Release);
+            fence(Ordering::SeqCst);
+            if mb.client_parked().load(Ordering::Relaxed) != 0 {
+                mailbox::ring(fd);
+            }
+            answered = seq;
+            self.answered_at = std::time::Instant::now();
+            // Other connections of this thread get their turn between requests.
+            tokio::task::yield_now().await;
+        }
+        self.out = out;
+        let engine = self.shared.engine.clone();
+        engine.release_connection(self.id, &self.reservations, &self.pins);
+        self.reservations.clear();
+        self.pins.clear();
+    }
+
+    /// Answers the request in the mailbox's request area. The area belongs to
+    /// an untrusted process: the frame is copied out once (header, then the
+    /// payload length it validated) and only the copy is parsed. Every request
+    /// gets a response frame, an error frame for a bad one: each request stands
+    /// alone, so a bad one does not lose the framing of the next.
+    async fn answer_mailbox(&mut self, mb: &Mailbox, seq: u64, out: &mut Vec<u8>) {
+        let mut head = [0u8; FRAME_HEADER_BYTES];
+        mb.read(Area::Request, 0, &mut head);
+        let h = match FrameHeader::decode(&head) {
+            Ok(h) if h.len <= CONTROL_MAX_BYTES as u64 => h,
+            Ok(h) => {
+                let e = ProtoError::new(
+                    ErrorCode::Limit,
+                    format!("frame of {} bytes exceeds {CONTROL_MAX_BYTES}", h.len),
+                );
+                frame_error(out, h.request_id, &e);
+                return self.post_response(mb, out, h.request_id);
+            }
+            Err(e) => {
+                frame_error(out, 0, &e);
+                return self.post_response(mb, out, 0);
+            }
         };
-        match result {
+        let mut payload = std::mem::take(&mut self.payload);
+        payload.resize(h.len as usize, 0);
+        let copied = mb.read(Area::Request, FRAME_HEADER_BYTES, &mut payload);
+        debug_assert!(copied, "the request area holds the largest control frame");
+        match self
+            .control(Op::from_u16(h.op), &h, &payload, out, Some((mb, seq)))
+            .await
+        {
             Ok(()) => finish_frame(out, 0),
             Err(e) => frame_error(out, h.request_id, &e),
         }
-        io.get_mut().write_all(out).await?;
-        Ok(Next::Continue)
+        self.payload = payload;
+        self.post_response(mb, out, h.request_id)
+    }
+
+    fn post_response(&self, mb: &Mailbox, out: &mut Vec<u8>, request_id: u64) {
+        if mb.write(Area::Response, out).is_err() {
+            let e = ProtoError::new(ErrorCode::Limit, "response exceeds the mailbox");
+            frame_error(out, request_id, &e);
+            mb.write(Area::Response, out)
+                .expect("an error frame fits the response area");
+        }
     }
 
     fn namespace(&self, name: &[u8]) -> Result<u32, ProtoError> {
@@ -739,11 +912,19 @@ impl Connection {
 
     /// GET over shared memory: where each block is in the arena; the client
     /// copies and checks. Blocks on the NVMe tier are promoted first.
+    ///
+    /// Through a mailbox (`stream`), results are published as they are found,
+    /// a few keys first and then twice as many each time: the client copies
+    /// the first blocks while the daemon looks up the rest. The lookups are
+    /// cache misses (index, slot, generation) after the client's copies have
+    /// swept the caches, ~0.4 µs a key here: 13 µs of waiting per 32 keys
+    /// when answered whole. A chunk's NVMe reads still run concurrently.
     async fn get_shm(
         &mut self,
         payload: &[u8],
         out: &mut Vec<u8>,
         reply: impl Fn(&mut Vec<u8>),
+        stream: Option<(&Mailbox, u64)>,
     ) -> Result<(), ProtoError> {
         if !self.shm {
             return Err(ProtoError::new(
@@ -754,46 +935,64 @@ impl Connection {
         let ns = self.get_entries(payload)?;
         let engine = self.shared.engine.clone();
         let mut plans = std::mem::take(&mut self.plans);
-        engine.plan_reads(ns, &self.gets, false, &mut plans);
-        let disk = read_disk_plans(&engine, &plans).await;
         reply(out);
         out.put_u32(self.gets.len() as u32);
-        let mut disk_iter = disk.iter();
         let (mut bytes_read, mut no_space) = (0u64, 0u64);
-        for (g, plan) in self.gets.iter().zip(&plans) {
-            let ram = match plan {
-                ReadPlan::Miss(s) => Err(*s),
-                ReadPlan::Ram(r) => Ok(*r),
-                ReadPlan::Disk(_) => match disk_iter.next().expect("one result per disk plan") {
-                    Ok(bytes) => engine.promote(bytes, false).ok_or_else(|| {
-                        no_space += 1;
-                        Status::NoSpace
-                    }),
-                    Err(s) => Err(*s),
-                },
+        let (mut done, mut chunk, mut published) = (0, STREAM_FIRST_KEYS, 0);
+        while done < self.gets.len() {
+            let n = match stream {
+                Some(_) => chunk.min(self.gets.len() - done),
+                None => self.gets.len(),
             };
-            let res = match ram {
-                Err(s) => ShmGetResult::miss(s),
-                Ok(r) => {
-                    let (off, len) = g.range(r.value_len).expect("range checked by plan_reads");
-                    let whole = off == 0 && len == r.value_len;
-                    if !whole && !engine.verify_ram(ns, &g.digest, &r) {
-                        ShmGetResult::miss(Status::Corrupt)
-                    } else {
-                        bytes_read += len;
-                        ShmGetResult {
-                            status: Status::Ok,
-                            crc: r.crc,
-                            value_len: r.value_len,
-                            data_len: len,
-                            arena_offset: r.value_offset + off,
-                            slot: r.generation_index,
-                            generation: r.generation,
+            let gets = &self.gets[done..done + n];
+            engine.plan_reads(ns, gets, false, &mut plans);
+            let disk = read_disk_plans(&engine, &plans).await;
+            let mut disk_iter = disk.iter();
+            for (g, plan) in gets.iter().zip(&plans) {
+                let ram = match plan {
+                    ReadPlan::Miss(s) => Err(*s),
+                    ReadPlan::Ram(r) => Ok(*r),
+                    ReadPlan::Disk(_) => {
+                        match disk_iter.next().expect("one result per disk plan") {
+                            Ok(bytes) => engine.promote(bytes, false).ok_or_else(|| {
+                                no_space += 1;
+                                Status::NoSpace
+                            }),
+                            Err(s) => Err(*s),
                         }
                     }
-                }
-            };
-            res.encode(out);
+                };
+                let res = match ram {
+                    Err(s) => ShmGetResult::miss(s),
+                    Ok(r) => {
+                        let (off, len) = g.range(r.value_len).expect("range checked by plan_reads");
+                        let whole = off == 0 && len == r.value_len;
+                        if !whole && !engine.verify_ram(ns, &g.digest, &r) {
+                            ShmGetResult::miss(Status::Corrupt)
+                        } else {
+                            bytes_read += len;
+                            ShmGetResult {
+                                status: Status::Ok,
+                                crc: r.crc,
+                                value_len: r.value_len,
+                                data_len: len,
+                                arena_offset: r.value_offset + off,
+                                slot: r.generation_index,
+                                generation: r.generation,
+                            }
+                        }
+                    }
+                };
+                res.encode(out);
+            }
+            done += n;
+            chunk *= 2;
+            if let Some((mb, seq)) = stream {
+                mb.write_at(Area::Response, published, &out[published..])
+                    .expect("a GET_SHM batch fits the response area");
+                published = out.len();
+                mb.publish_progress(seq, done);
+            }
         }
         engine.count_read(ns, bytes_read, no_space);
         self.plans = plans;
@@ -1063,19 +1262,43 @@ async fn read_exact_uds(s: &UnixStream, buf: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Sends `data` with an optional descriptor attached (SCM_RIGHTS).
-async fn send_with_fd(s: &UnixStream, data: &[u8], fd: Option<i32>) -> io::Result<()> {
+/// Waits for doorbell bytes on a mailbox connection's socket and drains them.
+/// False when the client closed its end (or the socket failed).
+async fn wait_doorbell(s: &UnixStream) -> bool {
+    let mut buf = [0u8; 64];
+    loop {
+        if s.readable().await.is_err() {
+            return false;
+        }
+        match s.try_read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => loop {
+                match s.try_read(&mut buf) {
+                    Ok(0) => return false,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                    Err(_) => return false,
+                }
+            },
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Sends `data` with descriptors attached (SCM_RIGHTS) to its first byte.
+async fn send_with_fd(s: &UnixStream, data: &[u8], fds: &[i32]) -> io::Result<()> {
     let mut sent = 0;
-    let mut fd = fd;
+    let mut fds = fds;
     while sent < data.len() {
         s.writable().await?;
         let r = s.try_io(tokio::io::Interest::WRITABLE, || {
-            sendmsg_fd(s.as_raw_fd(), &data[sent..], fd)
+            sendmsg_fd(s.as_raw_fd(), &data[sent..], fds)
         });
         match r {
             Ok(n) => {
                 sent += n;
-                fd = None;
+                fds = &[];
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
@@ -1084,27 +1307,35 @@ async fn send_with_fd(s: &UnixStream, data: &[u8], fd: Option<i32>) -> io::Resul
     Ok(())
 }
 
-fn sendmsg_fd(sock: i32, data: &[u8], fd: Option<i32>) -> io::Result<usize> {
+/// Descriptors one HELLO reply carries at most: the arena and a mailbox.
+const FDS_PER_MESSAGE_MAX: usize = 2;
+
+fn sendmsg_fd(sock: i32, data: &[u8], fds: &[i32]) -> io::Result<usize> {
+    assert!(fds.len() <= FDS_PER_MESSAGE_MAX);
     let mut iov = libc::iovec {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    // Room for one descriptor, 8-byte aligned as cmsg needs.
+    // Room for the descriptors, 8-byte aligned as cmsg needs.
     let mut cmsg_buf = [0u64; 4];
     // SAFETY: msghdr built over live buffers; CMSG macros stay inside cmsg_buf.
     unsafe {
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
-        if let Some(fd) = fd {
-            let space = libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) as usize;
+        if !fds.is_empty() {
+            let bytes = std::mem::size_of_val(fds) as u32;
             msg.msg_control = cmsg_buf.as_mut_ptr().cast();
-            msg.msg_controllen = space;
+            msg.msg_controllen = libc::CMSG_SPACE(bytes) as usize;
             let c = libc::CMSG_FIRSTHDR(&msg);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), fd);
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr().cast::<u8>(),
+                libc::CMSG_DATA(c),
+                bytes as usize,
+            );
         }
         let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
         if n < 0 {
