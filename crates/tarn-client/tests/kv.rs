@@ -58,15 +58,18 @@ fn value(i: u64, len: usize) -> Vec<u8> {
 }
 
 fn connect(server: &Server, choice: TransportChoice, ns: &[u8]) -> BlockingKvClient {
-    BlockingKvClient::connect(
-        &server.tcp_addr.to_string(),
+    connect_with(
+        server,
         ConnectOptions {
             transport: choice,
             namespace: ns.to_vec(),
             ..Default::default()
         },
     )
-    .expect("connect")
+}
+
+fn connect_with(server: &Server, opts: ConnectOptions) -> BlockingKvClient {
+    BlockingKvClient::connect(&server.tcp_addr.to_string(), opts).expect("connect")
 }
 
 fn stat(stats: &[(String, u64)], name: &str) -> u64 {
@@ -78,8 +81,24 @@ fn stat(stats: &[(String, u64)], name: &str) -> u64 {
 }
 
 fn roundtrip(choice: TransportChoice, kind: TransportKind) {
+    roundtrip_with(
+        ConnectOptions {
+            transport: choice,
+            ..Default::default()
+        },
+        kind,
+    );
+}
+
+fn roundtrip_with(opts: ConnectOptions, kind: TransportKind) {
     let (_engine, server) = start(small_config());
-    let mut c = connect(&server, choice, b"llama-tiny/f32/bs32");
+    let mut c = connect_with(
+        &server,
+        ConnectOptions {
+            namespace: b"llama-tiny/f32/bs32".to_vec(),
+            ..opts.clone()
+        },
+    );
     assert_eq!(c.transport(), kind);
     let n = 160u64; // more than one protocol batch of 128
     let len = 64 << 10;
@@ -193,7 +212,13 @@ fn roundtrip(choice: TransportChoice, kind: TransportKind) {
     );
 
     // Another namespace does not see these keys.
-    let mut other = connect(&server, choice, b"another-model");
+    let mut other = connect_with(
+        &server,
+        ConnectOptions {
+            namespace: b"another-model".to_vec(),
+            ..opts
+        },
+    );
     assert!(!other.exists(&[digest(2)]).unwrap().present[0]);
 
     let stats = c.stats().unwrap();
@@ -211,6 +236,58 @@ fn roundtrip_over_tcp() {
 #[test]
 fn roundtrip_over_shared_memory() {
     roundtrip(TransportChoice::Auto, TransportKind::Shm);
+}
+
+/// Requests over the Unix socket instead of the mailbox, as a client that
+/// does not ask for one (protocol version 1 clients) sends them.
+#[test]
+fn roundtrip_over_shared_memory_without_mailbox() {
+    roundtrip_with(
+        ConnectOptions {
+            transport: TransportChoice::Shm,
+            shm_mailbox: false,
+            ..Default::default()
+        },
+        TransportKind::Shm,
+    );
+}
+
+/// A client that never spins: every response wakes it through the socket
+/// (the daemon's doorbell), and every call finds it parked.
+#[test]
+fn roundtrip_over_shared_memory_parked_client() {
+    roundtrip_with(
+        ConnectOptions {
+            transport: TransportChoice::Shm,
+            response_spin: Duration::ZERO,
+            ..Default::default()
+        },
+        TransportKind::Shm,
+    );
+}
+
+/// The daemon stops spinning for a client that pauses between calls and
+/// parks on the socket; the client's next request must ring it awake.
+#[test]
+fn mailbox_wakes_a_parked_daemon() {
+    let (_engine, server) = start(small_config());
+    let mut c = connect(&server, TransportChoice::Shm, b"ns");
+    let data = value(1, 100_000);
+    c.put_from(&[PutFrom {
+        digest: digest(1),
+        data: &data,
+    }])
+    .unwrap();
+    let mut buf = vec![0u8; data.len()];
+    for pause_ms in [0u64, 5, 0, 0, 20, 1, 50] {
+        std::thread::sleep(Duration::from_millis(pause_ms));
+        let out = c
+            .get_into(&mut [GetInto::whole(digest(1), &mut buf)])
+            .unwrap();
+        assert_eq!(out[0].status, Status::Ok);
+        assert_eq!(buf, data);
+        assert!(c.exists(&[digest(1)]).unwrap().present[0]);
+    }
 }
 
 #[test]
@@ -964,6 +1041,184 @@ fn hostile_shared_memory_commits() {
     );
     let mut c = connect(&server, TransportChoice::Tcp, b"ns");
     assert!(!c.exists(&[digest(1)]).unwrap().present[0]);
+}
+
+mod mailbox_raw {
+    //! A hand-driven mailbox client: requests written straight into the
+    //! request area, as a buggy or hostile local process could.
+    use super::*;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::io::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{fence, Ordering};
+    use tarn_kv::mailbox::{self, Area, Mailbox};
+
+    pub fn connect(server: &Server) -> (UnixStream, Mailbox) {
+        use std::os::linux::net::SocketAddrExt;
+        let name = server.shm_socket.as_ref().unwrap();
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let mut s = UnixStream::connect_addr(&addr).unwrap();
+        let mut p = Vec::new();
+        Hello {
+            version_min: 1,
+            version_max: 1,
+            flags: HELLO_WANT_SHM | HELLO_WANT_MAILBOX,
+        }
+        .encode(&mut p);
+        s.write_all(&frame(Op::Hello as u16, 1, &p)).unwrap();
+        // The reply carries two descriptors: the arena, then the mailbox.
+        let mut buf = [0u8; 4096];
+        let mut cmsg = [0u64; 8];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: msghdr over live buffers; CMSG macros stay inside cmsg.
+        let fds = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = cmsg.as_mut_ptr().cast();
+            msg.msg_controllen = std::mem::size_of_val(&cmsg);
+            assert!(libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) > 0);
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            assert!(!c.is_null());
+            let n = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / 4;
+            let data = libc::CMSG_DATA(c).cast::<i32>();
+            (0..n)
+                .map(|i| OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))))
+                .collect::<Vec<_>>()
+        };
+        let h = FrameHeader::decode(buf[..FRAME_HEADER_BYTES].try_into().unwrap()).unwrap();
+        let reply = HelloReply::decode(&buf[FRAME_HEADER_BYTES..][..h.len as usize]).unwrap();
+        assert_ne!(reply.flags & HELLO_MAILBOX, 0);
+        assert_eq!(fds.len(), 2);
+        let mb = Mailbox::open(fds.into_iter().nth(1).unwrap()).unwrap();
+        (s, mb)
+    }
+
+    /// Places `bytes` in the request area as request `seq`, rings, and
+    /// returns the response frame (op, request id, payload).
+    pub fn call(s: &UnixStream, mb: &Mailbox, seq: u64, bytes: &[u8]) -> (u16, u64, Vec<u8>) {
+        mb.write(Area::Request, bytes).unwrap();
+        mb.request_seq().store(seq, Ordering::Release);
+        fence(Ordering::SeqCst);
+        mailbox::ring(s.as_raw_fd());
+        let answered = mailbox::spin_until(Duration::from_secs(10), || {
+            mb.response_seq().load(Ordering::Acquire) == seq
+        });
+        assert!(answered, "no response to request {seq}");
+        let mut head = [0u8; FRAME_HEADER_BYTES];
+        assert!(mb.read(Area::Response, 0, &mut head));
+        let h = FrameHeader::decode(&head).unwrap();
+        let mut payload = vec![0u8; h.len as usize];
+        assert!(mb.read(Area::Response, FRAME_HEADER_BYTES, &mut payload));
+        (h.op, h.request_id, payload)
+    }
+
+    pub fn expect_error(r: (u16, u64, Vec<u8>), code: ErrorCode) {
+        assert_eq!(
+            r.0,
+            Op::Error as u16 | RESPONSE_BIT,
+            "expected an error frame"
+        );
+        assert_eq!(decode_error(&r.2).code, code);
+    }
+}
+
+#[test]
+fn hostile_mailbox_requests_get_errors_and_the_server_keeps_serving() {
+    use mailbox_raw::{call, expect_error};
+    let (_engine, server) = start(small_config());
+    let mut good = connect(&server, TransportChoice::Shm, b"ns");
+    good.put_from(&[PutFrom {
+        digest: digest(1),
+        data: b"hello",
+    }])
+    .unwrap();
+    let (s, mb) = mailbox_raw::connect(&server);
+    let mut seq = 0;
+    let mut next = || {
+        seq += 1;
+        seq
+    };
+    // Garbage where a frame header should be: an error, and no framing is
+    // lost (each request stands alone in the mailbox).
+    expect_error(call(&s, &mb, next(), &[0xde; 64]), ErrorCode::BadHeader);
+    // A length beyond any control frame.
+    let mut f = exists_frame(2, &[digest(1)]);
+    f[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    expect_error(call(&s, &mb, next(), &f), ErrorCode::Limit);
+    // Unknown op; bulk and handshake ops, which never travel this way.
+    expect_error(
+        call(&s, &mb, next(), &frame(999, 3, b"x")),
+        ErrorCode::UnknownOp,
+    );
+    for op in [Op::Get, Op::Put, Op::Hello] {
+        expect_error(
+            call(&s, &mb, next(), &frame(op as u16, 4, b"")),
+            ErrorCode::UnknownOp,
+        );
+    }
+    // Counts that do not match the payload.
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 5, 0);
+    p.extend_from_slice(&[0u8; 32]);
+    expect_error(
+        call(&s, &mb, next(), &frame(Op::Exists as u16, 5, &p)),
+        ErrorCode::BadFrame,
+    );
+    // The header promises more payload than the client wrote: the server
+    // reads stale area bytes, which must parse or be refused, never trusted.
+    let mut f = exists_frame(6, &[digest(1)]);
+    let l = CONTROL_MAX_BYTES as u64;
+    f[8..16].copy_from_slice(&l.to_le_bytes());
+    expect_error(call(&s, &mb, next(), &f), ErrorCode::BadFrame);
+    // A spoofed response sequence does not hide the next request.
+    let seq_now = next();
+    mb.response_seq()
+        .store(seq_now, std::sync::atomic::Ordering::Release);
+    mb.write(
+        tarn_kv::mailbox::Area::Request,
+        &exists_frame(7, &[digest(1)]),
+    )
+    .unwrap();
+    mb.request_seq()
+        .store(seq_now, std::sync::atomic::Ordering::Release);
+    tarn_kv::mailbox::ring(std::os::unix::io::AsRawFd::as_raw_fd(&s));
+    let (op, id, p) = call(&s, &mb, next(), &exists_frame(8, &[digest(1)]));
+    assert_eq!((op, id), (Op::Exists as u16 | RESPONSE_BIT, 8));
+    assert!(ExistsReply::decode(&p, 1).unwrap().present[0]);
+    // A well-formed GET_SHM through the raw mailbox, streamed and whole alike.
+    let mut p = Vec::new();
+    put_batch_head(&mut p, b"ns", 2, 0);
+    for d in [digest(1), digest(2)] {
+        GetEntry {
+            digest: d,
+            offset: 0,
+            length: LENGTH_TO_END,
+        }
+        .encode(&mut p);
+    }
+    let s2 = next();
+    let (op, _, p) = call(&s, &mb, s2, &frame(Op::GetShm as u16, 9, &p));
+    assert_eq!(op, Op::GetShm as u16 | RESPONSE_BIT);
+    assert_eq!(mb.progress(s2), 2);
+    let mut r = Reader::new(&p);
+    assert_eq!(r.u32().unwrap(), 2);
+    assert_eq!(ShmGetResult::decode(&mut r).unwrap().status, Status::Ok);
+    assert_eq!(
+        ShmGetResult::decode(&mut r).unwrap().status,
+        Status::NotFound
+    );
+    drop(s);
+
+    // The well-behaved client never noticed.
+    let mut buf = [0u8; 5];
+    let out = good
+        .get_into(&mut [GetInto::whole(digest(1), &mut buf)])
+        .unwrap();
+    assert_eq!((out[0].status, &buf), (Status::Ok, b"hello"));
 }
 
 // ---- a client killed mid-put ----------------------------------------------

@@ -1,6 +1,6 @@
-//! Fuzzing entry point for every parser of KV wire bytes: the server's frame
-//! handling (through a real connection on an in-memory stream) and the
-//! client-side response decoders. Used by `fuzz/` (cargo-fuzz) and by the
+//! Fuzzing entry points for every parser of KV wire bytes: the server's frame
+//! handling (through a real connection on an in-memory stream, and through a
+//! shared-memory mailbox) and the client-side response decoders. Used by `fuzz/` (cargo-fuzz) and by the
 //! mutation test in `tests/fuzz.rs`, which runs in the normal test suite.
 
 use std::cell::RefCell;
@@ -9,6 +9,7 @@ use std::sync::{Arc, OnceLock};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::engine::{Engine, KvConfig};
+use crate::mailbox::{Area, Mailbox, REQUEST_AREA_BYTES, RESPONSE_AREA_BYTES};
 use crate::proto::*;
 
 fn engine() -> Arc<Engine> {
@@ -27,6 +28,20 @@ fn engine() -> Arc<Engine> {
 
 thread_local! {
     static RUNTIME: RefCell<Option<tokio::runtime::Runtime>> = const { RefCell::new(None) };
+    static MAILBOX: Mailbox = Mailbox::create().expect("fuzz mailbox");
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    RUNTIME.with(|rt| {
+        let mut rt = rt.borrow_mut();
+        let rt = rt.get_or_insert_with(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        });
+        rt.block_on(f)
+    })
 }
 
 /// What one input produced.
@@ -54,29 +69,20 @@ pub fn frames(data: &[u8]) -> Outcome {
     .encode(&mut input);
     finish_frame(&mut input, 0);
     input.extend_from_slice(data);
-    let output = RUNTIME.with(|rt| {
-        let mut rt = rt.borrow_mut();
-        let rt = rt.get_or_insert_with(|| {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-        });
-        rt.block_on(async move {
-            let (mut client, server) = tokio::io::duplex(256 << 10);
-            let serve = tokio::spawn(crate::server::serve_stream(engine, server));
-            let (mut rd, mut wr) = tokio::io::split(&mut client);
-            let write = async {
-                let _ = wr.write_all(&input).await;
-                let _ = wr.shutdown().await;
-            };
-            let mut out = Vec::new();
-            let read = rd.read_to_end(&mut out);
-            let (_, r) = tokio::join!(write, read);
-            let _ = r;
-            serve.await.expect("server task panicked");
-            out
-        })
+    let output = block_on(async move {
+        let (mut client, server) = tokio::io::duplex(256 << 10);
+        let serve = tokio::spawn(crate::server::serve_stream(engine, server));
+        let (mut rd, mut wr) = tokio::io::split(&mut client);
+        let write = async {
+            let _ = wr.write_all(&input).await;
+            let _ = wr.shutdown().await;
+        };
+        let mut out = Vec::new();
+        let read = rd.read_to_end(&mut out);
+        let (_, r) = tokio::join!(write, read);
+        let _ = r;
+        serve.await.expect("server task panicked");
+        out
     });
     let mut o = Outcome::default();
     let mut at = 0;
@@ -99,6 +105,40 @@ pub fn frames(data: &[u8]) -> Outcome {
     }
     assert!(o.frames >= 1, "no HELLO reply");
     o
+}
+
+/// Places `data` in a mailbox's request area (the rest of the area keeps
+/// whatever the previous input left, as a client's scribbles would) and has
+/// the server answer it: the response area must then hold one well-formed
+/// response frame, and streamed GET_SHM results must not run past it.
+pub fn mailbox(data: &[u8]) -> Outcome {
+    decoders(data);
+    let engine = engine();
+    MAILBOX.with(|mb| {
+        let seq = mb.request_seq().load(std::sync::atomic::Ordering::Relaxed) + 1;
+        mb.write(Area::Request, &data[..data.len().min(REQUEST_AREA_BYTES)])
+            .expect("fits");
+        mb.request_seq()
+            .store(seq, std::sync::atomic::Ordering::Release);
+        block_on(crate::server::answer_mailbox_once(engine, mb, seq));
+        let mut head = [0u8; FRAME_HEADER_BYTES];
+        assert!(mb.read(Area::Response, 0, &mut head));
+        let h = FrameHeader::decode(&head).expect("server wrote a bad frame header");
+        assert!(h.op & RESPONSE_BIT != 0, "non-response op {:#x}", h.op);
+        assert!(
+            FRAME_HEADER_BYTES as u64 + h.len <= RESPONSE_AREA_BYTES as u64,
+            "response frame runs past the area"
+        );
+        let streamed = mb.progress(seq);
+        if streamed > 0 {
+            assert_eq!(h.op, Op::GetShm as u16 | RESPONSE_BIT);
+            assert!(4 + streamed * GET_SHM_RESULT_BYTES <= h.len as usize);
+        }
+        Outcome {
+            frames: 1,
+            errors: (h.op == Op::Error as u16 | RESPONSE_BIT) as usize,
+        }
+    })
 }
 
 /// Client-side decoders must reject, never panic on, arbitrary bytes.

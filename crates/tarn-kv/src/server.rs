@@ -241,6 +241,22 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(engine: Arc<Engine>
         .await;
 }
 
+/// Answers one request placed in `mailbox` on a connection of its own (what
+/// the fuzz target drives; the daemon's connections run `serve_mailbox`).
+pub async fn answer_mailbox_once(engine: Arc<Engine>, mailbox: &Mailbox, seq: u64) {
+    let shared = Arc::new(Shared {
+        engine,
+        shm_socket: None,
+        next_conn: AtomicU64::new(1),
+    });
+    let mut c = Connection::new(u64::MAX, shared, true);
+    c.handshaken = true;
+    let mut out = Vec::new();
+    c.answer_mailbox(mailbox, seq, &mut out).await;
+    let engine = c.shared.engine.clone();
+    engine.release_connection(c.id, &c.reservations, &c.pins);
+}
+
 async fn accept_loop(
     tcp: std::net::TcpListener,
     uds: Option<std::os::unix::net::UnixListener>,

@@ -175,3 +175,27 @@ fn mutated_frames_never_break_the_server() {
         tarn_kv::fuzz::frames(&input);
     }
 }
+
+#[test]
+fn mutated_mailbox_requests_never_break_the_server() {
+    let corpus = corpus();
+    for f in &corpus {
+        let o = tarn_kv::fuzz::mailbox(f);
+        assert_eq!(o.frames, 1);
+    }
+    let mut rng = Rng(0x7a72_6e6b_7600_0002);
+    let iterations = std::env::var("TARN_FUZZ_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30_000usize)
+        / 3;
+    let mut errors = 0;
+    for _ in 0..iterations {
+        let input = mutate(&mut rng, &corpus);
+        errors += tarn_kv::fuzz::mailbox(&input).errors;
+    }
+    assert!(
+        errors > 0,
+        "mutations never produced an error: the mutator is broken"
+    );
+}
