@@ -225,6 +225,11 @@ struct Channel<S> {
     out: Vec<u8>,
     inp: Vec<u8>,
     next_id: u64,
+    /// Set while a request is unanswered, and kept after an I/O or protocol
+    /// error: a call whose future was dropped mid-flight (a cancelled await)
+    /// leaves its response unread, so the connection must not be reused. On
+    /// a mailbox that matters doubly: a new request would overwrite one the
+    /// daemon may still be reading.
     broken: bool,
     response_spin: Duration,
     /// Shared-memory connections that negotiated one: requests and responses
@@ -261,6 +266,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
 
     /// Sends the frame in `out` followed by `bulk` slices.
     async fn send(&mut self, bulk: &[&[u8]]) -> Result<()> {
+        self.broken = true;
         let total: u64 = bulk.iter().map(|b| b.len() as u64).sum();
         finish_frame(&mut self.out, total);
         if let Some(mb) = &self.mailbox {
@@ -304,6 +310,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
                 return Err(Error::Protocol("oversized error frame".into()));
             }
             self.read_payload(h.len).await?;
+            self.broken = false;
             return Err(Error::Server(decode_error(&self.inp)));
         }
         if h.op != op as u16 | RESPONSE_BIT || h.request_id != id {
@@ -371,7 +378,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     /// A whole control response (no bulk data).
     async fn recv(&mut self, id: u64, op: Op) -> Result<()> {
         let h = self.recv_head(id, op).await?;
-        self.read_payload(h.len).await
+        self.read_payload(h.len).await?;
+        self.broken = false;
+        Ok(())
     }
 
     async fn hello(&mut self, flags: u32) -> Result<HelloReply> {
@@ -485,6 +494,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
                 value_len: g.value_len,
             });
         }
+        self.broken = false;
         Ok(out)
     }
 

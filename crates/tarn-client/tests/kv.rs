@@ -266,6 +266,56 @@ fn roundtrip_over_shared_memory_parked_client() {
     );
 }
 
+/// A call whose future is dropped before its response arrives (a cancelled
+/// await) leaves the connection unusable, not silently out of step: on a
+/// mailbox, the next request would overwrite one the daemon may be reading.
+#[test]
+fn a_cancelled_call_breaks_the_connection() {
+    let (_engine, server) = start(small_config());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut cancelled = 0;
+        for _ in 0..10 {
+            let mut c = KvClient::connect(
+                &server.tcp_addr.to_string(),
+                ConnectOptions {
+                    transport: TransportChoice::Shm,
+                    response_spin: Duration::ZERO,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+            // A full batch keeps the daemon busy for longer than the client
+            // takes to reach its first wait, so the first poll finds no answer.
+            let mut bufs = vec![[0u8; 8]; BATCH_MAX_KEYS];
+            let mut reqs: Vec<GetInto> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| GetInto::whole(digest(i as u64), b))
+                .collect();
+            // A zero timeout polls the call once, then drops it.
+            let r = tokio::time::timeout(Duration::ZERO, c.get_into(&mut reqs)).await;
+            if r.is_ok() {
+                continue; // answered within one poll: nothing was cancelled
+            }
+            cancelled += 1;
+            let again = c.exists(&[digest(1)]).await;
+            assert!(
+                matches!(again, Err(tarn_client::Error::Broken)),
+                "{again:?}"
+            );
+        }
+        assert!(cancelled > 0, "no call was ever pending after one poll");
+    });
+    // The server is unharmed.
+    let mut c = connect(&server, TransportChoice::Shm, b"ns");
+    assert!(!c.exists(&[digest(1)]).unwrap().present[0]);
+}
+
 /// The daemon stops spinning for a client that pauses between calls and
 /// parks on the socket; the client's next request must ring it awake.
 #[test]
