@@ -10,6 +10,7 @@
 //! read. It must never know about S3 or objects; it calls only `tarn-io`.
 
 pub mod arena;
+mod crc_copy;
 pub mod disk;
 pub mod engine;
 pub mod fuzz;

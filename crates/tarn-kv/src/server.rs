@@ -44,6 +44,9 @@ const READ_BUFFER_BYTES: usize = 64 << 10;
 /// The spin watches every socket of the thread (connections and listeners)
 /// and ends as soon as any is readable, so it never holds up another client.
 const NEXT_FRAME_SPIN_MAX: Duration = Duration::from_micros(2000);
+/// While spinning, how often the sockets are polled (the mailboxes are looked
+/// at continuously): a frame on a socket waits at most this much longer.
+const SOCKET_POLL_INTERVAL: Duration = Duration::from_micros(5);
 /// Gaps longer than this count as idle: they are clamped before averaging so
 /// that a burst after a pause starts spinning after a couple of frames.
 const FRAME_GAP_CLAMP_US: u64 = 4000;
@@ -76,19 +79,32 @@ thread_local! {
 /// Spins until any socket of this thread is readable or the budget is spent.
 fn spin_until_any_readable(budget: Duration) {
     let start = std::time::Instant::now();
+    let mut polled = start;
     SOCKETS.with(|s| {
         let mut fds = s.borrow_mut();
-        loop {
-            // SAFETY: poll on live descriptors with a zero timeout.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-            if n != 0
-                || MAILBOXES.with(|m| m.borrow().iter().any(|mb| mb.request_pending()))
-                || start.elapsed() >= budget
-            {
-                return;
+        MAILBOXES.with(|m| {
+            let mailboxes = m.borrow();
+            loop {
+                // Mailboxes are memory: look at them every turn. Sockets take
+                // a system call (~1 µs here): poll them every few turns only.
+                if mailboxes.iter().any(|mb| mb.request_pending()) {
+                    return;
+                }
+                let now = std::time::Instant::now();
+                if now.duration_since(polled) >= SOCKET_POLL_INTERVAL || mailboxes.is_empty() {
+                    polled = now;
+                    // SAFETY: poll on live descriptors with a zero timeout.
+                    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+                    if n != 0 {
+                        return;
+                    }
+                }
+                if now.duration_since(start) >= budget {
+                    return;
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
-        }
+        })
     });
 }
 
