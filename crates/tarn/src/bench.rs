@@ -535,7 +535,7 @@ async fn worker(
         .expect("merge histograms");
 }
 
-fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     let s = s.trim();
     let (n, unit) = s.split_at(
         s.find(|c: char| !c.is_ascii_digit() && c != '.')

@@ -3,6 +3,7 @@
 
 mod admin;
 mod bench;
+mod bench_kv;
 mod config;
 mod metrics;
 mod server;
@@ -44,6 +45,8 @@ enum Command {
 enum BenchCommand {
     /// Drive any S3-compatible endpoint (path-style, SigV4).
     S3(Box<bench::S3BenchArgs>),
+    /// Drive the KV-cache store (`tarn server --kv`) over shared memory or TCP.
+    Kv(Box<bench_kv::KvBenchArgs>),
 }
 
 #[derive(clap::Args)]
@@ -458,6 +461,7 @@ fn main() {
         Command::Server(a) => run_server(*a),
         Command::Heal(a) => run_heal(a),
         Command::Bench(BenchCommand::S3(a)) => bench::run(*a),
+        Command::Bench(BenchCommand::Kv(a)) => bench_kv::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
