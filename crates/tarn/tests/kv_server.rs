@@ -203,7 +203,10 @@ fn bench_kv(d: &Daemon, args: &[&str]) -> (std::process::ExitStatus, String) {
         .args(args)
         .output()
         .expect("run tarn bench kv");
-    (out.status, String::from_utf8_lossy(&out.stdout).into_owned())
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }
 
 /// A number field of the bench's one-line JSON report.
@@ -241,7 +244,10 @@ fn bench_kv_runs_against_the_daemon_and_verifies_what_it_reads() {
                 ],
             );
             assert!(status.success(), "{transport} {op}: {out}");
-            assert!(out.contains(&format!("\"transport\":\"{transport}\"")), "{out}");
+            assert!(
+                out.contains(&format!("\"transport\":\"{transport}\"")),
+                "{out}"
+            );
             assert_eq!(json_number(&out, "batches"), 40.0, "{out}");
             assert_eq!(json_number(&out, "verify_failures"), 0.0, "{out}");
             assert!(out.contains("\"errors\":{}"), "{out}");
