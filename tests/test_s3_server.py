@@ -462,6 +462,32 @@ def test_damage_found_by_a_read_is_healed_in_the_background(server):
     assert "tarn_shards_reconstructed_total 0" not in m
 
 
+def test_tarn_bench_compares_endpoints_in_alternation(server):
+    """`tarn bench s3 --compare` runs the same workload against each endpoint in
+    alternating rounds, with per-endpoint credentials in the URL, and reports
+    every figure as a ratio to the first endpoint."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    other = server.endpoint.replace("http://", f"http://{ACCESS_KEY}:{SECRET_KEY}@")
+    args = [BIN, "bench", "s3", "--endpoint", server.endpoint, "--compare", other, "--rounds", "3",
+            "--op", "get", "--size", "64KiB", "--concurrency", "2", "--count", "30", "--objects", "4",
+            "--verify", "--bucket", "cmpbk"]
+    r = subprocess.run(args + ["--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    result = json.loads(r.stdout)
+    assert result["rounds"] == 3
+    assert [e["endpoint"] for e in result["endpoints"]] == [server.endpoint, server.endpoint]
+    for e in result["endpoints"]:
+        assert e["ops"] == 30 and e["errors"] == {} and e["verify_failures"] == 0
+    (ratios,) = result["ratios_to_first"]
+    assert set(ratios) == {"ops_per_sec", "mb_per_sec", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms"}
+    assert all(v > 0 for v in ratios.values())
+    # The text report names the endpoints without their credentials.
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert f"{server.endpoint} / {server.endpoint}: ops_per_sec" in r.stdout
+    assert SECRET_KEY not in r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("op,size", [("put", "64KiB"), ("get", "1MiB"), ("mixed", "300KiB"), ("list", "4KiB")])
 def test_tarn_bench_against_a_live_server(server, op, size):
     """`tarn bench s3` runs against the server, signs every request correctly,

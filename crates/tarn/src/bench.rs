@@ -5,6 +5,10 @@
 //! thread. Requests are signed with SigV4 (unsigned payload). Latency is
 //! recorded per request, from sending the head to the last body byte, in an
 //! HDR histogram.
+//!
+//! With `--compare`, the same workload runs against several endpoints in
+//! alternation (A B A B ...) and each figure is also given as a ratio to the
+//! first endpoint's, so that a comparison holds on a noisy machine.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -61,6 +65,14 @@ pub struct S3BenchArgs {
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Another endpoint to run the same workload against (repeatable), in
+    /// alternation with --endpoint; `http://KEY:SECRET@host:port` gives it
+    /// credentials of its own. Ratios to --endpoint are printed.
+    #[arg(long)]
+    pub compare: Vec<String>,
+    /// Phases per endpoint when comparing (each --duration / rounds long).
+    #[arg(long, default_value_t = 4)]
+    pub rounds: usize,
 }
 
 struct Target {
@@ -165,11 +177,138 @@ impl Shared {
     }
 }
 
-pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
-    let url = args.endpoint.trim_end_matches('/');
-    let Some(hostport) = url.strip_prefix("http://") else {
-        bail!("only http:// endpoints are supported")
+/// What a run (or several phases of it, merged) measured at one endpoint.
+#[derive(Clone)]
+struct Figures {
+    /// Latency per request in microseconds.
+    hist: Histogram<u64>,
+    ops: u64,
+    bytes: u64,
+    seconds: f64,
+    errors: std::collections::BTreeMap<String, u64>,
+    verify_failures: u64,
+}
+
+impl Figures {
+    fn empty() -> anyhow::Result<Figures> {
+        Ok(Figures {
+            hist: Histogram::new_with_bounds(1, 3_600_000_000, 3)?,
+            ops: 0,
+            bytes: 0,
+            seconds: 0.0,
+            errors: Default::default(),
+            verify_failures: 0,
+        })
+    }
+    fn merge(&mut self, o: &Figures) {
+        self.hist.add(&o.hist).expect("histograms of equal bounds");
+        self.ops += o.ops;
+        self.bytes += o.bytes;
+        self.seconds += o.seconds;
+        for (k, v) in &o.errors {
+            *self.errors.entry(k.clone()).or_default() += v;
+        }
+        self.verify_failures += o.verify_failures;
+    }
+    fn ops_per_sec(&self) -> f64 {
+        self.ops as f64 / self.seconds.max(1e-9)
+    }
+    fn mb_per_sec(&self) -> f64 {
+        self.bytes as f64 / self.seconds.max(1e-9) / 1e6
+    }
+    /// Latency at quantile `q` in milliseconds (`q` > 1: the maximum).
+    fn ms(&self, q: f64) -> f64 {
+        let us = if q > 1.0 {
+            self.hist.max()
+        } else {
+            self.hist.value_at_quantile(q)
+        };
+        us as f64 / 1000.0
+    }
+    /// The figures compared between endpoints, by name.
+    fn named(&self) -> [(&'static str, f64); 7] {
+        [
+            ("ops_per_sec", self.ops_per_sec()),
+            ("mb_per_sec", self.mb_per_sec()),
+            ("p50_ms", self.ms(0.5)),
+            ("p90_ms", self.ms(0.9)),
+            ("p99_ms", self.ms(0.99)),
+            ("p999_ms", self.ms(0.999)),
+            ("max_ms", self.ms(2.0)),
+        ]
+    }
+    fn json(&self, args: &S3BenchArgs, size: usize) -> String {
+        let errs: Vec<String> = self
+            .errors
+            .iter()
+            .map(|(k, v)| format!("\"{}\":{v}", k.replace(['"', '\\'], "'")))
+            .collect();
+        format!(
+            "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{}}}",
+            args.op,
+            args.concurrency,
+            self.seconds,
+            self.ops,
+            self.ops_per_sec(),
+            self.mb_per_sec(),
+            self.ms(0.5),
+            self.ms(0.9),
+            self.ms(0.99),
+            self.ms(0.999),
+            self.ms(2.0),
+            errs.join(","),
+            self.verify_failures
+        )
+    }
+    fn text(&self, verify: bool) -> String {
+        let mut s = format!(
+            "  {} ops in {:.2} s: {:.1} ops/s, {:.1} MB/s\n  latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}  p999 {:.3}  max {:.3}\n",
+            self.ops,
+            self.seconds,
+            self.ops_per_sec(),
+            self.mb_per_sec(),
+            self.ms(0.5),
+            self.ms(0.9),
+            self.ms(0.99),
+            self.ms(0.999),
+            self.ms(2.0)
+        );
+        if !self.errors.is_empty() {
+            s += &format!("  errors: {:?}\n", self.errors);
+        }
+        if verify {
+            s += &format!("  verify failures: {}\n", self.verify_failures);
+        }
+        s
+    }
+}
+
+/// `http://host:port`, or `http://KEY:SECRET@host:port` for an endpoint with
+/// credentials of its own.
+fn target_for(endpoint: &str, args: &S3BenchArgs) -> anyhow::Result<Target> {
+    let url = endpoint.trim_end_matches('/');
+    let Some(rest) = url.strip_prefix("http://") else {
+        bail!("only http:// endpoints are supported: {endpoint}")
     };
+    let (access_key, secret_key, hostport) = match rest.rsplit_once('@') {
+        Some((user, hostport)) => match user.split_once(':') {
+            Some((k, s)) => (k.to_string(), s.to_string(), hostport),
+            None => bail!("credentials in {endpoint} must be KEY:SECRET"),
+        },
+        None => (args.access_key.clone(), args.secret_key.clone(), rest),
+    };
+    Ok(Target {
+        host: hostport.to_string(),
+        addr: hostport.to_string(),
+        signer: Signer {
+            access_key,
+            secret_key,
+            region: args.region.clone(),
+        },
+    })
+}
+
+pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     let size = crate::config::parse_size(&args.size)? as usize;
     let duration = parse_duration(&args.duration)?;
     let threads = args
@@ -183,6 +322,19 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     if !["put", "get", "mixed", "list"].contains(&args.op.as_str()) {
         bail!("--op must be put, get, mixed or list");
     }
+    let mut endpoints = vec![args.endpoint.clone()];
+    endpoints.extend(args.compare.iter().cloned());
+    let targets: Vec<Arc<Target>> = endpoints
+        .iter()
+        .map(|e| target_for(e, &args).map(Arc::new))
+        .collect::<anyhow::Result<_>>()?;
+    // Alternating phases: A B A B ..., each endpoint getting the same share of
+    // the run, so that a noisy machine weighs on every endpoint alike.
+    let rounds = if targets.len() > 1 {
+        args.rounds.max(1)
+    } else {
+        1
+    };
     let bucket = args.bucket.clone().unwrap_or_else(|| {
         format!(
             "tarn-bench-{}",
@@ -191,15 +343,6 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
                 .map(|d| d.as_millis())
                 .unwrap_or(0)
         )
-    });
-    let target = Arc::new(Target {
-        host: hostport.to_string(),
-        addr: hostport.to_string(),
-        signer: Signer {
-            access_key: args.access_key.clone(),
-            secret_key: args.secret_key.clone(),
-            region: args.region.clone(),
-        },
     });
     let mut base = vec![0u8; size];
     let mut x = 0x2545_F491_4F6C_DD1Du64;
@@ -214,58 +357,241 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
 
-    // Setup: bucket, and the objects reads need.
-    rt.block_on(async {
-        let mut c = connect(&target).await?;
-        let (st, _, _) = request(
+    for target in &targets {
+        rt.block_on(setup(target, &bucket, &args, &base))?;
+    }
+    let mut figures = vec![Figures::empty()?; targets.len()];
+    let mut outcome = Ok(());
+    'rounds: for round in 0..rounds {
+        for (i, target) in targets.iter().enumerate() {
+            let phase_count = args
+                .count
+                .map(|c| c / rounds as u64 + u64::from((round as u64) < c % rounds as u64));
+            let label = if targets.len() > 1 {
+                format!("[{}] ", endpoints[i])
+            } else {
+                String::new()
+            };
+            match phase(
+                target,
+                &bucket,
+                &args,
+                &base,
+                duration / rounds as u32,
+                phase_count,
+                threads,
+                &label,
+            ) {
+                Ok(f) => figures[i].merge(&f),
+                Err(e) => {
+                    outcome = Err(e);
+                    break 'rounds;
+                }
+            }
+        }
+    }
+    if !args.json {
+        eprintln!();
+    }
+    if !args.keep {
+        for target in &targets {
+            rt.block_on(teardown(target, &bucket, &args));
+        }
+    }
+    outcome?;
+
+    if args.json {
+        if targets.len() == 1 {
+            println!("{}", figures[0].json(&args, size));
+        } else {
+            let each: Vec<String> = endpoints
+                .iter()
+                .zip(&figures)
+                .map(|(e, f)| {
+                    let j = f.json(&args, size);
+                    format!("{{\"endpoint\":\"{}\",{}", redact(e), &j[1..])
+                })
+                .collect();
+            let ratios: Vec<String> = figures[1..]
+                .iter()
+                .map(|f| {
+                    let r: Vec<String> = ratios(&figures[0], f)
+                        .iter()
+                        .map(|(n, v)| format!("\"{n}\":{v:.3}"))
+                        .collect();
+                    format!("{{{}}}", r.join(","))
+                })
+                .collect();
+            println!(
+                "{{\"rounds\":{rounds},\"endpoints\":[{}],\"ratios_to_first\":[{}]}}",
+                each.join(","),
+                ratios.join(",")
+            );
+        }
+    } else {
+        println!(
+            "op {} size {} concurrency {} threads {threads}{}",
+            args.op,
+            args.size,
+            args.concurrency,
+            if rounds > 1 {
+                format!(", {rounds} alternating rounds")
+            } else {
+                String::new()
+            }
+        );
+        for (e, f) in endpoints.iter().zip(&figures) {
+            if targets.len() > 1 {
+                println!("{}", redact(e));
+            }
+            print!("{}", f.text(args.verify));
+        }
+        for (e, f) in endpoints.iter().zip(&figures).skip(1) {
+            let r: Vec<String> = ratios(&figures[0], f)
+                .iter()
+                .map(|(n, v)| format!("{n} {v:.3}"))
+                .collect();
+            println!(
+                "{} / {}: {}",
+                redact(e),
+                redact(&endpoints[0]),
+                r.join("  ")
+            );
+        }
+    }
+    let errors: u64 = figures.iter().map(|f| f.errors.values().sum::<u64>()).sum();
+    let verify_failures: u64 = figures.iter().map(|f| f.verify_failures).sum();
+    if verify_failures > 0 || errors > 0 {
+        bail!("{errors} errors, {verify_failures} verify failures");
+    }
+    Ok(())
+}
+
+/// Each figure of `other` divided by the same figure of `first`.
+fn ratios(first: &Figures, other: &Figures) -> Vec<(&'static str, f64)> {
+    first
+        .named()
+        .iter()
+        .zip(other.named())
+        .map(|((n, a), (_, b))| (*n, if *a == 0.0 { 0.0 } else { b / a }))
+        .collect()
+}
+
+/// An endpoint as printed: credentials in it are not.
+fn redact(endpoint: &str) -> String {
+    match endpoint
+        .strip_prefix("http://")
+        .and_then(|r| r.rsplit_once('@'))
+    {
+        Some((_, hostport)) => format!("http://{hostport}"),
+        None => endpoint.to_string(),
+    }
+}
+
+/// The bucket, and the objects reads need.
+async fn setup(
+    target: &Target,
+    bucket: &str,
+    args: &S3BenchArgs,
+    base: &Bytes,
+) -> anyhow::Result<()> {
+    let mut c = connect(target).await?;
+    let (st, _, _) = request(
+        &mut c,
+        target,
+        "PUT",
+        &format!("/{bucket}"),
+        &[],
+        Bytes::new(),
+        false,
+    )
+    .await?;
+    if st != 200 && st != 409 {
+        bail!("creating bucket {bucket}: HTTP {st}");
+    }
+    if args.op == "get" || args.op == "mixed" || args.op == "list" {
+        let n = if args.op == "list" {
+            args.objects.max(1000)
+        } else {
+            args.objects
+        };
+        let body = if args.op == "list" {
+            Bytes::from_static(b"x")
+        } else {
+            base.clone()
+        };
+        for i in 0..n {
+            let (st, _, _) = request(
+                &mut c,
+                target,
+                "PUT",
+                &format!("/{bucket}/obj-{i}"),
+                &[],
+                object_body(&body, i, args.verify),
+                false,
+            )
+            .await?;
+            if st != 200 {
+                bail!("preparing object {i}: HTTP {st}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Removes what the run created (best effort: the run's result stands).
+async fn teardown(target: &Target, bucket: &str, args: &S3BenchArgs) {
+    let Ok(mut c) = connect(target).await else {
+        return;
+    };
+    let n = match args.op.as_str() {
+        "list" => args.objects.max(1000),
+        _ => args.objects,
+    };
+    for i in 0..n {
+        let _ = request(
             &mut c,
-            &target,
-            "PUT",
-            &format!("/{bucket}"),
+            target,
+            "DELETE",
+            &format!("/{bucket}/obj-{i}"),
             &[],
             Bytes::new(),
             false,
         )
-        .await?;
-        if st != 200 && st != 409 {
-            bail!("creating bucket {bucket}: HTTP {st}");
-        }
-        if args.op == "get" || args.op == "mixed" || args.op == "list" {
-            let n = if args.op == "list" {
-                args.objects.max(1000)
-            } else {
-                args.objects
-            };
-            let body = if args.op == "list" {
-                Bytes::from_static(b"x")
-            } else {
-                base.clone()
-            };
-            for i in 0..n {
-                let (st, _, _) = request(
-                    &mut c,
-                    &target,
-                    "PUT",
-                    &format!("/{bucket}/obj-{i}"),
-                    &[],
-                    object_body(&body, i, args.verify),
-                    false,
-                )
-                .await?;
-                if st != 200 {
-                    bail!("preparing object {i}: HTTP {st}");
-                }
-            }
-        }
-        Ok(())
-    })?;
+        .await;
+    }
+    let _ = request(
+        &mut c,
+        target,
+        "DELETE",
+        &format!("/{bucket}"),
+        &[],
+        Bytes::new(),
+        false,
+    )
+    .await;
+}
 
+/// One timed phase against one endpoint: `duration`, or `count` requests.
+#[allow(clippy::too_many_arguments)]
+fn phase(
+    target: &Arc<Target>,
+    bucket: &str,
+    args: &S3BenchArgs,
+    base: &Bytes,
+    duration: Duration,
+    count: Option<u64>,
+    threads: usize,
+    label: &str,
+) -> anyhow::Result<Figures> {
     let shared = Arc::new(Shared {
         hist: Mutex::new(Some(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)),
         ..Default::default()
     });
     let stop = Arc::new(AtomicBool::new(false));
     let issued = Arc::new(AtomicU64::new(0));
+    let mut phase_args = args.clone();
+    phase_args.count = count;
     let start = Instant::now();
     let mut handles = Vec::new();
     for t in 0..threads {
@@ -276,8 +602,8 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
             stop.clone(),
             issued.clone(),
             base.clone(),
-            bucket.clone(),
-            args.clone(),
+            bucket.to_string(),
+            phase_args.clone(),
         );
         handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -312,7 +638,7 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     loop {
         std::thread::sleep(Duration::from_millis(200));
         let elapsed = start.elapsed();
-        if args.count.is_none() && elapsed >= duration {
+        if count.is_none() && elapsed >= duration {
             stop.store(true, Ordering::Relaxed);
         }
         if handles.iter().all(|h| h.is_finished()) {
@@ -323,111 +649,27 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
             last = secs;
             let ops = shared.ops.load(Ordering::Relaxed);
             eprint!(
-                "\r{secs:>4}s  {ops:>9} ops  {:>9.1} ops/s  {:>9.1} MB/s",
+                "\r{label}{secs:>4}s  {ops:>9} ops  {:>9.1} ops/s  {:>9.1} MB/s",
                 ops as f64 / elapsed.as_secs_f64(),
                 shared.bytes.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6
             );
         }
     }
-    let wall = start.elapsed();
+    let seconds = start.elapsed().as_secs_f64();
     for h in handles {
         h.join()
             .map_err(|_| anyhow::anyhow!("bench thread panicked"))??;
     }
-    if !args.json {
-        eprintln!();
-    }
-
-    if !args.keep {
-        rt.block_on(async {
-            let mut c = connect(&target).await?;
-            let n = match args.op.as_str() {
-                "list" => args.objects.max(1000),
-                _ => args.objects,
-            };
-            for i in 0..n {
-                let _ = request(
-                    &mut c,
-                    &target,
-                    "DELETE",
-                    &format!("/{bucket}/obj-{i}"),
-                    &[],
-                    Bytes::new(),
-                    false,
-                )
-                .await;
-            }
-            let _ = request(
-                &mut c,
-                &target,
-                "DELETE",
-                &format!("/{bucket}"),
-                &[],
-                Bytes::new(),
-                false,
-            )
-            .await;
-            Ok::<_, anyhow::Error>(())
-        })?;
-    }
-
     let hist = shared.hist.lock().expect("hist").take().expect("histogram");
-    let ops = shared.ops.load(Ordering::Relaxed);
-    let bytes = shared.bytes.load(Ordering::Relaxed);
     let errors = shared.errors.lock().expect("errors").clone();
-    let verify_failures = shared.verify_failures.load(Ordering::Relaxed);
-    let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
-    if args.json {
-        let errs: Vec<String> = errors.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
-        println!(
-            "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{ops},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{verify_failures}}}",
-            args.op,
-            args.concurrency,
-            wall.as_secs_f64(),
-            ops as f64 / wall.as_secs_f64(),
-            bytes as f64 / wall.as_secs_f64() / 1e6,
-            ms(0.5),
-            ms(0.9),
-            ms(0.99),
-            ms(0.999),
-            hist.max() as f64 / 1000.0,
-            errs.join(",")
-        );
-    } else {
-        println!(
-            "op {} size {} concurrency {} threads {threads}: {ops} ops in {:.2} s",
-            args.op,
-            args.size,
-            args.concurrency,
-            wall.as_secs_f64()
-        );
-        println!(
-            "  {:.1} ops/s, {:.1} MB/s",
-            ops as f64 / wall.as_secs_f64(),
-            bytes as f64 / wall.as_secs_f64() / 1e6
-        );
-        println!(
-            "  latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}  p999 {:.3}  max {:.3}",
-            ms(0.5),
-            ms(0.9),
-            ms(0.99),
-            ms(0.999),
-            hist.max() as f64 / 1000.0
-        );
-        if !errors.is_empty() {
-            println!("  errors: {errors:?}");
-        }
-        if args.verify {
-            println!("  verify failures: {verify_failures}");
-        }
-    }
-    if verify_failures > 0 || !errors.is_empty() {
-        bail!(
-            "{} errors, {verify_failures} verify failures",
-            errors.values().sum::<u64>()
-        );
-    }
-    Ok(())
+    Ok(Figures {
+        hist,
+        ops: shared.ops.load(Ordering::Relaxed),
+        bytes: shared.bytes.load(Ordering::Relaxed),
+        seconds,
+        errors,
+        verify_failures: shared.verify_failures.load(Ordering::Relaxed),
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -563,6 +805,102 @@ mod tests {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
         assert!(parse_duration("5x").is_err());
+    }
+
+    fn figures(latencies_us: std::ops::RangeInclusive<u64>, seconds: f64) -> Figures {
+        let mut f = Figures::empty().unwrap();
+        for us in latencies_us {
+            f.hist.record(us).unwrap();
+            f.ops += 1;
+            f.bytes += 1_000_000;
+        }
+        f.seconds = seconds;
+        f
+    }
+
+    #[test]
+    fn figures_arithmetic_and_merging() {
+        let a = figures(1..=1000, 2.0);
+        assert_eq!(a.ops_per_sec(), 500.0);
+        assert_eq!(a.mb_per_sec(), 500.0);
+        for (q, exact) in [(0.5, 0.5), (0.9, 0.9), (0.99, 0.99), (0.999, 0.999)] {
+            let got = a.ms(q);
+            assert!((got - exact).abs() <= exact * 0.001 + 1e-6, "q {q}: {got}");
+        }
+        assert_eq!(a.ms(2.0), 1.0);
+        // Merging two phases adds counts and time; quantiles cover both.
+        let mut m = a.clone();
+        let mut b = figures(1001..=2000, 2.0);
+        b.errors.insert("HTTP 503".into(), 2);
+        m.merge(&b);
+        assert_eq!((m.ops, m.seconds), (2000, 4.0));
+        assert_eq!(m.ops_per_sec(), 500.0);
+        assert!((m.ms(0.5) - 1.0).abs() < 0.002, "{}", m.ms(0.5));
+        assert_eq!(m.errors["HTTP 503"], 2);
+        let j = m.json(&S3BenchArgs::for_test(), 1 << 20);
+        assert!(
+            j.contains("\"ops\":2000") && j.contains("\"HTTP 503\":2"),
+            "{j}"
+        );
+    }
+
+    #[test]
+    fn ratios_to_the_first_endpoint() {
+        let a = figures(1..=1000, 2.0);
+        let b = figures(1..=1000, 1.0); // the same work in half the time
+        let r: std::collections::HashMap<_, _> = ratios(&a, &b).into_iter().collect();
+        assert_eq!(r["ops_per_sec"], 2.0);
+        assert_eq!(r["mb_per_sec"], 2.0);
+        assert_eq!(r["p50_ms"], 1.0);
+        let empty = Figures::empty().unwrap();
+        assert_eq!(ratios(&empty, &a)[0].1, 0.0, "no division by zero");
+    }
+
+    #[test]
+    fn endpoints_with_credentials_and_redaction() {
+        let args = S3BenchArgs::for_test();
+        let t = target_for("http://k2:s2@127.0.0.1:9100/", &args).unwrap();
+        assert_eq!(
+            (
+                t.addr.as_str(),
+                t.signer.access_key.as_str(),
+                t.signer.secret_key.as_str()
+            ),
+            ("127.0.0.1:9100", "k2", "s2")
+        );
+        let t = target_for("http://127.0.0.1:9000", &args).unwrap();
+        assert_eq!(t.signer.access_key, "k");
+        assert!(target_for("https://x:1", &args).is_err());
+        assert!(target_for("http://nosecret@x:1", &args).is_err());
+        assert_eq!(
+            redact("http://k2:s2@127.0.0.1:9100"),
+            "http://127.0.0.1:9100"
+        );
+        assert_eq!(redact("http://127.0.0.1:9100"), "http://127.0.0.1:9100");
+    }
+
+    impl S3BenchArgs {
+        fn for_test() -> S3BenchArgs {
+            S3BenchArgs {
+                endpoint: "http://127.0.0.1:9000".into(),
+                access_key: "k".into(),
+                secret_key: "s".into(),
+                region: "us-east-1".into(),
+                bucket: None,
+                op: "get".into(),
+                size: "1MiB".into(),
+                concurrency: 1,
+                duration: "1s".into(),
+                count: None,
+                objects: 1,
+                verify: false,
+                keep: false,
+                threads: None,
+                json: false,
+                compare: Vec::new(),
+                rounds: 4,
+            }
+        }
     }
 
     #[test]
