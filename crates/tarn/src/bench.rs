@@ -36,9 +36,13 @@ pub struct S3BenchArgs {
     /// Bucket to use; created and removed unless --keep. Default: a fresh name.
     #[arg(long)]
     pub bucket: Option<String>,
-    /// put, get, mixed (70% get, 30% put) or list.
+    /// put, get, mixed (70% get, 30% put), list, or multipart (each
+    /// operation one whole multipart upload of --size in --part-size parts).
     #[arg(long, default_value = "put")]
     pub op: String,
+    /// Part size of --op multipart.
+    #[arg(long, default_value = "8MiB")]
+    pub part_size: String,
     /// Object size, e.g. 4KiB, 1MiB, 64MiB.
     #[arg(long, default_value = "1MiB")]
     pub size: String,
@@ -95,6 +99,16 @@ async fn connect(t: &Target) -> anyhow::Result<Conn> {
     Ok(sender)
 }
 
+/// What a request got back.
+struct Reply {
+    status: u16,
+    /// Body bytes received.
+    len: u64,
+    /// The body, when asked to keep it.
+    body: Option<Bytes>,
+    etag: Option<String>,
+}
+
 /// One signed request; returns the status and the body length (and the body
 /// itself when `keep_body`).
 async fn request(
@@ -105,7 +119,7 @@ async fn request(
     query: &[(&str, &str)],
     body: Bytes,
     keep_body: bool,
-) -> anyhow::Result<(u16, u64, Option<Bytes>)> {
+) -> anyhow::Result<Reply> {
     let unix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
     let mut uri = crate::sigv4::uri_encode(path, true);
     if !query.is_empty() {
@@ -137,6 +151,11 @@ async fn request(
     c.ready().await?;
     let resp = c.send_request(req).await?;
     let status = resp.status().as_u16();
+    let etag = resp
+        .headers()
+        .get(http::header::ETAG)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let mut body = resp.into_body();
     let mut len = 0u64;
     let mut kept = keep_body.then(bytes::BytesMut::new);
@@ -148,7 +167,12 @@ async fn request(
             }
         }
     }
-    Ok((status, len, kept.map(|k| k.freeze())))
+    Ok(Reply {
+        status,
+        len,
+        body: kept.map(|k| k.freeze()),
+        etag,
+    })
 }
 
 /// Body of object `i`: a shared random buffer with the index stamped in front,
@@ -319,8 +343,11 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
                 .unwrap_or(1)
         })
         .clamp(1, args.concurrency.max(1));
-    if !["put", "get", "mixed", "list"].contains(&args.op.as_str()) {
-        bail!("--op must be put, get, mixed or list");
+    if !["put", "get", "mixed", "list", "multipart"].contains(&args.op.as_str()) {
+        bail!("--op must be put, get, mixed, list or multipart");
+    }
+    if args.op == "multipart" && args.part_size_bytes() < 5 << 20 && args.part_size_bytes() < size {
+        bail!("--part-size must be at least 5MiB (S3's smallest part but the last)");
     }
     let mut endpoints = vec![args.endpoint.clone()];
     endpoints.extend(args.compare.iter().cloned());
@@ -477,6 +504,79 @@ fn ratios(first: &Figures, other: &Figures) -> Vec<(&'static str, f64)> {
         .collect()
 }
 
+impl S3BenchArgs {
+    fn part_size_bytes(&self) -> usize {
+        crate::config::parse_size(&self.part_size)
+            .map(|n| n as usize)
+            .unwrap_or(8 << 20)
+            .max(1)
+    }
+}
+
+/// One whole multipart upload of `body` to `key`: create, the parts in order
+/// on this connection, complete. Returns the completion's reply.
+async fn multipart_upload(
+    c: &mut Conn,
+    t: &Target,
+    key: &str,
+    body: Bytes,
+    part_size: usize,
+) -> anyhow::Result<Reply> {
+    let created = request(c, t, "POST", key, &[("uploads", "")], Bytes::new(), true).await?;
+    if created.status != 200 {
+        return Ok(created);
+    }
+    let xml = created.body.unwrap_or_default();
+    let xml = std::str::from_utf8(&xml).context("CreateMultipartUpload reply")?;
+    let upload_id = xml
+        .split_once("<UploadId>")
+        .and_then(|(_, rest)| rest.split_once("</UploadId>"))
+        .map(|(id, _)| id.to_string())
+        .context("no UploadId in the CreateMultipartUpload reply")?;
+    let mut complete = String::from("<CompleteMultipartUpload>");
+    let parts = body.len().div_ceil(part_size).max(1);
+    for n in 0..parts {
+        let part = body.slice(n * part_size..((n + 1) * part_size).min(body.len()));
+        let number = (n + 1).to_string();
+        let r = request(
+            c,
+            t,
+            "PUT",
+            key,
+            &[("partNumber", &number), ("uploadId", &upload_id)],
+            part,
+            false,
+        )
+        .await?;
+        let Some(etag) = r.etag.clone().filter(|_| r.status == 200) else {
+            // Leave nothing behind on the server.
+            let _ = request(
+                c,
+                t,
+                "DELETE",
+                key,
+                &[("uploadId", &upload_id)],
+                Bytes::new(),
+                false,
+            )
+            .await;
+            return Ok(r);
+        };
+        complete += &format!("<Part><PartNumber>{number}</PartNumber><ETag>{etag}</ETag></Part>");
+    }
+    complete += "</CompleteMultipartUpload>";
+    request(
+        c,
+        t,
+        "POST",
+        key,
+        &[("uploadId", &upload_id)],
+        Bytes::from(complete),
+        false,
+    )
+    .await
+}
+
 /// An endpoint as printed: credentials in it are not.
 fn redact(endpoint: &str) -> String {
     match endpoint
@@ -496,7 +596,7 @@ async fn setup(
     base: &Bytes,
 ) -> anyhow::Result<()> {
     let mut c = connect(target).await?;
-    let (st, _, _) = request(
+    let st = request(
         &mut c,
         target,
         "PUT",
@@ -505,7 +605,8 @@ async fn setup(
         Bytes::new(),
         false,
     )
-    .await?;
+    .await?
+    .status;
     if st != 200 && st != 409 {
         bail!("creating bucket {bucket}: HTTP {st}");
     }
@@ -521,7 +622,7 @@ async fn setup(
             base.clone()
         };
         for i in 0..n {
-            let (st, _, _) = request(
+            let st = request(
                 &mut c,
                 target,
                 "PUT",
@@ -530,7 +631,8 @@ async fn setup(
                 object_body(&body, i, args.verify),
                 false,
             )
-            .await?;
+            .await?
+            .status;
             if st != 200 {
                 bail!("preparing object {i}: HTTP {st}");
             }
@@ -717,6 +819,16 @@ async fn worker(
         let begin = Instant::now();
         let key = format!("/{bucket}/obj-{i}");
         let result = match op {
+            "multipart" => {
+                multipart_upload(
+                    c,
+                    t,
+                    &key,
+                    object_body(base, i, args.verify),
+                    args.part_size_bytes(),
+                )
+                .await
+            }
             "put" => {
                 request(
                     c,
@@ -745,11 +857,13 @@ async fn worker(
         };
         let elapsed = begin.elapsed();
         match result {
-            Ok((status, len, body)) if (200..300).contains(&status) => {
+            Ok(Reply {
+                status, len, body, ..
+            }) if (200..300).contains(&status) => {
                 let _ = local.record(elapsed.as_micros().max(1) as u64);
                 shared.ops.fetch_add(1, Ordering::Relaxed);
                 let payload = match op {
-                    "put" => base.len() as u64,
+                    "put" | "multipart" => base.len() as u64,
                     _ => len,
                 };
                 shared.bytes.fetch_add(payload, Ordering::Relaxed);
@@ -760,7 +874,7 @@ async fn worker(
                     }
                 }
             }
-            Ok((status, _, _)) => shared.error(format!("HTTP {status}")),
+            Ok(Reply { status, .. }) => shared.error(format!("HTTP {status}")),
             Err(e) => {
                 shared.error(format!("{e}").chars().take(60).collect());
                 conn = None;
@@ -899,6 +1013,7 @@ mod tests {
                 json: false,
                 compare: Vec::new(),
                 rounds: 4,
+                part_size: "8MiB".into(),
             }
         }
     }
