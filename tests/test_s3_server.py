@@ -488,6 +488,24 @@ def test_tarn_bench_compares_endpoints_in_alternation(server):
     assert SECRET_KEY not in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("op", ["put", "get", "mixed", "list", "multipart"])
+def test_tarn_bench_sink_measures_the_bench_itself(op):
+    """`--endpoint sink` runs every workload against an in-process responder
+    that stores nothing (the bench's own ceiling), reads verified."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s")
+    r = subprocess.run(
+        [BIN, "bench", "s3", "--endpoint", "sink", "--op", op, "--size", "6MiB" if op == "multipart" else "256KiB",
+         "--part-size", "5MiB", "--concurrency", "4", "--count", "50", "--objects", "8", "--verify", "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    result = json.loads(r.stdout)
+    assert result["ops"] == 50 and result["errors"] == {} and result["verify_failures"] == 0
+    assert result["ops_per_sec"] > 0
+    if op != "list":
+        assert result["mb_per_sec"] > 0
+
+
 def test_tarn_bench_multipart_uploads_whole_objects(server):
     """`tarn bench s3 --op multipart`: each operation is a whole multipart
     upload (create, parts, complete) that leaves a real multipart object."""

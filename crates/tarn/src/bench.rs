@@ -24,7 +24,9 @@ use crate::sigv4::Signer;
 
 #[derive(clap::Args, Clone)]
 pub struct S3BenchArgs {
-    /// Endpoint, e.g. http://127.0.0.1:9000 (path-style requests).
+    /// Endpoint, e.g. http://127.0.0.1:9000 (path-style requests); `sink`
+    /// runs against a trivial in-process responder that stores nothing, which
+    /// measures the bench's own ceiling.
     #[arg(long)]
     pub endpoint: String,
     #[arg(long, env = "AWS_ACCESS_KEY_ID")]
@@ -349,8 +351,20 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     if args.op == "multipart" && args.part_size_bytes() < 5 << 20 && args.part_size_bytes() < size {
         bail!("--part-size must be at least 5MiB (S3's smallest part but the last)");
     }
+    let mut base = vec![0u8; size];
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    for b in base.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let base = Bytes::from(base);
     let mut endpoints = vec![args.endpoint.clone()];
     endpoints.extend(args.compare.iter().cloned());
+    for e in endpoints.iter_mut().filter(|e| *e == "sink") {
+        *e = start_sink(base.clone(), args.verify, threads)?;
+    }
     let targets: Vec<Arc<Target>> = endpoints
         .iter()
         .map(|e| target_for(e, &args).map(Arc::new))
@@ -371,15 +385,6 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
                 .unwrap_or(0)
         )
     });
-    let mut base = vec![0u8; size];
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    for b in base.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
-    let base = Bytes::from(base);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -575,6 +580,83 @@ async fn multipart_upload(
         false,
     )
     .await
+}
+
+/// Starts the trivial S3 responder `--endpoint sink` runs against, on
+/// `threads` threads of its own; returns its URL. It reads every request
+/// body, answers GETs of `obj-N` with the bytes the bench would have stored
+/// (no copy unless --verify stamps them), and everything else with the
+/// smallest valid reply. It stores nothing, so what the bench measures
+/// against it is the bench's own cost per request and per byte.
+fn start_sink(base: Bytes, stamp: bool, threads: usize) -> anyhow::Result<String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let url = format!("http://{}", listener.local_addr()?);
+    for n in 0..threads {
+        let listener = listener.try_clone()?;
+        let base = base.clone();
+        std::thread::Builder::new()
+            .name(format!("bench-sink-{n}"))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("sink runtime");
+                rt.block_on(async move {
+                    let listener =
+                        tokio::net::TcpListener::from_std(listener).expect("sink listener");
+                    while let Ok((stream, _)) = listener.accept().await {
+                        let _ = stream.set_nodelay(true);
+                        let base = base.clone();
+                        tokio::spawn(async move {
+                            let svc = hyper::service::service_fn(move |req| {
+                                sink_reply(req, base.clone(), stamp)
+                            });
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(TokioIo::new(stream), svc)
+                                .await;
+                        });
+                    }
+                });
+            })?;
+    }
+    Ok(url)
+}
+
+async fn sink_reply(
+    req: http::Request<hyper::body::Incoming>,
+    base: Bytes,
+    stamp: bool,
+) -> Result<http::Response<Full<Bytes>>, std::convert::Infallible> {
+    let (parts, mut body) = req.into_parts();
+    while let Some(frame) = body.frame().await {
+        if frame.is_err() {
+            break;
+        }
+    }
+    let query = parts.uri.query().unwrap_or("");
+    let object = parts
+        .uri
+        .path()
+        .rsplit_once("/obj-")
+        .and_then(|(_, n)| n.parse::<u64>().ok());
+    let reply = |status: u16, body: Bytes| {
+        http::Response::builder()
+            .status(status)
+            .header(http::header::ETAG, "\"0\"")
+            .body(Full::new(body))
+            .expect("static response")
+    };
+    Ok(match (parts.method.as_str(), object) {
+        ("GET", Some(i)) => reply(200, object_body(&base, i, stamp)),
+        ("GET", None) => reply(200, Bytes::from_static(b"<ListBucketResult></ListBucketResult>")),
+        ("POST", _) if query.contains("uploads") => reply(
+            200,
+            Bytes::from_static(b"<InitiateMultipartUploadResult><UploadId>sink</UploadId></InitiateMultipartUploadResult>"),
+        ),
+        ("DELETE", _) => reply(204, Bytes::new()),
+        _ => reply(200, Bytes::new()),
+    })
 }
 
 /// An endpoint as printed: credentials in it are not.
