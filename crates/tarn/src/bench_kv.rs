@@ -64,6 +64,13 @@ pub struct KvBenchArgs {
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Another KV endpoint to run the same workload against (repeatable),
+    /// in alternation with --endpoint; ratios to --endpoint are printed.
+    #[arg(long)]
+    pub compare: Vec<String>,
+    /// Phases per endpoint when comparing (each --duration / rounds long).
+    #[arg(long, default_value_t = 4)]
+    pub rounds: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -75,7 +82,6 @@ enum KvOp {
 }
 
 struct Plan {
-    endpoint: String,
     opts: ConnectOptions,
     block: usize,
     batch: usize,
@@ -210,7 +216,6 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("tarn-bench/{block}"));
     let plan = Arc::new(Plan {
-        endpoint: args.endpoint.clone(),
         opts: ConnectOptions {
             transport,
             namespace: namespace.into_bytes(),
@@ -229,20 +234,125 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
             | 1,
     });
 
+    let mut endpoints = vec![args.endpoint.clone()];
+    endpoints.extend(args.compare.iter().cloned());
     // Connect every client first: a shared-memory client maps the arena and
     // faults it in, which must not count against the run.
-    let mut clients = Vec::with_capacity(args.concurrency);
-    for _ in 0..args.concurrency {
-        clients.push(
-            BlockingKvClient::connect(&plan.endpoint, plan.opts.clone())
-                .with_context(|| format!("connecting to {}", plan.endpoint))?,
-        );
+    let mut fleets: Vec<Vec<BlockingKvClient>> = Vec::with_capacity(endpoints.len());
+    for endpoint in &endpoints {
+        let mut clients = Vec::with_capacity(args.concurrency);
+        for _ in 0..args.concurrency {
+            clients.push(
+                BlockingKvClient::connect(endpoint, plan.opts.clone())
+                    .with_context(|| format!("connecting to {endpoint}"))?,
+            );
+        }
+        if op != KvOp::Put {
+            prefill(&plan, &mut clients)?;
+        }
+        fleets.push(clients);
     }
-    let transport_name = format!("{:?}", clients[0].transport()).to_lowercase();
-    if op != KvOp::Put {
-        prefill(&plan, &mut clients)?;
+    let transports: Vec<String> = fleets
+        .iter()
+        .map(|c| format!("{:?}", c[0].transport()).to_lowercase())
+        .collect();
+    // Alternating phases (A B A B ...), each endpoint getting the same share
+    // of the run, so that a noisy machine weighs on every endpoint alike.
+    let rounds = if endpoints.len() > 1 {
+        args.rounds.max(1)
+    } else {
+        1
+    };
+    let mut reports: Vec<Report> = transports
+        .iter()
+        .map(|t| Report::empty(&args.op, t, block, plan.batch, args.concurrency))
+        .collect();
+    for round in 0..rounds {
+        for (i, endpoint) in endpoints.iter().enumerate() {
+            let count = args
+                .count
+                .map(|c| c / rounds as u64 + u64::from((round as u64) < c % rounds as u64));
+            let label = if endpoints.len() > 1 {
+                format!("[{endpoint}] ")
+            } else {
+                String::new()
+            };
+            let clients = std::mem::take(&mut fleets[i]);
+            let (clients, phase) = run_phase(
+                clients,
+                &plan,
+                duration / rounds as u32,
+                count,
+                !args.json,
+                &label,
+            )?;
+            fleets[i] = clients;
+            reports[i].merge(&phase);
+        }
     }
+    if !args.json {
+        eprintln!();
+    }
+    if args.json {
+        if reports.len() == 1 {
+            println!("{}", reports[0].json());
+        } else {
+            let each: Vec<String> = endpoints
+                .iter()
+                .zip(&reports)
+                .map(|(e, r)| format!("{{\"endpoint\":{},{}", json_string(e), &r.json()[1..]))
+                .collect();
+            let ratios: Vec<String> = reports[1..]
+                .iter()
+                .map(|r| {
+                    let v: Vec<String> = reports[0]
+                        .ratios(r)
+                        .iter()
+                        .map(|(n, v)| format!("\"{n}\":{v:.3}"))
+                        .collect();
+                    format!("{{{}}}", v.join(","))
+                })
+                .collect();
+            println!(
+                "{{\"rounds\":{rounds},\"endpoints\":[{}],\"ratios_to_first\":[{}]}}",
+                each.join(","),
+                ratios.join(",")
+            );
+        }
+    } else {
+        for (e, r) in endpoints.iter().zip(&reports) {
+            if reports.len() > 1 {
+                println!("{e}");
+            }
+            print!("{}", r.text(args.verify));
+        }
+        for (e, r) in endpoints.iter().zip(&reports).skip(1) {
+            let v: Vec<String> = reports[0]
+                .ratios(r)
+                .iter()
+                .map(|(n, v)| format!("{n} {v:.3}"))
+                .collect();
+            println!("{e} / {}: {}", endpoints[0], v.join("  "));
+        }
+    }
+    let errors: u64 = reports.iter().map(|r| r.errors.values().sum::<u64>()).sum();
+    let verify_failures: u64 = reports.iter().map(|r| r.verify_failures).sum();
+    if verify_failures > 0 || errors > 0 {
+        bail!("{errors} errors, {verify_failures} verify failures");
+    }
+    Ok(())
+}
 
+/// One timed phase of every client of one endpoint: `duration`, or `count`
+/// batches in all. Returns the clients for the next phase.
+fn run_phase(
+    clients: Vec<BlockingKvClient>,
+    plan: &Arc<Plan>,
+    duration: Duration,
+    count: Option<u64>,
+    progress: bool,
+    label: &str,
+) -> anyhow::Result<(Vec<BlockingKvClient>, Report<'static>)> {
     let totals = Arc::new(Totals {
         batches: AtomicU64::new(0),
         bytes: AtomicU64::new(0),
@@ -257,28 +367,30 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
     let handles: Vec<_> = clients
         .into_iter()
         .enumerate()
-        .map(|(n, client)| {
+        .map(|(n, mut client)| {
             let (plan, totals, stop) = (plan.clone(), totals.clone(), stop.clone());
-            let count = args.count;
             std::thread::Builder::new()
                 .name(format!("bench-kv-{n}"))
-                .spawn(move || client_loop(n, client, &plan, &totals, &stop, count))
+                .spawn(move || {
+                    client_loop(n, &mut client, &plan, &totals, &stop, count);
+                    client
+                })
                 .expect("spawn bench thread")
         })
         .collect();
     let mut last = (Instant::now(), 0u64);
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
-        if args.count.is_none() && start.elapsed() >= duration {
+        if count.is_none() && start.elapsed() >= duration {
             stop.store(true, Ordering::Relaxed);
         }
         if handles.iter().all(|h| h.is_finished()) {
             break;
         }
-        if !args.json && last.0.elapsed() >= Duration::from_secs(1) {
+        if progress && last.0.elapsed() >= Duration::from_secs(1) {
             let b = totals.bytes.load(Ordering::Relaxed);
             eprint!(
-                "\r  {:>6.1} s  {:>9.1} MB/s  {:>9} batches ",
+                "\r{label}{:>6.1} s  {:>9.1} MB/s  {:>9} batches ",
                 start.elapsed().as_secs_f64(),
                 (b - last.1) as f64 / last.0.elapsed().as_secs_f64() / 1e6,
                 totals.batches.load(Ordering::Relaxed)
@@ -286,21 +398,15 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
             last = (Instant::now(), b);
         }
     }
+    let mut clients = Vec::with_capacity(handles.len());
     for h in handles {
-        h.join()
-            .map_err(|_| anyhow::anyhow!("bench thread panicked"))?;
+        clients.push(
+            h.join()
+                .map_err(|_| anyhow::anyhow!("bench thread panicked"))?,
+        );
     }
-    let wall = start.elapsed();
-    if !args.json {
-        eprintln!();
-    }
-    let report = Report {
-        op: &args.op,
-        transport: &transport_name,
-        block,
-        batch: plan.batch,
-        concurrency: args.concurrency,
-        seconds: wall.as_secs_f64(),
+    let phase = Report {
+        seconds: start.elapsed().as_secs_f64(),
         batches: totals.batches.load(Ordering::Relaxed),
         bytes: totals.bytes.load(Ordering::Relaxed),
         hits: totals.hits.load(Ordering::Relaxed),
@@ -308,20 +414,9 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
         verify_failures: totals.verify_failures.load(Ordering::Relaxed),
         errors: totals.errors.lock().expect("errors").clone(),
         hist: totals.hist.lock().expect("hist").clone(),
+        ..Report::empty("", "", plan.block, plan.batch, 0)
     };
-    if args.json {
-        println!("{}", report.json());
-    } else {
-        print!("{}", report.text(args.verify));
-    }
-    if report.verify_failures > 0 || !report.errors.is_empty() {
-        bail!(
-            "{} errors, {} verify failures",
-            report.errors.values().sum::<u64>(),
-            report.verify_failures
-        );
-    }
-    Ok(())
+    Ok((clients, phase))
 }
 
 /// Writes the working set once, split among the clients.
@@ -357,7 +452,7 @@ fn prefill(plan: &Plan, clients: &mut [BlockingKvClient]) -> anyhow::Result<()> 
 
 fn client_loop(
     n: usize,
-    mut client: BlockingKvClient,
+    client: &mut BlockingKvClient,
     plan: &Plan,
     totals: &Totals,
     stop: &AtomicBool,
@@ -510,7 +605,66 @@ pub struct Report<'a> {
     pub hist: Histogram<u64>,
 }
 
-impl Report<'_> {
+impl<'a> Report<'a> {
+    pub fn empty(
+        op: &'a str,
+        transport: &'a str,
+        block: usize,
+        batch: usize,
+        concurrency: usize,
+    ) -> Report<'a> {
+        Report {
+            op,
+            transport,
+            block,
+            batch,
+            concurrency,
+            seconds: 0.0,
+            batches: 0,
+            bytes: 0,
+            hits: 0,
+            misses: 0,
+            verify_failures: 0,
+            errors: Default::default(),
+            hist: Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("static bounds"),
+        }
+    }
+
+    /// Adds another phase's figures (same workload) to these.
+    pub fn merge(&mut self, o: &Report<'_>) {
+        self.seconds += o.seconds;
+        self.batches += o.batches;
+        self.bytes += o.bytes;
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.verify_failures += o.verify_failures;
+        for (k, v) in &o.errors {
+            *self.errors.entry(k.clone()).or_default() += v;
+        }
+        self.hist.add(&o.hist).expect("histograms of equal bounds");
+    }
+
+    /// Each compared figure of `other` divided by the same figure of these.
+    pub fn ratios(&self, other: &Report<'_>) -> Vec<(&'static str, f64)> {
+        let figures = |r: &Report<'_>| {
+            [
+                ("batches_per_sec", r.batches_per_sec()),
+                ("mb_per_sec", r.mb_per_sec()),
+                ("hit_rate", r.hit_rate_percent().unwrap_or(0.0)),
+                ("p50_us", r.latency_us(0.5)),
+                ("p90_us", r.latency_us(0.9)),
+                ("p99_us", r.latency_us(0.99)),
+                ("p999_us", r.latency_us(0.999)),
+                ("max_us", r.hist.max() as f64 / 1000.0),
+            ]
+        };
+        figures(self)
+            .iter()
+            .zip(figures(other))
+            .map(|((n, a), (_, b))| (*n, if *a == 0.0 { 0.0 } else { b / a }))
+            .collect()
+    }
+
     pub fn batches_per_sec(&self) -> f64 {
         self.batches as f64 / self.seconds.max(1e-9)
     }
@@ -661,6 +815,34 @@ mod tests {
         };
         assert!(puts.json().contains("\"hit_rate_percent\":null"));
         assert!(!puts.text(false).contains("hit rate"));
+    }
+
+    #[test]
+    fn phases_merge_and_compare() {
+        let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).unwrap();
+        for us in 1..=1000u64 {
+            h.record(us * 1000).unwrap();
+        }
+        let a = report(h.clone());
+        let mut total = Report::empty("get", "shm", 1 << 20, 4, 1);
+        total.merge(&a);
+        total.merge(&a);
+        assert_eq!((total.batches, total.seconds), (200, 4.0));
+        assert_eq!(total.batches_per_sec(), 50.0);
+        assert_eq!(total.hit_rate_percent(), Some(75.0));
+        assert_eq!(total.errors["get: \"x\""], 4);
+        assert_eq!(total.hist.len(), 2000);
+        // Twice the work in the same time: rates double, latency unchanged.
+        let mut b = report(h);
+        b.batches *= 2;
+        b.bytes *= 2;
+        let r: std::collections::HashMap<_, _> = a.ratios(&b).into_iter().collect();
+        assert_eq!(r["batches_per_sec"], 2.0);
+        assert_eq!(r["mb_per_sec"], 2.0);
+        assert_eq!(r["hit_rate"], 1.0);
+        assert_eq!(r["p50_us"], 1.0);
+        let empty = Report::empty("get", "shm", 1, 1, 1);
+        assert_eq!(empty.ratios(&a)[0].1, 0.0, "no division by zero");
     }
 
     #[test]

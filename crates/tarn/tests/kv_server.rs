@@ -261,6 +261,39 @@ fn bench_kv_runs_against_the_daemon_and_verifies_what_it_reads() {
         }
     }
 
+    // --compare alternates phases between endpoints (here the same daemon
+    // twice) and reports each, with ratios to the first.
+    let (status, out) = bench_kv(
+        &d,
+        &[
+            "--compare",
+            &d.kv,
+            "--rounds",
+            "3",
+            "--op",
+            "get",
+            "--block-size",
+            "64KiB",
+            "--batch",
+            "8",
+            "--working-set",
+            "4MiB",
+            "--count",
+            "30",
+            "--verify",
+        ],
+    );
+    assert!(status.success(), "{out}");
+    assert!(
+        out.starts_with("{\"rounds\":3,\"endpoints\":[{\"endpoint\":"),
+        "{out}"
+    );
+    assert_eq!(out.matches("\"batches\":30,").count(), 2, "{out}");
+    assert!(
+        out.contains("\"ratios_to_first\":[{\"batches_per_sec\":"),
+        "{out}"
+    );
+
     // --verify catches wrong bytes: store other bytes under the keys the
     // bench's working set uses (its namespace and key layout, mirrored here)
     // before it runs; write-once keeps them, and every read must fail.
