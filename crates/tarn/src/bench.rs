@@ -252,8 +252,8 @@ impl Figures {
         us as f64 / 1000.0
     }
     /// The figures compared between endpoints, by name.
-    fn named(&self) -> [(&'static str, f64); 7] {
-        [
+    fn named(&self) -> Vec<(&'static str, f64)> {
+        vec![
             ("ops_per_sec", self.ops_per_sec()),
             ("mb_per_sec", self.mb_per_sec()),
             ("p50_ms", self.ms(0.5)),
@@ -267,7 +267,7 @@ impl Figures {
         let errs: Vec<String> = self
             .errors
             .iter()
-            .map(|(k, v)| format!("\"{}\":{v}", k.replace(['"', '\\'], "'")))
+            .map(|(k, v)| format!("{}:{v}", json_string(k)))
             .collect();
         format!(
             "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{}}}",
@@ -432,33 +432,14 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     }
     outcome?;
 
+    let shown: Vec<String> = endpoints.iter().map(|e| redact(e)).collect();
+    let named: Vec<_> = figures.iter().map(Figures::named).collect();
     if args.json {
         if targets.len() == 1 {
             println!("{}", figures[0].json(&args, size));
         } else {
-            let each: Vec<String> = endpoints
-                .iter()
-                .zip(&figures)
-                .map(|(e, f)| {
-                    let j = f.json(&args, size);
-                    format!("{{\"endpoint\":\"{}\",{}", redact(e), &j[1..])
-                })
-                .collect();
-            let ratios: Vec<String> = figures[1..]
-                .iter()
-                .map(|f| {
-                    let r: Vec<String> = ratios(&figures[0], f)
-                        .iter()
-                        .map(|(n, v)| format!("\"{n}\":{v:.3}"))
-                        .collect();
-                    format!("{{{}}}", r.join(","))
-                })
-                .collect();
-            println!(
-                "{{\"rounds\":{rounds},\"endpoints\":[{}],\"ratios_to_first\":[{}]}}",
-                each.join(","),
-                ratios.join(",")
-            );
+            let reports: Vec<String> = figures.iter().map(|f| f.json(&args, size)).collect();
+            println!("{}", comparison_json(rounds, &shown, &reports, &named));
         }
     } else {
         println!(
@@ -472,24 +453,13 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
                 String::new()
             }
         );
-        for (e, f) in endpoints.iter().zip(&figures) {
+        for (e, f) in shown.iter().zip(&figures) {
             if targets.len() > 1 {
-                println!("{}", redact(e));
+                println!("{e}");
             }
             print!("{}", f.text(args.verify));
         }
-        for (e, f) in endpoints.iter().zip(&figures).skip(1) {
-            let r: Vec<String> = ratios(&figures[0], f)
-                .iter()
-                .map(|(n, v)| format!("{n} {v:.3}"))
-                .collect();
-            println!(
-                "{} / {}: {}",
-                redact(e),
-                redact(&endpoints[0]),
-                r.join("  ")
-            );
-        }
+        print!("{}", ratio_lines(&shown, &named));
     }
     let errors: u64 = figures.iter().map(|f| f.errors.values().sum::<u64>()).sum();
     let verify_failures: u64 = figures.iter().map(|f| f.verify_failures).sum();
@@ -499,14 +469,77 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Each figure of `other` divided by the same figure of `first`.
-fn ratios(first: &Figures, other: &Figures) -> Vec<(&'static str, f64)> {
+/// Each figure of `other` divided by the same figure of `first` (0 where
+/// `first`'s is 0). Both list the same names in the same order.
+pub fn ratios(
+    first: &[(&'static str, f64)],
+    other: &[(&'static str, f64)],
+) -> Vec<(&'static str, f64)> {
     first
-        .named()
         .iter()
-        .zip(other.named())
+        .zip(other)
         .map(|((n, a), (_, b))| (*n, if *a == 0.0 { 0.0 } else { b / a }))
         .collect()
+}
+
+/// A `--compare` run as one JSON object: each endpoint's report (`reports`,
+/// JSON objects) with its name, and each later endpoint's figures (`named`)
+/// as ratios to the first's.
+pub fn comparison_json(
+    rounds: usize,
+    endpoints: &[String],
+    reports: &[String],
+    named: &[Vec<(&'static str, f64)>],
+) -> String {
+    let each: Vec<String> = endpoints
+        .iter()
+        .zip(reports)
+        .map(|(e, r)| format!("{{\"endpoint\":{},{}", json_string(e), &r[1..]))
+        .collect();
+    let ratios: Vec<String> = named[1..]
+        .iter()
+        .map(|other| {
+            let r: Vec<String> = ratios(&named[0], other)
+                .iter()
+                .map(|(n, v)| format!("\"{n}\":{v:.3}"))
+                .collect();
+            format!("{{{}}}", r.join(","))
+        })
+        .collect();
+    format!(
+        "{{\"rounds\":{rounds},\"endpoints\":[{}],\"ratios_to_first\":[{}]}}",
+        each.join(","),
+        ratios.join(",")
+    )
+}
+
+/// The text lines of a comparison's ratios, one per later endpoint.
+pub fn ratio_lines(endpoints: &[String], named: &[Vec<(&'static str, f64)>]) -> String {
+    let mut s = String::new();
+    for (e, other) in endpoints.iter().zip(named).skip(1) {
+        let r: Vec<String> = ratios(&named[0], other)
+            .iter()
+            .map(|(n, v)| format!("{n} {v:.3}"))
+            .collect();
+        s += &format!("{e} / {}: {}\n", endpoints[0], r.join("  "));
+    }
+    s
+}
+
+/// A JSON string literal (error kinds carry server messages).
+pub fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 impl S3BenchArgs {
@@ -1044,12 +1077,39 @@ mod tests {
     fn ratios_to_the_first_endpoint() {
         let a = figures(1..=1000, 2.0);
         let b = figures(1..=1000, 1.0); // the same work in half the time
-        let r: std::collections::HashMap<_, _> = ratios(&a, &b).into_iter().collect();
+        let r: std::collections::HashMap<_, _> =
+            ratios(&a.named(), &b.named()).into_iter().collect();
         assert_eq!(r["ops_per_sec"], 2.0);
         assert_eq!(r["mb_per_sec"], 2.0);
         assert_eq!(r["p50_ms"], 1.0);
         let empty = Figures::empty().unwrap();
-        assert_eq!(ratios(&empty, &a)[0].1, 0.0, "no division by zero");
+        assert_eq!(
+            ratios(&empty.named(), &a.named())[0].1,
+            0.0,
+            "no division by zero"
+        );
+        assert_eq!(json_string("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+        let j = comparison_json(
+            2,
+            &["A".into(), "B".into()],
+            &[
+                a.json(&S3BenchArgs::for_test(), 1),
+                b.json(&S3BenchArgs::for_test(), 1),
+            ],
+            &[a.named(), b.named()],
+        );
+        assert!(
+            j.starts_with("{\"rounds\":2,\"endpoints\":[{\"endpoint\":\"A\",\"op\":"),
+            "{j}"
+        );
+        assert!(
+            j.contains("\"ratios_to_first\":[{\"ops_per_sec\":2.000,"),
+            "{j}"
+        );
+        assert!(
+            ratio_lines(&["A".into(), "B".into()], &[a.named(), b.named()])
+                .starts_with("B / A: ops_per_sec 2.000")
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use tarn_client::{
     BlockingKvClient, ConnectOptions, GetInto, PutFrom, RegisteredBuffer, Status, TransportChoice,
 };
 
-use crate::bench::parse_duration;
+use crate::bench::{comparison_json, json_string, parse_duration, ratio_lines};
 use crate::config::parse_size;
 
 #[derive(clap::Args, Clone)]
@@ -293,31 +293,13 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
     if !args.json {
         eprintln!();
     }
+    let named: Vec<_> = reports.iter().map(Report::named).collect();
     if args.json {
         if reports.len() == 1 {
             println!("{}", reports[0].json());
         } else {
-            let each: Vec<String> = endpoints
-                .iter()
-                .zip(&reports)
-                .map(|(e, r)| format!("{{\"endpoint\":{},{}", json_string(e), &r.json()[1..]))
-                .collect();
-            let ratios: Vec<String> = reports[1..]
-                .iter()
-                .map(|r| {
-                    let v: Vec<String> = reports[0]
-                        .ratios(r)
-                        .iter()
-                        .map(|(n, v)| format!("\"{n}\":{v:.3}"))
-                        .collect();
-                    format!("{{{}}}", v.join(","))
-                })
-                .collect();
-            println!(
-                "{{\"rounds\":{rounds},\"endpoints\":[{}],\"ratios_to_first\":[{}]}}",
-                each.join(","),
-                ratios.join(",")
-            );
+            let each: Vec<String> = reports.iter().map(Report::json).collect();
+            println!("{}", comparison_json(rounds, &endpoints, &each, &named));
         }
     } else {
         for (e, r) in endpoints.iter().zip(&reports) {
@@ -326,14 +308,7 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
             }
             print!("{}", r.text(args.verify));
         }
-        for (e, r) in endpoints.iter().zip(&reports).skip(1) {
-            let v: Vec<String> = reports[0]
-                .ratios(r)
-                .iter()
-                .map(|(n, v)| format!("{n} {v:.3}"))
-                .collect();
-            println!("{e} / {}: {}", endpoints[0], v.join("  "));
-        }
+        print!("{}", ratio_lines(&endpoints, &named));
     }
     let errors: u64 = reports.iter().map(|r| r.errors.values().sum::<u64>()).sum();
     let verify_failures: u64 = reports.iter().map(|r| r.verify_failures).sum();
@@ -644,25 +619,18 @@ impl<'a> Report<'a> {
         self.hist.add(&o.hist).expect("histograms of equal bounds");
     }
 
-    /// Each compared figure of `other` divided by the same figure of these.
-    pub fn ratios(&self, other: &Report<'_>) -> Vec<(&'static str, f64)> {
-        let figures = |r: &Report<'_>| {
-            [
-                ("batches_per_sec", r.batches_per_sec()),
-                ("mb_per_sec", r.mb_per_sec()),
-                ("hit_rate", r.hit_rate_percent().unwrap_or(0.0)),
-                ("p50_us", r.latency_us(0.5)),
-                ("p90_us", r.latency_us(0.9)),
-                ("p99_us", r.latency_us(0.99)),
-                ("p999_us", r.latency_us(0.999)),
-                ("max_us", r.hist.max() as f64 / 1000.0),
-            ]
-        };
-        figures(self)
-            .iter()
-            .zip(figures(other))
-            .map(|((n, a), (_, b))| (*n, if *a == 0.0 { 0.0 } else { b / a }))
-            .collect()
+    /// The figures compared between endpoints, by name.
+    pub fn named(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("batches_per_sec", self.batches_per_sec()),
+            ("mb_per_sec", self.mb_per_sec()),
+            ("hit_rate", self.hit_rate_percent().unwrap_or(0.0)),
+            ("p50_us", self.latency_us(0.5)),
+            ("p90_us", self.latency_us(0.9)),
+            ("p99_us", self.latency_us(0.99)),
+            ("p999_us", self.latency_us(0.999)),
+            ("max_us", self.hist.max() as f64 / 1000.0),
+        ]
     }
 
     pub fn batches_per_sec(&self) -> f64 {
@@ -750,25 +718,10 @@ impl<'a> Report<'a> {
     }
 }
 
-/// A JSON string literal (error kinds carry server messages).
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::ratios;
 
     fn report(hist: Histogram<u64>) -> Report<'static> {
         Report {
@@ -836,13 +789,14 @@ mod tests {
         let mut b = report(h);
         b.batches *= 2;
         b.bytes *= 2;
-        let r: std::collections::HashMap<_, _> = a.ratios(&b).into_iter().collect();
+        let r: std::collections::HashMap<_, _> =
+            ratios(&a.named(), &b.named()).into_iter().collect();
         assert_eq!(r["batches_per_sec"], 2.0);
         assert_eq!(r["mb_per_sec"], 2.0);
         assert_eq!(r["hit_rate"], 1.0);
         assert_eq!(r["p50_us"], 1.0);
         let empty = Report::empty("get", "shm", 1, 1, 1);
-        assert_eq!(empty.ratios(&a)[0].1, 0.0, "no division by zero");
+        assert_eq!(ratios(&empty.named(), &a.named())[0].1, 0.0);
     }
 
     #[test]
