@@ -532,6 +532,12 @@ def test_tarn_bench_multipart_uploads_whole_objects(server):
         capture_output=True, text=True, env=env, timeout=60,
     )
     assert r.returncode != 0 and "--part-size" in r.stderr
+    # So is one that does not parse, rather than silently replaced.
+    r = subprocess.run(
+        [BIN, "bench", "s3", "--endpoint", server.endpoint, "--op", "multipart", "--part-size", "5XiB", "--count", "1"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert r.returncode != 0 and "size unit" in r.stderr
 
 
 @pytest.mark.parametrize("op,size", [("put", "64KiB"), ("get", "1MiB"), ("mixed", "300KiB"), ("list", "4KiB")])

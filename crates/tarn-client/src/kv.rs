@@ -375,6 +375,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
         }
     }
 
+    /// A response whose payload the caller already has (streamed through
+    /// the mailbox): checks its header and length, reads nothing more.
+    async fn recv_known(&mut self, id: u64, op: Op, len: u64) -> Result<()> {
+        let h = self.recv_head(id, op).await?;
+        if h.len != len {
+            return Err(Error::Protocol(format!("{op:?} response length mismatch")));
+        }
+        self.broken = false;
+        Ok(())
+    }
+
     /// A whole control response (no bulk data).
     async fn recv(&mut self, id: u64, op: Op) -> Result<()> {
         let h = self.recv_head(id, op).await?;
@@ -614,11 +625,8 @@ impl ShmTransport {
         if self.ch.mailbox.is_some() && out.len() == reqs.len() {
             // Every result came streamed: only the frame's header is left
             // to check, not its payload to copy out again.
-            let h = self.ch.recv_head(id, Op::GetShm).await?;
-            if h.len != (4 + reqs.len() * GET_SHM_RESULT_BYTES) as u64 {
-                return Err(Error::Protocol("GET_SHM response length mismatch".into()));
-            }
-            self.ch.broken = false;
+            let len = 4 + reqs.len() * GET_SHM_RESULT_BYTES;
+            self.ch.recv_known(id, Op::GetShm, len as u64).await?;
             return Ok(out);
         }
         self.ch.recv(id, Op::GetShm).await?;

@@ -348,7 +348,8 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     if !["put", "get", "mixed", "list", "multipart"].contains(&args.op.as_str()) {
         bail!("--op must be put, get, mixed, list or multipart");
     }
-    if args.op == "multipart" && args.part_size_bytes() < 5 << 20 && args.part_size_bytes() < size {
+    let part_size = args.part_size_bytes()?;
+    if args.op == "multipart" && part_size < 5 << 20 && part_size < size {
         bail!("--part-size must be at least 5MiB (S3's smallest part but the last)");
     }
     let mut base = vec![0u8; size];
@@ -543,11 +544,12 @@ pub fn json_string(s: &str) -> String {
 }
 
 impl S3BenchArgs {
-    fn part_size_bytes(&self) -> usize {
-        crate::config::parse_size(&self.part_size)
-            .map(|n| n as usize)
-            .unwrap_or(8 << 20)
-            .max(1)
+    /// --part-size, checked once by `run` before any request is sent.
+    fn part_size_bytes(&self) -> anyhow::Result<usize> {
+        match crate::config::parse_size(&self.part_size)? {
+            0 => bail!("--part-size must be positive"),
+            n => Ok(n as usize),
+        }
     }
 }
 
@@ -934,16 +936,13 @@ async fn worker(
         let begin = Instant::now();
         let key = format!("/{bucket}/obj-{i}");
         let result = match op {
-            "multipart" => {
-                multipart_upload(
-                    c,
-                    t,
-                    &key,
-                    object_body(base, i, args.verify),
-                    args.part_size_bytes(),
-                )
-                .await
-            }
+            "multipart" => match args.part_size_bytes() {
+                Ok(part_size) => {
+                    let body = object_body(base, i, args.verify);
+                    multipart_upload(c, t, &key, body, part_size).await
+                }
+                Err(e) => Err(e),
+            },
             "put" => {
                 request(
                     c,

@@ -138,6 +138,9 @@ struct Zipf {
     cdf: Vec<f64>,
 }
 
+/// Largest batch of buffers one client holds (--block-size × --batch).
+const BATCH_BUFFER_BYTES_MAX: usize = 4 << 30;
+
 /// Keys a Zipf table covers; a larger working set draws its ranks from this
 /// many and spreads them over the rest.
 const ZIPF_TABLE_KEYS_MAX: u64 = 1 << 22;
@@ -205,6 +208,16 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
     };
     if block == 0 || args.batch == 0 || args.concurrency == 0 {
         bail!("--block-size, --batch and --concurrency must be positive");
+    }
+    // Each client holds one batch of buffers (and the prefill one more).
+    if block
+        .checked_mul(args.batch)
+        .is_none_or(|b| b > BATCH_BUFFER_BYTES_MAX)
+    {
+        bail!(
+            "--block-size × --batch must stay within {} GiB per client",
+            BATCH_BUFFER_BYTES_MAX >> 30
+        );
     }
     if !(0.0..=10.0).contains(&args.zipf) {
         bail!("--zipf must be between 0 and 10");

@@ -294,6 +294,23 @@ fn bench_kv_runs_against_the_daemon_and_verifies_what_it_reads() {
         "{out}"
     );
 
+    // Buffers beyond reason are refused up front, not allocated.
+    let out = Command::new(env!("CARGO_BIN_EXE_tarn"))
+        .args([
+            "bench",
+            "kv",
+            "--endpoint",
+            &d.kv,
+            "--block-size",
+            "1GiB",
+            "--batch",
+            "1000000",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--batch must stay within"));
+
     // --verify catches wrong bytes: store other bytes under the keys the
     // bench's working set uses (its namespace and key layout, mirrored here)
     // before it runs; write-once keeps them, and every read must fail.
