@@ -102,7 +102,8 @@ impl<'a> GetInto<'a> {
     }
 }
 
-/// Outcome of one GET: `len` bytes are in the buffer when `status` is Ok.
+/// Outcome of one GET: `len` bytes are in the buffer when `status` is Ok
+/// (with `BufferTooSmall`, `len` is what the buffer would have had to hold).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GetOutcome {
     pub status: Status,
@@ -117,6 +118,15 @@ impl GetOutcome {
             status,
             len: 0,
             value_len: 0,
+        }
+    }
+
+    /// The caller's buffer cannot hold the `len` bytes asked for.
+    fn too_small(len: u64, value_len: u64) -> Self {
+        GetOutcome {
+            status: Status::BufferTooSmall,
+            len,
+            value_len,
         }
     }
 }
@@ -489,7 +499,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
             }
             if g.data_len > req.buf.len() as u64 {
                 discard(&mut self.io, g.data_len).await?;
-                out.push(GetOutcome::miss(Status::BufferTooSmall));
+                out.push(GetOutcome::too_small(g.data_len, g.value_len));
                 continue;
             }
             let dst = &mut req.buf[..g.data_len as usize];
@@ -559,7 +569,7 @@ impl CopyOut for Arena {
             return Err(Error::Protocol("arena offset out of range".into()));
         }
         if g.data_len > req.buf.len() as u64 {
-            return Ok(GetOutcome::miss(Status::BufferTooSmall));
+            return Ok(GetOutcome::too_small(g.data_len, g.value_len));
         }
         let Some(generation) = self.generation(g.slot as usize) else {
             return Err(Error::Protocol("slot out of range".into()));
@@ -880,7 +890,15 @@ impl KvClient {
         let local = same_host(&tcp);
         let mut ch = Channel::new(tcp);
         ch.response_spin = opts.response_spin;
-        let hello = ch.hello(0).await?;
+        // A server that accepts but never answers must not hang the caller.
+        let hello = tokio::time::timeout(opts.connect_timeout, ch.hello(0))
+            .await
+            .map_err(|_| {
+                Error::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{addr} did not answer HELLO"),
+                ))
+            })??;
         let offered = hello.flags & HELLO_SHM_OFFERED != 0 && !hello.shm_socket.is_empty();
         let want_shm = opts.transport != TransportChoice::Tcp && offered && local;
         if opts.transport == TransportChoice::Shm && !want_shm {
@@ -889,7 +907,15 @@ impl KvClient {
             ));
         }
         if want_shm {
-            match connect_shm(&hello, &opts).await {
+            let shm = tokio::time::timeout(opts.connect_timeout, connect_shm(&hello, &opts))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::Io(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "shared-memory handshake timed out",
+                    )))
+                });
+            match shm {
                 Ok(shm) => {
                     return Ok(KvClient {
                         t: AnyTransport::Shm(Box::new(shm)),

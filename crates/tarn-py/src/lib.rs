@@ -1,0 +1,638 @@
+//! `tarn._native`: the Rust KV client under the Python package `tarn`.
+//!
+//! The Python layer (`python/tarn/kv.py`) adds the asyncio client, the status
+//! enum and the docs; everything that touches caller memory is here. Buffers
+//! are borrowed through the buffer protocol (or, for torch tensors, which do
+//! not export it, through `data_ptr()`), held for the length of the call and
+//! handed to the client as slices: no copy on the Python side. Every call
+//! releases the GIL for its I/O.
+//!
+//! A client owns a small pool of connections so threads (and the asyncio
+//! client's executor) can have calls in flight at once. A connection that
+//! fails is dropped; a call that failed on a pooled connection (say the
+//! server restarted since it was opened) is retried once on a fresh one.
+
+use std::mem::MaybeUninit;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::{ffi, intern};
+use tarn_client::kv::{BlockingKvClient, ConnectOptions, Error, GetInto, PutFrom, TransportChoice};
+use tarn_client::{Digest, Status, TransportKind};
+
+/// Raises `tarn.errors.<kind>(message)`; the classes live in Python so they
+/// can also derive from the built-in exception they resemble.
+fn raise(py: Python<'_>, kind: &str, message: String) -> PyErr {
+    let made = py
+        .import("tarn.errors")
+        .and_then(|m| m.getattr(kind))
+        .and_then(|cls| cls.call1((message.clone(),)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(e) => e,
+    }
+}
+
+/// A client error as the Python exception a caller can act on.
+fn py_err(py: Python<'_>, e: Failure) -> PyErr {
+    match e {
+        Failure::Connect(_, Error::Usage(m)) => PyValueError::new_err(m),
+        Failure::Connect(endpoint, e) => raise(
+            py,
+            "KvConnectionError",
+            format!("cannot connect to the Tarn KV server at {endpoint}: {e}"),
+        ),
+        Failure::Closed => raise(py, "KvConnectionError", "the client is closed".into()),
+        Failure::Call(e) => match e {
+            Error::Io(_) | Error::Broken => raise(py, "KvConnectionError", e.to_string()),
+            Error::Server(_) => raise(py, "KvServerError", e.to_string()),
+            Error::Protocol(_) => raise(py, "KvProtocolError", e.to_string()),
+            Error::Usage(m) => PyValueError::new_err(m),
+        },
+    }
+}
+
+enum Failure {
+    Connect(String, Error),
+    Closed,
+    Call(Error),
+}
+
+/// True when the error leaves the connection unusable.
+fn fatal(e: &Error) -> bool {
+    matches!(e, Error::Io(_) | Error::Broken | Error::Protocol(_))
+}
+
+struct PoolState {
+    idle: Vec<BlockingKvClient>,
+    open: usize,
+    closed: bool,
+    pid: u32,
+}
+
+/// Connections to one endpoint, opened on demand up to `max`.
+struct Pool {
+    endpoint: String,
+    opts: ConnectOptions,
+    max: usize,
+    state: Mutex<PoolState>,
+    freed: Condvar,
+}
+
+impl Pool {
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = std::process::id();
+        if s.pid != pid {
+            // A forked child shares the parent's sockets and mappings: never
+            // use (or tear down) those; start afresh.
+            for c in s.idle.drain(..) {
+                std::mem::forget(c);
+            }
+            s.open = 0;
+            s.pid = pid;
+        }
+        s
+    }
+
+    /// An idle connection (`true`: it was used before) or a new one.
+    fn checkout(&self) -> Result<(BlockingKvClient, bool), Failure> {
+        let mut s = self.lock();
+        loop {
+            if s.closed {
+                return Err(Failure::Closed);
+            }
+            if let Some(c) = s.idle.pop() {
+                return Ok((c, true));
+            }
+            if s.open < self.max {
+                s.open += 1;
+                drop(s);
+                return match BlockingKvClient::connect(&self.endpoint, self.opts.clone()) {
+                    Ok(c) => Ok((c, false)),
+                    Err(e) => {
+                        self.lock().open -= 1;
+                        self.freed.notify_one();
+                        Err(Failure::Connect(self.endpoint.clone(), e))
+                    }
+                };
+            }
+            s = self.freed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn checkin(&self, c: BlockingKvClient, usable: bool) {
+        let mut s = self.lock();
+        if usable && !s.closed {
+            s.idle.push(c);
+        } else {
+            s.open = s.open.saturating_sub(1);
+            if !usable {
+                // The others were opened to the same server: if it went away
+                // they are dead too, and finding out costs a failed call each.
+                let stale = s.idle.len();
+                s.idle.clear();
+                s.open -= stale;
+            }
+        }
+        drop(s);
+        self.freed.notify_all();
+    }
+
+    /// Runs `f` on a connection; retried once on a fresh connection when a
+    /// pooled one turns out to be dead.
+    fn run<T>(
+        &self,
+        mut f: impl FnMut(&mut BlockingKvClient) -> Result<T, Error>,
+    ) -> Result<T, Failure> {
+        let mut retried = false;
+        loop {
+            let (mut c, reused) = self.checkout()?;
+            match f(&mut c) {
+                Ok(v) => {
+                    self.checkin(c, true);
+                    return Ok(v);
+                }
+                Err(e) => {
+                    let dead = fatal(&e);
+                    self.checkin(c, !dead);
+                    if !(dead && reused && !retried) {
+                        return Err(Failure::Call(e));
+                    }
+                    retried = true;
+                }
+            }
+        }
+    }
+
+    fn close(&self) {
+        let mut s = self.lock();
+        s.closed = true;
+        let n = s.idle.len();
+        s.idle.clear();
+        s.open -= n;
+        drop(s);
+        self.freed.notify_all();
+    }
+}
+
+/// Caller memory borrowed for one call. Dropped with the GIL held (the
+/// buffer view is released then).
+struct Borrowed {
+    ptr: *mut u8,
+    len: usize,
+    view: Option<Box<ffi::Py_buffer>>,
+    _tensor: Option<Py<PyAny>>,
+}
+
+impl Drop for Borrowed {
+    fn drop(&mut self) {
+        if let Some(v) = self.view.as_mut() {
+            // SAFETY: the view was filled by PyObject_GetBuffer and is
+            // released once, with the GIL held (Borrowed never leaves the
+            // GIL-holding frame that made it).
+            unsafe { ffi::PyBuffer_Release(&mut **v) };
+        }
+    }
+}
+
+/// Address and length, sendable to the GIL-free part of a call.
+#[derive(Clone, Copy)]
+struct Region(usize, usize);
+
+impl Borrowed {
+    fn region(&self) -> Region {
+        Region(self.ptr as usize, self.len)
+    }
+}
+
+fn borrow(obj: &Bound<'_, PyAny>, writable: bool, i: usize) -> PyResult<Borrowed> {
+    let mut flags = ffi::PyBUF_ANY_CONTIGUOUS;
+    if writable {
+        flags |= ffi::PyBUF_WRITABLE;
+    }
+    let mut view: Box<MaybeUninit<ffi::Py_buffer>> = Box::new(MaybeUninit::zeroed());
+    // SAFETY: obj is a live object; view is writable memory for one Py_buffer.
+    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), flags) };
+    if rc == 0 {
+        // SAFETY: filled by a successful PyObject_GetBuffer.
+        let view: Box<ffi::Py_buffer> = unsafe { Box::from_raw(Box::into_raw(view).cast()) };
+        return Ok(Borrowed {
+            ptr: view.buf.cast(),
+            len: view.len as usize,
+            view: Some(view),
+            _tensor: None,
+        });
+    }
+    let err = PyErr::fetch(obj.py());
+    let py = obj.py();
+    if err.is_instance_of::<PyTypeError>(py) && obj.hasattr(intern!(py, "data_ptr"))? {
+        return borrow_tensor(obj, i);
+    }
+    let what = if writable {
+        "a writable, contiguous buffer"
+    } else {
+        "a contiguous buffer"
+    };
+    // Not a buffer at all: TypeError; a buffer that will not do (read-only,
+    // not contiguous): BufferError.
+    let cls = if err.is_instance_of::<PyTypeError>(py) {
+        PyTypeError::new_err
+    } else {
+        PyBufferError::new_err
+    };
+    Err(cls(format!(
+        "buffer {i}: expected {what} (bytearray, memoryview, numpy array, CPU torch tensor): {}",
+        err.value(py)
+    )))
+}
+
+/// torch tensors do not export the buffer protocol; a contiguous CPU tensor
+/// is one run of memory at `data_ptr()`.
+fn borrow_tensor(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Borrowed> {
+    let py = obj.py();
+    let device: String = obj
+        .getattr(intern!(py, "device"))?
+        .getattr(intern!(py, "type"))?
+        .extract()?;
+    if device != "cpu" {
+        return Err(PyTypeError::new_err(format!(
+            "buffer {i}: a tensor on {device}; Tarn reads and writes host memory \
+             (copy through a CPU staging tensor)"
+        )));
+    }
+    if !obj
+        .call_method0(intern!(py, "is_contiguous"))?
+        .extract::<bool>()?
+    {
+        return Err(PyBufferError::new_err(format!(
+            "buffer {i}: tensor is not contiguous"
+        )));
+    }
+    let ptr: usize = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let numel: usize = obj.call_method0(intern!(py, "numel"))?.extract()?;
+    let size: usize = obj.call_method0(intern!(py, "element_size"))?.extract()?;
+    let len = numel
+        .checked_mul(size)
+        .ok_or_else(|| PyValueError::new_err(format!("buffer {i}: tensor size overflows")))?;
+    Ok(Borrowed {
+        ptr: if len == 0 {
+            std::ptr::NonNull::<u8>::dangling().as_ptr()
+        } else {
+            ptr as *mut u8
+        },
+        len,
+        view: None,
+        _tensor: Some(obj.clone().unbind()),
+    })
+}
+
+fn digest(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Digest> {
+    let bad = |n: usize| {
+        PyValueError::new_err(format!(
+            "key {i} is {n} bytes; keys are 32-byte digests (tarn.kv.key() hashes anything else)"
+        ))
+    };
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let b = b.as_bytes();
+        return b.try_into().map_err(|_| bad(b.len()));
+    }
+    if obj.is_instance_of::<pyo3::types::PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "key {i} is a str; keys are 32-byte digests (tarn.kv.key() hashes anything else)"
+        )));
+    }
+    let b = borrow(obj, false, i)
+        .map_err(|e| PyTypeError::new_err(format!("key {i}: {}", e.value(obj.py()))))?;
+    // SAFETY: the view is live for the length of this function.
+    let bytes = unsafe { std::slice::from_raw_parts(b.ptr, b.len) };
+    bytes.try_into().map_err(|_| bad(b.len))
+}
+
+fn digests(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Digest>> {
+    let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
+    for (i, k) in keys.try_iter()?.enumerate() {
+        out.push(digest(&k?, i)?);
+    }
+    Ok(out)
+}
+
+fn buffers(bufs: &Bound<'_, PyAny>, writable: bool, want: usize) -> PyResult<Vec<Borrowed>> {
+    let mut out = Vec::with_capacity(want);
+    for (i, b) in bufs.try_iter()?.enumerate() {
+        out.push(borrow(&b?, writable, i)?);
+    }
+    if out.len() != want {
+        return Err(PyValueError::new_err(format!(
+            "{want} keys but {} buffers",
+            out.len()
+        )));
+    }
+    Ok(out)
+}
+
+/// Reads land in distinct memory: two buffers over the same bytes would be
+/// two mutable borrows of it.
+fn check_disjoint(regions: &[Region]) -> PyResult<()> {
+    let mut order: Vec<usize> = (0..regions.len()).filter(|i| regions[*i].1 > 0).collect();
+    order.sort_by_key(|i| regions[*i].0);
+    for w in order.windows(2) {
+        let (a, b) = (regions[w[0]], regions[w[1]]);
+        if a.0 + a.1 > b.0 {
+            return Err(PyValueError::new_err(format!(
+                "buffers {} and {} overlap; each read needs its own memory",
+                w[0].min(w[1]),
+                w[0].max(w[1])
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn bools(statuses: &[Status]) -> Vec<bool> {
+    statuses.iter().map(|s| *s == Status::Ok).collect()
+}
+
+/// The native KV client; `tarn.kv.Client` derives from it.
+#[pyclass(subclass, frozen, module = "tarn._native", name = "Client")]
+struct Client {
+    pool: Pool,
+    namespace: Vec<u8>,
+    transport: TransportKind,
+    value_max_bytes: u64,
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (endpoint = "127.0.0.1:9400", namespace = None, *, transport = "auto",
+        connect_timeout = 5.0, max_connections = 4, shm_mailbox = true))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        namespace: Option<&Bound<'_, PyAny>>,
+        transport: &str,
+        connect_timeout: f64,
+        max_connections: usize,
+        shm_mailbox: bool,
+    ) -> PyResult<Self> {
+        let namespace = match namespace {
+            None => Vec::new(),
+            Some(ns) => {
+                if let Ok(s) = ns.extract::<String>() {
+                    s.into_bytes()
+                } else if let Ok(b) = ns.cast::<PyBytes>() {
+                    b.as_bytes().to_vec()
+                } else {
+                    return Err(PyTypeError::new_err("namespace must be str or bytes"));
+                }
+            }
+        };
+        let transport = match transport {
+            "auto" => TransportChoice::Auto,
+            "shm" => TransportChoice::Shm,
+            "tcp" => TransportChoice::Tcp,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "transport {other:?}: expected \"auto\", \"shm\" or \"tcp\""
+                )))
+            }
+        };
+        if !(connect_timeout.is_finite() && connect_timeout > 0.0) {
+            return Err(PyValueError::new_err(
+                "connect_timeout must be a positive number of seconds",
+            ));
+        }
+        if max_connections == 0 {
+            return Err(PyValueError::new_err("max_connections must be at least 1"));
+        }
+        let opts = ConnectOptions {
+            transport,
+            namespace: namespace.clone(),
+            connect_timeout: Duration::from_secs_f64(connect_timeout),
+            shm_mailbox,
+            ..ConnectOptions::default()
+        };
+        let pool = Pool {
+            endpoint: endpoint.to_string(),
+            opts,
+            max: max_connections,
+            state: Mutex::new(PoolState {
+                idle: Vec::new(),
+                open: 0,
+                closed: false,
+                pid: std::process::id(),
+            }),
+            freed: Condvar::new(),
+        };
+        // Connect now: a wrong endpoint or namespace fails here, not at the
+        // first call, and the transport is known.
+        let first = py.detach(|| pool.checkout());
+        let (mut c, _) = first.map_err(|e| py_err(py, e))?;
+        let transport = c.transport();
+        let value_max_bytes = c.client().value_max_bytes();
+        pool.checkin(c, true);
+        Ok(Client {
+            pool,
+            namespace,
+            transport,
+            value_max_bytes,
+        })
+    }
+
+    /// "shm" or "tcp": how the first connection reached the server.
+    #[getter]
+    fn transport(&self) -> &'static str {
+        match self.transport {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+
+    #[getter]
+    fn namespace<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.namespace)
+    }
+
+    #[getter]
+    fn endpoint(&self) -> &str {
+        &self.pool.endpoint
+    }
+
+    /// Largest value the server stores.
+    #[getter]
+    fn value_max_bytes(&self) -> u64 {
+        self.value_max_bytes
+    }
+
+    /// Which keys are stored: a list of bools.
+    fn exists(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let d = digests(keys)?;
+        py.detach(|| self.pool.run(|c| c.exists(&d)))
+            .map(|r| r.present)
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// How many leading keys are all stored (a prompt's cached prefix).
+    fn prefix_hits(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let d = digests(keys)?;
+        py.detach(|| self.pool.run(|c| c.exists(&d)))
+            .map(|r| r.leading_hits as usize)
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Reads each key's whole value into the front of its buffer. Returns,
+    /// per key, the number of bytes read or None for a miss (never stored,
+    /// evicted, or dropped because it failed its checksum).
+    fn get_into<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        buffers: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let d = digests(keys)?;
+        let held = self::buffers(buffers, true, d.len())?;
+        let regions: Vec<Region> = held.iter().map(Borrowed::region).collect();
+        check_disjoint(&regions)?;
+        let outcomes = py
+            .detach(|| {
+                self.pool.run(|c| {
+                    let mut reqs: Vec<GetInto<'_>> = d
+                        .iter()
+                        .zip(&regions)
+                        .map(|(digest, r)| {
+                            // SAFETY: each region is caller memory held
+                            // (buffer view or tensor reference) until this
+                            // call returns, writable, and disjoint from the
+                            // others (checked above).
+                            let buf =
+                                unsafe { std::slice::from_raw_parts_mut(r.0 as *mut u8, r.1) };
+                            GetInto::whole(*digest, buf)
+                        })
+                        .collect();
+                    c.get_into(&mut reqs)
+                })
+            })
+            .map_err(|e| py_err(py, e))?;
+        drop(held);
+        let out = PyList::empty(py);
+        for (i, o) in outcomes.iter().enumerate() {
+            match o.status {
+                Status::Ok => out.append(o.len)?,
+                s if s.is_miss() => out.append(py.None())?,
+                Status::BufferTooSmall => {
+                    return Err(PyValueError::new_err(format!(
+                        "buffer {i} holds {} bytes but key {i}'s value is {} bytes",
+                        regions[i].1, o.len
+                    )))
+                }
+                s => {
+                    return Err(raise(
+                        py,
+                        "KvServerError",
+                        format!("get of key {i}: unexpected status {s:?}"),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stores each buffer under its key. Returns the protocol status codes
+    /// (`tarn.kv.Status`); `Client.put_from` maps them.
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u8>> {
+        let d = digests(keys)?;
+        let held = self::buffers(buffers, false, d.len())?;
+        let regions: Vec<Region> = held.iter().map(Borrowed::region).collect();
+        let statuses = py
+            .detach(|| {
+                self.pool.run(|c| {
+                    let items: Vec<PutFrom<'_>> = d
+                        .iter()
+                        .zip(&regions)
+                        .map(|(digest, r)| PutFrom {
+                            digest: *digest,
+                            // SAFETY: caller memory held until this call
+                            // returns; only read.
+                            data: unsafe { std::slice::from_raw_parts(r.0 as *const u8, r.1) },
+                        })
+                        .collect();
+                    c.put_from(&items)
+                })
+            })
+            .map_err(|e| py_err(py, e))?;
+        drop(held);
+        Ok(statuses.iter().map(|s| *s as u8).collect())
+    }
+
+    /// Marks blocks recently used; per key, whether it was stored.
+    fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let d = digests(keys)?;
+        py.detach(|| self.pool.run(|c| c.touch(&d)))
+            .map(|s| bools(&s))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Protects blocks from eviction for `lease` seconds (the server caps
+    /// it) or until unpinned; per key, whether it was stored.
+    #[pyo3(signature = (keys, lease = 60.0))]
+    fn pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, lease: f64) -> PyResult<Vec<bool>> {
+        if !(lease.is_finite() && lease > 0.0) {
+            return Err(PyValueError::new_err(
+                "lease must be a positive number of seconds",
+            ));
+        }
+        let d = digests(keys)?;
+        let lease = Duration::from_secs_f64(lease.min(u32::MAX as f64 / 1000.0));
+        py.detach(|| self.pool.run(|c| c.pin(&d, lease)))
+            .map(|s| bools(&s))
+            .map_err(|e| py_err(py, e))
+    }
+
+    fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let d = digests(keys)?;
+        py.detach(|| self.pool.run(|c| c.unpin(&d)))
+            .map(|s| bools(&s))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Deletes blocks; per key, whether it was stored.
+    fn delete(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let d = digests(keys)?;
+        py.detach(|| self.pool.run(|c| c.delete(&d)))
+            .map(|s| bools(&s))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Server counters, and this namespace's (keys prefixed `namespace.`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py
+            .detach(|| self.pool.run(|c| c.stats()))
+            .map_err(|e| py_err(py, e))?;
+        let d = PyDict::new(py);
+        for (k, v) in s {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Closes idle connections; calls after this raise.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.pool.close())
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add("DIGEST_BYTES", std::mem::size_of::<Digest>())?;
+    Ok(())
+}

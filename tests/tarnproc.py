@@ -1,0 +1,114 @@
+"""The real `tarn` binary as a process for tests: started on ephemeral
+loopback ports, stopped by its PID. Shared by tests/ and e2e/ (which has no
+boto3: `client()` imports it when called)."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+ACCESS_KEY = "tarnadmin"
+SECRET_KEY = "tarnadmin-secret"
+BIN = os.environ.get("TARN_BIN") or os.path.expanduser("~/.cache/tarn-target/debug/tarn")
+
+
+class Server:
+    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=()):
+        self.root = root
+        self.drives = [os.path.join(root, f"d{i}") for i in range(drives)]
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.expected_errors = [re.compile(p) for p in expected_errors]
+        self.proc = None
+        self.logs = []
+        self.start()
+
+    def start(self):
+        args = [BIN, "server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--cores", "2"]
+        for d in self.drives:
+            args += ["--drive", d]
+        args += self.extra_args
+        env = dict(os.environ)
+        env.pop("TARN_ACCESS_KEY", None)
+        env.pop("TARN_SECRET_KEY", None)
+        env.setdefault("TARN_LOG", "info")
+        env["NO_COLOR"] = "1"
+        if self.env:
+            env.update(self.env)
+        log_path = os.path.join(self.root, f"server-{len(self.logs)}.log")
+        self.logs.append(log_path)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=self.root, env=env)
+        self.endpoint = self.admin = self.kv_endpoint = None
+        deadline = time.time() + 30
+        while time.time() < deadline and (self.endpoint is None or self.admin is None):
+            line = self.proc.stdout.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"tarn exited with {self.proc.returncode}: {open(log_path).read()}")
+                continue
+            m = re.match(r"S3 endpoint: (http://\S+)", line)
+            if m:
+                self.endpoint = m.group(1)
+            m = re.match(r"Admin endpoint: (http://\S+)", line)
+            if m:
+                self.admin = m.group(1)
+            m = re.match(r"KV endpoint: (\S+)", line)
+            if m:
+                self.kv_endpoint = m.group(1)
+                # A restart listens where clients already point.
+                if "--kv-listen" in self.extra_args:
+                    i = self.extra_args.index("--kv-listen")
+                    self.extra_args[i + 1] = self.kv_endpoint
+        if self.endpoint is None:
+            self.kill()
+            raise RuntimeError("tarn did not print its endpoint")
+
+    def stop(self, timeout=40):
+        """SIGTERM, then wait; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("tarn did not stop within the grace period after SIGTERM")
+        finally:
+            self.log.close()
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        try:
+            self.log.close()
+        except Exception:
+            pass
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+    def unexpected_errors(self):
+        bad = []
+        for path in self.logs:
+            for line in open(path, errors="replace"):
+                if " ERROR " in line and not any(p.search(line) for p in self.expected_errors):
+                    bad.append(line.rstrip())
+        return bad
+
+    def client(self, **config):
+        import boto3
+        import botocore.config
+
+        cfg = botocore.config.Config(retries={"max_attempts": 1, "mode": "standard"}, **config)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+            config=cfg,
+        )
