@@ -272,3 +272,15 @@ def test_forked_child_opens_its_own_connections(kv_server):
     assert os.waitstatus_to_exitcode(status) == 0
     # and the parent's connection still works, seeing the child's put
     assert c.exists(ks) == [True, True]
+
+
+def test_batches_beyond_the_server_limit(client):
+    # The server takes 1024 keys per request; the client splits.
+    ks = keys(2500, "big")
+    vals = [i.to_bytes(4, "little") * 16 for i in range(2500)]
+    assert all(s.stored for s in client.put_from(ks, vals))
+    assert client.prefix_hits(ks) == 2500
+    bufs = [bytearray(64) for _ in ks]
+    assert client.get_into(ks, bufs) == [64] * 2500
+    assert bufs == [bytearray(v) for v in vals]
+    assert client.delete(ks) == [True] * 2500

@@ -93,3 +93,34 @@ def test_store_down_means_no_hits_and_failed_loads(tarn_server):
     assert store.leading_present(keys) is None
     fresh = Store(tarn_server.kv_endpoint, ["down"])
     assert fresh.leading_present(keys) == [False, False]
+
+
+def test_store_reconnects_in_the_background(tarn_server):
+    import time
+
+    store = Store(tarn_server.kv_endpoint, ["bg"], retry_s=0.2)
+    keys = [kv.key("bg", 0)]
+    assert store.leading_present(keys) == [False]
+    tarn_server.stop()
+    assert store.leading_present(keys) is None  # the call that finds it gone
+    tarn_server.start()
+    deadline = time.monotonic() + 30
+    while (got := store.leading_present(keys)) is None:
+        # never blocks: None until the background connection is up
+        assert time.monotonic() < deadline, "did not reconnect"
+        time.sleep(0.05)
+    assert got == [False]
+    store.close()
+
+
+def test_pins_are_taken_and_released_on_one_connection(tarn_server):
+    store = Store(tarn_server.kv_endpoint, ["pins"], max_connections=1)
+    keys = [kv.key("p", i) for i in range(3)]
+    c = store.clients()[0]
+    c.put_from(keys[:2], [b"a", b"b"])
+    store.pin(keys, 30)
+    assert c.unpin(keys) == [True, True, False], "the store's connection holds the pins"
+    store.pin(keys, 30)
+    store.unpin(keys)
+    assert c.unpin(keys) == [False, False, False], "and released them"
+    store.close()

@@ -131,10 +131,15 @@ class Client(_native.Client):
 
     def pin(self, keys: Keys, lease: float = 60.0) -> list[bool]:
         """Protects blocks from eviction for ``lease`` seconds (capped by the
-        server), until unpinned or this connection closes."""
+        server), until unpinned or the connection that took the pin closes.
+        Per key: whether it is stored (and now pinned)."""
         return super().pin(keys, lease)
 
     def unpin(self, keys: Keys) -> list[bool]:
+        """Releases a pin this client's connection holds. Per key: whether
+        one was held. A pin belongs to the connection that took it: with
+        ``max_connections=1`` pin and unpin always meet; with more, an unpin
+        may reach another connection (False) and the lease ends the pin."""
         return super().unpin(keys)
 
     def delete(self, keys: Keys) -> list[bool]:

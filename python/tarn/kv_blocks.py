@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,8 @@ _log = logging.getLogger(__name__)
 
 class Store:
     """Clients (one per namespace) opened on first use. After a failure to
-    reach the server, none is attempted for ``retry_s`` seconds."""
+    reach the server, none is attempted for ``retry_s`` seconds, and then
+    in the background."""
 
     def __init__(
         self,
@@ -34,44 +35,72 @@ class Store:
         transport: str = "auto",
         retry_s: float = 5.0,
         log: logging.Logger = _log,
+        max_connections: int = 4,
     ):
         self.endpoint = endpoint
         self.namespaces = list(namespaces)
         self.transport = transport
         self.retry_s = retry_s
         self.log = log
+        self.max_connections = max_connections
         self._clients: Optional[list[tarn_kv.Client]] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._warned = False
+        self._connecting = False
+        self._tried = False
 
     def clients(self) -> Optional[list[tarn_kv.Client]]:
-        """One client per namespace, or None while the server is unreachable."""
+        """One client per namespace, or None while the server is unreachable.
+
+        The first connection is made here; a reconnection after a failure
+        runs on a background thread, so a caller (vLLM's scheduler loop)
+        never waits on a server that does not answer."""
         with self._lock:
-            if self._clients is not None:
+            if self._clients is not None or self._connecting:
                 return self._clients
-            now = time.monotonic()
-            if now < self._down_until:
+            if time.monotonic() < self._down_until:
                 return None
-            try:
-                self._clients = [
-                    tarn_kv.Client(self.endpoint, ns, transport=self.transport, connect_timeout=2.0)
-                    for ns in self.namespaces
-                ]
-            except tarn_kv.TarnError as e:
-                self._down_until = now + self.retry_s
-                if not self._warned:
-                    self.log.warning("Tarn KV store unavailable, running without it: %s", e)
-                    self._warned = True
-                return None
-            self.log.info(
-                "Tarn KV store at %s (%s), namespace %s",
-                self.endpoint,
-                self._clients[0].transport,
-                self.namespaces[0],
-            )
-            self._warned = False
+            self._connecting = True
+            first = not self._tried
+            self._tried = True
+        if first:
+            self._connect()
             return self._clients
+        threading.Thread(target=self._connect, name="tarn-reconnect", daemon=True).start()
+        return None
+
+    def _connect(self) -> None:
+        try:
+            clients = [
+                tarn_kv.Client(
+                    self.endpoint,
+                    ns,
+                    transport=self.transport,
+                    connect_timeout=2.0,
+                    max_connections=self.max_connections,
+                )
+                for ns in self.namespaces
+            ]
+        except tarn_kv.TarnError as e:
+            with self._lock:
+                self._connecting = False
+                self._down_until = time.monotonic() + self.retry_s
+                warn = not self._warned
+                self._warned = True
+            if warn:
+                self.log.warning("Tarn KV store unavailable, running without it: %s", e)
+            return
+        with self._lock:
+            self._connecting = False
+            self._clients = clients
+            self._warned = False
+        self.log.info(
+            "Tarn KV store at %s (%s), namespace %s",
+            self.endpoint,
+            clients[0].transport,
+            self.namespaces[0],
+        )
 
     def failed(self, e: Exception) -> None:
         """A call failed. A lost connection backs off like a failed connect,
@@ -99,6 +128,28 @@ class Store:
             self.failed(e)
             return None
         return present
+
+    def pin(self, keys: Sequence[bytes], lease_s: float) -> None:
+        """Protects blocks from eviction (in every namespace) until unpinned,
+        the lease ends or the connection closes. Best effort: a block that is
+        already gone simply fails its load later."""
+        if keys:
+            self._each(lambda c: c.pin(keys, lease_s))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._each(lambda c: c.unpin(keys))
+
+    def _each(self, call: Callable[[tarn_kv.Client], object]) -> None:
+        with self._lock:
+            clients = self._clients
+        if clients is None:
+            return
+        try:
+            for c in clients:
+                call(c)
+        except tarn_kv.TarnError as e:
+            self.failed(e)
 
     def close(self) -> None:
         with self._lock:

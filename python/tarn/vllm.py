@@ -42,13 +42,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.logger import init_logger
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.logger import init_logger
+except ImportError as e:  # pragma: no cover - only without vLLM
+    raise ImportError(f"tarn.vllm is the vLLM connector and needs vLLM (0.32) installed: {e}") from e
 
 from . import kv as tarn_kv
 from .kv_blocks import PagedBlocks, Store
@@ -153,6 +156,8 @@ class TarnConnector(KVConnectorBase_V1):
       step waits for them (default 1024)
     - ``retry_seconds``: after a failure to reach the store, how long to run
       without it before trying again (default 5)
+    - ``pin_lease_seconds``: blocks chosen for a load are pinned (kept from
+      eviction) until it is over or this lease ends (default 60)
     """
 
     def __init__(
@@ -187,7 +192,10 @@ class TarnConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # A block counts as stored only if every rank stored its part.
             namespaces = [f"{base}/r{r}of{world}" for r in range(world)]
-            self._store = Store(endpoint, namespaces, transport, retry, logger)
+            # One connection: the scheduler is one thread, and a pin belongs
+            # to the connection that took it (unpinned over the same one).
+            self._store = Store(endpoint, namespaces, transport, retry, logger, max_connections=1)
+            self._pin_lease = float(extra.get("pin_lease_seconds", 60.0))
             self._requests: dict[str, "Request"] = {}
             # req -> (first block to load, blocks to load, leading stored from 0)
             self._lookups: dict[str, tuple[int, int, int]] = {}
@@ -268,6 +276,9 @@ class TarnConnector(KVConnectorBase_V1):
         t = Transfer(request.request_id, keys, list(block_ids), self._load_async)
         self._pending_loads.append(t)
         self._loading[request.request_id] = t
+        # Keep the blocks from being evicted between this lookup and the
+        # worker's read; released when the load is over.
+        self._store.pin(keys, self._pin_lease)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = TarnConnectorMetadata(loads=self._pending_loads)
@@ -319,6 +330,7 @@ class TarnConnector(KVConnectorBase_V1):
             # asynchronous one is over when its request is reported received.
             if not t.asynchronous or req_id in finished:
                 del self._loading[req_id]
+                self._store.unpin(t.keys)
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -329,7 +341,9 @@ class TarnConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._lookups.pop(rid, None)
         self._saved.pop(rid, None)
-        self._loading.pop(rid, None)
+        t = self._loading.pop(rid, None)
+        if t is not None:
+            self._store.unpin(t.keys)
         return False, None
 
     # ------------------------------------------------------------------
