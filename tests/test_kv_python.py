@@ -284,3 +284,10 @@ def test_batches_beyond_the_server_limit(client):
     assert client.get_into(ks, bufs) == [64] * 2500
     assert bufs == [bytearray(v) for v in vals]
     assert client.delete(ks) == [True] * 2500
+
+
+def test_empty_values(client):
+    k = keys(1, "empty")
+    assert client.put_from(k, [np.empty(0, np.uint8)]) == [Status.OK]
+    assert client.get_into(k, [bytearray()]) == [0]
+    assert client.get_into(k, [np.empty(0, np.float32)]) == [0]

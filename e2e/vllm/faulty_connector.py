@@ -4,7 +4,10 @@ engine's first load) it deletes the back half of the blocks from Tarn after
 vLLM's lookup found them and before they are read. vLLM must recompute
 those blocks."""
 
+from tarn import vllm as tarn_vllm
 from tarn.vllm import TarnConnector, Transfer
+
+tarn_vllm._EXTRA_KEYS.add("fault_loads")
 
 
 class FaultyTarnConnector(TarnConnector):

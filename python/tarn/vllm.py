@@ -71,6 +71,17 @@ logger = init_logger("vllm.tarn")
 #: Version of the value layout (bumped when the bytes of a block change).
 VALUE_FORMAT = 1
 
+_EXTRA_KEYS = {
+    "endpoint",
+    "transport",
+    "namespace",
+    "load_async",
+    "save_decode",
+    "max_inflight_save_mib",
+    "retry_seconds",
+    "pin_lease_seconds",
+}
+
 
 def block_key(block_hash: bytes) -> bytes:
     """The Tarn key of a vLLM block hash (sha256 hashes are used as they are)."""
@@ -169,6 +180,9 @@ class TarnConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         extra = cfg.kv_connector_extra_config or {}
+        unknown = sorted(set(extra) - _EXTRA_KEYS)
+        if unknown:
+            logger.warning("TarnConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
         self._block_size = vllm_config.cache_config.block_size
         self._load_async = bool(extra.get("load_async", True))
         self._save_decode = bool(extra.get("save_decode", True))
@@ -186,6 +200,8 @@ class TarnConnector(KVConnectorBase_V1):
             str(vllm_config.model_config.model).rstrip("/").rsplit("/", 1)[-1][:128],
             _fingerprint(vllm_config, kv_cache_config),
         )
+        if len(base.encode()) + len(f"/r{world}of{world}") > 512:
+            raise ValueError(f"TarnConnector: namespace {base!r} is too long (at most 512 bytes with the rank)")
         endpoint = str(extra.get("endpoint", tarn_kv.DEFAULT_ENDPOINT))
         transport = str(extra.get("transport", "auto"))
         retry = float(extra.get("retry_seconds", 5.0))

@@ -220,9 +220,15 @@ fn borrow(obj: &Bound<'_, PyAny>, writable: bool, i: usize) -> PyResult<Borrowed
     if rc == 0 {
         // SAFETY: filled by a successful PyObject_GetBuffer.
         let view: Box<ffi::Py_buffer> = unsafe { Box::from_raw(Box::into_raw(view).cast()) };
+        let len = view.len as usize;
         return Ok(Borrowed {
-            ptr: view.buf.cast(),
-            len: view.len as usize,
+            // An empty buffer may have no address; a slice needs one.
+            ptr: if len == 0 {
+                std::ptr::NonNull::<u8>::dangling().as_ptr()
+            } else {
+                view.buf.cast()
+            },
+            len,
             view: Some(view),
             _tensor: None,
         });
