@@ -124,3 +124,16 @@ def test_pins_are_taken_and_released_on_one_connection(tarn_server):
     store.unpin(keys)
     assert c.unpin(keys) == [False, False, False], "and released them"
     store.close()
+
+
+def test_staging_buffers_are_reused_never_shared():
+    blocks = PagedBlocks(cache(8, 1))
+    a = blocks.gather([0, 1, 2])
+    b = blocks.gather([0, 1, 2])
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+    blocks.release(a)
+    blocks.release(a)  # a second release must not hand the memory out twice
+    c = blocks.staging(4)  # 3 and 4 rows round up to the same size
+    d = blocks.staging(4)
+    assert c.data_ptr() == a.data_ptr()
+    assert d.data_ptr() not in (a.data_ptr(), b.data_ptr())

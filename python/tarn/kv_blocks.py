@@ -164,6 +164,46 @@ def _rows(buf: torch.Tensor) -> list[memoryview]:
     return [mv[i * w : (i + 1) * w] for i in range(buf.shape[0])]
 
 
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+#: Staging memory kept for reuse per PagedBlocks.
+STAGING_KEEP_BYTES = 512 << 20
+
+
+class _Layer:
+    """One layer's cache as blocks. ``rows`` is a (blocks, page / word) view
+    in the widest integer word that fits when each block is one run of
+    memory (copies in 8-byte words run several times faster than in bytes);
+    otherwise the byte view, copied block by block with its own strides."""
+
+    def __init__(self, name: str, t: torch.Tensor, offset: int, value_bytes_hint: int):
+        if t.stride(-1) != 1:
+            raise ValueError(f"layer {name}'s KV cache is not contiguous in its last dimension")
+        self.name = name
+        self.u8 = t.view(torch.uint8)
+        self.page = self.u8[0].numel()
+        self.offset = offset
+        self.word = 1
+        self.rows: Optional[torch.Tensor] = None
+        if self.u8[0].is_contiguous():
+            stride = self.u8.stride(0)
+            start = self.u8.storage_offset()
+            rows = self.u8.as_strided((self.u8.shape[0], self.page), (stride, 1))
+            self.rows = rows
+            for w, dtype in _WORDS:
+                if all(x % w == 0 for x in (self.page, stride, start, offset, value_bytes_hint)):
+                    self.rows = rows.view(dtype)
+                    self.word = w
+                    break
+
+    def staging_view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """This layer's columns of the staging rows, in the layer's word."""
+        cols = buf[:n, self.offset : self.offset + self.page]
+        if self.word == 1:
+            return cols
+        return buf[:n].view(self.rows.dtype)[:, self.offset // self.word : (self.offset + self.page) // self.word]
+
+
 class PagedBlocks:
     """A paged KV cache seen as blocks: ``layers`` are (name, tensor) with
     the block index as dim 0. A block's value is each layer's block bytes,
@@ -171,42 +211,63 @@ class PagedBlocks:
 
     def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], log: logging.Logger = _log):
         self.log = log
-        self.layers: list[tuple[str, torch.Tensor, int]] = []
-        for name, t in layers:
-            if t.stride(-1) != 1:
-                raise ValueError(f"layer {name}'s KV cache is not contiguous in its last dimension")
-            u8 = t.view(torch.uint8)
-            self.layers.append((name, u8, u8[0].numel()))
-        if not self.layers:
+        if not layers:
             raise ValueError("no KV-cache layers")
-        self.device = self.layers[0][1].device
-        self.value_bytes = sum(page for _, _, page in self.layers)
+        pages = [t.view(torch.uint8)[0].numel() for _, t in layers]
+        self.value_bytes = sum(pages)
+        self.layers: list[_Layer] = []
+        off = 0
+        for (name, t), page in zip(layers, pages):
+            self.layers.append(_Layer(name, t, off, self.value_bytes))
+            off += page
+        self.device = self.layers[0].u8.device
+        # Staging buffers are reused: fresh host memory costs a page fault per
+        # 4 KiB, as much as the copy itself.
+        self._free: list[torch.Tensor] = []
+        self._free_lock = threading.Lock()
 
     def staging(self, n: int) -> torch.Tensor:
-        """Host memory for n values (pinned when a GPU will copy from it)."""
+        """Host memory for n values (pinned when a GPU will copy from it);
+        give it back with ``release`` when done."""
+        rows = 1 << max(0, n - 1).bit_length()
+        with self._free_lock:
+            for i, b in enumerate(self._free):
+                if b.shape[0] == rows:
+                    return self._free.pop(i)[:n]
         pin = self.device.type == "cuda"
-        return torch.empty((n, self.value_bytes), dtype=torch.uint8, pin_memory=pin)
+        return torch.empty((rows, self.value_bytes), dtype=torch.uint8, pin_memory=pin)[:n]
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Returns a staging buffer (up to STAGING_KEEP_BYTES are kept)."""
+        base = buf._base if buf._base is not None else buf
+        with self._free_lock:
+            kept = sum(b.numel() for b in self._free)
+            if all(b is not base for b in self._free) and kept + base.numel() <= STAGING_KEEP_BYTES:
+                self._free.append(base)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copies blocks out of the cache: one row per block."""
         n = len(block_ids)
         buf = self.staging(n)
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        off = 0
-        for _, u8, page in self.layers:
-            buf[:, off : off + page].copy_(u8.index_select(0, idx).reshape(n, page))
-            off += page
+        for layer in self.layers:
+            dst = layer.staging_view(buf, n)
+            if layer.rows is not None:
+                dst.copy_(layer.rows.index_select(0, idx))
+            else:
+                dst.copy_(layer.u8.index_select(0, idx).reshape(n, layer.page))
         return buf
 
     def scatter(self, buf: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copies rows of ``buf`` into the cache's blocks."""
         n = len(block_ids)
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        off = 0
-        for _, u8, page in self.layers:
-            src = buf[:n, off : off + page].reshape(n, *u8.shape[1:]).to(self.device)
-            u8.index_copy_(0, idx, src)
-            off += page
+        for layer in self.layers:
+            src = layer.staging_view(buf, n).to(self.device)
+            if layer.rows is not None:
+                layer.rows.index_copy_(0, idx, src)
+            else:
+                layer.u8.index_copy_(0, idx, src.reshape(n, *layer.u8.shape[1:]))
 
     def load(self, store: Store, keys: Sequence[bytes], block_ids: Sequence[int]) -> set[int]:
         """Reads values into blocks. Returns the block ids that were not
@@ -222,12 +283,16 @@ class PagedBlocks:
             got = clients[0].get_into(keys, _rows(buf))
         except (tarn_kv.TarnError, ValueError) as e:
             store.failed(e)
+            self.release(buf)
             return set(block_ids)
         good = 0
         while good < len(got) and got[good] == self.value_bytes:
             good += 1
-        if good:
-            self.scatter(buf, block_ids[:good])
+        try:
+            if good:
+                self.scatter(buf, block_ids[:good])
+        finally:
+            self.release(buf)
         self.log.debug(
             "Tarn: loaded %d of %d blocks (%.1f MiB) in %.2f ms",
             good,
@@ -245,16 +310,20 @@ class PagedBlocks:
         return failed
 
     def save(self, store: Store, keys: Sequence[bytes], buf: torch.Tensor) -> int:
-        """Stores gathered rows under keys. Returns how many are stored
-        (now or already); a store that is down stores none."""
+        """Stores gathered rows under keys; ``buf`` (from ``gather``) is taken
+        over and reused once stored. Returns how
+        many are stored (now or already); a store that is down stores none."""
         clients = store.clients()
         if clients is None:
+            self.release(buf)
             return 0
         try:
             statuses = clients[0].put_from(keys, _rows(buf))
         except (tarn_kv.TarnError, ValueError) as e:
             store.failed(e)
             return 0
+        finally:
+            self.release(buf)
         stored = sum(1 for s in statuses if s.stored)
         if stored < len(statuses):
             bad = next(s for s in statuses if not s.stored)
