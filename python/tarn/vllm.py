@@ -425,26 +425,33 @@ class TarnConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TarnConnectorMetadata)
         failed_sync, self._failed_sync = self._failed_sync, set()
+        if self._blocks is None:
+            return
+        keys: list[bytes] = []
+        block_ids: list[int] = []
         for t in meta.saves:
-            if not t.keys or self._blocks is None:
-                continue
             if t.req_id in failed_sync:
                 # This step attended over blocks that failed to load: its
                 # KV is wrong and vLLM discards it. Never store it; the
                 # scheduler plans these blocks again once recomputed.
                 continue
-            # Copy out now: once this step ends the blocks may be reused.
-            buf = self._blocks.gather(t.block_ids)
-            size = buf.numel()
-            while self._saves and (self._save_bytes + size > self._save_limit or self._saves[0][0].done()):
-                f, n = self._saves.popleft()
-                try:
-                    f.result()
-                except Exception:  # a bug in a save must not stop serving
-                    logger.exception("TarnConnector: a save failed")
-                self._save_bytes -= n
-            self._saves.append((self._save_pool.submit(self._blocks.save, self._store, t.keys, buf), size))
-            self._save_bytes += size
+            keys += t.keys
+            block_ids += t.block_ids
+        if not keys:
+            return
+        size = len(keys) * self._blocks.value_bytes
+        while self._saves and (self._save_bytes + size > self._save_limit or self._saves[0][0].done()):
+            f, n = self._saves.popleft()
+            try:
+                f.result()
+            except Exception:  # a bug in a save must not stop serving
+                logger.exception("TarnConnector: a save failed")
+            self._save_bytes -= n
+        # Copy out now, every request's blocks at once: once this step ends
+        # the blocks may be reused. The put runs in the background.
+        buf = self._blocks.gather(block_ids)
+        self._saves.append((self._save_pool.submit(self._blocks.save, self._store, keys, buf), size))
+        self._save_bytes += size
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         done: set[str] = set()
