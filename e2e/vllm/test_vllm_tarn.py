@@ -40,13 +40,13 @@ def test_prefix_saved_by_one_engine_is_loaded_by_the_next(tarn_server, vllm):
     assert "Tarn KV store" in b.log_text()
 
 
-def run_faulty(tarn_server, vllm, load_async):
+def run_faulty(tarn_server, vllm, load_async, transport):
     p = prompt(3)
     e = vllm(
         tarn_server.kv_endpoint,
         connector="FaultyTarnConnector",
         module="faulty_connector",
-        extra={"load_async": load_async},
+        extra={"load_async": load_async, "transport": transport},
     )
     ref, usage = e.complete(p)
     blocks = full_blocks(usage)
@@ -55,6 +55,7 @@ def run_faulty(tarn_server, vllm, load_async):
     assert e.complete(p)[0] == ref
     assert e.metric(HITS) == blocks
     assert "Recovered from KV load failure" not in e.log_text()
+    assert f"({transport}), namespace" in e.log_text()
     e.reset_prefix_cache()
     # Second load: the back half disappears between lookup and read.
     assert e.complete(p)[0] == ref
@@ -69,11 +70,12 @@ def run_faulty(tarn_server, vllm, load_async):
 
 
 def test_failed_async_loads_are_recomputed(tarn_server, vllm):
-    run_faulty(tarn_server, vllm, load_async=True)
+    run_faulty(tarn_server, vllm, load_async=True, transport="shm")
 
 
 def test_failed_sync_loads_are_recomputed(tarn_server, vllm):
-    run_faulty(tarn_server, vllm, load_async=False)
+    # and over TCP, as from another host
+    run_faulty(tarn_server, vllm, load_async=False, transport="tcp")
 
 
 def test_nothing_computed_over_a_failed_sync_load_is_saved(tarn_server, vllm, tmp_path):
