@@ -435,14 +435,7 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
 
     let shown: Vec<String> = endpoints.iter().map(|e| redact(e)).collect();
     let named: Vec<_> = figures.iter().map(Figures::named).collect();
-    if args.json {
-        if targets.len() == 1 {
-            println!("{}", figures[0].json(&args, size));
-        } else {
-            let reports: Vec<String> = figures.iter().map(|f| f.json(&args, size)).collect();
-            println!("{}", comparison_json(rounds, &shown, &reports, &named));
-        }
-    } else {
+    if !args.json {
         println!(
             "op {} size {} concurrency {} threads {threads}{}",
             args.op,
@@ -454,16 +447,55 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
                 String::new()
             }
         );
-        for (e, f) in shown.iter().zip(&figures) {
-            if targets.len() > 1 {
+    }
+    let outcomes: Vec<Outcome> = figures
+        .iter()
+        .map(|f| Outcome {
+            json: f.json(&args, size),
+            text: f.text(args.verify),
+            errors: f.errors.values().sum(),
+            verify_failures: f.verify_failures,
+        })
+        .collect();
+    finish(args.json, rounds, &shown, &outcomes, &named)
+}
+
+/// One endpoint's finished run, as a bench prints it.
+pub struct Outcome {
+    pub json: String,
+    pub text: String,
+    pub errors: u64,
+    pub verify_failures: u64,
+}
+
+/// Prints every endpoint's report (JSON: one object, or one comparison of
+/// them all; text: each report, then the ratios to the first endpoint) and
+/// fails the run if any request failed or read back wrong bytes.
+pub fn finish(
+    json: bool,
+    rounds: usize,
+    endpoints: &[String],
+    outcomes: &[Outcome],
+    named: &[Vec<(&'static str, f64)>],
+) -> anyhow::Result<()> {
+    if json {
+        if let [only] = outcomes {
+            println!("{}", only.json);
+        } else {
+            let each: Vec<String> = outcomes.iter().map(|o| o.json.clone()).collect();
+            println!("{}", comparison_json(rounds, endpoints, &each, named));
+        }
+    } else {
+        for (e, o) in endpoints.iter().zip(outcomes) {
+            if outcomes.len() > 1 {
                 println!("{e}");
             }
-            print!("{}", f.text(args.verify));
+            print!("{}", o.text);
         }
-        print!("{}", ratio_lines(&shown, &named));
+        print!("{}", ratio_lines(endpoints, named));
     }
-    let errors: u64 = figures.iter().map(|f| f.errors.values().sum::<u64>()).sum();
-    let verify_failures: u64 = figures.iter().map(|f| f.verify_failures).sum();
+    let errors: u64 = outcomes.iter().map(|o| o.errors).sum();
+    let verify_failures: u64 = outcomes.iter().map(|o| o.verify_failures).sum();
     if verify_failures > 0 || errors > 0 {
         bail!("{errors} errors, {verify_failures} verify failures");
     }

@@ -20,7 +20,7 @@ use tarn_client::{
     BlockingKvClient, ConnectOptions, GetInto, PutFrom, RegisteredBuffer, Status, TransportChoice,
 };
 
-use crate::bench::{comparison_json, json_string, parse_duration, ratio_lines};
+use crate::bench::{finish, json_string, parse_duration, Outcome};
 use crate::config::parse_size;
 
 #[derive(clap::Args, Clone)]
@@ -307,28 +307,16 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
         eprintln!();
     }
     let named: Vec<_> = reports.iter().map(Report::named).collect();
-    if args.json {
-        if reports.len() == 1 {
-            println!("{}", reports[0].json());
-        } else {
-            let each: Vec<String> = reports.iter().map(Report::json).collect();
-            println!("{}", comparison_json(rounds, &endpoints, &each, &named));
-        }
-    } else {
-        for (e, r) in endpoints.iter().zip(&reports) {
-            if reports.len() > 1 {
-                println!("{e}");
-            }
-            print!("{}", r.text(args.verify));
-        }
-        print!("{}", ratio_lines(&endpoints, &named));
-    }
-    let errors: u64 = reports.iter().map(|r| r.errors.values().sum::<u64>()).sum();
-    let verify_failures: u64 = reports.iter().map(|r| r.verify_failures).sum();
-    if verify_failures > 0 || errors > 0 {
-        bail!("{errors} errors, {verify_failures} verify failures");
-    }
-    Ok(())
+    let outcomes: Vec<Outcome> = reports
+        .iter()
+        .map(|r| Outcome {
+            json: r.json(),
+            text: r.text(args.verify),
+            errors: r.errors.values().sum(),
+            verify_failures: r.verify_failures,
+        })
+        .collect();
+    finish(args.json, rounds, &endpoints, &outcomes, &named)
 }
 
 /// One timed phase of every client of one endpoint: `duration`, or `count`
