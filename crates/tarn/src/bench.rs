@@ -264,11 +264,6 @@ impl Figures {
         ]
     }
     fn json(&self, args: &S3BenchArgs, size: usize) -> String {
-        let errs: Vec<String> = self
-            .errors
-            .iter()
-            .map(|(k, v)| format!("{}:{v}", json_string(k)))
-            .collect();
         format!(
             "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{}}}",
             args.op,
@@ -282,7 +277,7 @@ impl Figures {
             self.ms(0.99),
             self.ms(0.999),
             self.ms(2.0),
-            errs.join(","),
+            errors_json(&self.errors),
             self.verify_failures
         )
     }
@@ -458,6 +453,15 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
         })
         .collect();
     finish(args.json, rounds, &shown, &outcomes, &named)
+}
+
+/// The members of a JSON object counting errors by kind.
+pub fn errors_json<K: AsRef<str>>(errors: &std::collections::BTreeMap<K, u64>) -> String {
+    let each: Vec<String> = errors
+        .iter()
+        .map(|(k, v)| format!("{}:{v}", json_string(k.as_ref())))
+        .collect();
+    each.join(",")
 }
 
 /// One endpoint's finished run, as a bench prints it.

@@ -20,7 +20,7 @@ use tarn_client::{
     BlockingKvClient, ConnectOptions, GetInto, PutFrom, RegisteredBuffer, Status, TransportChoice,
 };
 
-use crate::bench::{finish, json_string, parse_duration, Outcome};
+use crate::bench::{errors_json, finish, json_string, parse_duration, Outcome};
 use crate::config::parse_size;
 
 #[derive(clap::Args, Clone)]
@@ -690,11 +690,6 @@ impl<'a> Report<'a> {
     }
 
     pub fn json(&self) -> String {
-        let errs: Vec<String> = self
-            .errors
-            .iter()
-            .map(|(k, v)| format!("{}:{v}", json_string(k)))
-            .collect();
         format!(
             "{{\"op\":{},\"transport\":{},\"block_bytes\":{},\"batch\":{},\"concurrency\":{},\"seconds\":{:.3},\"batches\":{},\"batches_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"hit_rate_percent\":{},\"latency_us\":{{\"p50\":{:.1},\"p90\":{:.1},\"p99\":{:.1},\"p999\":{:.1},\"max\":{:.1}}},\"errors\":{{{}}},\"verify_failures\":{}}}",
             json_string(self.op),
@@ -713,7 +708,7 @@ impl<'a> Report<'a> {
             self.latency_us(0.99),
             self.latency_us(0.999),
             self.hist.max() as f64 / 1000.0,
-            errs.join(","),
+            errors_json(&self.errors),
             self.verify_failures
         )
     }
