@@ -291,3 +291,30 @@ def test_empty_values(client):
     assert client.put_from(k, [np.empty(0, np.uint8)]) == [Status.OK]
     assert client.get_into(k, [bytearray()]) == [0]
     assert client.get_into(k, [np.empty(0, np.float32)]) == [0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_server_that_stops_answering_times_out(kv_server, transport):
+    import os
+    import signal
+
+    c = kv.Client(kv_server.kv_endpoint, namespace="hang", transport=transport, timeout=1.0)
+    ks = keys(2, "hang")
+    c.put_from(ks, [b"h" * 64] * 2)
+    pid = kv_server.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # alive, listening, silent
+    try:
+        # the signal lands asynchronously: wait until every thread is stopped
+        while any(
+            open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] != "T"
+            for t in os.listdir(f"/proc/{pid}/task")
+        ):
+            pass
+        with pytest.raises(kv.KvConnectionError, match="no answer from the KV server within"):
+            c.exists(ks)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # the stuck connection was dropped; the next call uses a new one
+    assert c.exists(ks) == [True, True]
+    with pytest.raises(ValueError, match="timeout"):
+        kv.Client(kv_server.kv_endpoint, timeout=0)

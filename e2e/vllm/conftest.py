@@ -42,6 +42,21 @@ def tarn_server(tmp_path):
     assert not s.unexpected_errors()
 
 
+def wait_stored(server, blocks: int, timeout: float = 60.0) -> None:
+    """Waits until the store holds at least `blocks` blocks (all namespaces):
+    vLLM's saves land in the background, after the response."""
+    import tarn.kv
+
+    c = tarn.kv.Client(server.kv_endpoint)
+    try:
+        deadline = time.time() + timeout
+        while (n := c.stats()["blocks"]) < blocks:
+            assert time.time() < deadline, f"only {n} of {blocks} blocks stored after {timeout} s"
+            time.sleep(0.1)
+    finally:
+        c.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,7 @@
 prefixes saved by one engine are loaded by another, with identical greedy
 output; without Tarn vLLM still answers; failed loads are recomputed."""
 
-from conftest import KV_ARGS, prompt
+from conftest import KV_ARGS, prompt, wait_stored
 from tarnproc import Server
 
 HITS = "vllm:external_prefix_cache_hits_total"
@@ -19,8 +19,9 @@ def test_prefix_saved_by_one_engine_is_loaded_by_the_next(tarn_server, vllm):
     p1, p2 = prompt(1), prompt(2)
     a = vllm(tarn_server.kv_endpoint)
     a1, usage1 = a.complete(p1)
-    a2, _ = a.complete(p2)
+    a2, usage2 = a.complete(p2)
     assert a.metric(QUERIES) > 0 and a.metric(HITS) == 0, "a fresh store has nothing to offer"
+    wait_stored(tarn_server, (full_blocks(usage1) + full_blocks(usage2)) // BLOCK)
     a.stop()
 
     b = vllm(tarn_server.kv_endpoint)
@@ -50,6 +51,7 @@ def run_faulty(tarn_server, vllm, load_async, transport):
     )
     ref, usage = e.complete(p)
     blocks = full_blocks(usage)
+    wait_stored(tarn_server, blocks // BLOCK)
     e.reset_prefix_cache()
     # First load: every block comes from Tarn.
     assert e.complete(p)[0] == ref
@@ -61,6 +63,7 @@ def run_faulty(tarn_server, vllm, load_async, transport):
     assert e.complete(p)[0] == ref
     assert "Recovered from KV load failure" in e.log_text()
     assert e.metric(HITS) == 2 * blocks  # the lookup found them all
+    wait_stored(tarn_server, blocks // BLOCK)  # the deleted half, saved again
     e.reset_prefix_cache()
     # The recomputed blocks were saved again: the lookup finds all of them,
     # and this load is clean.
@@ -101,10 +104,12 @@ def test_nothing_computed_over_a_failed_sync_load_is_saved(tarn_server, vllm, tm
         module="faulty_connector",
         extra={"load_async": False, "fault_loads": [1]},
     )
-    e.complete(base)  # stores the base's blocks
+    _, base_usage = e.complete(base)  # stores the base's blocks
+    wait_stored(tarn_server, full_blocks(base_usage) // BLOCK)
     e.reset_prefix_cache()
     assert e.complete(longer)[0] == ref  # load 1 fails half-way, recomputed
     assert "Recovered from KV load failure" in e.log_text()
+    wait_stored(tarn_server, full_blocks(usage) // BLOCK)
     e.reset_prefix_cache()
     hits = e.metric(HITS)
     assert e.complete(longer)[0] == ref  # load 2: every block, none wrong

@@ -11,6 +11,7 @@ class Client:
         *,
         transport: str = "auto",
         connect_timeout: float = 5.0,
+        timeout: Optional[float] = None,
         max_connections: int = 4,
         shm_mailbox: bool = True,
     ) -> "Client": ...

@@ -94,12 +94,14 @@ class Client(_native.Client):
     ``max_connections`` connections and each call uses one of its own.
 
     ``Client(endpoint="127.0.0.1:9400", namespace=None, *, transport="auto",
-    connect_timeout=5.0, max_connections=4, shm_mailbox=True)``
+    connect_timeout=5.0, timeout=None, max_connections=4, shm_mailbox=True)``
 
     The namespace (str or bytes, at most 512 bytes) scopes every key: the
     same key in two namespaces names two values. ``transport`` is "auto"
     (shared memory on the same host, else TCP), "shm" or "tcp". The first
     connection is made by the constructor, so a wrong endpoint fails here.
+    ``timeout`` (seconds) bounds every call: a server that stops answering
+    raises ``KvConnectionError`` then instead of blocking forever.
     A call on a connection the server dropped (say it restarted) is retried
     once on a new connection.
     """

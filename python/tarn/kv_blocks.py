@@ -26,7 +26,8 @@ _log = logging.getLogger(__name__)
 class Store:
     """Clients (one per namespace) opened on first use. After a failure to
     reach the server, none is attempted for ``retry_s`` seconds, and then
-    in the background."""
+    in the background. Every call is bounded by ``timeout_s``: a server that
+    stops answering counts as down."""
 
     def __init__(
         self,
@@ -36,6 +37,7 @@ class Store:
         retry_s: float = 5.0,
         log: logging.Logger = _log,
         max_connections: int = 4,
+        timeout_s: Optional[float] = 30.0,
     ):
         self.endpoint = endpoint
         self.namespaces = list(namespaces)
@@ -43,6 +45,7 @@ class Store:
         self.retry_s = retry_s
         self.log = log
         self.max_connections = max_connections
+        self.timeout_s = timeout_s
         self._clients: Optional[list[tarn_kv.Client]] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -78,6 +81,7 @@ class Store:
                     ns,
                     transport=self.transport,
                     connect_timeout=2.0,
+                    timeout=self.timeout_s,
                     max_connections=self.max_connections,
                 )
                 for ns in self.namespaces

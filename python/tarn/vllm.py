@@ -80,6 +80,7 @@ _EXTRA_KEYS = {
     "max_inflight_save_mib",
     "retry_seconds",
     "pin_lease_seconds",
+    "call_timeout_seconds",
 }
 
 
@@ -169,6 +170,8 @@ class TarnConnector(KVConnectorBase_V1):
       without it before trying again (default 5)
     - ``pin_lease_seconds``: blocks chosen for a load are pinned (kept from
       eviction) until it is over or this lease ends (default 60)
+    - ``call_timeout_seconds``: longest any call to the store may take; a
+      server that stops answering is treated as down (default 30)
     """
 
     def __init__(
@@ -205,12 +208,13 @@ class TarnConnector(KVConnectorBase_V1):
         endpoint = str(extra.get("endpoint", tarn_kv.DEFAULT_ENDPOINT))
         transport = str(extra.get("transport", "auto"))
         retry = float(extra.get("retry_seconds", 5.0))
+        timeout = float(extra.get("call_timeout_seconds", 30.0))
         if role == KVConnectorRole.SCHEDULER:
             # A block counts as stored only if every rank stored its part.
             namespaces = [f"{base}/r{r}of{world}" for r in range(world)]
             # One connection: the scheduler is one thread, and a pin belongs
             # to the connection that took it (unpinned over the same one).
-            self._store = Store(endpoint, namespaces, transport, retry, logger, max_connections=1)
+            self._store = Store(endpoint, namespaces, transport, retry, logger, max_connections=1, timeout_s=timeout)
             self._pin_lease = float(extra.get("pin_lease_seconds", 60.0))
             self._requests: dict[str, "Request"] = {}
             # req -> (first block to load, blocks to load, leading stored from 0)
@@ -219,9 +223,10 @@ class TarnConnector(KVConnectorBase_V1):
             self._loading: dict[str, Transfer] = {}
             # req -> leading blocks known stored (not to be saved again)
             self._saved: dict[str, int] = {}
+            self._store.clients()  # connect at start, not on the first request
         else:
             rank = self._worker_rank(pc)
-            self._store = Store(endpoint, [f"{base}/r{rank}of{world}"], transport, retry, logger)
+            self._store = Store(endpoint, [f"{base}/r{rank}of{world}"], transport, retry, logger, timeout_s=timeout)
             self._blocks: Optional[PagedBlocks] = None
             self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="tarn-load")
             self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="tarn-save")
@@ -375,6 +380,8 @@ class TarnConnector(KVConnectorBase_V1):
             for name in _layer_names(self._kv_cache_config)
         ]
         self._blocks = PagedBlocks(layers, logger)
+        # Connect now, not on the first save (which would then land late).
+        self._store.clients()
         logger.info(
             "TarnConnector: %d layers, %d bytes per block", len(layers), self._blocks.value_bytes
         )

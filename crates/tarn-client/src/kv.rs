@@ -67,6 +67,11 @@ pub struct ConnectOptions {
     /// thread: a parked thread costs a wakeup (tens of microseconds on a VM)
     /// per round trip, a spinning one costs a core while it waits.
     pub response_spin: Duration,
+    /// Longest a call may wait for the server (None: no limit). A call that
+    /// runs out fails with a `TimedOut` I/O error and its connection is
+    /// closed (it may be mid-frame); a server that stopped answering never
+    /// hangs the caller past this.
+    pub call_timeout: Option<Duration>,
 }
 
 impl Default for ConnectOptions {
@@ -77,6 +82,7 @@ impl Default for ConnectOptions {
             connect_timeout: Duration::from_secs(5),
             shm_mailbox: true,
             response_spin: RESPONSE_SPIN_DEFAULT,
+            call_timeout: None,
         }
     }
 }
@@ -851,6 +857,7 @@ impl Transport for AnyTransport {
 /// The async KV client. Batches longer than the server's limit are split.
 pub struct KvClient {
     t: AnyTransport,
+    call_timeout: Option<Duration>,
     namespace: Vec<u8>,
     server: HelloReply,
 }
@@ -919,6 +926,7 @@ impl KvClient {
                 Ok(shm) => {
                     return Ok(KvClient {
                         t: AnyTransport::Shm(Box::new(shm)),
+                        call_timeout: opts.call_timeout,
                         namespace: opts.namespace,
                         server: hello,
                     })
@@ -929,6 +937,7 @@ impl KvClient {
         }
         Ok(KvClient {
             t: AnyTransport::Tcp(TcpTransport { ch }),
+            call_timeout: opts.call_timeout,
             namespace: opts.namespace,
             server: hello,
         })
@@ -986,7 +995,8 @@ impl KvClient {
         };
         for chunk in digests.chunks(self.batch()) {
             let ns = self.namespace.clone();
-            let r = self.t.exists(&ns, chunk).await;
+            let limit = self.call_timeout;
+            let r = bounded(limit, self.t.exists(&ns, chunk)).await;
             let r = self.settle(r)?;
             all.present.extend(r.present);
         }
@@ -1001,7 +1011,8 @@ impl KvClient {
         let batch = self.batch();
         for chunk in reqs.chunks_mut(batch) {
             let ns = self.namespace.clone();
-            let r = self.t.get_into(&ns, chunk).await;
+            let limit = self.call_timeout;
+            let r = bounded(limit, self.t.get_into(&ns, chunk)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1023,7 +1034,8 @@ impl KvClient {
         let mut out = Vec::with_capacity(items.len());
         for chunk in items.chunks(self.batch()) {
             let ns = self.namespace.clone();
-            let r = self.t.put_from(&ns, chunk).await;
+            let limit = self.call_timeout;
+            let r = bounded(limit, self.t.put_from(&ns, chunk)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1097,7 +1109,8 @@ impl KvClient {
         let mut out = Vec::with_capacity(digests.len());
         for chunk in digests.chunks(self.batch()) {
             let ns = self.namespace.clone();
-            let r = self.t.keys_op(op, &ns, chunk, arg).await;
+            let limit = self.call_timeout;
+            let r = bounded(limit, self.t.keys_op(op, &ns, chunk, arg)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1127,9 +1140,26 @@ impl KvClient {
     pub async fn stats(&mut self) -> Result<Vec<(String, u64)>> {
         self.check()?;
         let ns = self.namespace.clone();
-        let r = self.t.stats(&ns).await;
+        let limit = self.call_timeout;
+        let r = bounded(limit, self.t.stats(&ns)).await;
         self.settle(r)
     }
+}
+
+/// `f`, failing with `TimedOut` if it takes longer than `limit`.
+async fn bounded<T>(
+    limit: Option<Duration>,
+    f: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let Some(limit) = limit else {
+        return f.await;
+    };
+    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
+        Err(Error::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no answer from the KV server within {limit:?}"),
+        )))
+    })
 }
 
 /// True when the peer is this host (loopback, or our own address).

@@ -66,6 +66,11 @@ fn fatal(e: &Error) -> bool {
     matches!(e, Error::Io(_) | Error::Broken | Error::Protocol(_))
 }
 
+/// A server that did not answer in time is not helped by asking again.
+fn timed_out(e: &Error) -> bool {
+    matches!(e, Error::Io(io) if io.kind() == std::io::ErrorKind::TimedOut)
+}
+
 struct PoolState {
     idle: Vec<BlockingKvClient>,
     open: usize,
@@ -159,7 +164,7 @@ impl Pool {
                 Err(e) => {
                     let dead = fatal(&e);
                     self.checkin(c, !dead);
-                    if !(dead && reused && !retried) {
+                    if !(dead && reused && !retried) || timed_out(&e) {
                         return Err(Failure::Call(e));
                     }
                     retried = true;
@@ -374,14 +379,17 @@ struct Client {
 #[pymethods]
 impl Client {
     #[new]
+    // The Python constructor's keyword arguments, one parameter each.
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (endpoint = "127.0.0.1:9400", namespace = None, *, transport = "auto",
-        connect_timeout = 5.0, max_connections = 4, shm_mailbox = true))]
+        connect_timeout = 5.0, timeout = None, max_connections = 4, shm_mailbox = true))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         namespace: Option<&Bound<'_, PyAny>>,
         transport: &str,
         connect_timeout: f64,
+        timeout: Option<f64>,
         max_connections: usize,
         shm_mailbox: bool,
     ) -> PyResult<Self> {
@@ -412,6 +420,15 @@ impl Client {
                 "connect_timeout must be a positive number of seconds",
             ));
         }
+        let call_timeout = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+            Some(_) => {
+                return Err(PyValueError::new_err(
+                    "timeout must be a positive number of seconds or None",
+                ))
+            }
+        };
         if max_connections == 0 {
             return Err(PyValueError::new_err("max_connections must be at least 1"));
         }
@@ -420,6 +437,7 @@ impl Client {
             namespace: namespace.clone(),
             connect_timeout: Duration::from_secs_f64(connect_timeout),
             shm_mailbox,
+            call_timeout,
             ..ConnectOptions::default()
         };
         let pool = Pool {
