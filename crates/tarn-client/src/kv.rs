@@ -885,27 +885,15 @@ impl KvClient {
             )));
         }
         let addr = parse_endpoint(endpoint)?;
-        let tcp = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(&addr))
-            .await
-            .map_err(|_| {
-                Error::Io(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("connecting to {addr}"),
-                ))
-            })??;
+        let limit = Some(opts.connect_timeout);
+        let connecting = async { Ok(TcpStream::connect(&addr).await?) };
+        let tcp = bounded(limit, &format!("{addr} (connecting)"), connecting).await?;
         tcp.set_nodelay(true)?;
         let local = same_host(&tcp);
         let mut ch = Channel::new(tcp);
         ch.response_spin = opts.response_spin;
         // A server that accepts but never answers must not hang the caller.
-        let hello = tokio::time::timeout(opts.connect_timeout, ch.hello(0))
-            .await
-            .map_err(|_| {
-                Error::Io(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("{addr} did not answer HELLO"),
-                ))
-            })??;
+        let hello = bounded(limit, &format!("{addr} (HELLO)"), ch.hello(0)).await?;
         let offered = hello.flags & HELLO_SHM_OFFERED != 0 && !hello.shm_socket.is_empty();
         let want_shm = opts.transport != TransportChoice::Tcp && offered && local;
         if opts.transport == TransportChoice::Shm && !want_shm {
@@ -914,14 +902,8 @@ impl KvClient {
             ));
         }
         if want_shm {
-            let shm = tokio::time::timeout(opts.connect_timeout, connect_shm(&hello, &opts))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(Error::Io(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "shared-memory handshake timed out",
-                    )))
-                });
+            let handshake = connect_shm(&hello, &opts);
+            let shm = bounded(limit, "the shared-memory handshake", handshake).await;
             match shm {
                 Ok(shm) => {
                     return Ok(KvClient {
@@ -996,7 +978,7 @@ impl KvClient {
         for chunk in digests.chunks(self.batch()) {
             let ns = self.namespace.clone();
             let limit = self.call_timeout;
-            let r = bounded(limit, self.t.exists(&ns, chunk)).await;
+            let r = bounded(limit, SERVER, self.t.exists(&ns, chunk)).await;
             let r = self.settle(r)?;
             all.present.extend(r.present);
         }
@@ -1012,7 +994,7 @@ impl KvClient {
         for chunk in reqs.chunks_mut(batch) {
             let ns = self.namespace.clone();
             let limit = self.call_timeout;
-            let r = bounded(limit, self.t.get_into(&ns, chunk)).await;
+            let r = bounded(limit, SERVER, self.t.get_into(&ns, chunk)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1035,7 +1017,7 @@ impl KvClient {
         for chunk in items.chunks(self.batch()) {
             let ns = self.namespace.clone();
             let limit = self.call_timeout;
-            let r = bounded(limit, self.t.put_from(&ns, chunk)).await;
+            let r = bounded(limit, SERVER, self.t.put_from(&ns, chunk)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1110,7 +1092,7 @@ impl KvClient {
         for chunk in digests.chunks(self.batch()) {
             let ns = self.namespace.clone();
             let limit = self.call_timeout;
-            let r = bounded(limit, self.t.keys_op(op, &ns, chunk, arg)).await;
+            let r = bounded(limit, SERVER, self.t.keys_op(op, &ns, chunk, arg)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1141,14 +1123,19 @@ impl KvClient {
         self.check()?;
         let ns = self.namespace.clone();
         let limit = self.call_timeout;
-        let r = bounded(limit, self.t.stats(&ns)).await;
+        let r = bounded(limit, SERVER, self.t.stats(&ns)).await;
         self.settle(r)
     }
 }
 
-/// `f`, failing with `TimedOut` if it takes longer than `limit`.
+/// Who a call waits for, in timeout errors.
+const SERVER: &str = "the KV server";
+
+/// `f`, failing with `TimedOut` ("no answer from `what` within …") if it
+/// takes longer than `limit`.
 async fn bounded<T>(
     limit: Option<Duration>,
+    what: &str,
     f: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
     let Some(limit) = limit else {
@@ -1157,7 +1144,7 @@ async fn bounded<T>(
     tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
         Err(Error::Io(io::Error::new(
             io::ErrorKind::TimedOut,
-            format!("no answer from the KV server within {limit:?}"),
+            format!("no answer from {what} within {limit:?}"),
         )))
     })
 }

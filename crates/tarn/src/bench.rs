@@ -252,18 +252,24 @@ impl Figures {
         us as f64 / 1000.0
     }
     /// The figures compared between endpoints, by name.
+    /// p50, p90, p99, p999 and max latency in ms.
+    fn percentiles_ms(&self) -> [f64; 5] {
+        [0.5, 0.9, 0.99, 0.999, 2.0].map(|q| self.ms(q))
+    }
     fn named(&self) -> Vec<(&'static str, f64)> {
+        let [p50, p90, p99, p999, max] = self.percentiles_ms();
         vec![
             ("ops_per_sec", self.ops_per_sec()),
             ("mb_per_sec", self.mb_per_sec()),
-            ("p50_ms", self.ms(0.5)),
-            ("p90_ms", self.ms(0.9)),
-            ("p99_ms", self.ms(0.99)),
-            ("p999_ms", self.ms(0.999)),
-            ("max_ms", self.ms(2.0)),
+            ("p50_ms", p50),
+            ("p90_ms", p90),
+            ("p99_ms", p99),
+            ("p999_ms", p999),
+            ("max_ms", max),
         ]
     }
     fn json(&self, args: &S3BenchArgs, size: usize) -> String {
+        let [p50, p90, p99, p999, max] = self.percentiles_ms();
         format!(
             "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{}}}",
             args.op,
@@ -272,27 +278,28 @@ impl Figures {
             self.ops,
             self.ops_per_sec(),
             self.mb_per_sec(),
-            self.ms(0.5),
-            self.ms(0.9),
-            self.ms(0.99),
-            self.ms(0.999),
-            self.ms(2.0),
+            p50,
+            p90,
+            p99,
+            p999,
+            max,
             errors_json(&self.errors),
             self.verify_failures
         )
     }
     fn text(&self, verify: bool) -> String {
+        let [p50, p90, p99, p999, max] = self.percentiles_ms();
         let mut s = format!(
             "  {} ops in {:.2} s: {:.1} ops/s, {:.1} MB/s\n  latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}  p999 {:.3}  max {:.3}\n",
             self.ops,
             self.seconds,
             self.ops_per_sec(),
             self.mb_per_sec(),
-            self.ms(0.5),
-            self.ms(0.9),
-            self.ms(0.99),
-            self.ms(0.999),
-            self.ms(2.0)
+            p50,
+            p90,
+            p99,
+            p999,
+            max
         );
         if !self.errors.is_empty() {
             s += &format!("  errors: {:?}\n", self.errors);
