@@ -83,16 +83,16 @@ def test_store_down_means_no_hits_and_failed_loads(tarn_server):
     blocks = PagedBlocks(cache(4, 1))
     keys = [kv.key("d", i) for i in range(2)]
     assert blocks.save(store, keys, blocks.gather([0, 1])) == 2
-    assert store.leading_present(keys) == [True, True]
+    assert store.stored(keys) == [True, True]
     tarn_server.stop()
-    assert store.leading_present(keys) is None
+    assert store.stored(keys) is None
     assert blocks.load(store, keys, [2, 3]) == {2, 3}
     assert blocks.save(store, keys, blocks.gather([0, 1])) == 0
     tarn_server.start()
     # backing off: the restarted server is not tried until retry_s passes
-    assert store.leading_present(keys) is None
+    assert store.stored(keys) is None
     fresh = Store(tarn_server.kv_endpoint, ["down"])
-    assert fresh.leading_present(keys) == [False, False]
+    assert fresh.stored(keys) == [False, False]
 
 
 def test_store_reconnects_in_the_background(tarn_server):
@@ -100,12 +100,12 @@ def test_store_reconnects_in_the_background(tarn_server):
 
     store = Store(tarn_server.kv_endpoint, ["bg"], retry_s=0.2)
     keys = [kv.key("bg", 0)]
-    assert store.leading_present(keys) == [False]
+    assert store.stored(keys) == [False]
     tarn_server.stop()
-    assert store.leading_present(keys) is None  # the call that finds it gone
+    assert store.stored(keys) is None  # the call that finds it gone
     tarn_server.start()
     deadline = time.monotonic() + 30
-    while (got := store.leading_present(keys)) is None:
+    while (got := store.stored(keys)) is None:
         # never blocks: None until the background connection is up
         assert time.monotonic() < deadline, "did not reconnect"
         time.sleep(0.05)

@@ -119,7 +119,7 @@ class Store:
                 self.log.warning("Tarn KV store call failed: %s", e)
                 self._warned = True
 
-    def leading_present(self, keys: Sequence[bytes]) -> Optional[list[bool]]:
+    def stored(self, keys: Sequence[bytes]) -> Optional[list[bool]]:
         """Per key: stored in every namespace. None when the store is down."""
         clients = self.clients()
         if clients is None:
