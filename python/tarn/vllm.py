@@ -217,12 +217,15 @@ class TarnConnector(KVConnectorBase_V1):
             self._store = Store(endpoint, namespaces, transport, retry, logger, max_connections=1, timeout_s=timeout)
             self._pin_lease = float(extra.get("pin_lease_seconds", 60.0))
             self._requests: dict[str, "Request"] = {}
-            # req -> (first block to load, blocks to load, leading stored from 0)
-            self._lookups: dict[str, tuple[int, int, int]] = {}
+            # req -> (first block to load, leading blocks stored from 0)
+            self._lookups: dict[str, tuple[int, int]] = {}
             self._pending_loads: list[Transfer] = []
             self._loading: dict[str, Transfer] = {}
             # req -> leading blocks known stored (not to be saved again)
             self._saved: dict[str, int] = {}
+            # Requests whose load failed: vLLM recomputes them; offering the
+            # store again could fail the same way, over and over.
+            self._load_failed: set[str] = set()
             self._store.clients()  # connect at start, not on the first request
         else:
             rank = self._worker_rank(pc)
@@ -270,7 +273,9 @@ class TarnConnector(KVConnectorBase_V1):
         start = num_computed_tokens // bs
         if limit <= 0 or (not self._do_load and not self._do_save):
             return 0, False
-        present = self._store.leading_present([block_key(h) for h in request.block_hashes[:limit]])
+        if request.request_id in self._load_failed:
+            return 0, False
+        present = self._store.stored([block_key(h) for h in request.block_hashes[:limit]])
         if present is None:
             return 0, False
         leading = 0
@@ -280,7 +285,7 @@ class TarnConnector(KVConnectorBase_V1):
         if self._do_load:
             while start + hits < limit and present[start + hits]:
                 hits += 1
-        self._lookups[request.request_id] = (start, hits, leading)
+        self._lookups[request.request_id] = (start, leading)
         if hits == 0:
             return 0, False
         return hits * bs, self._load_async
@@ -290,7 +295,7 @@ class TarnConnector(KVConnectorBase_V1):
     ) -> None:
         if num_external_tokens <= 0:
             return
-        start, _, _ = self._lookups[request.request_id]
+        start, _ = self._lookups[request.request_id]
         n = num_external_tokens // self._block_size
         block_ids = blocks.get_block_ids()[0][start : start + n]
         keys = [block_key(h) for h in request.block_hashes[start : start + n]]
@@ -320,7 +325,7 @@ class TarnConnector(KVConnectorBase_V1):
                 end = min(end, request.num_prompt_tokens)
             full = min(end // self._block_size, len(request.block_hashes))
             if req_id not in self._saved:
-                self._saved[req_id] = self._lookups.get(req_id, (0, 0, 0))[2]
+                self._saved[req_id] = self._lookups.get(req_id, (0, 0))[1]
             done = self._saved[req_id]
             if full <= done:
                 continue
@@ -343,8 +348,9 @@ class TarnConnector(KVConnectorBase_V1):
             if req_id in failed_reqs:
                 first_bad = 0
             if first_bad is not None:
-                start, hits, leading = self._lookups.get(req_id, (0, 0, 0))
-                self._lookups[req_id] = (start, hits, min(leading, start + first_bad))
+                self._load_failed.add(req_id)
+                start, leading = self._lookups.get(req_id, (0, 0))
+                self._lookups[req_id] = (start, min(leading, start + first_bad))
                 if req_id in self._saved:
                     self._saved[req_id] = min(self._saved[req_id], start + first_bad)
             # A synchronous load ran in the step just reported; an
@@ -362,6 +368,7 @@ class TarnConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._lookups.pop(rid, None)
         self._saved.pop(rid, None)
+        self._load_failed.discard(rid)
         t = self._loading.pop(rid, None)
         if t is not None:
             self._store.unpin(t.keys)
