@@ -1,5 +1,5 @@
-//! Arbitrary bytes after a valid HELLO on a KV server connection: the server
-//! must answer with well-formed frames or close, never panic.
+//! Arbitrary bytes on an authenticated KV server connection: the server must
+//! answer with well-formed frames or close, never panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -14,6 +14,8 @@ class Client:
         timeout: Optional[float] = None,
         max_connections: int = 4,
         shm_mailbox: bool = True,
+        access_key: Optional[str] = None,
+        secret_key: Optional[str] = None,
     ) -> "Client": ...
     @property
     def transport(self) -> str: ...

@@ -21,3 +21,8 @@ class KvServerError(TarnError):
 
 class KvProtocolError(TarnError):
     """The KV server's response did not parse; the connection was dropped."""
+
+
+class KvPermissionError(KvServerError, builtins.PermissionError):
+    """The KV server refused the credentials (wrong access key or secret), or
+    the namespace is not granted to the credentials' tenant."""

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
 from . import _native
-from .errors import KvConnectionError, KvProtocolError, KvServerError, TarnError
+from .errors import KvConnectionError, KvPermissionError, KvProtocolError, KvServerError, TarnError
 
 __all__ = [
     "Client",
@@ -40,6 +40,7 @@ __all__ = [
     "TarnError",
     "KvConnectionError",
     "KvServerError",
+    "KvPermissionError",
     "KvProtocolError",
 ]
 
@@ -58,7 +59,7 @@ class Status(enum.IntEnum):
     CORRUPT = 5
     BAD_RANGE = 6
     CHECKSUM_MISMATCH = 7
-    BAD_TOKEN = 8
+    BAD_WINDOW = 8
     BUFFER_TOO_SMALL = 9
 
     @property
@@ -94,7 +95,13 @@ class Client(_native.Client):
     ``max_connections`` connections and each call uses one of its own.
 
     ``Client(endpoint="127.0.0.1:9400", namespace=None, *, transport="auto",
-    connect_timeout=5.0, timeout=None, max_connections=4, shm_mailbox=True)``
+    connect_timeout=5.0, timeout=None, max_connections=4, shm_mailbox=True,
+    access_key=None, secret_key=None)``
+
+    Credentials are ``access_key``/``secret_key``, else the environment's
+    ``TARN_ACCESS_KEY``/``TARN_SECRET_KEY``, else the built-in ones a server
+    accepts on loopback. Refused credentials, or a namespace not granted to
+    them, raise ``KvPermissionError``.
 
     The namespace (str or bytes, at most 512 bytes) scopes every key: the
     same key in two namespaces names two values. ``transport`` is "auto"

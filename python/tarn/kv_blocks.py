@@ -38,6 +38,7 @@ class Store:
         log: logging.Logger = _log,
         max_connections: int = 4,
         timeout_s: Optional[float] = 30.0,
+        credentials: Optional[tuple[str, str]] = None,
     ):
         self.endpoint = endpoint
         self.namespaces = list(namespaces)
@@ -46,6 +47,8 @@ class Store:
         self.log = log
         self.max_connections = max_connections
         self.timeout_s = timeout_s
+        # (access key, secret key); None: the environment's or the defaults.
+        self.credentials = credentials
         self._clients: Optional[list[tarn_kv.Client]] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -83,6 +86,11 @@ class Store:
                     connect_timeout=2.0,
                     timeout=self.timeout_s,
                     max_connections=self.max_connections,
+                    **(
+                        {"access_key": self.credentials[0], "secret_key": self.credentials[1]}
+                        if self.credentials
+                        else {}
+                    ),
                 )
                 for ns in self.namespaces
             ]

@@ -81,6 +81,8 @@ _EXTRA_KEYS = {
     "retry_seconds",
     "pin_lease_seconds",
     "call_timeout_seconds",
+    "access_key",
+    "secret_key",
 }
 
 
@@ -209,12 +211,20 @@ class TarnConnector(KVConnectorBase_V1):
         transport = str(extra.get("transport", "auto"))
         retry = float(extra.get("retry_seconds", 5.0))
         timeout = float(extra.get("call_timeout_seconds", 30.0))
+        # Else TARN_ACCESS_KEY / TARN_SECRET_KEY, else the loopback defaults.
+        creds = None
+        if "access_key" in extra or "secret_key" in extra:
+            if not ("access_key" in extra and "secret_key" in extra):
+                raise ValueError("TarnConnector: give both access_key and secret_key, or neither")
+            creds = (str(extra["access_key"]), str(extra["secret_key"]))
         if role == KVConnectorRole.SCHEDULER:
             # A block counts as stored only if every rank stored its part.
             namespaces = [f"{base}/r{r}of{world}" for r in range(world)]
             # One connection: the scheduler is one thread, and a pin belongs
             # to the connection that took it (unpinned over the same one).
-            self._store = Store(endpoint, namespaces, transport, retry, logger, max_connections=1, timeout_s=timeout)
+            self._store = Store(
+                endpoint, namespaces, transport, retry, logger, max_connections=1, timeout_s=timeout, credentials=creds
+            )
             self._pin_lease = float(extra.get("pin_lease_seconds", 60.0))
             self._requests: dict[str, "Request"] = {}
             # req -> (first block to load, leading blocks stored from 0)
@@ -228,7 +238,9 @@ class TarnConnector(KVConnectorBase_V1):
             self._load_failed: set[str] = set()
         else:
             rank = self._worker_rank(pc)
-            self._store = Store(endpoint, [f"{base}/r{rank}of{world}"], transport, retry, logger, timeout_s=timeout)
+            self._store = Store(
+                endpoint, [f"{base}/r{rank}of{world}"], transport, retry, logger, timeout_s=timeout, credentials=creds
+            )
             self._blocks: Optional[PagedBlocks] = None
             self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="tarn-load")
             self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="tarn-save")

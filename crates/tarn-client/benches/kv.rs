@@ -59,13 +59,12 @@ fn main() {
     .expect("engine");
     let huge = engine.arena().huge_pages;
     let server = Server::start(
-        engine,
+        tarn_kv::Tenants::single(engine, tarn_kv::Credentials::loopback_default()),
         ServerOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
             threads: 1,
             pin_cores: true,
             io_uring: true,
-            shm: true,
+            ..ServerOptions::default()
         },
     )
     .expect("server");

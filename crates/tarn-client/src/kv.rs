@@ -1,11 +1,15 @@
 //! The KV client: connect (shared memory when the server is on this host, TCP
-//! otherwise), batched async calls, and blocking wrappers.
+//! otherwise), authenticate, batched async calls, and blocking wrappers.
 //!
-//! Over shared memory a get is one copy from the daemon's arena into the
-//! caller's buffer, checksummed as it is copied; a put copies into a slot the
-//! daemon reserved and commits it. Over TCP the bytes travel in the frames and
-//! land directly in the caller's buffers. Either way every whole-value read is
-//! checked against the value's CRC32C, and a block that fails is a miss.
+//! Every connection proves its credentials (AUTH; `tarn_kv::auth`) and checks
+//! the server's proof in return. Over shared memory a get is one copy from the
+//! tenant's arena, mapped read-only, into the caller's buffer, checksummed as
+//! it is copied against the CRC the daemon sends from its own memory; a put
+//! copies the value into this connection's put window (a memfd of its own)
+//! and the daemon copies it into the arena. Over TCP the bytes travel in the
+//! frames and land directly in the caller's buffers. Either way every
+//! whole-value read is checked against the value's CRC32C, and a block that
+//! fails is a miss.
 
 use std::io;
 use std::net::SocketAddr;
@@ -14,6 +18,8 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
 use tarn_kv::arena::Arena;
+use tarn_kv::auth::{self, Credentials, Side};
+use tarn_kv::fdpass;
 use tarn_kv::mailbox::{self, Area, Mailbox};
 use tarn_kv::proto::*;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -72,7 +78,19 @@ pub struct ConnectOptions {
     /// closed (it may be mid-frame); a server that stopped answering never
     /// hangs the caller past this.
     pub call_timeout: Option<Duration>,
+    /// Who connects. None: `TARN_ACCESS_KEY` and `TARN_SECRET_KEY` when set,
+    /// else the built-in credentials a daemon accepts on loopback.
+    pub credentials: Option<Credentials>,
+    /// Over shared memory: bytes of this connection's put window, the memory
+    /// values are written into for the daemon to copy (grown to the server's
+    /// largest value when smaller). A batch whose values do not fit goes in
+    /// several requests. Pages are allocated as they are first written.
+    pub put_window_bytes: usize,
 }
+
+/// Put window of a shared-memory connection unless told otherwise: a batch
+/// of 32 × 2 MiB blocks in one request.
+pub const PUT_WINDOW_DEFAULT_BYTES: usize = 64 << 20;
 
 impl Default for ConnectOptions {
     fn default() -> Self {
@@ -83,6 +101,8 @@ impl Default for ConnectOptions {
             shm_mailbox: true,
             response_spin: RESPONSE_SPIN_DEFAULT,
             call_timeout: None,
+            credentials: None,
+            put_window_bytes: PUT_WINDOW_DEFAULT_BYTES,
         }
     }
 }
@@ -423,6 +443,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
         HelloReply::decode(&self.inp).map_err(|e| Error::Protocol(e.to_string()))
     }
 
+    /// AUTH on a stream without descriptors (TCP): proves `creds` for the
+    /// nonce of this connection's HELLO and checks the server's proof.
+    async fn auth(&mut self, creds: &Credentials, server_nonce: &auth::Nonce) -> Result<AuthReply> {
+        let id = self.begin(Op::Auth);
+        let client_nonce = auth::nonce();
+        auth_request(creds, server_nonce, &client_nonce, 0).encode(&mut self.out);
+        self.send(&[]).await?;
+        self.recv(id, Op::Auth).await?;
+        let reply = AuthReply::decode(&self.inp).map_err(proto)?;
+        check_server_proof(creds, server_nonce, &client_nonce, &reply)?;
+        Ok(reply)
+    }
+
     async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
         let id = self.begin(Op::Exists);
         put_batch_head(&mut self.out, ns, digests.len(), 0);
@@ -548,6 +581,52 @@ fn proto(e: ProtoError) -> Error {
     Error::Protocol(e.to_string())
 }
 
+fn auth_request(
+    creds: &Credentials,
+    server_nonce: &auth::Nonce,
+    client_nonce: &auth::Nonce,
+    flags: u16,
+) -> Auth {
+    let key = creds.access_key.as_bytes();
+    Auth {
+        flags,
+        client_nonce: *client_nonce,
+        proof: auth::proof(
+            Side::Client,
+            &creds.secret_key,
+            server_nonce,
+            client_nonce,
+            key,
+        ),
+        access_key: key.to_vec(),
+    }
+}
+
+/// A server that cannot prove it knows the secret is not the daemon the
+/// client meant (a process squatting on the port or socket): refuse it.
+fn check_server_proof(
+    creds: &Credentials,
+    server_nonce: &auth::Nonce,
+    client_nonce: &auth::Nonce,
+    reply: &AuthReply,
+) -> Result<()> {
+    let key = creds.access_key.as_bytes();
+    if auth::verify(
+        Side::Server,
+        &creds.secret_key,
+        server_nonce,
+        client_nonce,
+        key,
+        &reply.server_proof,
+    ) {
+        Ok(())
+    } else {
+        Err(Error::Protocol(
+            "the KV server could not prove it holds the secret key; not talking to it".into(),
+        ))
+    }
+}
+
 async fn discard<R: AsyncRead + Unpin>(r: &mut R, mut n: u64) -> io::Result<()> {
     let mut scratch = [0u8; 8192];
     while n > 0 {
@@ -607,10 +686,91 @@ impl CopyOut for Arena {
     }
 }
 
-/// Shared memory: the control channel on the Unix socket plus the mapped arena.
+/// This connection's put window: a memfd the client maps writable and passes
+/// to the daemon with AUTH. Values are written here and the daemon copies
+/// them into its arena; the client never maps memory that holds blocks
+/// writable.
+struct PutWindow {
+    fd: OwnedFd,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory this connection owns; the daemon only reads it while
+// a PUT_SHM request (which this connection waits on) is outstanding.
+unsafe impl Send for PutWindow {}
+unsafe impl Sync for PutWindow {}
+
+impl PutWindow {
+    fn create(len: usize) -> io::Result<PutWindow> {
+        let len = len.next_multiple_of(4096);
+        // SAFETY: plain syscalls; the descriptor is owned at once.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"tarn-kv-put-window".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fresh descriptor.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain syscalls on our descriptor; the mapping is unmapped
+        // in Drop. Sealed against shrinking, so our own mapping cannot fault.
+        let p = unsafe {
+            if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) < 0
+                || libc::fcntl(
+                    fd.as_raw_fd(),
+                    libc::F_ADD_SEALS,
+                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+                ) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(PutWindow {
+            fd,
+            base: p.cast(),
+            len,
+        })
+    }
+
+    /// # Safety
+    /// `offset + len <= self.len`, and no other borrow of the range.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(offset), len) }
+    }
+}
+
+impl Drop for PutWindow {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping once.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Values in a put window start on cache-line boundaries.
+const WINDOW_ALIGN: usize = 64;
+
+/// Shared memory: the control channel on the Unix socket, the tenant's arena
+/// mapped read-only, and the put window.
 pub struct ShmTransport {
     ch: Channel<UnixStream>,
     arena: Arena,
+    window: PutWindow,
 }
 
 impl ShmTransport {
@@ -660,66 +820,59 @@ impl ShmTransport {
         Ok(out)
     }
 
+    /// Stores values: as many as fit the put window per request.
     async fn put(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
-        let id = self.ch.begin(Op::Reserve);
+        let mut out = Vec::with_capacity(items.len());
+        let mut start = 0;
+        while start < items.len() {
+            let mut used = 0usize;
+            let mut end = start;
+            while end < items.len() {
+                let at = used.next_multiple_of(WINDOW_ALIGN);
+                if at + items[end].data.len() > self.window.len {
+                    break;
+                }
+                used = at + items[end].data.len();
+                end += 1;
+            }
+            if end == start {
+                return Err(Error::Usage(format!(
+                    "a value of {} bytes does not fit the {}-byte put window",
+                    items[start].data.len(),
+                    self.window.len
+                )));
+            }
+            out.extend(self.put_window(ns, &items[start..end]).await?);
+            start = end;
+        }
+        Ok(out)
+    }
+
+    /// One PUT_SHM: the values copied into the window (checksummed as they
+    /// are copied), then the daemon copies them out into its arena.
+    async fn put_window(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        let id = self.ch.begin(Op::PutShm);
         put_batch_head(&mut self.ch.out, ns, items.len(), 0);
+        let mut at = 0usize;
         for it in items {
-            ReserveEntry {
+            at = at.next_multiple_of(WINDOW_ALIGN);
+            let len = it.data.len();
+            // SAFETY: the ranges fit the window (checked by `put`), do not
+            // overlap, and the daemon reads them only once the request is sent.
+            let dst = unsafe { self.window.slice_mut(at, len) };
+            let crc = copy_with_crc(dst, it.data);
+            PutShmEntry {
                 digest: it.digest,
-                len: it.data.len() as u64,
+                len: len as u64,
+                window_offset: at as u64,
+                crc,
             }
             .encode(&mut self.ch.out);
+            at += len;
         }
         self.ch.send(&[]).await?;
-        self.ch.recv(id, Op::Reserve).await?;
-        let mut r = Reader::new(&self.ch.inp);
-        let n = r.u32().map_err(proto)? as usize;
-        if n != items.len() {
-            return Err(Error::Protocol("RESERVE response count mismatch".into()));
-        }
-        let mut statuses = Vec::with_capacity(n);
-        let mut commits = Vec::new();
-        let mut commit_idx = Vec::new();
-        for (i, it) in items.iter().enumerate() {
-            let rr = ReserveResult::decode(&mut r).map_err(proto)?;
-            statuses.push(rr.status);
-            if rr.status != Status::Ok {
-                continue;
-            }
-            let len = it.data.len();
-            let crc = if self.arena.check_range(rr.arena_offset, len as u64) {
-                // SAFETY: the daemon reserved this range for us alone.
-                let dst = unsafe { self.arena.slice_mut(rr.arena_offset, len) };
-                Some(copy_with_crc(dst, it.data))
-            } else {
-                None
-            };
-            commits.push(CommitEntry {
-                token: rr.token,
-                crc: crc.unwrap_or(0),
-                flags: if crc.is_some() { 0 } else { COMMIT_ABORT },
-            });
-            commit_idx.push(i);
-        }
-        if commits.is_empty() {
-            return Ok(statuses);
-        }
-        let id = self.ch.begin(Op::Commit);
-        self.ch.out.put_u32(commits.len() as u32);
-        for c in &commits {
-            c.encode(&mut self.ch.out);
-        }
-        self.ch.send(&[]).await?;
-        self.ch.recv(id, Op::Commit).await?;
-        let cs = decode_statuses(&self.ch.inp, commits.len()).map_err(proto)?;
-        for ((i, s), c) in commit_idx.into_iter().zip(cs).zip(&commits) {
-            statuses[i] = if c.flags & COMMIT_ABORT != 0 {
-                return Err(Error::Protocol("reserved range outside the arena".into()));
-            } else {
-                s
-            };
-        }
-        Ok(statuses)
+        self.ch.recv(id, Op::PutShm).await?;
+        decode_statuses(&self.ch.inp, items.len()).map_err(proto)
     }
 }
 
@@ -860,6 +1013,12 @@ pub struct KvClient {
     call_timeout: Option<Duration>,
     namespace: Vec<u8>,
     server: HelloReply,
+    auth: AuthReply,
+}
+
+/// True for the server's refusal of the credentials.
+pub fn denied(e: &Error) -> bool {
+    matches!(e, Error::Server(p) if p.code == ErrorCode::Denied)
 }
 
 fn parse_endpoint(endpoint: &str) -> Result<String> {
@@ -884,6 +1043,10 @@ impl KvClient {
                 opts.namespace.len()
             )));
         }
+        let creds = match &opts.credentials {
+            Some(c) => c.clone(),
+            None => Credentials::from_env_or_default().map_err(Error::Usage)?,
+        };
         let addr = parse_endpoint(endpoint)?;
         let limit = Some(opts.connect_timeout);
         let connecting = async { Ok(TcpStream::connect(&addr).await?) };
@@ -902,31 +1065,50 @@ impl KvClient {
             ));
         }
         if want_shm {
-            let handshake = connect_shm(&hello, &opts);
+            let handshake = connect_shm(&hello, &opts, &creds);
             let shm = bounded(limit, "the shared-memory handshake", handshake).await;
             match shm {
-                Ok(shm) => {
+                Ok((shm, auth)) => {
                     return Ok(KvClient {
                         t: AnyTransport::Shm(Box::new(shm)),
                         call_timeout: opts.call_timeout,
                         namespace: opts.namespace,
                         server: hello,
+                        auth,
                     })
                 }
-                Err(e) if opts.transport == TransportChoice::Shm => return Err(e),
+                // Refused credentials are refused over TCP too.
+                Err(e) if opts.transport == TransportChoice::Shm || denied(&e) => return Err(e),
                 Err(_) => {}
             }
         }
+        let auth = bounded(
+            limit,
+            &format!("{addr} (AUTH)"),
+            ch.auth(&creds, &hello.nonce),
+        )
+        .await?;
         Ok(KvClient {
             t: AnyTransport::Tcp(TcpTransport { ch }),
             call_timeout: opts.call_timeout,
             namespace: opts.namespace,
             server: hello,
+            auth,
         })
     }
 
     pub fn transport(&self) -> TransportKind {
         self.t.kind()
+    }
+
+    /// The tenant the credentials belong to.
+    pub fn tenant(&self) -> &str {
+        &self.auth.tenant
+    }
+
+    /// Namespace prefixes the tenant may use (an empty one: any).
+    pub fn grants(&self) -> &[Vec<u8>] {
+        &self.auth.grants
     }
 
     pub fn namespace(&self) -> &[u8] {
@@ -1157,7 +1339,11 @@ fn same_host(s: &TcpStream) -> bool {
     }
 }
 
-async fn connect_shm(tcp_hello: &HelloReply, opts: &ConnectOptions) -> Result<ShmTransport> {
+async fn connect_shm(
+    tcp_hello: &HelloReply,
+    opts: &ConnectOptions,
+    creds: &Credentials,
+) -> Result<(ShmTransport, AuthReply)> {
     use std::os::linux::net::SocketAddrExt;
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(&tcp_hello.shm_socket)?;
     let std_stream = std::os::unix::net::UnixStream::connect_addr(&addr)?;
@@ -1177,117 +1363,120 @@ async fn connect_shm(tcp_hello: &HelloReply, opts: &ConnectOptions) -> Result<Sh
     }
     .encode(&mut out);
     finish_frame(&mut out, 0);
-    let mut written = 0;
-    while written < out.len() {
-        s.writable().await?;
-        match s.try_write(&out[written..]) {
-            Ok(n) => written += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e.into()),
-        }
+    send_uds(&s, &out, &[]).await?;
+    let (h, payload, _) = recv_frame_uds(&s).await?;
+    if h.op != Op::Hello as u16 | RESPONSE_BIT {
+        return Err(Error::Protocol(
+            "no HELLO reply on the shared-memory socket".into(),
+        ));
     }
-    // The reply frame carries the arena's descriptor (and the mailbox's).
-    let mut buf = vec![0u8; 4096];
-    let mut got = 0usize;
-    let mut fds: Vec<OwnedFd> = Vec::new();
-    let total = loop {
-        s.readable().await?;
-        match s.try_io(tokio::io::Interest::READABLE, || {
-            recvmsg_fd(s.as_raw_fd(), &mut buf[got..])
-        }) {
-            Ok((0, _)) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
-            Ok((n, f)) => {
-                got += n;
-                if !f.is_empty() {
-                    fds = f;
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e.into()),
-        }
-        if got >= FRAME_HEADER_BYTES {
-            let h = FrameHeader::decode(buf[..FRAME_HEADER_BYTES].try_into().expect("24"))
-                .map_err(proto)?;
-            let total = FRAME_HEADER_BYTES + h.len as usize;
-            if total > buf.len() {
-                return Err(Error::Protocol("oversized HELLO reply".into()));
-            }
-            if got >= total {
-                if h.op == Op::Error as u16 | RESPONSE_BIT {
-                    return Err(Error::Server(decode_error(&buf[FRAME_HEADER_BYTES..total])));
-                }
-                break total;
-            }
-        }
-    };
-    if got != total {
-        return Err(Error::Protocol("data after the HELLO reply".into()));
-    }
-    let reply = HelloReply::decode(&buf[FRAME_HEADER_BYTES..total]).map_err(proto)?;
-    if reply.instance_id != tcp_hello.instance_id {
+    let hello = HelloReply::decode(&payload).map_err(proto)?;
+    if hello.instance_id != tcp_hello.instance_id {
         return Err(Error::Protocol(
             "the shared-memory socket belongs to another server".into(),
+        ));
+    }
+    // The put window goes to the daemon with AUTH; the arena (and the
+    // mailbox) come back with the reply.
+    let value_max = usize::try_from(tcp_hello.value_max_bytes).unwrap_or(usize::MAX);
+    let window = PutWindow::create(opts.put_window_bytes.max(value_max))?;
+    let client_nonce = auth::nonce();
+    begin_frame(&mut out, Op::Auth as u16, 2);
+    auth_request(creds, &hello.nonce, &client_nonce, AUTH_WINDOW).encode(&mut out);
+    finish_frame(&mut out, 0);
+    send_uds(&s, &out, &[window.fd.as_raw_fd()]).await?;
+    let (h, payload, fds) = recv_frame_uds(&s).await?;
+    if h.op != Op::Auth as u16 | RESPONSE_BIT {
+        return Err(Error::Protocol(
+            "no AUTH reply on the shared-memory socket".into(),
+        ));
+    }
+    let reply = AuthReply::decode(&payload).map_err(proto)?;
+    check_server_proof(creds, &hello.nonce, &client_nonce, &reply)?;
+    if reply.flags & AUTH_SHM == 0 || reply.flags & AUTH_WINDOW_ACCEPTED == 0 {
+        return Err(Error::Protocol(
+            "the server did not set up shared memory for this connection".into(),
         ));
     }
     let mut fds = fds.into_iter();
     let fd = fds
         .next()
-        .ok_or_else(|| Error::Protocol("no arena descriptor in the HELLO reply".into()))?;
+        .ok_or_else(|| Error::Protocol("no arena descriptor in the AUTH reply".into()))?;
     let arena = Arena::open(fd)?;
-    let mailbox = if reply.flags & HELLO_MAILBOX != 0 {
+    let mailbox = if reply.flags & AUTH_MAILBOX != 0 {
         let fd = fds
             .next()
-            .ok_or_else(|| Error::Protocol("no mailbox descriptor in the HELLO reply".into()))?;
+            .ok_or_else(|| Error::Protocol("no mailbox descriptor in the AUTH reply".into()))?;
         Some(Mailbox::open(fd)?)
     } else {
         None
     };
     if arena.len() as u64 != reply.arena_bytes {
         return Err(Error::Protocol(
-            "arena size differs from the HELLO reply".into(),
+            "arena size differs from the AUTH reply".into(),
         ));
     }
     let mut ch = Channel::new(s);
-    ch.next_id = 2;
+    ch.next_id = 3;
     ch.response_spin = opts.response_spin;
     ch.mailbox = mailbox;
-    Ok(ShmTransport { ch, arena })
+    Ok((ShmTransport { ch, arena, window }, reply))
 }
 
-/// Receives bytes and any descriptors attached to them, in the order sent.
-fn recvmsg_fd(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    let mut cmsg_buf = [0u64; 8];
-    // SAFETY: msghdr over live buffers; CMSG macros stay inside cmsg_buf.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cmsg_buf.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&cmsg_buf);
-        let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut fds = Vec::new();
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c);
-                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / 4;
-                for i in 0..count {
-                    let raw = std::ptr::read_unaligned(data.add(i * 4).cast::<i32>());
-                    // Owned at once, so that any we do not use are closed.
-                    fds.push(OwnedFd::from_raw_fd(raw));
-                }
+async fn send_uds(s: &UnixStream, data: &[u8], fds: &[i32]) -> Result<()> {
+    let mut written = 0;
+    let mut fds = fds;
+    while written < data.len() {
+        s.writable().await?;
+        match s.try_io(tokio::io::Interest::WRITABLE, || {
+            fdpass::send(s.as_raw_fd(), &data[written..], fds)
+        }) {
+            Ok(n) => {
+                written += n;
+                fds = &[];
             }
-            c = libc::CMSG_NXTHDR(&msg, c);
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.into()),
         }
-        Ok((n as usize, fds))
     }
+    Ok(())
+}
+
+/// One whole handshake reply (with any descriptors), never reading past it:
+/// an error frame becomes [`Error::Server`].
+async fn recv_frame_uds(s: &UnixStream) -> Result<(FrameHeader, Vec<u8>, Vec<OwnedFd>)> {
+    let mut fds = Vec::new();
+    let mut head = [0u8; FRAME_HEADER_BYTES];
+    recv_exact_uds(s, &mut head, &mut fds).await?;
+    let h = FrameHeader::decode(&head).map_err(proto)?;
+    if h.len > 4096 {
+        return Err(Error::Protocol("oversized handshake reply".into()));
+    }
+    let mut payload = vec![0u8; h.len as usize];
+    recv_exact_uds(s, &mut payload, &mut fds).await?;
+    if h.op == Op::Error as u16 | RESPONSE_BIT {
+        return Err(Error::Server(decode_error(&payload)));
+    }
+    Ok((h, payload, fds))
+}
+
+async fn recv_exact_uds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        s.readable().await?;
+        match s.try_io(tokio::io::Interest::READABLE, || {
+            fdpass::recv(s.as_raw_fd(), &mut buf[got..])
+        }) {
+            Ok((0, _)) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+            Ok((n, f)) => {
+                got += n;
+                fds.extend(f);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// Blocking wrapper: the same calls on a private current-thread runtime.

@@ -9,4 +9,5 @@ pub use kv::{
     ReadIo, RegisteredBuffer, ShmTransport, TcpTransport, Transport, TransportChoice,
     TransportKind, WriteIo,
 };
+pub use tarn_kv::auth::Credentials;
 pub use tarn_kv::proto::{Digest, ExistsReply, Status};

@@ -20,12 +20,17 @@ pub const ARENA_HEADER_BYTES: usize = 4096;
 /// Data pages start on a huge-page boundary.
 pub const ARENA_DATA_ALIGN: usize = 2 << 20;
 
-/// A mapped arena. The daemon creates it; clients map the fd it sends them.
+/// A mapped arena. The daemon creates it and maps it writable; clients map
+/// the fd it sends them read-only, and the kernel refuses them anything else.
 pub struct Arena {
     fd: OwnedFd,
     base: *mut u8,
     len: usize,
     pub huge_pages: bool,
+    /// The memfd is sealed so that no writable mapping of it can be made any
+    /// more (F_SEAL_FUTURE_WRITE), checked by trying: only then may clients
+    /// be given it. The daemon's own mapping predates the seal.
+    pub write_sealed: bool,
     pub geometry: Geometry,
     prefault: Option<Prefault>,
 }
@@ -42,7 +47,14 @@ struct Prefault {
 const PREFAULT_STEP_BYTES: usize = 64 << 20;
 
 impl Prefault {
-    fn start(base: *mut u8, len: usize) -> Option<Prefault> {
+    /// `write`: the daemon's writable mapping (pages allocated as for a
+    /// write); a client's read-only mapping is populated for reading.
+    fn start(base: *mut u8, len: usize, write: bool) -> Option<Prefault> {
+        let advice = if write {
+            libc::MADV_POPULATE_WRITE
+        } else {
+            libc::MADV_POPULATE_READ
+        };
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let addr = base as usize;
@@ -54,13 +66,7 @@ impl Prefault {
                     let n = PREFAULT_STEP_BYTES.min(len - at);
                     // SAFETY: a range of our live mapping (Drop joins this
                     // thread before unmapping). Populating changes no bytes.
-                    let rc = unsafe {
-                        libc::madvise(
-                            (addr + at) as *mut libc::c_void,
-                            n,
-                            libc::MADV_POPULATE_WRITE,
-                        )
-                    };
+                    let rc = unsafe { libc::madvise((addr + at) as *mut libc::c_void, n, advice) };
                     if rc != 0 {
                         // Older kernels: pages fault in on first use instead.
                         return;
@@ -148,6 +154,52 @@ impl Geometry {
     }
 }
 
+/// True when the kernel refuses every way to a writable mapping of `fd`: a
+/// shared writable mmap of it, and of the same file opened anew through
+/// /proc (a client could do either with the descriptor it receives).
+fn refuses_writers(fd: &OwnedFd) -> bool {
+    let try_map = |raw: i32| {
+        // SAFETY: a one-page shared writable mapping attempt, unmapped at once.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                raw,
+                0,
+            );
+            if p == libc::MAP_FAILED {
+                false
+            } else {
+                libc::munmap(p, 4096);
+                true
+            }
+        }
+    };
+    if try_map(fd.as_raw_fd()) {
+        return false;
+    }
+    let path = format!("/proc/self/fd/{}\0", fd.as_raw_fd());
+    // SAFETY: open of a NUL-terminated path; the descriptor is closed below.
+    let reopened = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if reopened < 0 {
+        return true;
+    }
+    let writable = try_map(reopened);
+    // write(2) of the byte that is already there: refused when sealed, and
+    // changes nothing when not.
+    let mut byte = [0u8; 1];
+    // SAFETY: one-byte pread/pwrite through live buffers; then closing our
+    // own descriptor.
+    let write_ok = unsafe {
+        libc::pread(reopened, byte.as_mut_ptr().cast(), 1, 0) == 1
+            && libc::pwrite(reopened, byte.as_ptr().cast(), 1, 0) >= 0
+    };
+    unsafe { libc::close(reopened) };
+    !writable && !write_ok
+}
+
 fn invalid(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
 }
@@ -190,17 +242,24 @@ impl Arena {
                     format!("preallocating {len} bytes of shared memory for the KV arena: {e}"),
                 ));
             }
-            // No one may shrink the arena under the daemon (a client with the fd
-            // could otherwise make our accesses SIGBUS).
+            let mut arena = Arena::map(fd, len, geometry, true)?;
+            arena.huge_pages = huge;
+            // Sealed after our own writable mapping exists: no one may shrink
+            // the arena under the daemon (a client with the fd could otherwise
+            // make our accesses SIGBUS), and no one may map it writable or
+            // write(2) it, so clients can read blocks but never forge them.
+            // SAFETY: plain syscall on our fd.
             unsafe {
                 libc::fcntl(
-                    fd.as_raw_fd(),
+                    arena.fd.as_raw_fd(),
                     libc::F_ADD_SEALS,
-                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+                    libc::F_SEAL_SHRINK
+                        | libc::F_SEAL_GROW
+                        | libc::F_SEAL_FUTURE_WRITE
+                        | libc::F_SEAL_SEAL,
                 )
             };
-            let mut arena = Arena::map(fd, len, geometry)?;
-            arena.huge_pages = huge;
+            arena.write_sealed = refuses_writers(&arena.fd);
             if !huge {
                 // SAFETY: advice on our own mapping.
                 let rc = unsafe {
@@ -213,7 +272,7 @@ impl Arena {
                 let _ = rc;
             }
             arena.header_mut().copy_from_slice(&geometry.encode());
-            arena.prefault = Prefault::start(arena.base, len);
+            arena.prefault = Prefault::start(arena.base, len, true);
             return Ok(arena);
         }
         Err(io::Error::last_os_error())
@@ -239,6 +298,7 @@ impl Arena {
                 slots_per_page_max: 0,
                 data_offset: 0,
             },
+            false,
         )?;
         // SAFETY: the header page lies inside the mapping.
         let head = unsafe { std::slice::from_raw_parts(arena.base, 40) };
@@ -247,17 +307,23 @@ impl Arena {
             return Err(invalid("arena length does not match its header"));
         }
         arena.geometry = g;
-        arena.prefault = Prefault::start(arena.base, len);
+        arena.write_sealed = refuses_writers(&arena.fd);
+        arena.prefault = Prefault::start(arena.base, len, false);
         Ok(arena)
     }
 
-    fn map(fd: OwnedFd, len: usize, geometry: Geometry) -> io::Result<Arena> {
+    fn map(fd: OwnedFd, len: usize, geometry: Geometry, writable: bool) -> io::Result<Arena> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: mapping a shared file we hold open; length checked by callers.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 0,
@@ -271,6 +337,7 @@ impl Arena {
             base: p.cast(),
             len,
             huge_pages: false,
+            write_sealed: false,
             geometry,
             prefault: None,
         })
@@ -371,5 +438,72 @@ mod tests {
             g.data_offset as u64,
             (g.total_bytes() - g.data_offset) as u64
         ));
+    }
+
+    /// The forgery this seal stops (issue 12): a client took the arena's
+    /// descriptor from the handshake, mapped it writable, rewrote another
+    /// client's block and fixed its CRC up. Every way to write it must fail.
+    #[test]
+    fn clients_cannot_write_the_arena() {
+        let g = Geometry::new(4 << 20, 2, 4096);
+        let a = Arena::create(g).unwrap();
+        assert!(
+            a.write_sealed,
+            "this kernel must honour F_SEAL_FUTURE_WRITE"
+        );
+        unsafe {
+            a.slice_mut(g.data_offset as u64, 4)
+                .copy_from_slice(b"good")
+        };
+        let fd = a.fd().try_clone().unwrap();
+        let raw = fd.as_raw_fd();
+        unsafe {
+            // A shared writable mapping, directly or through /proc.
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                raw,
+                0,
+            );
+            assert_eq!(p, libc::MAP_FAILED);
+            let path = format!("/proc/self/fd/{raw}\0");
+            let rw = libc::open(path.as_ptr().cast(), libc::O_RDWR);
+            assert!(rw >= 0);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                rw,
+                0,
+            );
+            assert_eq!(p, libc::MAP_FAILED);
+            // write(2), punching a hole, truncating.
+            let off = g.data_offset as i64;
+            assert!(libc::pwrite(rw, b"evil".as_ptr().cast(), 4, off) < 0);
+            assert!(
+                libc::fallocate(
+                    rw,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    off,
+                    4096
+                ) < 0
+            );
+            assert!(libc::ftruncate(rw, 0) < 0);
+            libc::close(rw);
+        }
+        // A client's read-only mapping cannot be made writable either.
+        let b = Arena::open(fd).unwrap();
+        let rc = unsafe {
+            libc::mprotect(
+                b.base.add(g.data_offset).cast(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        };
+        assert!(rc < 0, "mprotect to writable must fail");
+        assert_eq!(unsafe { b.slice(g.data_offset as u64, 4) }, b"good");
     }
 }

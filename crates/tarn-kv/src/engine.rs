@@ -284,7 +284,6 @@ pub struct Engine {
     state: Mutex<State>,
     config: KvConfig,
     epoch: Instant,
-    pub instance_id: [u8; 16],
 }
 
 fn slot_id(page: usize, index: usize) -> u32 {
@@ -338,9 +337,7 @@ impl Engine {
         let geometry = Geometry::new(page_size, page_count, SLOT_MIN_BYTES);
         let arena = Arena::create(geometry).map_err(|e| KvError::Io("creating the arena", e))?;
         let mut seed = [0u8; 8];
-        let mut instance_id = [0u8; 16];
         getrandom::fill(&mut seed).map_err(|e| KvError::Config(e.to_string()))?;
-        getrandom::fill(&mut instance_id).map_err(|e| KvError::Config(e.to_string()))?;
         let expected_blocks = (config.memory_bytes / (64 << 10)) as usize;
         let state = State {
             index: HashMap::with_capacity_and_hasher(
@@ -381,7 +378,6 @@ impl Engine {
             state: Mutex::new(state),
             config: config.clone(),
             epoch: Instant::now(),
-            instance_id,
         });
         if let Some(dir) = &config.disk_dir {
             let weak = Arc::downgrade(&engine);
@@ -736,23 +732,19 @@ impl Engine {
         Ok((token, st.slot_offset(&self.arena, slot)))
     }
 
-    /// The arena range of a reservation this connection holds.
-    pub fn reservation(&self, conn: u64, token: u64) -> Result<(u64, u64), Status> {
-        let mut st = self.lock();
-        let (slot, seq) = ((token >> 32) as u32, token as u32);
-        match st.reserved(slot, conn, seq) {
-            Some(len) => Ok((st.slot_offset(&self.arena, slot), len)),
-            None => Err(Status::BadToken),
-        }
-    }
-
     /// Makes a reservation's bytes visible (`checksum_ok`), or frees it.
     pub fn commit(&self, conn: u64, token: u64, crc: u32, checksum_ok: bool) -> Status {
         let mut st = self.lock();
         let st = &mut *st;
         let (slot, seq) = ((token >> 32) as u32, token as u32);
         let Some(len) = st.reserved(slot, conn, seq) else {
-            return Status::BadToken;
+            // Only the daemon names reservations now, its own and live ones;
+            // if one were gone, nothing was stored.
+            debug_assert!(
+                false,
+                "commit of a reservation this connection does not hold"
+            );
+            return Status::NoSpace;
         };
         let key = st.meta_mut(slot).key;
         if !checksum_ok {

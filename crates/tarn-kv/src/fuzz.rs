@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::auth::{Credentials, Tenants};
 use crate::engine::{Engine, KvConfig};
 use crate::mailbox::{Area, Mailbox, REQUEST_AREA_BYTES, RESPONSE_AREA_BYTES};
 use crate::proto::*;
@@ -51,27 +52,47 @@ pub struct Outcome {
     pub frames: usize,
     /// Error frames among them.
     pub errors: usize,
+    /// HELLO replies among them.
+    pub hellos: usize,
 }
 
-/// Feeds `data` to a server connection after a valid HELLO and checks that
-/// every byte it sends back is a well-formed response frame. Panics (the
-/// fuzzer's signal) on a malformed response or a server panic.
+fn tenants() -> Tenants {
+    Tenants::single(engine(), Credentials::loopback_default())
+}
+
+/// Feeds `data` to an authenticated server connection and checks that every
+/// byte it sends back is a well-formed response frame. Panics (the fuzzer's
+/// signal) on a malformed response or a server panic.
 pub fn frames(data: &[u8]) -> Outcome {
     decoders(data);
-    let engine = engine();
-    let mut input = Vec::with_capacity(data.len() + 64);
-    begin_frame(&mut input, Op::Hello as u16, 0);
-    Hello {
-        version_min: VERSION_MIN,
-        version_max: VERSION_MAX,
-        flags: 0,
-    }
-    .encode(&mut input);
-    finish_frame(&mut input, 0);
-    input.extend_from_slice(data);
+    serve(data, true)
+}
+
+/// Feeds `data` to a connection that has not authenticated: whatever it
+/// sends, the server answers only HELLO replies and error frames (no
+/// operation is served before AUTH, and a fuzzer cannot forge a proof of a
+/// nonce it never saw), and every frame is well formed.
+pub fn handshake(data: &[u8]) -> Outcome {
+    decoders(data);
+    let o = serve(data, false);
+    assert_eq!(
+        o.frames,
+        o.errors + o.hellos,
+        "the server answered an operation before AUTH"
+    );
+    o
+}
+
+fn serve(data: &[u8], preauthenticated: bool) -> Outcome {
+    let input = data.to_vec();
+    let tenants = tenants();
     let output = block_on(async move {
         let (mut client, server) = tokio::io::duplex(256 << 10);
-        let serve = tokio::spawn(crate::server::serve_stream(engine, server));
+        let serve = tokio::spawn(crate::server::serve_stream(
+            tenants,
+            server,
+            preauthenticated,
+        ));
         let (mut rd, mut wr) = tokio::io::split(&mut client);
         let write = async {
             let _ = wr.write_all(&input).await;
@@ -99,11 +120,13 @@ pub fn frames(data: &[u8]) -> Outcome {
         if h.op == Op::Error as u16 | RESPONSE_BIT {
             o.errors += 1;
         }
+        if h.op == Op::Hello as u16 | RESPONSE_BIT {
+            o.hellos += 1;
+        }
         at += FRAME_HEADER_BYTES + h.len as usize;
         assert!(at <= output.len(), "server frame longer than what it sent");
         o.frames += 1;
     }
-    assert!(o.frames >= 1, "no HELLO reply");
     o
 }
 
@@ -137,6 +160,7 @@ pub fn mailbox(data: &[u8]) -> Outcome {
         Outcome {
             frames: 1,
             errors: (h.op == Op::Error as u16 | RESPONSE_BIT) as usize,
+            hellos: 0,
         }
     })
 }
@@ -153,7 +177,9 @@ fn decoders(data: &[u8]) {
     let mut r = Reader::new(data);
     let _ = GetResult::decode(&mut r);
     let _ = ShmGetResult::decode(&mut r);
-    let _ = ReserveResult::decode(&mut r);
+    let _ = PutShmEntry::decode(&mut r);
+    let _ = Auth::decode(data);
+    let _ = AuthReply::decode(data);
     let mut r = Reader::new(data);
     let _ = read_batch_head(&mut r, GET_ENTRY_BYTES).map(|b| b.count);
     let _ = crate::disk::decode_record_header(data, 1 << 20);

@@ -10,14 +10,17 @@
 //! read. It must never know about S3 or objects; it calls only `tarn-io`.
 
 pub mod arena;
+pub mod auth;
 mod crc_copy;
 pub mod disk;
 pub mod engine;
+pub mod fdpass;
 pub mod fuzz;
 pub mod mailbox;
 pub mod proto;
 pub mod server;
 
+pub use auth::{Credentials, Grants, Tenant, Tenants};
 pub use engine::{Engine, KvConfig};
 pub use server::{Server, ServerOptions};
 

@@ -39,10 +39,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use crate::proto::{
-    BATCH_MAX_KEYS, CONTROL_MAX_BYTES, FRAME_HEADER_BYTES, GET_SHM_RESULT_BYTES,
-    RESERVE_RESULT_BYTES,
-};
+use crate::proto::{BATCH_MAX_KEYS, CONTROL_MAX_BYTES, FRAME_HEADER_BYTES, GET_SHM_RESULT_BYTES};
 
 pub const MAILBOX_MAGIC: u64 = u64::from_le_bytes(*b"TARNKVM1");
 const REQUEST_SEQ_AT: usize = 64;
@@ -65,8 +62,6 @@ pub const MAILBOX_BYTES: usize = MAILBOX_HEADER_BYTES + REQUEST_AREA_BYTES + RES
 
 const _: () =
     assert!(FRAME_HEADER_BYTES + 4 + BATCH_MAX_KEYS * GET_SHM_RESULT_BYTES <= RESPONSE_AREA_BYTES);
-const _: () =
-    assert!(FRAME_HEADER_BYTES + 4 + BATCH_MAX_KEYS * RESERVE_RESULT_BYTES <= RESPONSE_AREA_BYTES);
 
 /// A mapped mailbox. The daemon creates it; the client maps the descriptor it
 /// receives with the HELLO reply.

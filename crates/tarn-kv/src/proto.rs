@@ -1,4 +1,4 @@
-//! The KV wire protocol, version 1: frame header, requests and responses, byte
+//! The KV wire protocol, version 2: frame header, requests and responses, byte
 //! by byte as `docs/kv-protocol.md` describes them. Client and server both use
 //! this module; nothing else encodes or decodes KV frames.
 //!
@@ -8,13 +8,19 @@
 
 use std::fmt;
 
+pub use crate::auth::{Nonce, Proof, NONCE_BYTES, PROOF_BYTES};
+use crate::auth::{ACCESS_KEY_MAX_BYTES, GRANTS_MAX, TENANT_NAME_MAX_BYTES};
+
 /// First two bytes of every frame ("TK" read as a little-endian u16).
 pub const FRAME_MAGIC: u16 = 0x4b54;
 /// Frame header length in bytes.
 pub const FRAME_HEADER_BYTES: usize = 24;
 /// Protocol versions this build speaks.
-pub const VERSION_MIN: u16 = 1;
-pub const VERSION_MAX: u16 = 1;
+/// Version 2 added authentication (AUTH) and replaced RESERVE/COMMIT, which
+/// let a client write into the shared arena, with PUT_SHM; a version-1 client
+/// has no way to authenticate, so it is refused.
+pub const VERSION_MIN: u16 = 2;
+pub const VERSION_MAX: u16 = 2;
 /// Length of a block digest (vLLM block hash, SGLang page hash, ...).
 pub const DIGEST_BYTES: usize = 32;
 /// Longest namespace accepted (model, dtype, layout, block size, tenant).
@@ -22,18 +28,16 @@ pub const NAMESPACE_MAX_BYTES: usize = 512;
 /// Most keys in one batch. Engines batch a prefix's blocks (128 and more).
 pub const BATCH_MAX_KEYS: usize = 1024;
 /// Largest control part of any frame (everything but PUT's bulk data): the
-/// biggest is a full batch of GET entries plus the namespace.
+/// biggest is a full batch of PUT_SHM entries plus the namespace.
 pub const CONTROL_MAX_BYTES: usize =
-    BATCH_HEADER_BYTES + NAMESPACE_MAX_BYTES + BATCH_MAX_KEYS * GET_ENTRY_BYTES;
+    BATCH_HEADER_BYTES + NAMESPACE_MAX_BYTES + BATCH_MAX_KEYS * PUT_SHM_ENTRY_BYTES;
 /// Fixed part of a batch: ns_len u16, flags u16, count u32, arg u32.
 pub const BATCH_HEADER_BYTES: usize = 12;
 pub const GET_ENTRY_BYTES: usize = DIGEST_BYTES + 16;
 pub const PUT_ENTRY_BYTES: usize = DIGEST_BYTES + 16;
-pub const RESERVE_ENTRY_BYTES: usize = DIGEST_BYTES + 8;
-pub const COMMIT_ENTRY_BYTES: usize = 16;
+pub const PUT_SHM_ENTRY_BYTES: usize = DIGEST_BYTES + 24;
 pub const GET_TCP_RESULT_BYTES: usize = 24;
 pub const GET_SHM_RESULT_BYTES: usize = 40;
-pub const RESERVE_RESULT_BYTES: usize = 24;
 /// Length value meaning "to the end of the value" in a GET entry.
 pub const LENGTH_TO_END: u64 = u64::MAX;
 /// HELLO flag: the client is on a Unix socket and wants the arena.
@@ -43,13 +47,17 @@ pub const HELLO_SHM_OFFERED: u32 = 1;
 /// HELLO flag on the Unix socket: the client wants a request mailbox
 /// (`mailbox.rs`); requests then travel through it instead of the socket.
 pub const HELLO_WANT_MAILBOX: u32 = 2;
-/// HELLO response flag: a mailbox descriptor follows the arena's.
-pub const HELLO_MAILBOX: u32 = 2;
-/// COMMIT entry flag: give the reservation back without storing.
-pub const COMMIT_ABORT: u32 = 1;
+/// AUTH flag (Unix socket): a put window descriptor is attached (SCM_RIGHTS).
+pub const AUTH_WINDOW: u16 = 1;
+/// AUTH response flags: the arena descriptor is attached; a mailbox
+/// descriptor follows it; the client's put window was accepted.
+pub const AUTH_SHM: u16 = 1;
+pub const AUTH_MAILBOX: u16 = 2;
+pub const AUTH_WINDOW_ACCEPTED: u16 = 4;
 
 const _: () = assert!(CONTROL_MAX_BYTES < 1 << 20);
 const _: () = assert!(BATCH_MAX_KEYS >= 128);
+const _: () = assert!(PUT_SHM_ENTRY_BYTES >= GET_ENTRY_BYTES);
 
 /// Operation codes. A response carries the request's op with [`RESPONSE_BIT`]
 /// set; an error response is [`Op::Error`].
@@ -61,13 +69,14 @@ pub enum Op {
     Get = 3,
     GetShm = 4,
     Put = 5,
-    Reserve = 6,
-    Commit = 7,
+    // 6 and 7 were RESERVE and COMMIT (version 1): retired.
     Touch = 8,
     Pin = 9,
     Unpin = 10,
     Delete = 11,
     Stats = 12,
+    Auth = 13,
+    PutShm = 14,
     Error = 0x7fff,
 }
 
@@ -81,13 +90,13 @@ impl Op {
             3 => Op::Get,
             4 => Op::GetShm,
             5 => Op::Put,
-            6 => Op::Reserve,
-            7 => Op::Commit,
             8 => Op::Touch,
             9 => Op::Pin,
             10 => Op::Unpin,
             11 => Op::Delete,
             12 => Op::Stats,
+            13 => Op::Auth,
+            14 => Op::PutShm,
             0x7fff => Op::Error,
             _ => return None,
         })
@@ -114,8 +123,9 @@ pub enum Status {
     BadRange = 6,
     /// Put data did not match the checksum the client sent; nothing stored.
     ChecksumMismatch = 7,
-    /// A commit named a reservation this connection does not hold.
-    BadToken = 8,
+    /// A PUT_SHM entry names bytes outside the connection's put window (or
+    /// the connection has none); nothing stored. (Version 1: BadToken.)
+    BadWindow = 8,
     /// The caller's buffer is smaller than the bytes asked for (client-side).
     BufferTooSmall = 9,
 }
@@ -131,7 +141,7 @@ impl Status {
             5 => Status::Corrupt,
             6 => Status::BadRange,
             7 => Status::ChecksumMismatch,
-            8 => Status::BadToken,
+            8 => Status::BadWindow,
             9 => Status::BufferTooSmall,
             _ => return None,
         })
@@ -161,11 +171,14 @@ pub enum ErrorCode {
     Limit = 4,
     /// A shared-memory operation on a TCP connection.
     NotShm = 5,
-    /// The first frame was not HELLO.
+    /// The connection has not done HELLO and AUTH yet: closed after this.
     HandshakeRequired = 6,
     Internal = 7,
     /// The frame header itself is bad: the connection is closed after this.
     BadHeader = 8,
+    /// AUTH failed (unknown access key, wrong proof): closed after this. On
+    /// a batch, the namespace is not granted to the connection's tenant.
+    Denied = 9,
 }
 
 impl ErrorCode {
@@ -178,6 +191,7 @@ impl ErrorCode {
             5 => ErrorCode::NotShm,
             6 => ErrorCode::HandshakeRequired,
             8 => ErrorCode::BadHeader,
+            9 => ErrorCode::Denied,
             _ => ErrorCode::Internal,
         }
     }
@@ -431,7 +445,8 @@ impl Hello {
     }
 }
 
-/// HELLO response: the chosen version and the server's limits.
+/// HELLO response: the chosen version, the server's limits and the nonce
+/// the client's AUTH proof must cover.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelloReply {
     pub version: u16,
@@ -442,11 +457,14 @@ pub struct HelloReply {
     /// Random per server process: a client on the Unix socket checks it matches
     /// the server it reached over TCP.
     pub instance_id: [u8; 16],
-    /// Length of the arena the client maps (shared-memory connections only).
-    pub arena_bytes: u64,
+    /// Random per connection: the challenge of this connection's AUTH.
+    pub nonce: Nonce,
     /// Abstract Unix socket name for shared memory (empty when not offered).
     pub shm_socket: Vec<u8>,
 }
+
+/// Longest abstract socket name a HELLO reply may carry.
+pub const SHM_SOCKET_NAME_MAX_BYTES: usize = 256;
 
 impl HelloReply {
     pub fn encode(&self, out: &mut Vec<u8>) {
@@ -457,7 +475,7 @@ impl HelloReply {
         out.put_u32(self.batch_max_keys);
         out.put_u32(self.shm_socket.len() as u32);
         out.extend_from_slice(&self.instance_id);
-        out.put_u64(self.arena_bytes);
+        out.extend_from_slice(&self.nonce);
         out.extend_from_slice(&self.shm_socket);
     }
     pub fn decode(payload: &[u8]) -> Result<HelloReply, ProtoError> {
@@ -468,11 +486,11 @@ impl HelloReply {
         let value_max_bytes = r.u64()?;
         let batch_max_keys = r.u32()?;
         let name_len = r.u32()? as usize;
-        if name_len > 256 {
+        if name_len > SHM_SOCKET_NAME_MAX_BYTES {
             return Err(ProtoError::bad("shm socket name too long"));
         }
         let instance_id = r.bytes(16)?.try_into().expect("16");
-        let arena_bytes = r.u64()?;
+        let nonce = r.bytes(NONCE_BYTES)?.try_into().expect("32");
         let shm_socket = r.bytes(name_len)?.to_vec();
         r.finish()?;
         Ok(HelloReply {
@@ -482,8 +500,110 @@ impl HelloReply {
             batch_max_keys,
             namespace_max_bytes,
             instance_id,
-            arena_bytes,
+            nonce,
             shm_socket,
+        })
+    }
+}
+
+/// AUTH request: an access key and the proof that the client knows its
+/// secret (`auth.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Auth {
+    pub flags: u16,
+    pub client_nonce: Nonce,
+    pub proof: Proof,
+    pub access_key: Vec<u8>,
+}
+
+/// Fixed part of an AUTH request.
+pub const AUTH_FIXED_BYTES: usize = 8 + NONCE_BYTES + PROOF_BYTES;
+/// Largest AUTH request payload.
+pub const AUTH_MAX_BYTES: usize = AUTH_FIXED_BYTES + ACCESS_KEY_MAX_BYTES;
+
+impl Auth {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u16(self.access_key.len() as u16);
+        out.put_u16(self.flags);
+        out.put_u32(0);
+        out.extend_from_slice(&self.client_nonce);
+        out.extend_from_slice(&self.proof);
+        out.extend_from_slice(&self.access_key);
+    }
+    pub fn decode(payload: &[u8]) -> Result<Auth, ProtoError> {
+        let mut r = Reader::new(payload);
+        let key_len = r.u16()? as usize;
+        let flags = r.u16()?;
+        r.u32()?;
+        if key_len == 0 || key_len > ACCESS_KEY_MAX_BYTES {
+            return Err(ProtoError::bad(format!(
+                "access key of {key_len} bytes (1 to {ACCESS_KEY_MAX_BYTES})"
+            )));
+        }
+        let a = Auth {
+            flags,
+            client_nonce: r.bytes(NONCE_BYTES)?.try_into().expect("32"),
+            proof: r.bytes(PROOF_BYTES)?.try_into().expect("32"),
+            access_key: r.bytes(key_len)?.to_vec(),
+        };
+        r.finish()?;
+        Ok(a)
+    }
+}
+
+/// AUTH response: the server's proof, the tenant and what it may use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthReply {
+    pub flags: u16,
+    pub server_proof: Proof,
+    /// Length of the arena whose descriptor is attached (0 without `AUTH_SHM`).
+    pub arena_bytes: u64,
+    pub tenant: String,
+    /// Namespace prefixes the tenant may use (an empty one: any).
+    pub grants: Vec<Vec<u8>>,
+}
+
+impl AuthReply {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u16(self.flags);
+        out.put_u16(self.tenant.len() as u16);
+        out.put_u16(self.grants.len() as u16);
+        out.put_u16(0);
+        out.extend_from_slice(&self.server_proof);
+        out.put_u64(self.arena_bytes);
+        out.extend_from_slice(self.tenant.as_bytes());
+        for g in &self.grants {
+            out.put_u16(g.len() as u16);
+            out.extend_from_slice(g);
+        }
+    }
+    pub fn decode(payload: &[u8]) -> Result<AuthReply, ProtoError> {
+        let mut r = Reader::new(payload);
+        let flags = r.u16()?;
+        let tenant_len = r.u16()? as usize;
+        let grant_count = r.u16()? as usize;
+        r.u16()?;
+        if tenant_len > TENANT_NAME_MAX_BYTES || grant_count > GRANTS_MAX {
+            return Err(ProtoError::bad("AUTH reply over its limits"));
+        }
+        let server_proof = r.bytes(PROOF_BYTES)?.try_into().expect("32");
+        let arena_bytes = r.u64()?;
+        let tenant = String::from_utf8_lossy(r.bytes(tenant_len)?).into_owned();
+        let mut grants = Vec::with_capacity(grant_count);
+        for _ in 0..grant_count {
+            let n = r.u16()? as usize;
+            if n > NAMESPACE_MAX_BYTES {
+                return Err(ProtoError::bad("namespace grant longer than a namespace"));
+            }
+            grants.push(r.bytes(n)?.to_vec());
+        }
+        r.finish()?;
+        Ok(AuthReply {
+            flags,
+            server_proof,
+            arena_bytes,
+            tenant,
+            grants,
         })
     }
 }
@@ -650,72 +770,35 @@ impl PutEntry {
     }
 }
 
-/// One RESERVE entry (shared memory): room for `len` bytes under a key.
+/// One PUT_SHM entry: a value the client wrote into its put window; the
+/// daemon copies it into the arena and checks it against `crc`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReserveEntry {
+pub struct PutShmEntry {
     pub digest: Digest,
     pub len: u64,
+    /// Offset of the value in the connection's put window.
+    pub window_offset: u64,
+    /// CRC32C of the value as the client wrote it.
+    pub crc: u32,
 }
 
-impl ReserveEntry {
+impl PutShmEntry {
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.digest);
         out.put_u64(self.len);
+        out.put_u64(self.window_offset);
+        out.put_u32(self.crc);
+        out.put_u32(0);
     }
-    pub fn decode(r: &mut Reader<'_>) -> Result<ReserveEntry, ProtoError> {
-        Ok(ReserveEntry {
+    pub fn decode(r: &mut Reader<'_>) -> Result<PutShmEntry, ProtoError> {
+        let e = PutShmEntry {
             digest: r.digest()?,
             len: r.u64()?,
-        })
-    }
-}
-
-/// RESERVE result: where to write, and the token that commits it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReserveResult {
-    pub status: Status,
-    pub arena_offset: u64,
-    pub token: u64,
-}
-
-impl ReserveResult {
-    pub fn encode(&self, out: &mut Vec<u8>) {
-        out.put_u8(self.status as u8);
-        out.extend_from_slice(&[0; 7]);
-        out.put_u64(self.arena_offset);
-        out.put_u64(self.token);
-    }
-    pub fn decode(r: &mut Reader<'_>) -> Result<ReserveResult, ProtoError> {
-        let status = status(r.u8()?)?;
-        r.bytes(7)?;
-        Ok(ReserveResult {
-            status,
-            arena_offset: r.u64()?,
-            token: r.u64()?,
-        })
-    }
-}
-
-/// COMMIT entry: a reservation token and the CRC32C of the bytes written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CommitEntry {
-    pub token: u64,
-    pub crc: u32,
-    pub flags: u32,
-}
-
-impl CommitEntry {
-    pub fn encode(&self, out: &mut Vec<u8>) {
-        out.put_u64(self.token);
-        out.put_u32(self.crc);
-        out.put_u32(self.flags);
-    }
-    pub fn decode(r: &mut Reader<'_>) -> Result<CommitEntry, ProtoError> {
-        Ok(CommitEntry {
-            token: r.u64()?,
+            window_offset: r.u64()?,
             crc: r.u32()?,
-            flags: r.u32()?,
-        })
+        };
+        r.u32()?;
+        Ok(e)
     }
 }
 
@@ -723,8 +806,8 @@ fn status(v: u8) -> Result<Status, ProtoError> {
     Status::from_u8(v).ok_or_else(|| ProtoError::bad(format!("unknown status {v}")))
 }
 
-/// A response that is a table of one status byte per key (PUT, COMMIT, TOUCH,
-/// PIN, UNPIN, DELETE): count u32 then the statuses.
+/// A response that is a table of one status byte per key (PUT, PUT_SHM,
+/// TOUCH, PIN, UNPIN, DELETE): count u32 then the statuses.
 pub fn encode_statuses(out: &mut Vec<u8>, statuses: &[Status]) {
     out.put_u32(statuses.len() as u32);
     out.extend(statuses.iter().map(|s| *s as u8));

@@ -1,10 +1,19 @@
 //! The KV server: TCP for any client, and for clients on the same host an
 //! abstract Unix socket over which the daemon sends the arena's descriptor.
 //!
+//! Every connection authenticates first (HELLO, then AUTH: `auth.rs`) and is
+//! then bound to its tenant: the tenant's engine serves it, and only the
+//! namespaces the tenant is granted. A shared-memory client maps its
+//! tenant's arena read-only (sealed against writable mappings) and never
+//! touches another tenant's; it writes values into a put window of its own
+//! (a memfd it passes with AUTH) that the daemon copies from (PUT_SHM).
+//!
 //! Each connection is served in order (a client may pipeline: frames queue in
 //! the socket). What a connection holds — reservations not yet committed,
 //! pins not yet released — is given back when it closes, however it closes,
 //! so a client killed mid-put leaves no partial block and leaks nothing.
+//! Connections that stay silent, or stop halfway through a frame or the
+//! handshake, are closed after the configured timeouts.
 //!
 //! A shared-memory client may also ask for a request mailbox at HELLO
 //! (`mailbox.rs`): its requests and responses then travel through shared
@@ -12,27 +21,27 @@
 
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::watch;
 
+use crate::auth::{self, Side, Tenant, Tenants};
 use crate::engine::{Engine, Key, ReadPlan};
+use crate::fdpass;
 use crate::mailbox::{self, Area, Mailbox};
 use crate::proto::*;
 use crate::KvError;
 
-/// Longest wait for the rest of a frame once its header arrived: a client that
-/// stalls mid-put cannot hold its reservations forever.
-const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest put window a client may pass with AUTH (it is the client's memory;
+/// the limit keeps a bogus size from meaning anything).
+pub const PUT_WINDOW_MAX_BYTES: u64 = 64 << 30;
 /// GET_SHM results a mailbox publishes first; then twice as many each time.
 const STREAM_FIRST_KEYS: usize = 2;
-/// Reservations one connection may hold at once.
-const RESERVATIONS_PER_CONNECTION_MAX: usize = 2 * BATCH_MAX_KEYS;
 /// Pins one connection may hold at once.
 const PINS_PER_CONNECTION_MAX: usize = 64 * BATCH_MAX_KEYS;
 /// Read buffer per connection (frame headers and control parts).
@@ -136,6 +145,35 @@ pub struct ServerOptions {
     pub io_uring: bool,
     /// Offer shared memory to clients on this host.
     pub shm: bool,
+    /// An authenticated connection with no request for this long is closed
+    /// (its pins and reservations given back). Clients reconnect on their
+    /// next call.
+    pub idle_timeout: Duration,
+    /// Longest the rest of a frame may take once its header arrived: a client
+    /// that stalls mid-put cannot hold its reservations.
+    pub frame_timeout: Duration,
+    /// Longest from accept to a completed HELLO and AUTH.
+    pub handshake_timeout: Duration,
+}
+
+/// Defaults of the timeouts (docs/configuration.md).
+pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(300);
+pub const FRAME_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+pub const HANDSHAKE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            threads: 1,
+            pin_cores: false,
+            io_uring: false,
+            shm: true,
+            idle_timeout: IDLE_TIMEOUT_DEFAULT,
+            frame_timeout: FRAME_TIMEOUT_DEFAULT,
+            handshake_timeout: HANDSHAKE_TIMEOUT_DEFAULT,
+        }
+    }
 }
 
 /// A running KV server; stops when dropped.
@@ -147,14 +185,44 @@ pub struct Server {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct Timeouts {
+    idle: Duration,
+    frame: Duration,
+    handshake: Duration,
+}
+
 struct Shared {
-    engine: Arc<Engine>,
+    tenants: Tenants,
     shm_socket: Option<Vec<u8>>,
     next_conn: AtomicU64,
+    /// Random per server: the Unix socket's HELLO reply repeats it, so a
+    /// client knows it reached the daemon its TCP connection did.
+    instance_id: [u8; 16],
+    value_max_bytes: u64,
+    timeouts: Timeouts,
+}
+
+impl Shared {
+    fn new(tenants: Tenants, shm_socket: Option<Vec<u8>>, timeouts: Timeouts) -> Shared {
+        let value_max_bytes = tenants
+            .iter()
+            .map(|t| t.engine.config().value_max_bytes)
+            .min()
+            .expect("at least one tenant");
+        Shared {
+            tenants,
+            shm_socket,
+            next_conn: AtomicU64::new(1),
+            instance_id: auth::nonce()[..16].try_into().expect("16 bytes"),
+            value_max_bytes,
+            timeouts,
+        }
+    }
 }
 
 impl Server {
-    pub fn start(engine: Arc<Engine>, opts: ServerOptions) -> Result<Server, KvError> {
+    pub fn start(tenants: Tenants, opts: ServerOptions) -> Result<Server, KvError> {
         let tcp = std::net::TcpListener::bind(opts.listen)
             .map_err(|e| KvError::Io("binding the KV listener", e))?;
         tcp.set_nonblocking(true)
@@ -162,7 +230,16 @@ impl Server {
         let tcp_addr = tcp
             .local_addr()
             .map_err(|e| KvError::Io("KV listener", e))?;
-        let (uds, shm_socket) = if opts.shm {
+        // Shared memory only where the kernel keeps clients' mappings of the
+        // arena read-only: a client that could write it could forge blocks.
+        let sealed = tenants.iter().all(|t| t.engine.arena().write_sealed);
+        if opts.shm && !sealed {
+            tracing::warn!(
+                "this kernel does not seal the KV arena against writable mappings \
+                 (F_SEAL_FUTURE_WRITE); shared memory is off, clients use TCP"
+            );
+        }
+        let (uds, shm_socket) = if opts.shm && sealed {
             let mut r = [0u8; 8];
             getrandom::fill(&mut r).map_err(|e| KvError::Config(e.to_string()))?;
             let name = format!(
@@ -182,11 +259,15 @@ impl Server {
         } else {
             (None, None)
         };
-        let shared = Arc::new(Shared {
-            engine,
-            shm_socket: shm_socket.as_ref().map(|s| s.as_bytes().to_vec()),
-            next_conn: AtomicU64::new(1),
-        });
+        let shared = Arc::new(Shared::new(
+            tenants,
+            shm_socket.as_ref().map(|s| s.as_bytes().to_vec()),
+            Timeouts {
+                idle: opts.idle_timeout,
+                frame: opts.frame_timeout,
+                handshake: opts.handshake_timeout,
+            },
+        ));
         let (stop, stop_rx) = watch::channel(false);
         let mut threads = Vec::new();
         for core in 0..opts.threads.max(1) {
@@ -244,33 +325,45 @@ impl Drop for Server {
     }
 }
 
+fn default_timeouts() -> Timeouts {
+    Timeouts {
+        idle: IDLE_TIMEOUT_DEFAULT,
+        frame: FRAME_TIMEOUT_DEFAULT,
+        handshake: HANDSHAKE_TIMEOUT_DEFAULT,
+    }
+}
+
 /// Serves one connection on any byte stream with TCP semantics (no shared
-/// memory): used by the fuzz target and by tests.
-pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(engine: Arc<Engine>, stream: S) {
-    let shared = Arc::new(Shared {
-        engine,
-        shm_socket: None,
-        next_conn: AtomicU64::new(1),
-    });
+/// memory): used by the fuzz target and by tests. With `preauthenticated`
+/// the connection starts as the first tenant (the fuzz target explores the
+/// operations); otherwise it must do HELLO and AUTH like any client.
+pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
+    tenants: Tenants,
+    stream: S,
+    preauthenticated: bool,
+) {
+    let first = tenants.iter().next().cloned();
+    let shared = Arc::new(Shared::new(tenants, None, default_timeouts()));
     let mut c = Connection::new(u64::MAX, shared, false);
+    if preauthenticated {
+        c.tenant = first;
+    }
     c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, stream))
         .await;
 }
 
-/// Answers one request placed in `mailbox` on a connection of its own (what
-/// the fuzz target drives; the daemon's connections run `serve_mailbox`).
+/// Answers one request placed in `mailbox` on a connection of its own,
+/// authenticated as the engine's only tenant (what the fuzz target drives;
+/// the daemon's connections run `serve_mailbox`).
 pub async fn answer_mailbox_once(engine: Arc<Engine>, mailbox: &Mailbox, seq: u64) {
-    let shared = Arc::new(Shared {
-        engine,
-        shm_socket: None,
-        next_conn: AtomicU64::new(1),
-    });
+    let tenants = Tenants::single(engine, auth::Credentials::loopback_default());
+    let first = tenants.iter().next().cloned();
+    let shared = Arc::new(Shared::new(tenants, None, default_timeouts()));
     let mut c = Connection::new(u64::MAX, shared, true);
-    c.handshaken = true;
+    c.tenant = first;
     let mut out = Vec::new();
     c.answer_mailbox(mailbox, seq, &mut out).await;
-    let engine = c.shared.engine.clone();
-    engine.release_connection(c.id, &c.reservations, &c.pins);
+    c.release();
 }
 
 async fn accept_loop(
@@ -315,9 +408,18 @@ async fn accept_loop(
                     tokio::spawn(async move {
                         let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                         let mut c = Connection::new(conn, shared, true);
-                        if let Err(error) = c.shm_handshake(&s).await {
-                            tracing::debug!(%error, "KV shared-memory handshake failed");
-                            return;
+                        let limit = c.shared.timeouts.handshake;
+                        let handshake = tokio::time::timeout(limit, c.shm_handshake(&s)).await;
+                        match handshake {
+                            Ok(Ok(())) => {}
+                            Ok(Err(error)) => {
+                                tracing::debug!(conn, %error, "KV shared-memory handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(conn, "KV shared-memory handshake timed out");
+                                return;
+                            }
                         }
                         c.spin_fd = Some(s.as_raw_fd());
                         match c.mailbox.take() {
@@ -363,19 +465,95 @@ impl Drop for WatchGuard {
     }
 }
 
+/// A shared-memory client's put window: a memfd it owns, passed with AUTH.
+/// The daemon only ever reads it with `pread` into a reserved slot, never
+/// maps it: a client that truncates or rewrites its window while the daemon
+/// reads gets a short read or a checksum mismatch on its own put, and cannot
+/// make the daemon fault.
+struct Window {
+    fd: OwnedFd,
+    len: u64,
+}
+
+impl Window {
+    /// Only memory-backed files (memfd, tmpfs): a descriptor of a file on a
+    /// FUSE mount or a device could make the daemon's reads block, and a
+    /// hugetlbfs one could fault on holes.
+    fn accept(fd: OwnedFd) -> Result<Window, String> {
+        // SAFETY: fstat/fstatfs into zeroed structs on a descriptor we own.
+        let (st, fs) = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            let mut fs: libc::statfs = std::mem::zeroed();
+            if libc::fstat(fd.as_raw_fd(), &mut st) < 0
+                || libc::fstatfs(fd.as_raw_fd(), &mut fs) < 0
+            {
+                return Err(format!(
+                    "put window descriptor: {}",
+                    io::Error::last_os_error()
+                ));
+            }
+            (st, fs)
+        };
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || fs.f_type != libc::TMPFS_MAGIC {
+            return Err("the put window must be a memfd (shared memory)".into());
+        }
+        let len = st.st_size as u64;
+        if len == 0 || len > PUT_WINDOW_MAX_BYTES {
+            return Err(format!(
+                "put window of {len} bytes (1 to {PUT_WINDOW_MAX_BYTES})"
+            ));
+        }
+        Ok(Window { fd, len })
+    }
+
+    /// Reads `dst.len()` bytes at `offset` of the window.
+    fn read_into(&self, mut offset: u64, mut dst: &mut [u8]) -> io::Result<()> {
+        while !dst.is_empty() {
+            // SAFETY: pread into a live buffer of dst.len() bytes.
+            let n = unsafe {
+                libc::pread(
+                    self.fd.as_raw_fd(),
+                    dst.as_mut_ptr().cast(),
+                    dst.len(),
+                    offset as libc::off_t,
+                )
+            };
+            match n {
+                n if n > 0 => {
+                    offset += n as u64;
+                    dst = &mut dst[n as usize..];
+                }
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Per-connection state, buffers reused across frames.
 struct Connection {
     id: u64,
     shared: Arc<Shared>,
     shm: bool,
-    handshaken: bool,
+    /// After HELLO: the nonce AUTH must answer, and HELLO's flags.
+    hello: Option<(auth::Nonce, u32)>,
+    /// After AUTH: who this connection is.
+    tenant: Option<Arc<Tenant>>,
+    /// Shared memory: the client's put window (PUT_SHM reads from it).
+    window: Option<Window>,
     /// The socket to spin on between frames (None: never spin).
     spin_fd: Option<i32>,
     /// Set by a handshake that asked for a request mailbox.
     mailbox: Option<Arc<Mailbox>>,
     /// When the last answer went out, and the average time the client took
     /// to send its next frame (microseconds, clamped).
-    answered_at: std::time::Instant,
+    answered_at: Instant,
     gap_ewma_us: u64,
     reservations: Vec<u64>,
     pins: Vec<Key>,
@@ -401,16 +579,58 @@ fn frame_error(out: &mut Vec<u8>, request_id: u64, e: &ProtoError) {
     finish_frame(out, 0);
 }
 
+/// Reads one whole frame from the Unix socket during the handshake, with any
+/// descriptors sent along, never past the frame's end.
+async fn read_frame_uds(
+    s: &UnixStream,
+    payload_max: u64,
+) -> io::Result<(FrameHeader, Vec<u8>, Vec<OwnedFd>)> {
+    let mut fds = Vec::new();
+    let mut head = [0u8; FRAME_HEADER_BYTES];
+    recv_exact_uds(s, &mut head, &mut fds).await?;
+    let h = FrameHeader::decode(&head).map_err(io::Error::other)?;
+    if h.len > payload_max {
+        return Err(io::Error::other(format!(
+            "handshake frame of {} bytes",
+            h.len
+        )));
+    }
+    let mut payload = vec![0u8; h.len as usize];
+    recv_exact_uds(s, &mut payload, &mut fds).await?;
+    Ok((h, payload, fds))
+}
+
+async fn recv_exact_uds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        s.readable().await?;
+        match s.try_io(tokio::io::Interest::READABLE, || {
+            fdpass::recv(s.as_raw_fd(), &mut buf[done..])
+        }) {
+            Ok((0, _)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok((n, f)) => {
+                done += n;
+                fds.extend(f);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 impl Connection {
     fn new(id: u64, shared: Arc<Shared>, shm: bool) -> Self {
         Connection {
             id,
             shared,
             shm,
-            handshaken: false,
+            hello: None,
+            tenant: None,
+            window: None,
             spin_fd: None,
             mailbox: None,
-            answered_at: std::time::Instant::now(),
+            answered_at: Instant::now(),
             gap_ewma_us: FRAME_GAP_CLAMP_US,
             reservations: Vec::new(),
             pins: Vec::new(),
@@ -425,12 +645,28 @@ impl Connection {
         }
     }
 
-    fn engine(&self) -> &Engine {
-        &self.shared.engine
+    fn tenant(&self) -> &Arc<Tenant> {
+        self.tenant
+            .as_ref()
+            .expect("operations run on authenticated connections only")
+    }
+
+    fn engine(&self) -> Arc<Engine> {
+        self.tenant().engine.clone()
+    }
+
+    /// Gives back what the connection holds (however it ended).
+    fn release(&mut self) {
+        if let Some(t) = &self.tenant {
+            t.engine
+                .release_connection(self.id, &self.reservations, &self.pins);
+        }
+        self.reservations.clear();
+        self.pins.clear();
     }
 
     fn hello_reply(
-        &self,
+        &mut self,
         hello: &Hello,
         request_id: u64,
         out: &mut Vec<u8>,
@@ -445,23 +681,20 @@ impl Connection {
                 ),
             ));
         }
-        let e = self.engine();
+        let nonce = auth::nonce();
+        self.hello = Some((nonce, hello.flags));
         let reply = HelloReply {
             version,
             flags: if self.shared.shm_socket.is_some() {
                 HELLO_SHM_OFFERED
             } else {
                 0
-            } | if self.mailbox.is_some() {
-                HELLO_MAILBOX
-            } else {
-                0
             },
-            value_max_bytes: e.config().value_max_bytes,
+            value_max_bytes: self.shared.value_max_bytes,
             batch_max_keys: BATCH_MAX_KEYS as u32,
             namespace_max_bytes: NAMESPACE_MAX_BYTES as u16,
-            instance_id: e.instance_id,
-            arena_bytes: if self.shm { e.arena().len() as u64 } else { 0 },
+            instance_id: self.shared.instance_id,
+            nonce,
             shm_socket: self.shared.shm_socket.clone().unwrap_or_default(),
         };
         begin_frame(out, Op::Hello as u16 | RESPONSE_BIT, request_id);
@@ -470,47 +703,152 @@ impl Connection {
         Ok(())
     }
 
-    /// Over the Unix socket the first frame must be HELLO; its reply carries
-    /// the arena's descriptor (SCM_RIGHTS).
-    async fn shm_handshake(&mut self, s: &UnixStream) -> io::Result<()> {
-        let mut head = [0u8; FRAME_HEADER_BYTES];
-        read_exact_uds(s, &mut head).await?;
-        let h = FrameHeader::decode(&head).map_err(io::Error::other)?;
-        if h.op != Op::Hello as u16 || h.len > 64 {
-            return Err(io::Error::other(
-                "first frame on the shared-memory socket is not HELLO",
+    /// Checks an AUTH request against the nonce of this connection's HELLO
+    /// and binds the connection to its tenant. A failure closes the
+    /// connection (the caller's job); the reason is logged, not told: an
+    /// unknown key and a wrong secret look the same to the client.
+    fn authenticate(
+        &mut self,
+        payload: &[u8],
+        window: Option<OwnedFd>,
+    ) -> Result<AuthReply, ProtoError> {
+        let Some((nonce, _)) = self.hello else {
+            return Err(ProtoError::new(
+                ErrorCode::HandshakeRequired,
+                "AUTH before HELLO",
             ));
+        };
+        let a = Auth::decode(payload)?;
+        let denied = || ProtoError::new(ErrorCode::Denied, "access denied");
+        let Some(tenant) = self.shared.tenants.by_access_key(&a.access_key).cloned() else {
+            tracing::info!(conn = self.id, access_key = %String::from_utf8_lossy(&a.access_key), "KV AUTH with an unknown access key");
+            return Err(denied());
+        };
+        let secret = &tenant.credentials.secret_key;
+        if !auth::verify(
+            Side::Client,
+            secret,
+            &nonce,
+            &a.client_nonce,
+            &a.access_key,
+            &a.proof,
+        ) {
+            tracing::info!(conn = self.id, tenant = %tenant.name, "KV AUTH with a wrong proof");
+            return Err(denied());
         }
-        let mut payload = vec![0u8; h.len as usize];
-        read_exact_uds(s, &mut payload).await?;
-        let mut out = Vec::new();
-        let hello = Hello::decode(&payload).and_then(|hello| {
-            if hello.flags & HELLO_WANT_MAILBOX != 0 {
-                let mb = Mailbox::create().map_err(|e| {
-                    ProtoError::new(ErrorCode::Internal, format!("creating a mailbox: {e}"))
-                })?;
-                self.mailbox = Some(Arc::new(mb));
+        let mut flags = 0;
+        if a.flags & AUTH_WINDOW != 0 {
+            if !self.shm {
+                return Err(ProtoError::new(
+                    ErrorCode::BadFrame,
+                    "a put window needs the shared-memory socket",
+                ));
             }
-            self.hello_reply(&hello, h.request_id, &mut out)
-        });
-        if let Err(e) = hello {
-            frame_error(&mut out, h.request_id, &e);
-            send_with_fd(s, &out, &[]).await?;
-            return Err(io::Error::other(e));
+            let fd = window.ok_or_else(|| {
+                ProtoError::new(
+                    ErrorCode::BadFrame,
+                    "AUTH names a put window but carries none",
+                )
+            })?;
+            self.window =
+                Some(Window::accept(fd).map_err(|m| ProtoError::new(ErrorCode::BadFrame, m))?);
+            flags |= AUTH_WINDOW_ACCEPTED;
         }
-        let arena = self.engine().arena().fd().as_raw_fd();
+        if self.shm {
+            flags |= AUTH_SHM;
+        }
+        self.hello = None;
+        let reply = AuthReply {
+            flags,
+            server_proof: auth::proof(Side::Server, secret, &nonce, &a.client_nonce, &a.access_key),
+            arena_bytes: if self.shm {
+                tenant.engine.arena().len() as u64
+            } else {
+                0
+            },
+            tenant: tenant.name.clone(),
+            grants: tenant.grants.as_prefixes().to_vec(),
+        };
+        self.tenant = Some(tenant);
+        Ok(reply)
+    }
+
+    /// The Unix socket's handshake: HELLO (with `WANT_SHM`), then AUTH, whose
+    /// reply carries the tenant's arena (and the mailbox) as SCM_RIGHTS.
+    /// Any failure is answered with an error frame and ends the connection.
+    async fn shm_handshake(&mut self, s: &UnixStream) -> io::Result<()> {
+        let mut out = Vec::new();
+        let (h, payload, _) = read_frame_uds(s, AUTH_MAX_BYTES as u64).await?;
+        let r = if h.op != Op::Hello as u16 {
+            Err(ProtoError::new(
+                ErrorCode::HandshakeRequired,
+                "the first frame must be HELLO",
+            ))
+        } else {
+            Hello::decode(&payload).and_then(|hello| {
+                if hello.flags & HELLO_WANT_SHM == 0 {
+                    return Err(ProtoError::new(
+                        ErrorCode::BadFrame,
+                        "HELLO on the shared-memory socket without WANT_SHM",
+                    ));
+                }
+                self.hello_reply(&hello, h.request_id, &mut out)
+            })
+        };
+        if let Err(e) = r {
+            return self.refuse_uds(s, h.request_id, e).await;
+        }
+        send_with_fds(s, &out, &[]).await?;
+
+        let (h, payload, fds) = read_frame_uds(s, AUTH_MAX_BYTES as u64).await?;
+        if h.op != Op::Auth as u16 {
+            let e = ProtoError::new(ErrorCode::HandshakeRequired, "AUTH must follow HELLO");
+            return self.refuse_uds(s, h.request_id, e).await;
+        }
+        let want_mailbox = self.hello.is_some_and(|(_, f)| f & HELLO_WANT_MAILBOX != 0);
+        let mut reply = match self.authenticate(&payload, fds.into_iter().next()) {
+            Ok(r) => r,
+            Err(e) => return self.refuse_uds(s, h.request_id, e).await,
+        };
+        if want_mailbox {
+            match Mailbox::create() {
+                Ok(mb) => {
+                    self.mailbox = Some(Arc::new(mb));
+                    reply.flags |= AUTH_MAILBOX;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "creating a KV mailbox; serving on the socket")
+                }
+            }
+        }
+        begin_frame(&mut out, Op::Auth as u16 | RESPONSE_BIT, h.request_id);
+        reply.encode(&mut out);
+        finish_frame(&mut out, 0);
+        let arena = self.tenant().engine.arena().fd().as_raw_fd();
         match &self.mailbox {
-            Some(mb) => send_with_fd(s, &out, &[arena, mb.fd().as_raw_fd()]).await?,
-            None => send_with_fd(s, &out, &[arena]).await?,
+            Some(mb) => send_with_fds(s, &out, &[arena, mb.fd().as_raw_fd()]).await,
+            None => send_with_fds(s, &out, &[arena]).await,
         }
-        self.handshaken = true;
-        Ok(())
+    }
+
+    async fn refuse_uds(
+        &mut self,
+        s: &UnixStream,
+        request_id: u64,
+        e: ProtoError,
+    ) -> io::Result<()> {
+        let mut out = Vec::new();
+        frame_error(&mut out, request_id, &e);
+        send_with_fds(s, &out, &[]).await?;
+        Err(io::Error::other(e))
     }
 
     async fn serve<S: AsyncRead + AsyncWrite + Unpin>(&mut self, mut io: BufReader<S>) {
         let _watch = WatchGuard::new(self.spin_fd, None);
+        let accepted = Instant::now();
         loop {
-            if self.spin_fd.is_some() && io.buffer().is_empty() {
+            let authenticated = self.tenant.is_some();
+            if authenticated && self.spin_fd.is_some() && io.buffer().is_empty() {
                 // Adaptive: spin about as long as this client usually takes to
                 // send its next frame, and not at all for an idle client.
                 let spin = Duration::from_micros(self.gap_ewma_us * 3 / 2 + 20);
@@ -518,14 +856,30 @@ impl Connection {
                     spin_until_any_readable(spin);
                 }
             }
+            // Between frames a connection may be silent for the idle timeout;
+            // before it has authenticated, only for what is left of the
+            // handshake's time.
+            let wait = if authenticated {
+                self.shared.timeouts.idle
+            } else {
+                self.shared
+                    .timeouts
+                    .handshake
+                    .saturating_sub(accepted.elapsed())
+            };
             let mut head = [0u8; FRAME_HEADER_BYTES];
-            if io.read_exact(&mut head).await.is_err() {
-                break;
+            match tokio::time::timeout(wait, io.read_exact(&mut head)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => break,
+                Err(_) => {
+                    tracing::debug!(conn = self.id, authenticated, "KV connection timed out");
+                    break;
+                }
             }
             let gap = (self.answered_at.elapsed().as_micros() as u64).min(FRAME_GAP_CLAMP_US);
             self.gap_ewma_us = (3 * self.gap_ewma_us + gap) / 4;
             let r = self.frame(&mut io, &head).await;
-            self.answered_at = std::time::Instant::now();
+            self.answered_at = Instant::now();
             match r {
                 Ok(Next::Continue) => {}
                 Ok(Next::Close) => break,
@@ -536,10 +890,7 @@ impl Connection {
             }
         }
         let _ = io.get_mut().shutdown().await;
-        let engine = self.shared.engine.clone();
-        engine.release_connection(self.id, &self.reservations, &self.pins);
-        self.reservations.clear();
-        self.pins.clear();
+        self.release();
     }
 
     async fn frame<S: AsyncRead + AsyncWrite + Unpin>(
@@ -569,21 +920,33 @@ impl Connection {
             }
         };
         let op = Op::from_u16(h.op);
-        if op == Some(Op::Put) && self.handshaken {
+        let authenticated = self.tenant.is_some();
+        if op == Some(Op::Put) && authenticated {
             return self.put_tcp(io, &h, out).await;
         }
-        if h.len > CONTROL_MAX_BYTES as u64 {
-            let e = ProtoError::new(
-                ErrorCode::Limit,
-                format!("frame of {} bytes exceeds {CONTROL_MAX_BYTES}", h.len),
-            );
+        // Before AUTH only handshake frames, which are small.
+        let limit = if authenticated {
+            CONTROL_MAX_BYTES
+        } else {
+            AUTH_MAX_BYTES
+        };
+        if h.len > limit as u64 {
+            let e = if authenticated {
+                ProtoError::new(
+                    ErrorCode::Limit,
+                    format!("frame of {} bytes exceeds {CONTROL_MAX_BYTES}", h.len),
+                )
+            } else {
+                ProtoError::new(ErrorCode::HandshakeRequired, "HELLO and AUTH come first")
+            };
             frame_error(out, h.request_id, &e);
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
         let mut payload = std::mem::take(&mut self.payload);
         payload.resize(h.len as usize, 0);
-        let read = tokio::time::timeout(FRAME_BODY_TIMEOUT, io.read_exact(&mut payload)).await;
+        let limit = self.shared.timeouts.frame;
+        let read = tokio::time::timeout(limit, io.read_exact(&mut payload)).await;
         let result = match read {
             Ok(Ok(_)) => self.dispatch(io, op, &h, &payload, out).await,
             Ok(Err(e)) => Err(e),
@@ -604,22 +967,37 @@ impl Connection {
         payload: &[u8],
         out: &mut Vec<u8>,
     ) -> io::Result<Next> {
+        let authenticated = self.tenant.is_some();
+        // The handshake: any failure answers an error and closes, as a
+        // connection that cannot identify itself has nothing else to do.
+        let handshake: Option<Result<(), ProtoError>> = match op {
+            Some(Op::Hello) if !authenticated => Some(
+                Hello::decode(payload)
+                    .and_then(|hello| self.hello_reply(&hello, h.request_id, out)),
+            ),
+            Some(Op::Auth) if !authenticated => Some(self.authenticate(payload, None).map(|r| {
+                begin_frame(out, Op::Auth as u16 | RESPONSE_BIT, h.request_id);
+                r.encode(out);
+                finish_frame(out, 0);
+            })),
+            _ if !authenticated => Some(Err(ProtoError::new(
+                ErrorCode::HandshakeRequired,
+                "HELLO and AUTH come first",
+            ))),
+            _ => None,
+        };
+        if let Some(r) = handshake {
+            let next = match r {
+                Ok(()) => Next::Continue,
+                Err(e) => {
+                    frame_error(out, h.request_id, &e);
+                    Next::Close
+                }
+            };
+            io.get_mut().write_all(out).await?;
+            return Ok(next);
+        }
         let result: Result<(), ProtoError> = match op {
-            Some(Op::Hello) => {
-                let r = Hello::decode(payload)
-                    .and_then(|hello| self.hello_reply(&hello, h.request_id, out));
-                self.handshaken |= r.is_ok();
-                r
-            }
-            _ if !self.handshaken => {
-                let e = ProtoError::new(
-                    ErrorCode::HandshakeRequired,
-                    "the first frame must be HELLO",
-                );
-                frame_error(out, h.request_id, &e);
-                io.get_mut().write_all(out).await?;
-                return Ok(Next::Close);
-            }
             Some(Op::Put) => unreachable!("handled before the payload is read"),
             // Allowed on the Unix socket too: the data simply follows.
             Some(Op::Get) => return self.get_tcp(io, h, payload, out).await,
@@ -652,14 +1030,18 @@ impl Connection {
                 ErrorCode::UnknownOp,
                 format!("unknown op {}", h.op),
             )),
-            Some(o @ (Op::Hello | Op::Get | Op::Put)) => Err(ProtoError::new(
+            Some(o @ (Op::Hello | Op::Auth)) => Err(ProtoError::new(
+                ErrorCode::BadFrame,
+                format!("{o:?} after the connection authenticated"),
+            )),
+            Some(o @ (Op::Get | Op::Put)) => Err(ProtoError::new(
                 ErrorCode::UnknownOp,
                 format!("{o:?} does not travel through a mailbox"),
             )),
             Some(Op::GetShm) => self.get_shm(payload, out, reply, stream).await,
             Some(Op::Exists) => self.digest_batch(payload).map(|ns| {
                 let mut present = std::mem::take(&mut self.present);
-                self.shared.engine.exists(ns, &self.digests, &mut present);
+                self.engine().exists(ns, &self.digests, &mut present);
                 reply(out);
                 ExistsReply::encode_from(out, &present);
                 self.present = present;
@@ -667,8 +1049,7 @@ impl Connection {
             Some(o @ (Op::Touch | Op::Pin | Op::Unpin | Op::Delete)) => {
                 self.status_batch(o, payload, out, reply)
             }
-            Some(Op::Reserve) => self.reserve(payload, out, reply),
-            Some(Op::Commit) => self.commit(payload, out, reply),
+            Some(Op::PutShm) => self.put_shm(payload, out, reply),
             Some(Op::Stats) => {
                 let mut r = Reader::new(payload);
                 read_batch_head(&mut r, 0).and_then(|b| {
@@ -677,7 +1058,7 @@ impl Connection {
                     } else {
                         Some(self.namespace(b.namespace)?)
                     };
-                    let stats = self.shared.engine.stats(ns);
+                    let stats = self.engine().stats(ns);
                     reply(out);
                     encode_stats(out, &stats);
                     Ok(())
@@ -711,12 +1092,21 @@ impl Connection {
                 fence(Ordering::SeqCst);
                 seq = mb.request_seq().load(Ordering::Acquire);
                 if seq == answered {
-                    let open = wait_doorbell(&s).await;
+                    let idle = self.shared.timeouts.idle;
+                    let open = tokio::time::timeout(idle, wait_doorbell(&s)).await;
                     mb.server_parked().store(0, Ordering::Relaxed);
-                    if !open {
-                        break;
+                    match open {
+                        Ok(true) => continue,
+                        Ok(false) => break,
+                        Err(_) => {
+                            // Still parked as far as the client can tell: its
+                            // next request rings, finds the socket closed and
+                            // fails; a pooled client then reconnects.
+                            mb.server_parked().store(1, Ordering::SeqCst);
+                            tracing::debug!(conn = self.id, "idle KV connection closed");
+                            break;
+                        }
                     }
-                    continue;
                 }
                 mb.server_parked().store(0, Ordering::Relaxed);
             }
@@ -734,10 +1124,7 @@ impl Connection {
             tokio::task::yield_now().await;
         }
         self.out = out;
-        let engine = self.shared.engine.clone();
-        engine.release_connection(self.id, &self.reservations, &self.pins);
-        self.reservations.clear();
-        self.pins.clear();
+        self.release();
     }
 
     /// Answers the request in the mailbox's request area. The area belongs to
@@ -787,9 +1174,20 @@ impl Connection {
         }
     }
 
+    /// The engine's id of a namespace the connection's tenant is granted.
     fn namespace(&self, name: &[u8]) -> Result<u32, ProtoError> {
-        self.shared
-            .engine
+        let t = self.tenant();
+        if !t.grants.allows(name) {
+            return Err(ProtoError::new(
+                ErrorCode::Denied,
+                format!(
+                    "namespace {:?} is not granted to tenant {}",
+                    String::from_utf8_lossy(name),
+                    t.name
+                ),
+            ));
+        }
+        t.engine
             .namespace(name)
             .map_err(|_| ProtoError::new(ErrorCode::Limit, "too many namespaces"))
     }
@@ -816,7 +1214,7 @@ impl Connection {
         let mut r = Reader::new(payload);
         let arg = read_batch_head(&mut r, DIGEST_BYTES)?.arg;
         let ns = self.digest_batch(payload)?;
-        let e = self.shared.engine.clone();
+        let e = self.engine();
         let mut st = std::mem::take(&mut self.statuses);
         match op {
             Op::Touch => e.touch(ns, &self.digests, &mut st),
@@ -866,7 +1264,7 @@ impl Connection {
                 return Ok(Next::Continue);
             }
         };
-        let engine = self.shared.engine.clone();
+        let engine = self.engine();
         let mut plans = std::mem::take(&mut self.plans);
         engine.plan_reads(ns, &self.gets, true, &mut plans);
         self.held.clear();
@@ -965,7 +1363,7 @@ impl Connection {
             ));
         }
         let ns = self.get_entries(payload)?;
-        let engine = self.shared.engine.clone();
+        let engine = self.engine();
         let mut plans = std::mem::take(&mut self.plans);
         reply(out);
         out.put_u32(self.gets.len() as u32);
@@ -1031,7 +1429,12 @@ impl Connection {
         Ok(())
     }
 
-    fn reserve(
+    /// PUT over shared memory: the client wrote each value into its put
+    /// window; the daemon copies it into a slot it reserved (the client never
+    /// sees the slot), checksums the slot, and makes it visible if the
+    /// checksum matches the client's. The daemon's copy is the only one the
+    /// block is ever served from.
+    fn put_shm(
         &mut self,
         payload: &[u8],
         out: &mut Vec<u8>,
@@ -1040,94 +1443,57 @@ impl Connection {
         if !self.shm {
             return Err(ProtoError::new(
                 ErrorCode::NotShm,
-                "RESERVE needs the shared-memory socket",
+                "PUT_SHM needs the shared-memory socket",
             ));
         }
+        let Some(window) = &self.window else {
+            return Err(ProtoError::new(
+                ErrorCode::NotShm,
+                "PUT_SHM needs a put window, passed with AUTH",
+            ));
+        };
         let mut r = Reader::new(payload);
-        let b = read_batch_head(&mut r, RESERVE_ENTRY_BYTES)?;
-        let count = b.count;
-        if r.remaining() != count as usize * RESERVE_ENTRY_BYTES {
+        let b = read_batch_head(&mut r, PUT_SHM_ENTRY_BYTES)?;
+        let count = b.count as usize;
+        if r.remaining() != count * PUT_SHM_ENTRY_BYTES {
             return Err(ProtoError::new(
                 ErrorCode::BadFrame,
-                "RESERVE length does not match its count",
+                "PUT_SHM length does not match its count",
             ));
         }
         let ns = self.namespace(b.namespace)?;
-        reply(out);
-        out.put_u32(count);
-        let engine = self.shared.engine.clone();
-        for _ in 0..count {
-            let e = ReserveEntry::decode(&mut r)?;
-            let res = if self.reservations.len() >= RESERVATIONS_PER_CONNECTION_MAX {
-                Err(Status::NoSpace)
-            } else {
-                engine.reserve(self.id, ns, &e.digest, e.len)
-            };
-            let rr = match res {
-                Ok((token, offset)) => {
-                    self.reservations.push(token);
-                    ReserveResult {
-                        status: Status::Ok,
-                        arena_offset: offset,
-                        token,
-                    }
-                }
-                Err(s) => ReserveResult {
-                    status: s,
-                    arena_offset: 0,
-                    token: 0,
-                },
-            };
-            rr.encode(out);
-        }
-        Ok(())
-    }
-
-    fn commit(
-        &mut self,
-        payload: &[u8],
-        out: &mut Vec<u8>,
-        reply: impl Fn(&mut Vec<u8>),
-    ) -> Result<(), ProtoError> {
-        if !self.shm {
-            return Err(ProtoError::new(
-                ErrorCode::NotShm,
-                "COMMIT needs the shared-memory socket",
-            ));
-        }
-        let mut r = Reader::new(payload);
-        let count = r.u32()? as usize;
-        if count > BATCH_MAX_KEYS {
-            return Err(ProtoError::new(ErrorCode::Limit, "commit batch too large"));
-        }
-        if r.remaining() != count * COMMIT_ENTRY_BYTES {
-            return Err(ProtoError::new(
-                ErrorCode::BadFrame,
-                "COMMIT length does not match its count",
-            ));
-        }
-        let engine = self.shared.engine.clone();
+        let engine = self.engine();
+        let value_max = self.shared.value_max_bytes;
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
         for _ in 0..count {
-            let c = CommitEntry::decode(&mut r)?;
-            let Some(i) = self.reservations.iter().position(|t| *t == c.token) else {
-                st.push(Status::BadToken);
-                continue;
-            };
-            self.reservations.swap_remove(i);
-            if c.flags & COMMIT_ABORT != 0 {
-                engine.abort(self.id, c.token);
-                st.push(Status::Ok);
-                continue;
-            }
-            let s = match engine.reservation(self.id, c.token) {
-                Ok((offset, len)) => {
-                    // SAFETY: our reservation, inside the arena.
-                    let crc = crc32c(unsafe { engine.arena().slice(offset, len as usize) });
-                    engine.commit(self.id, c.token, crc, crc == c.crc)
+            let e = PutShmEntry::decode(&mut r)?;
+            let in_window = e
+                .window_offset
+                .checked_add(e.len)
+                .is_some_and(|end| end <= window.len);
+            let s = if e.len > value_max {
+                Status::TooLarge
+            } else if !in_window {
+                Status::BadWindow
+            } else {
+                match engine.reserve(self.id, ns, &e.digest, e.len) {
+                    Err(s) => s,
+                    Ok((token, offset)) => {
+                        // SAFETY: our reservation, inside the arena.
+                        let slot = unsafe { engine.arena().slice_mut(offset, e.len as usize) };
+                        match window.read_into(e.window_offset, slot) {
+                            Ok(()) => {
+                                let crc = crc32c(slot);
+                                engine.commit(self.id, token, crc, crc == e.crc)
+                            }
+                            Err(_) => {
+                                engine.abort(self.id, token);
+                                Status::BadWindow
+                            }
+                        }
+                    }
                 }
-                Err(s) => s,
             };
             st.push(s);
         }
@@ -1147,7 +1513,8 @@ impl Connection {
         h: &FrameHeader,
         out: &mut Vec<u8>,
     ) -> io::Result<Next> {
-        let value_max = self.engine().config().value_max_bytes;
+        let value_max = self.shared.value_max_bytes;
+        let limit = self.shared.timeouts.frame;
         let close = |out: &mut Vec<u8>, e: ProtoError| {
             frame_error(out, h.request_id, &e);
         };
@@ -1160,7 +1527,7 @@ impl Connection {
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
-        timed(io.read_exact(&mut fixed)).await?;
+        timed(limit, io.read_exact(&mut fixed)).await?;
         let mut r = Reader::new(&fixed);
         let ns_len = r.u16().expect("fixed") as usize;
         let _flags = r.u16().expect("fixed");
@@ -1176,7 +1543,7 @@ impl Connection {
         }
         let mut payload = std::mem::take(&mut self.payload);
         payload.resize(table_len - BATCH_HEADER_BYTES, 0);
-        timed(io.read_exact(&mut payload)).await?;
+        timed(limit, io.read_exact(&mut payload)).await?;
         let mut r = Reader::new(&payload[ns_len..]);
         let data: u128 = (0..count)
             .map(|_| PutEntry::decode(&mut r).expect("length checked").len as u128)
@@ -1193,8 +1560,20 @@ impl Connection {
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
-        let ns = self.namespace(&payload[..ns_len]).ok();
-        let engine = self.shared.engine.clone();
+        let ns = match self.namespace(&payload[..ns_len]) {
+            Ok(ns) => Some(ns),
+            Err(e) if e.code == ErrorCode::Denied => {
+                // Refused as a whole; the values are read past to keep the
+                // framing, and the connection stays usable.
+                self.payload = payload;
+                discard(io, data as u64, limit).await?;
+                close(out, e);
+                io.get_mut().write_all(out).await?;
+                return Ok(Next::Continue);
+            }
+            Err(_) => None,
+        };
+        let engine = self.engine();
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
         let mut r = Reader::new(&payload[ns_len..]);
@@ -1210,13 +1589,13 @@ impl Connection {
                     self.reservations.push(token);
                     // SAFETY: our reservation, inside the arena.
                     let slot = unsafe { engine.arena().slice_mut(offset, e.len as usize) };
-                    timed(io.read_exact(slot)).await?;
+                    timed(limit, io.read_exact(slot)).await?;
                     let crc = crc32c(slot);
                     self.reservations.pop();
                     st.push(engine.commit(self.id, token, crc, crc == e.crc));
                 }
                 Err(s) => {
-                    discard(io, e.len).await?;
+                    discard(io, e.len, limit).await?;
                     st.push(s);
                 }
             }
@@ -1231,8 +1610,11 @@ impl Connection {
     }
 }
 
-async fn timed<T>(f: impl std::future::Future<Output = io::Result<T>>) -> io::Result<T> {
-    match tokio::time::timeout(FRAME_BODY_TIMEOUT, f).await {
+async fn timed<T>(
+    limit: Duration,
+    f: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    match tokio::time::timeout(limit, f).await {
         Ok(r) => r,
         Err(_) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
@@ -1241,11 +1623,11 @@ async fn timed<T>(f: impl std::future::Future<Output = io::Result<T>>) -> io::Re
     }
 }
 
-async fn discard<R: AsyncRead + Unpin>(io: &mut R, mut n: u64) -> io::Result<()> {
+async fn discard<R: AsyncRead + Unpin>(io: &mut R, mut n: u64, limit: Duration) -> io::Result<()> {
     let mut scratch = [0u8; 8192];
     while n > 0 {
         let k = (n as usize).min(scratch.len());
-        timed(io.read_exact(&mut scratch[..k])).await?;
+        timed(limit, io.read_exact(&mut scratch[..k])).await?;
         n -= k as u64;
     }
     Ok(())
@@ -1280,20 +1662,6 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-async fn read_exact_uds(s: &UnixStream, buf: &mut [u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        s.readable().await?;
-        match s.try_read(&mut buf[done..]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 /// Waits for doorbell bytes on a mailbox connection's socket and drains them.
 /// False when the client closed its end (or the socket failed).
 async fn wait_doorbell(s: &UnixStream) -> bool {
@@ -1319,13 +1687,13 @@ async fn wait_doorbell(s: &UnixStream) -> bool {
 }
 
 /// Sends `data` with descriptors attached (SCM_RIGHTS) to its first byte.
-async fn send_with_fd(s: &UnixStream, data: &[u8], fds: &[i32]) -> io::Result<()> {
+async fn send_with_fds(s: &UnixStream, data: &[u8], fds: &[i32]) -> io::Result<()> {
     let mut sent = 0;
     let mut fds = fds;
     while sent < data.len() {
         s.writable().await?;
         let r = s.try_io(tokio::io::Interest::WRITABLE, || {
-            sendmsg_fd(s.as_raw_fd(), &data[sent..], fds)
+            fdpass::send(s.as_raw_fd(), &data[sent..], fds)
         });
         match r {
             Ok(n) => {
@@ -1337,42 +1705,4 @@ async fn send_with_fd(s: &UnixStream, data: &[u8], fds: &[i32]) -> io::Result<()
         }
     }
     Ok(())
-}
-
-/// Descriptors one HELLO reply carries at most: the arena and a mailbox.
-const FDS_PER_MESSAGE_MAX: usize = 2;
-
-fn sendmsg_fd(sock: i32, data: &[u8], fds: &[i32]) -> io::Result<usize> {
-    assert!(fds.len() <= FDS_PER_MESSAGE_MAX);
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
-    };
-    // Room for the descriptors, 8-byte aligned as cmsg needs.
-    let mut cmsg_buf = [0u64; 4];
-    // SAFETY: msghdr built over live buffers; CMSG macros stay inside cmsg_buf.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        if !fds.is_empty() {
-            let bytes = std::mem::size_of_val(fds) as u32;
-            msg.msg_control = cmsg_buf.as_mut_ptr().cast();
-            msg.msg_controllen = libc::CMSG_SPACE(bytes) as usize;
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr().cast::<u8>(),
-                libc::CMSG_DATA(c),
-                bytes as usize,
-            );
-        }
-        let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
-    }
 }

@@ -20,7 +20,10 @@ use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::{ffi, intern};
-use tarn_client::kv::{BlockingKvClient, ConnectOptions, Error, GetInto, PutFrom, TransportChoice};
+use tarn_client::kv::{
+    denied, BlockingKvClient, ConnectOptions, Error, GetInto, PutFrom, TransportChoice,
+};
+use tarn_client::Credentials;
 use tarn_client::{Digest, Status, TransportKind};
 
 /// Raises `tarn.errors.<kind>(message)`; the classes live in Python so they
@@ -40,12 +43,18 @@ fn raise(py: Python<'_>, kind: &str, message: String) -> PyErr {
 fn py_err(py: Python<'_>, e: Failure) -> PyErr {
     match e {
         Failure::Connect(_, Error::Usage(m)) => PyValueError::new_err(m),
+        Failure::Connect(endpoint, e) if denied(&e) => raise(
+            py,
+            "KvPermissionError",
+            format!("the Tarn KV server at {endpoint} refused the credentials: {e}"),
+        ),
         Failure::Connect(endpoint, e) => raise(
             py,
             "KvConnectionError",
             format!("cannot connect to the Tarn KV server at {endpoint}: {e}"),
         ),
         Failure::Closed => raise(py, "KvConnectionError", "the client is closed".into()),
+        Failure::Call(e) if denied(&e) => raise(py, "KvPermissionError", e.to_string()),
         Failure::Call(e) => match e {
             Error::Io(_) | Error::Broken => raise(py, "KvConnectionError", e.to_string()),
             Error::Server(_) => raise(py, "KvServerError", e.to_string()),
@@ -382,7 +391,8 @@ impl Client {
     // The Python constructor's keyword arguments, one parameter each.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (endpoint = "127.0.0.1:9400", namespace = None, *, transport = "auto",
-        connect_timeout = 5.0, timeout = None, max_connections = 4, shm_mailbox = true))]
+        connect_timeout = 5.0, timeout = None, max_connections = 4, shm_mailbox = true,
+        access_key = None, secret_key = None))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
@@ -392,6 +402,8 @@ impl Client {
         timeout: Option<f64>,
         max_connections: usize,
         shm_mailbox: bool,
+        access_key: Option<String>,
+        secret_key: Option<String>,
     ) -> PyResult<Self> {
         let namespace = match namespace {
             None => Vec::new(),
@@ -432,12 +444,25 @@ impl Client {
         if max_connections == 0 {
             return Err(PyValueError::new_err("max_connections must be at least 1"));
         }
+        // Given here, or TARN_ACCESS_KEY/TARN_SECRET_KEY, or the built-in
+        // loopback credentials: resolved once, so every pooled connection
+        // uses the same.
+        let credentials = match (access_key, secret_key) {
+            (Some(a), Some(s)) => Credentials::new(a, s),
+            (None, None) => Credentials::from_env_or_default().map_err(PyValueError::new_err)?,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give both access_key and secret_key, or neither",
+                ))
+            }
+        };
         let opts = ConnectOptions {
             transport,
             namespace: namespace.clone(),
             connect_timeout: Duration::from_secs_f64(connect_timeout),
             shm_mailbox,
             call_timeout,
+            credentials: Some(credentials),
             ..ConnectOptions::default()
         };
         let pool = Pool {

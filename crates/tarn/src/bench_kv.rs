@@ -19,15 +19,23 @@ use hdrhistogram::Histogram;
 use tarn_client::{
     BlockingKvClient, ConnectOptions, GetInto, PutFrom, RegisteredBuffer, Status, TransportChoice,
 };
+use tarn_kv::Credentials;
 
 use crate::bench::{errors_json, finish, json_string, parse_duration, Outcome};
 use crate::config::parse_size;
 
 #[derive(clap::Args, Clone)]
 pub struct KvBenchArgs {
-    /// KV endpoint (host:port of `tarn server --kv`).
+    /// KV endpoint (host:port of `tarn server --kv`; `KEY:SECRET@host:port`
+    /// for credentials of its own).
     #[arg(long, default_value = "127.0.0.1:9400")]
     pub endpoint: String,
+    /// Access key (default: the built-in loopback credentials).
+    #[arg(long, env = "TARN_ACCESS_KEY", hide_env_values = true)]
+    pub access_key: Option<String>,
+    /// Secret key.
+    #[arg(long, env = "TARN_SECRET_KEY", hide_env_values = true)]
+    pub secret_key: Option<String>,
     /// Bytes per block, e.g. 64KiB, 256KiB, 2MiB.
     #[arg(long, default_value = "256KiB")]
     pub block_size: String,
@@ -71,6 +79,20 @@ pub struct KvBenchArgs {
     /// Phases per endpoint when comparing (each --duration / rounds long).
     #[arg(long, default_value_t = 4)]
     pub rounds: usize,
+}
+
+/// `KEY:SECRET@host:port` → (`host:port`, its credentials); a plain
+/// `host:port` has none of its own. Printed names never carry the secret.
+fn split_credentials(endpoint: &str) -> anyhow::Result<(String, Option<Credentials>)> {
+    match endpoint.rsplit_once('@') {
+        None => Ok((endpoint.to_string(), None)),
+        Some((userinfo, addr)) => {
+            let Some((a, s)) = userinfo.split_once(':') else {
+                bail!("credentials in an endpoint are KEY:SECRET@host:port");
+            };
+            Ok((addr.to_string(), Some(Credentials::new(a, s))))
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -247,16 +269,28 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
             | 1,
     });
 
-    let mut endpoints = vec![args.endpoint.clone()];
-    endpoints.extend(args.compare.iter().cloned());
+    let creds = match (&args.access_key, &args.secret_key) {
+        (Some(a), Some(s)) => Some(Credentials::new(a.clone(), s.clone())),
+        (None, None) => None,
+        _ => bail!("give both --access-key and --secret-key, or neither"),
+    };
+    let mut targets = vec![split_credentials(&args.endpoint)?];
+    for c in &args.compare {
+        targets.push(split_credentials(c)?);
+    }
+    let endpoints: Vec<String> = targets.iter().map(|t| t.0.clone()).collect();
     // Connect every client first: a shared-memory client maps the arena and
     // faults it in, which must not count against the run.
     let mut fleets: Vec<Vec<BlockingKvClient>> = Vec::with_capacity(endpoints.len());
-    for endpoint in &endpoints {
+    for (endpoint, own) in &targets {
         let mut clients = Vec::with_capacity(args.concurrency);
+        let opts = ConnectOptions {
+            credentials: own.clone().or(creds.clone()),
+            ..plan.opts.clone()
+        };
         for _ in 0..args.concurrency {
             clients.push(
-                BlockingKvClient::connect(endpoint, plan.opts.clone())
+                BlockingKvClient::connect(endpoint, opts.clone())
                     .with_context(|| format!("connecting to {endpoint}"))?,
             );
         }

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
-/// Credentials accepted only while every listener is on loopback.
-pub const DEFAULT_ACCESS_KEY: &str = "tarnadmin";
-pub const DEFAULT_SECRET_KEY: &str = "tarnadmin-secret";
+/// Credentials accepted only while every listener is on loopback (S3 and KV
+/// share them; clients fall back to them too).
+pub use tarn_kv::auth::{DEFAULT_ACCESS_KEY, DEFAULT_SECRET_KEY};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -46,6 +46,29 @@ pub struct KvFileConfig {
     pub value_max: Option<String>,
     pub segment_size: Option<String>,
     pub shared_memory: Option<bool>,
+    /// Seconds an authenticated connection may stay silent.
+    pub idle_timeout_secs: Option<u64>,
+    /// Seconds the rest of a frame may take once its header arrived.
+    pub frame_timeout_secs: Option<u64>,
+    /// Seconds from accept to a completed HELLO and AUTH.
+    pub handshake_timeout_secs: Option<u64>,
+    /// Tenants besides the default one (whose credentials are the server's).
+    pub tenants: Option<Vec<KvTenantConfig>>,
+}
+
+/// `[[kv.tenants]]`: a tenant with its own credentials, namespaces and memory.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvTenantConfig {
+    pub name: String,
+    pub access_key: String,
+    pub secret_key: String,
+    /// Namespace prefixes the tenant may use; `""` grants every name.
+    pub namespaces: Vec<String>,
+    /// Its RAM arena (e.g. "2GiB").
+    pub memory: String,
+    /// Its NVMe tier under `<kv.disk>/tenants/<name>` (needs `kv.disk`).
+    pub disk_size: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -204,11 +204,25 @@ fn free_space_bytes(dir: &std::path::Path) -> anyhow::Result<u64> {
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
-/// The KV store's settings, if it is enabled.
-fn kv_settings(
-    args: &ServerArgs,
-    file: &FileConfig,
-) -> anyhow::Result<Option<(tarn_kv::KvConfig, std::net::SocketAddr, bool)>> {
+/// The KV store's settings, when it is enabled.
+struct KvSettings {
+    /// The default tenant's engine (its credentials are the server's).
+    config: tarn_kv::KvConfig,
+    listen: std::net::SocketAddr,
+    shm: bool,
+    idle_timeout: Duration,
+    frame_timeout: Duration,
+    handshake_timeout: Duration,
+    /// Further tenants: name, credentials, grants, engine settings.
+    tenants: Vec<(
+        String,
+        tarn_kv::Credentials,
+        tarn_kv::Grants,
+        tarn_kv::KvConfig,
+    )>,
+}
+
+fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<KvSettings>> {
     let f = file.kv.as_ref();
     let enabled = args.kv
         || args.kv_listen.is_some()
@@ -256,8 +270,107 @@ fn kv_settings(
     } else if args.kv_disk_size.is_some() {
         bail!("--kv-disk-size needs --kv-disk");
     }
-    let shm = f.and_then(|k| k.shared_memory).unwrap_or(true);
-    Ok(Some((cfg, listen, shm)))
+    let secs = |v: Option<u64>, default: Duration, what: &str| -> anyhow::Result<Duration> {
+        match v {
+            None => Ok(default),
+            Some(0) => bail!("kv.{what} must be at least 1 second"),
+            Some(n) => Ok(Duration::from_secs(n)),
+        }
+    };
+    let mut tenants = Vec::new();
+    for t in f.and_then(|k| k.tenants.as_ref()).into_iter().flatten() {
+        let mut tc = cfg.clone();
+        tc.memory_bytes =
+            parse_size(&t.memory).with_context(|| format!("kv tenant {}: memory", t.name))?;
+        match (&cfg.disk_dir, &t.disk_size) {
+            (Some(dir), Some(size)) => {
+                tc.disk_dir = Some(dir.join("tenants").join(&t.name));
+                tc.disk_bytes =
+                    parse_size(size).with_context(|| format!("kv tenant {}: disk_size", t.name))?;
+            }
+            (Some(_), None) => bail!(
+                "kv tenant {}: set disk_size (its NVMe tier goes under kv.disk/tenants/{})",
+                t.name,
+                t.name
+            ),
+            (None, Some(_)) => bail!("kv tenant {}: disk_size needs kv.disk", t.name),
+            (None, None) => tc.disk_dir = None,
+        }
+        let grants =
+            tarn_kv::Grants::prefixes(t.namespaces.iter().map(|n| n.as_bytes().to_vec()).collect())
+                .map_err(|e| anyhow::anyhow!("kv tenant {}: {e}", t.name))?;
+        let creds = tarn_kv::Credentials::new(t.access_key.clone(), t.secret_key.clone());
+        if creds.is_default() {
+            bail!(
+                "kv tenant {}: the built-in default credentials are the server's own",
+                t.name
+            );
+        }
+        tenants.push((t.name.clone(), creds, grants, tc));
+    }
+    Ok(Some(KvSettings {
+        config: cfg,
+        listen,
+        shm: f.and_then(|k| k.shared_memory).unwrap_or(true),
+        idle_timeout: secs(
+            f.and_then(|k| k.idle_timeout_secs),
+            tarn_kv::server::IDLE_TIMEOUT_DEFAULT,
+            "idle_timeout_secs",
+        )?,
+        frame_timeout: secs(
+            f.and_then(|k| k.frame_timeout_secs),
+            tarn_kv::server::FRAME_TIMEOUT_DEFAULT,
+            "frame_timeout_secs",
+        )?,
+        handshake_timeout: secs(
+            f.and_then(|k| k.handshake_timeout_secs),
+            tarn_kv::server::HANDSHAKE_TIMEOUT_DEFAULT,
+            "handshake_timeout_secs",
+        )?,
+        tenants,
+    }))
+}
+
+/// Each tenant's name and engine (for /metrics).
+type KvEngines = Vec<(String, Arc<tarn_kv::Engine>)>;
+
+/// Opens every tenant's engine and starts the KV server.
+fn start_kv(
+    kv: KvSettings,
+    root: tarn_kv::Credentials,
+    cores: usize,
+    io_uring: bool,
+) -> anyhow::Result<(KvEngines, tarn_kv::Server)> {
+    let mut list = Vec::new();
+    let mut engines = Vec::new();
+    let root_engine = tarn_kv::Engine::open(kv.config.clone()).context("opening the KV store")?;
+    engines.push(("default".to_string(), root_engine.clone()));
+    list.push(
+        tarn_kv::Tenant::new("default", root, tarn_kv::Grants::all(), root_engine)
+            .map_err(anyhow::Error::msg)?,
+    );
+    for (name, creds, grants, cfg) in kv.tenants {
+        let engine = tarn_kv::Engine::open(cfg)
+            .with_context(|| format!("opening the KV store of tenant {name}"))?;
+        engines.push((name.clone(), engine.clone()));
+        list.push(tarn_kv::Tenant::new(name, creds, grants, engine).map_err(anyhow::Error::msg)?);
+    }
+    let tenants = tarn_kv::Tenants::new(list).map_err(anyhow::Error::msg)?;
+    let server = tarn_kv::Server::start(
+        tenants,
+        tarn_kv::ServerOptions {
+            listen: kv.listen,
+            threads: cores,
+            pin_cores: cores > 1,
+            io_uring,
+            shm: kv.shm,
+            idle_timeout: kv.idle_timeout,
+            frame_timeout: kv.frame_timeout,
+            handshake_timeout: kv.handshake_timeout,
+        },
+    )
+    .context("starting the KV server")?;
+    Ok((engines, server))
 }
 
 fn run_server(args: ServerArgs) -> anyhow::Result<()> {
@@ -288,17 +401,33 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     };
     let access = args.access_key.clone().or(file.access_key.clone());
     let secret = args.secret_key.clone().or(file.secret_key.clone());
-    let (access, secret, defaulted) = match (access, secret) {
-        (Some(a), Some(s)) => (a, s, false),
+    let (access, secret) = match (access, secret) {
+        (Some(a), Some(s)) => (a, s),
         (None, None) => (
             DEFAULT_ACCESS_KEY.to_string(),
             DEFAULT_SECRET_KEY.to_string(),
-            true,
         ),
         _ => bail!("set both TARN_ACCESS_KEY and TARN_SECRET_KEY, or neither"),
     };
-    if defaulted && !(listen.ip().is_loopback() && admin_listen.ip().is_loopback()) {
-        bail!("refusing to listen on {listen} with the built-in default credentials: set TARN_ACCESS_KEY and TARN_SECRET_KEY");
+    // The built-in credentials are in the README: anyone could use them. They
+    // are accepted only while nothing listens beyond loopback, whether they
+    // came by default or were set explicitly.
+    let root = tarn_kv::Credentials::new(access.clone(), secret.clone());
+    let defaulted = root.is_default();
+    let kv = kv_settings(&args, &file)?;
+    if defaulted {
+        let listeners = [
+            Some(listen),
+            Some(admin_listen),
+            kv.as_ref().map(|k| k.listen),
+        ];
+        if let Some(open) = listeners
+            .into_iter()
+            .flatten()
+            .find(|a| !a.ip().is_loopback())
+        {
+            bail!("refusing to listen on {open} with the built-in default credentials: set TARN_ACCESS_KEY and TARN_SECRET_KEY to your own");
+        }
     }
     if secret.len() < 8 {
         bail!("the secret key must be at least 8 characters");
@@ -319,7 +448,6 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             bail!("empty drive path");
         }
     }
-    let kv = kv_settings(&args, &file)?;
     let store = Store::open(cfg).context("opening the object engine")?;
     for d in store.drive_status().iter().filter(|d| !d.online) {
         eprintln!(
@@ -367,39 +495,35 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
     // The KV store runs on its own runtime threads, one per core like S3's.
     let kv = match kv {
-        Some((kv_cfg, kv_listen, shm)) => {
-            let memory = kv_cfg.memory_bytes;
-            let engine = tarn_kv::Engine::open(kv_cfg).context("opening the KV store")?;
-            let server = tarn_kv::Server::start(
-                engine.clone(),
-                tarn_kv::ServerOptions {
-                    listen: kv_listen,
-                    threads: cores,
-                    pin_cores: cores > 1,
-                    io_uring,
-                    shm,
-                },
-            )
-            .context("starting the KV server")?;
+        Some(kv) => {
+            let shm_wanted = kv.shm;
+            let (engines, server) = start_kv(kv, root, cores, io_uring)?;
+            let e = &engines[0].1;
             println!(
-                "KV endpoint: {} ({} MiB RAM{}{})",
+                "KV endpoint: {} ({} MiB RAM{}{}{})",
                 server.tcp_addr,
-                memory >> 20,
-                match &engine.config().disk_dir {
+                e.config().memory_bytes >> 20,
+                match &e.config().disk_dir {
                     Some(d) => format!(
                         ", NVMe tier {} ({} MiB)",
                         d.display(),
-                        engine.config().disk_bytes >> 20
+                        e.config().disk_bytes >> 20
                     ),
                     None => String::new(),
                 },
                 if server.shm_socket.is_some() {
                     ", shared memory for local clients"
+                } else if shm_wanted {
+                    ", no shared memory: this kernel cannot seal the arena"
                 } else {
                     ""
+                },
+                match engines.len() {
+                    1 => String::new(),
+                    n => format!(", {} more tenant(s)", n - 1),
                 }
             );
-            Some((engine, server))
+            Some((engines, server))
         }
         None => None,
     };
@@ -416,7 +540,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains,
         admin_token: secret,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
-        kv: kv.as_ref().map(|(e, _)| e.clone()),
+        kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
     };
     let result = server::run(store, s3, settings);
     if let Some((_, kv_server)) = kv {

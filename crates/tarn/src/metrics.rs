@@ -26,8 +26,8 @@ pub struct Metrics {
     pub bytes_out: AtomicU64,
     pub inflight: AtomicU64,
     pub rejected_overload: AtomicU64,
-    /// The KV engine when `--kv` is on.
-    pub kv: std::sync::OnceLock<std::sync::Arc<tarn_kv::Engine>>,
+    /// The KV engines by tenant when `--kv` is on.
+    pub kv: std::sync::OnceLock<Vec<(String, std::sync::Arc<tarn_kv::Engine>)>>,
 }
 
 impl Metrics {
@@ -220,11 +220,20 @@ pub fn operation(
 
 /// KV store gauges and counters, with hit and miss counts per namespace so a
 /// low hit rate can be explained.
-fn render_kv(out: &mut String, kv: &tarn_kv::Engine) {
-    for (name, v) in kv.stats(None) {
-        let _ = writeln!(out, "tarn_kv_{name} {v}");
+/// Each tenant's engine is labelled with the tenant's name.
+fn render_kv(out: &mut String, engines: &[(String, std::sync::Arc<tarn_kv::Engine>)]) {
+    for (tenant, kv) in engines {
+        for (name, v) in kv.stats(None) {
+            let _ = writeln!(out, "tarn_kv_{name}{{tenant=\"{tenant}\"}} {v}");
+        }
     }
     out.push_str("# HELP tarn_kv_namespace KV counters per namespace (gets, hits by tier, misses by reason, puts).\n# TYPE tarn_kv_namespace counter\n");
+    for (tenant, kv) in engines {
+        render_namespaces(out, tenant, kv);
+    }
+}
+
+fn render_namespaces(out: &mut String, tenant: &str, kv: &tarn_kv::Engine) {
     for (ns, s) in kv.namespace_stats() {
         let label: String = String::from_utf8_lossy(&ns)
             .chars()
@@ -253,7 +262,7 @@ fn render_kv(out: &mut String, kv: &tarn_kv::Engine) {
         ] {
             let _ = writeln!(
                 out,
-                "tarn_kv_namespace{{namespace=\"{label}\",counter=\"{what}\"}} {v}"
+                "tarn_kv_namespace{{tenant=\"{tenant}\",namespace=\"{label}\",counter=\"{what}\"}} {v}"
             );
         }
     }

@@ -40,8 +40,8 @@ pub struct ServerSettings {
     pub domains: Vec<String>,
     pub admin_token: String,
     pub scan_interval: Option<Duration>,
-    /// The KV engine, for /metrics.
-    pub kv: Option<Arc<tarn_kv::Engine>>,
+    /// The KV engines by tenant, for /metrics.
+    pub kv: Vec<(String, Arc<tarn_kv::Engine>)>,
 }
 
 fn bind_reuseport(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
@@ -195,8 +195,8 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
 /// Runs the server until SIGTERM/SIGINT. Blocks the calling thread.
 pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
-    if let Some(kv) = &settings.kv {
-        let _ = metrics.kv.set(kv.clone());
+    if !settings.kv.is_empty() {
+        let _ = metrics.kv.set(settings.kv.clone());
     }
     // Bind the first listener to learn the port (the flag may say :0), then give
     // every core its own listener on that same port.

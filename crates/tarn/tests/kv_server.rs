@@ -158,9 +158,12 @@ fn kv_daemon_serves_both_transports_and_keeps_nvme_blocks_across_restart() {
         assert_eq!(buf, value(i, len));
     }
     let m = d.metrics();
-    assert!(m.contains("tarn_kv_evicted_demoted "), "{m}");
     assert!(
-        m.contains("tarn_kv_namespace{namespace=\"model/f32/bs32\",counter=\"puts_stored\"} 200"),
+        m.contains("tarn_kv_evicted_demoted{tenant=\"default\"} "),
+        "{m}"
+    );
+    assert!(
+        m.contains("tarn_kv_namespace{tenant=\"default\",namespace=\"model/f32/bs32\",counter=\"puts_stored\"} 200"),
         "{m}"
     );
     assert_eq!(
