@@ -236,6 +236,7 @@ class TarnConnector(KVConnectorBase_V1):
             # Requests whose load failed: vLLM recomputes them; offering the
             # store again could fail the same way, over and over.
             self._load_failed: set[str] = set()
+            self._store.clients()  # connect at start, not on the first request
         else:
             rank = self._worker_rank(pc)
             self._store = Store(
@@ -398,6 +399,8 @@ class TarnConnector(KVConnectorBase_V1):
             for name in _layer_names(self._kv_cache_config)
         ]
         self._blocks = PagedBlocks(layers, logger)
+        # Connect now, not on the first save (which would then land late).
+        self._store.clients()
         logger.info(
             "TarnConnector: %d layers, %d bytes per block", len(layers), self._blocks.value_bytes
         )

@@ -21,6 +21,7 @@ use tarn_kv::arena::Arena;
 use tarn_kv::auth::{self, Credentials, Side};
 use tarn_kv::fdpass;
 use tarn_kv::mailbox::{self, Area, Mailbox};
+use tarn_kv::park;
 use tarn_kv::proto::*;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpStream, UnixStream};
@@ -311,9 +312,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
             assert!(bulk.is_empty(), "bulk data on a mailbox connection");
             mb.write(Area::Request, &self.out)?;
             self.mailbox_seq += 1;
-            mb.request_seq().store(self.mailbox_seq, Ordering::Release);
-            fence(Ordering::SeqCst);
-            if mb.server_parked().load(Ordering::Relaxed) != 0 {
+            if park::publish(mb.request_seq(), self.mailbox_seq, mb.server_parked()) {
                 mailbox::ring(self.fd);
             }
             return Ok(());
@@ -373,6 +372,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
         Ok(())
     }
 
+    /// The mailbox's words, for errors.
+    fn mailbox_state(&self) -> String {
+        match &self.mailbox {
+            None => "no mailbox".into(),
+            Some(mb) => format!(
+                "mailbox: posted {} of {}, answered {}, daemon parked {}, client parked {}",
+                mb.request_seq().load(Ordering::Acquire),
+                self.mailbox_seq,
+                mb.response_seq().load(Ordering::Acquire),
+                mb.server_parked().load(Ordering::Acquire),
+                mb.client_parked().load(Ordering::Acquire),
+            ),
+        }
+    }
+
     /// Waits until the daemon has answered the last mailbox request: spins,
     /// then parks on the socket until a doorbell (see `tarn_kv::mailbox`).
     async fn await_mailbox(&mut self) -> Result<()> {
@@ -389,16 +403,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
             return Ok(());
         }
         loop {
-            mb.client_parked().store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            if answered() {
-                mb.client_parked().store(0, Ordering::Relaxed);
+            if !park::prepare_park(mb.client_parked(), answered) {
                 return Ok(());
             }
             // Doorbell bytes carry no data: drain whatever is there.
             let n = io.fill_buf().await?.len();
             io.consume(n);
-            mb.client_parked().store(0, Ordering::Relaxed);
+            park::unpark(mb.client_parked());
             if n == 0 {
                 return Err(Error::Io(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -1147,7 +1158,17 @@ impl KvClient {
                 *self.t.broken() = true;
             }
         }
-        r
+        // A call that got no answer says where the mailbox stood: which
+        // request is posted, which answered, and who is parked.
+        match (r, &self.t) {
+            (Err(Error::Io(e)), AnyTransport::Shm(t)) if e.kind() == io::ErrorKind::TimedOut => {
+                Err(Error::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{e} ({})", t.ch.mailbox_state()),
+                )))
+            }
+            (r, _) => r,
+        }
     }
 
     /// Which keys are stored, and how many leading ones are all present.

@@ -1529,3 +1529,488 @@ fn killed_client_leaves_no_partial_block() {
         vec![Status::Ok]
     );
 }
+
+// ---- a hostile local process ----------------------------------------------
+
+/// Two tenants, each with an engine (and arena) of its own and a namespace
+/// prefix it is granted.
+fn start_two_tenants() -> (Arc<Engine>, Arc<Engine>, Server) {
+    let alice = Engine::open(small_config()).unwrap();
+    let bob = Engine::open(small_config()).unwrap();
+    let tenants = Tenants::new(vec![
+        tarn_kv::Tenant::new(
+            "alice",
+            Credentials::new("alice-key", "alice-secret"),
+            tarn_kv::Grants::prefixes(vec![b"alice/".to_vec()]).unwrap(),
+            alice.clone(),
+        )
+        .unwrap(),
+        tarn_kv::Tenant::new(
+            "bob",
+            Credentials::new("bob-key", "bob-secret"),
+            tarn_kv::Grants::prefixes(vec![b"bob/".to_vec()]).unwrap(),
+            bob.clone(),
+        )
+        .unwrap(),
+    ])
+    .unwrap();
+    (alice, bob, Server::start(tenants, options()).unwrap())
+}
+
+fn connect_as(
+    server: &Server,
+    choice: TransportChoice,
+    ns: &[u8],
+    creds: Credentials,
+) -> BlockingKvClient {
+    connect_with(
+        server,
+        ConnectOptions {
+            transport: choice,
+            namespace: ns.to_vec(),
+            credentials: Some(creds),
+            ..Default::default()
+        },
+    )
+}
+
+/// Child half of `hostile_local_process_cannot_forge_or_read_across_tenants`:
+/// runs as another user where it can (`nobody`, when the test runs as root),
+/// holds bob's credentials, and attacks alice's block every way it can.
+/// Prints one line per attempt; every line must say REFUSED.
+#[test]
+#[ignore]
+fn hostile_child() {
+    use std::os::fd::AsRawFd;
+    let Ok(addr) = std::env::var("TARN_KV_HOSTILE_ADDR") else {
+        return;
+    };
+    let victim: Vec<u8> = std::env::var("TARN_KV_HOSTILE_VALUE").unwrap().into_bytes();
+    if unsafe { libc::geteuid() } == 0 {
+        // SAFETY: dropping to nobody/nogroup for the rest of this process.
+        unsafe {
+            assert_eq!(libc::setgroups(0, std::ptr::null()), 0);
+            assert_eq!(libc::setgid(65534), 0);
+            assert_eq!(libc::setuid(65534), 0);
+        }
+        println!("uid {}", unsafe { libc::getuid() });
+    }
+    let say = |what: &str, refused: bool| {
+        println!("{} {what}", if refused { "REFUSED" } else { "ALLOWED" });
+    };
+    let bob = Credentials::new("bob-key", "bob-secret");
+    let opts = |ns: &[u8], creds: Credentials, t| ConnectOptions {
+        transport: t,
+        namespace: ns.to_vec(),
+        credentials: Some(creds),
+        ..Default::default()
+    };
+    // Wrong or no credentials.
+    for (name, creds) in [
+        (
+            "alice's key with a guessed secret",
+            Credentials::new("alice-key", "guess-guess"),
+        ),
+        (
+            "an unknown key",
+            Credentials::new("mallory", "mallory-secret"),
+        ),
+        ("the built-in credentials", Credentials::loopback_default()),
+    ] {
+        for t in [TransportChoice::Tcp, TransportChoice::Shm] {
+            let r = BlockingKvClient::connect(&addr, opts(b"alice/m", creds.clone(), t));
+            say(&format!("connect with {name} over {t:?}"), r.is_err());
+        }
+    }
+    // Bob's own connection, pointed at alice's namespace.
+    for t in [TransportChoice::Tcp, TransportChoice::Shm] {
+        let mut c = BlockingKvClient::connect(&addr, opts(b"alice/m", bob.clone(), t)).unwrap();
+        let d = [0xa1u8; 32];
+        say(
+            &format!("exists in alice/ over {t:?}"),
+            c.exists(&[d]).is_err(),
+        );
+        let mut buf = vec![0u8; victim.len()];
+        say(
+            &format!("get from alice/ over {t:?}"),
+            c.get_into(&mut [GetInto::whole(d, &mut buf)]).is_err(),
+        );
+        say(
+            &format!("put into alice/ over {t:?}"),
+            c.put_from(&[PutFrom {
+                digest: d,
+                data: b"forged",
+            }])
+            .is_err(),
+        );
+        say(
+            &format!("delete in alice/ over {t:?}"),
+            c.delete(&[d]).is_err(),
+        );
+        say(
+            &format!("pin in alice/ over {t:?}"),
+            c.pin(&[d], Duration::from_secs(1)).is_err(),
+        );
+    }
+    // Bob's shared memory: the arena he is sent is his own tenant's, mapped
+    // read-only, and the kernel refuses him every way to write it.
+    let s = {
+        use std::os::linux::net::SocketAddrExt;
+        let tcp = std::net::TcpStream::connect(&addr).unwrap();
+        let mut tcp = tcp;
+        tcp.write_all(&hello_frame()).unwrap();
+        let hello = HelloReply::decode(&read_frame(&mut tcp).unwrap().2).unwrap();
+        let a = std::os::unix::net::SocketAddr::from_abstract_name(&hello.shm_socket).unwrap();
+        std::os::unix::net::UnixStream::connect_addr(&a).unwrap()
+    };
+    let (_, fds) = shm_raw::handshake(&s, &bob, 0, None).unwrap();
+    let arena_fd = fds.into_iter().next().unwrap();
+    let raw = arena_fd.as_raw_fd();
+    let len = {
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::fstat(raw, &mut st) }, 0);
+        st.st_size as usize
+    };
+    // SAFETY: probing syscalls on a descriptor this process holds.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        );
+        say(
+            "a writable shared mapping of the arena",
+            p == libc::MAP_FAILED,
+        );
+        let path = format!("/proc/self/fd/{raw}\0");
+        let rw = libc::open(path.as_ptr().cast(), libc::O_RDWR);
+        let p = if rw >= 0 {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                rw,
+                0,
+            )
+        } else {
+            libc::MAP_FAILED
+        };
+        say(
+            "a writable mapping through /proc/self/fd",
+            p == libc::MAP_FAILED,
+        );
+        say(
+            "write(2) into the arena",
+            rw < 0 || libc::pwrite(rw, b"x".as_ptr().cast(), 1, 4096) < 0,
+        );
+        say(
+            "punching a hole in the arena",
+            rw < 0
+                || libc::fallocate(
+                    rw,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    4096,
+                ) < 0,
+        );
+        say("truncating the arena", libc::ftruncate(raw, 0) < 0);
+        let ro = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        );
+        assert_ne!(ro, libc::MAP_FAILED);
+        say(
+            "mprotect of a read-only mapping to writable",
+            libc::mprotect(ro, len, libc::PROT_READ | libc::PROT_WRITE) < 0,
+        );
+        // Alice's block is nowhere in the memory bob can read.
+        let bytes = std::slice::from_raw_parts(ro.cast::<u8>(), len);
+        let found = bytes.windows(victim.len()).any(|w| w == &victim[..]);
+        say("finding alice's block in bob's arena", !found);
+    }
+    println!("DONE");
+}
+
+/// The forgery of issue 12, tried by another process (as another user where
+/// the test can drop privileges): before, any local process could map the
+/// arena writable from the handshake's descriptor, rewrite a stored block,
+/// fix its CRC up, and every reader got the forged bytes as Ok. Now a
+/// process with another tenant's credentials can neither write the memory
+/// blocks live in, nor see another tenant's blocks, nor touch namespaces it
+/// is not granted, and the victim's block reads back intact everywhere.
+#[test]
+fn hostile_local_process_cannot_forge_or_read_across_tenants() {
+    let (_alice_engine, _bob_engine, server) = start_two_tenants();
+    let alice = Credentials::new("alice-key", "alice-secret");
+    // A value with a recognisable pattern, 64 KiB.
+    let victim: Vec<u8> = (0..(64 << 10)).map(|i| b"ALICE-BLOCK-"[i % 12]).collect();
+    let d = [0xa1u8; 32];
+    let mut a = connect_as(&server, TransportChoice::Shm, b"alice/m", alice.clone());
+    assert_eq!(a.transport(), TransportKind::Shm);
+    assert_eq!(a.client().tenant(), "alice");
+    assert_eq!(
+        a.put_from(&[PutFrom {
+            digest: d,
+            data: &victim
+        }])
+        .unwrap(),
+        vec![Status::Ok]
+    );
+
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "hostile_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TARN_KV_HOSTILE_ADDR", server.tcp_addr.to_string())
+        .env(
+            "TARN_KV_HOSTILE_VALUE",
+            String::from_utf8(victim[..4096].to_vec()).unwrap(),
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("DONE"),
+        "child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if unsafe { libc::geteuid() } == 0 {
+        assert!(
+            text.contains("uid 65534"),
+            "the child should run as nobody:\n{text}"
+        );
+    }
+    let attempts: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("REFUSED") || l.starts_with("ALLOWED"))
+        .collect();
+    assert_eq!(attempts.len(), 23, "every attempt reports: {text}");
+    let allowed: Vec<&&str> = attempts
+        .iter()
+        .filter(|l| l.starts_with("ALLOWED"))
+        .collect();
+    assert!(
+        allowed.is_empty(),
+        "the hostile process got through: {allowed:?}"
+    );
+
+    // Alice's block is intact over both transports, whole and ranged.
+    for t in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let mut c = connect_as(&server, t, b"alice/m", alice.clone());
+        let mut buf = vec![0u8; victim.len()];
+        let r = c.get_into(&mut [GetInto::whole(d, &mut buf)]).unwrap();
+        assert_eq!((r[0].status, &buf), (Status::Ok, &victim));
+        let mut part = vec![0u8; 100];
+        let r = c
+            .get_into(&mut [GetInto {
+                digest: d,
+                offset: 1000,
+                len: Some(100),
+                buf: &mut part,
+            }])
+            .unwrap();
+        assert_eq!((r[0].status, &part[..]), (Status::Ok, &victim[1000..1100]));
+    }
+}
+
+/// Namespaces are granted per tenant, and tenants' blocks are apart: the same
+/// namespace and key under two tenants are two blocks, and a tenant's stats
+/// count only its own.
+#[test]
+fn tenants_are_kept_apart() {
+    let (alice_engine, bob_engine, server) = start_two_tenants();
+    let alice = Credentials::new("alice-key", "alice-secret");
+    let bob = Credentials::new("bob-key", "bob-secret");
+    let d = digest(1);
+    for t in [TransportChoice::Tcp, TransportChoice::Shm] {
+        let mut a = connect_as(&server, t, b"alice/x", alice.clone());
+        assert_eq!(a.client().grants(), &[b"alice/".to_vec()]);
+        a.put_from(&[PutFrom {
+            digest: d,
+            data: b"a",
+        }])
+        .unwrap();
+        let mut b = connect_as(&server, t, b"bob/x", bob.clone());
+        assert!(
+            !b.exists(&[d]).unwrap().present[0],
+            "bob must not see alice's block"
+        );
+        // A denied namespace is an error the connection survives.
+        b.client().set_namespace(b"alice/x").unwrap();
+        let e = b.exists(&[d]).unwrap_err();
+        assert!(tarn_client::kv::denied(&e), "{e}");
+        b.client().set_namespace(b"bob/x").unwrap();
+        assert!(!b.exists(&[d]).unwrap().present[0]);
+    }
+    assert_eq!(
+        alice_engine
+            .stats(None)
+            .iter()
+            .find(|(n, _)| n == "blocks")
+            .unwrap()
+            .1,
+        1
+    );
+    assert_eq!(
+        bob_engine
+            .stats(None)
+            .iter()
+            .find(|(n, _)| n == "blocks")
+            .unwrap()
+            .1,
+        0
+    );
+    // A wrong secret is refused; so is a client whose server cannot prove
+    // the secret back (checked in `a_server_without_the_secret_is_refused`).
+    let r = BlockingKvClient::connect(
+        &server.tcp_addr.to_string(),
+        ConnectOptions {
+            credentials: Some(Credentials::new("alice-key", "wrong-secret")),
+            ..Default::default()
+        },
+    );
+    assert!(
+        matches!(r, Err(ref e) if tarn_client::kv::denied(e)),
+        "{:?}",
+        r.err()
+    );
+}
+
+/// A process listening where the client expects Tarn, which does not know
+/// the secret, cannot pass for it: the client checks the server's proof.
+#[test]
+fn a_server_without_the_secret_is_refused() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let (_, _, _) = read_frame(&mut s).unwrap();
+        let mut p = Vec::new();
+        HelloReply {
+            version: VERSION_MAX,
+            flags: 0,
+            value_max_bytes: 1 << 20,
+            batch_max_keys: 1024,
+            namespace_max_bytes: 512,
+            instance_id: [1; 16],
+            nonce: [2; 32],
+            shm_socket: Vec::new(),
+        }
+        .encode(&mut p);
+        s.write_all(&frame(Op::Hello as u16 | RESPONSE_BIT, 1, &p))
+            .unwrap();
+        let (_, id, _) = read_frame(&mut s).unwrap();
+        let mut p = Vec::new();
+        AuthReply {
+            flags: 0,
+            server_proof: [0; 32],
+            arena_bytes: 0,
+            tenant: "default".into(),
+            grants: vec![Vec::new()],
+        }
+        .encode(&mut p);
+        s.write_all(&frame(Op::Auth as u16 | RESPONSE_BIT, id, &p))
+            .unwrap();
+    });
+    let r = BlockingKvClient::connect(&addr.to_string(), ConnectOptions::default());
+    let e = r.err().expect("the fake server must be refused");
+    assert!(e.to_string().contains("prove"), "{e}");
+    fake.join().unwrap();
+}
+
+/// Connections that stay silent, or stop halfway through the handshake or a
+/// frame, are closed after the timeouts; a bad handshake frame closes at once.
+#[test]
+fn idle_and_half_sent_connections_time_out() {
+    let opts = ServerOptions {
+        idle_timeout: Duration::from_secs(1),
+        frame_timeout: Duration::from_secs(1),
+        handshake_timeout: Duration::from_secs(1),
+        ..options()
+    };
+    let (_engine, server) = start_with(small_config(), opts);
+    let closed_within = |s: &mut std::net::TcpStream, secs: u64| {
+        s.set_read_timeout(Some(Duration::from_secs(secs))).unwrap();
+        let mut b = [0u8; 64];
+        loop {
+            match s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue, // an error frame before the close
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    };
+    // Silent from the start; HELLO but no AUTH; half a header after AUTH;
+    // a header and half its body.
+    let mut s = raw(&server);
+    assert!(closed_within(&mut s, 5), "silent connection");
+    let mut s = raw(&server);
+    s.write_all(&hello_frame()).unwrap();
+    assert!(closed_within(&mut s, 5), "HELLO without AUTH");
+    let mut s = raw_authed(&server);
+    s.write_all(&exists_frame(3, &[digest(1)])[..10]).unwrap();
+    assert!(closed_within(&mut s, 5), "half a header");
+    let mut s = raw_authed(&server);
+    s.write_all(&exists_frame(3, &[digest(1)])[..30]).unwrap();
+    assert!(closed_within(&mut s, 5), "half a body");
+    // Idle after AUTH: closed too, on TCP and through a mailbox; the client
+    // then fails its next call and a new connection works.
+    for t in [TransportChoice::Tcp, TransportChoice::Shm] {
+        let mut c = connect(&server, t, b"ns");
+        c.exists(&[digest(1)]).unwrap();
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(
+            c.exists(&[digest(1)]).is_err(),
+            "{t:?}: idle connection still open"
+        );
+        let mut c = connect(&server, t, b"ns");
+        c.exists(&[digest(1)]).unwrap();
+    }
+    // Bad handshake frames: an error, then the connection is closed.
+    let mut bad_hello = hello_frame();
+    bad_hello.push(0);
+    let l = bad_hello.len() - FRAME_HEADER_BYTES;
+    bad_hello[8..16].copy_from_slice(&(l as u64).to_le_bytes());
+    let mut old_version = Vec::new();
+    Hello {
+        version_min: 1,
+        version_max: 1,
+        flags: 0,
+    }
+    .encode(&mut old_version);
+    let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
+        (bad_hello, ErrorCode::BadFrame),
+        (frame(Op::Hello as u16, 1, &old_version), ErrorCode::Version),
+        (
+            frame(Op::Auth as u16, 1, b"not an auth"),
+            ErrorCode::HandshakeRequired,
+        ),
+    ];
+    for (f, code) in cases {
+        let mut s = raw(&server);
+        s.write_all(&f).unwrap();
+        expect_error(&mut s, code);
+        assert_closed(&mut s);
+    }
+    // A proof for another connection's nonce (a replay) is denied.
+    let mut s = raw(&server);
+    s.write_all(&hello_frame()).unwrap();
+    read_frame(&mut s).unwrap();
+    s.write_all(&auth_frame(&Credentials::loopback_default(), &[9; 32], 0))
+        .unwrap();
+    expect_error(&mut s, ErrorCode::Denied);
+    assert_closed(&mut s);
+}

@@ -17,10 +17,17 @@ pub mod engine;
 pub mod fdpass;
 pub mod fuzz;
 pub mod mailbox;
+pub mod park;
 pub mod proto;
 pub mod server;
 
 pub use auth::{Credentials, Grants, Tenant, Tenants};
+
+/// The atomics `park.rs` is written against: std's here, loom's in the
+/// model-checking test that compiles the same file.
+mod sync {
+    pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+}
 pub use engine::{Engine, KvConfig};
 pub use server::{Server, ServerOptions};
 

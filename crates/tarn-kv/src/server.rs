@@ -22,7 +22,7 @@
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,7 @@ use crate::auth::{self, Side, Tenant, Tenants};
 use crate::engine::{Engine, Key, ReadPlan};
 use crate::fdpass;
 use crate::mailbox::{self, Area, Mailbox};
+use crate::park;
 use crate::proto::*;
 use crate::KvError;
 
@@ -140,7 +141,9 @@ pub struct ServerOptions {
     pub listen: SocketAddr,
     /// Runtime threads serving connections.
     pub threads: usize,
-    /// Pin thread i to core i.
+    /// Pin thread i to core i. Off in `tarn server`: a pinned thread whose
+    /// core another process keeps busy cannot move to an idle one, and its
+    /// clients wait (tests/kv_stall.rs).
     pub pin_cores: bool,
     pub io_uring: bool,
     /// Offer shared memory to clients on this host.
@@ -1086,38 +1089,39 @@ impl Connection {
                 seq = mb.request_seq().load(Ordering::Acquire);
             }
             if seq == answered {
-                // Park: announce it, then look once more (the client
-                // publishes, then looks at the flag: one of us sees the other).
-                mb.server_parked().store(1, Ordering::SeqCst);
-                fence(Ordering::SeqCst);
-                seq = mb.request_seq().load(Ordering::Acquire);
-                if seq == answered {
+                // Park: announce it, then look once more (park.rs: the
+                // client publishes, then looks at the flag; one of us sees
+                // the other).
+                let pending = || mb.request_seq().load(Ordering::Acquire) != answered;
+                if park::prepare_park(mb.server_parked(), pending) {
+                    tracing::trace!(conn = self.id, answered, "mailbox parked");
                     let idle = self.shared.timeouts.idle;
                     let open = tokio::time::timeout(idle, wait_doorbell(&s)).await;
-                    mb.server_parked().store(0, Ordering::Relaxed);
+                    park::unpark(mb.server_parked());
+                    tracing::trace!(conn = self.id, ?open, "mailbox unparked");
                     match open {
                         Ok(true) => continue,
                         Ok(false) => break,
                         Err(_) => {
-                            // Still parked as far as the client can tell: its
-                            // next request rings, finds the socket closed and
-                            // fails; a pooled client then reconnects.
-                            mb.server_parked().store(1, Ordering::SeqCst);
+                            // The client's next request finds the socket
+                            // closed once it parks; a pooled client then
+                            // reconnects.
                             tracing::debug!(conn = self.id, "idle KV connection closed");
                             break;
                         }
                     }
                 }
-                mb.server_parked().store(0, Ordering::Relaxed);
+                seq = mb.request_seq().load(Ordering::Acquire);
             }
             let gap = (self.answered_at.elapsed().as_micros() as u64).min(FRAME_GAP_CLAMP_US);
             self.gap_ewma_us = (3 * self.gap_ewma_us + gap) / 4;
+            tracing::trace!(conn = self.id, seq, "mailbox request");
             self.answer_mailbox(mb, seq, &mut out).await;
-            mb.response_seq().store(seq, Ordering::Release);
-            fence(Ordering::SeqCst);
-            if mb.client_parked().load(Ordering::Relaxed) != 0 {
+            let ring = park::publish(mb.response_seq(), seq, mb.client_parked());
+            if ring {
                 mailbox::ring(fd);
             }
+            tracing::trace!(conn = self.id, seq, ring, "mailbox answered");
             answered = seq;
             self.answered_at = std::time::Instant::now();
             // Other connections of this thread get their turn between requests.

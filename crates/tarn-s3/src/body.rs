@@ -87,6 +87,22 @@ fn value_of(c: &s3s::dto::Checksum, algo: &str) -> Option<String> {
     }
 }
 
+/// What went wrong reading a body, told apart where the client must hear it:
+/// a forged or corrupted chunk of a signed stream (403), a body that does not
+/// hash to what was signed (400), anything else (the stream broke off). s3s
+/// keeps its stream error types private, so they are recognised by their
+/// messages (pinned by a test; s3s is pinned to one version).
+pub fn body_error(e: &(dyn std::error::Error + 'static)) -> StoreError {
+    let text = e.to_string();
+    if text.contains("AwsChunkedStreamError: SignatureMismatch") {
+        StoreError::BodySignature
+    } else if text.contains("UploadStreamError: Sha256Mismatch") {
+        StoreError::BodyHash
+    } else {
+        StoreError::Body(text)
+    }
+}
+
 /// Builds the engine body: hashes the declared checksum on the fly and checks it
 /// (and a trailer's value) when the engine calls `finish`.
 pub fn object_body(
@@ -96,9 +112,7 @@ pub fn object_body(
     trailers: Option<TrailingHeaders>,
 ) -> ObjectBody {
     let stream = match blob {
-        Some(b) => b
-            .map(|r| r.map_err(|e| StoreError::Body(e.to_string())))
-            .boxed(),
+        Some(b) => b.map(|r| r.map_err(|e| body_error(&*e))).boxed(),
         None => futures::stream::empty().boxed(),
     };
     let Some(algo) = spec.algorithm().map(str::to_string) else {

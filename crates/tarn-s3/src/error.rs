@@ -41,10 +41,19 @@ pub fn s3_error(e: StoreError) -> S3Error {
         StoreError::ChecksumMismatch { .. } => (C::BadDigest, e.to_string()),
         StoreError::IncompleteBody { .. } => (C::IncompleteBody, e.to_string()),
         StoreError::Body(_) => (C::IncompleteBody, e.to_string()),
+        StoreError::BodySignature => (
+            C::SignatureDoesNotMatch,
+            "The request signature we calculated does not match the signature you provided. Check your key and signing method.".into(),
+        ),
+        StoreError::BodyHash => (
+            C::Custom("XAmzContentSHA256Mismatch".into()),
+            "The provided 'x-amz-content-sha256' header does not match what was computed.".into(),
+        ),
         StoreError::SlowDown(_) => (C::SlowDown, "Please reduce your request rate.".into()),
         StoreError::QuorumLost { .. } => (C::ServiceUnavailable, e.to_string()),
         StoreError::Unreadable { .. }
         | StoreError::Drive { .. }
+        | StoreError::DriveInUse { .. }
         | StoreError::CorruptMetadata { .. }
         | StoreError::Config(_)
         | StoreError::Io(_) => {
@@ -55,13 +64,10 @@ pub fn s3_error(e: StoreError) -> S3Error {
             )
         }
     };
+    let custom_status = matches!(e, StoreError::BodyHash).then_some(http::StatusCode::BAD_REQUEST);
     let mut err = S3Error::with_message(code, msg);
-    if let StoreError::NotModified { etag } = &e {
-        let mut h = http::HeaderMap::new();
-        if let Ok(v) = http::HeaderValue::from_str(&format!("\"{etag}\"")) {
-            h.insert(http::header::ETAG, v);
-        }
-        err.set_headers(h);
+    if let Some(status) = custom_status {
+        err.set_status_code(status);
     }
     if let StoreError::NotModified { etag } = &e {
         let mut h = http::HeaderMap::new();

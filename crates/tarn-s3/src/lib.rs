@@ -9,6 +9,7 @@
 pub mod body;
 pub mod error;
 pub mod ops;
+pub mod scope;
 pub mod util;
 
 use std::sync::Arc;

@@ -61,6 +61,40 @@ fn owner() -> Owner {
     }
 }
 
+/// Characters XML 1.0 cannot carry at all (C0 controls but tab and line
+/// feed, U+FFFE, U+FFFF), and carriage return, which parsers turn into a line
+/// feed: a name with any of them is not what the client would read back.
+fn xml_unsafe(s: &str) -> bool {
+    s.chars()
+        .any(|c| matches!(c, '\u{0}'..='\u{8}' | '\u{b}'..='\u{1f}' | '\u{fffe}' | '\u{ffff}'))
+}
+
+/// Whether a listing is URL-encoded: when the client asked, and also when a
+/// name in it could not be written as XML 1.0 (a key with control characters).
+/// AWS writes those as `&#x1;`, which XML parsers reject, so the whole
+/// listing fails to parse in the aws CLI and boto3; here the response
+/// encodes every name instead and says so in `<EncodingType>url`.
+fn listing_url_encoded<'a>(
+    requested: &Option<EncodingType>,
+    names: impl IntoIterator<Item = &'a str>,
+) -> bool {
+    requested
+        .as_ref()
+        .is_some_and(|e| e.as_str() == EncodingType::URL)
+        || names.into_iter().any(xml_unsafe)
+}
+
+/// A key for a response element that has no encoding-type: left out when
+/// XML 1.0 cannot carry it (the client knows the key it sent; an element
+/// it cannot parse would fail the whole response).
+fn xml_key(key: String) -> Option<String> {
+    (!xml_unsafe(&key)).then_some(key)
+}
+
+fn encoding_type_of(url: bool) -> Option<EncodingType> {
+    url.then(|| EncodingType::from_static(EncodingType::URL))
+}
+
 fn encode_if(url: bool, s: String) -> String {
     if url {
         urlencoding::encode(&s).into_owned()
@@ -630,6 +664,23 @@ impl S3 for TarnS3 {
                 "at most 1000 keys per DeleteObjects",
             ));
         }
+        // A key no object can have makes the request malformed: refused
+        // whole, before anything is deleted.
+        if let Some(o) = i
+            .delete
+            .objects
+            .iter()
+            .find(|o| o.key.len() > tarn_store::KEY_MAX_BYTES)
+        {
+            return Err(S3Error::with_message(
+                S3ErrorCode::KeyTooLongError,
+                format!(
+                    "a key of {} bytes is longer than the {} bytes allowed; nothing was deleted",
+                    o.key.len(),
+                    tarn_store::KEY_MAX_BYTES
+                ),
+            ));
+        }
         let quiet = i.delete.quiet.unwrap_or(false);
         let mut deleted = Vec::new();
         let mut errors = Vec::new();
@@ -758,10 +809,6 @@ impl S3 for TarnS3 {
         req: S3Request<ListObjectsInput>,
     ) -> S3Result<S3Response<ListObjectsOutput>> {
         let i = req.input;
-        let url = i
-            .encoding_type
-            .as_ref()
-            .is_some_and(|e| e.as_str() == EncodingType::URL);
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let page = self
@@ -777,6 +824,17 @@ impl S3 for TarnS3 {
             )
             .await
             .map_err(s3_error)?;
+        let url = listing_url_encoded(
+            &i.encoding_type,
+            page.objects
+                .iter()
+                .map(|o| o.key.as_str())
+                .chain(page.common_prefixes.iter().map(String::as_str))
+                .chain([prefix.as_str()])
+                .chain(i.marker.as_deref())
+                .chain(i.delimiter.as_deref())
+                .chain(page.next_after.as_deref()),
+        );
         let contents: Vec<Object> = page.objects.iter().map(|o| list_entry(o, url)).collect();
         let next_marker = if page.is_truncated && i.delimiter.is_some() {
             page.next_after.clone().map(|m| encode_if(url, m))
@@ -800,7 +858,7 @@ impl S3 for TarnS3 {
             ),
             delimiter: i.delimiter.map(|d| encode_if(url, d)),
             next_marker,
-            encoding_type: i.encoding_type,
+            encoding_type: encoding_type_of(url),
             ..Default::default()
         }))
     }
@@ -810,10 +868,6 @@ impl S3 for TarnS3 {
         req: S3Request<ListObjectsV2Input>,
     ) -> S3Result<S3Response<ListObjectsV2Output>> {
         let i = req.input;
-        let url = i
-            .encoding_type
-            .as_ref()
-            .is_some_and(|e| e.as_str() == EncodingType::URL);
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let after = match &i.continuation_token {
@@ -833,6 +887,16 @@ impl S3 for TarnS3 {
             )
             .await
             .map_err(s3_error)?;
+        let url = listing_url_encoded(
+            &i.encoding_type,
+            page.objects
+                .iter()
+                .map(|o| o.key.as_str())
+                .chain(page.common_prefixes.iter().map(String::as_str))
+                .chain([prefix.as_str()])
+                .chain(i.start_after.as_deref())
+                .chain(i.delimiter.as_deref()),
+        );
         let fetch_owner = i.fetch_owner.unwrap_or(false);
         let contents: Vec<Object> = page
             .objects
@@ -868,7 +932,7 @@ impl S3 for TarnS3 {
                     .collect(),
             ),
             delimiter: i.delimiter.map(|d| encode_if(url, d)),
-            encoding_type: i.encoding_type,
+            encoding_type: encoding_type_of(url),
             start_after: i.start_after.map(|s| encode_if(url, s)),
             ..Default::default()
         }))
@@ -879,10 +943,6 @@ impl S3 for TarnS3 {
         req: S3Request<ListObjectVersionsInput>,
     ) -> S3Result<S3Response<ListObjectVersionsOutput>> {
         let i = req.input;
-        let url = i
-            .encoding_type
-            .as_ref()
-            .is_some_and(|e| e.as_str() == EncodingType::URL);
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let page = self
@@ -899,6 +959,17 @@ impl S3 for TarnS3 {
             )
             .await
             .map_err(s3_error)?;
+        let url = listing_url_encoded(
+            &i.encoding_type,
+            page.versions
+                .iter()
+                .map(|v| v.key.as_str())
+                .chain(page.common_prefixes.iter().map(String::as_str))
+                .chain([prefix.as_str()])
+                .chain(i.key_marker.as_deref())
+                .chain(i.delimiter.as_deref())
+                .chain(page.next_key_marker.as_deref()),
+        );
         let mut versions = Vec::new();
         let mut markers = Vec::new();
         for v in page.versions {
@@ -938,7 +1009,7 @@ impl S3 for TarnS3 {
             ),
             delete_markers: Some(markers),
             delimiter: i.delimiter.map(|d| encode_if(url, d)),
-            encoding_type: i.encoding_type,
+            encoding_type: encoding_type_of(url),
             is_truncated: Some(page.is_truncated),
             key_marker: i.key_marker.map(|k| encode_if(url, k)),
             max_keys: Some(max as i32),
@@ -983,7 +1054,7 @@ impl S3 for TarnS3 {
             .map_err(s3_error)?;
         Ok(S3Response::new(CreateMultipartUploadOutput {
             bucket: Some(i.bucket),
-            key: Some(i.key),
+            key: xml_key(i.key),
             upload_id: Some(id),
             checksum_algorithm: i.checksum_algorithm,
             ..Default::default()
@@ -1145,9 +1216,9 @@ impl S3 for TarnS3 {
             .map_err(s3_error)?;
         Ok(S3Response::new(CompleteMultipartUploadOutput {
             bucket: Some(i.bucket.clone()),
-            key: Some(i.key.clone()),
+            key: xml_key(i.key.clone()),
             e_tag: Some(etag(&info.etag)),
-            location: Some(format!("/{}/{}", i.bucket, i.key)),
+            location: Some(format!("/{}/{}", i.bucket, urlencoding::encode(&i.key))),
             version_id: info.version_id,
             ..Default::default()
         }))
@@ -1251,13 +1322,23 @@ impl S3 for TarnS3 {
             )
             .await
             .map_err(s3_error)?;
-        let next_key = uploads.last().map(|u| u.key.clone());
+        let url = listing_url_encoded(
+            &i.encoding_type,
+            uploads
+                .iter()
+                .map(|u| u.key.as_str())
+                .chain(prefixes.iter().map(String::as_str))
+                .chain([prefix.as_str()])
+                .chain(i.key_marker.as_deref())
+                .chain(i.delimiter.as_deref()),
+        );
+        let next_key = uploads.last().map(|u| encode_if(url, u.key.clone()));
         let next_id = uploads.last().map(|u| u.upload_id.clone());
         let uploads = uploads
             .into_iter()
             .map(|u| MultipartUpload {
                 initiated: Some(timestamp(u.initiated_ns)),
-                key: Some(u.key),
+                key: Some(encode_if(url, u.key)),
                 upload_id: Some(u.upload_id),
                 owner: Some(owner()),
                 initiator: Some(Initiator {
@@ -1270,8 +1351,8 @@ impl S3 for TarnS3 {
             .collect();
         Ok(S3Response::new(ListMultipartUploadsOutput {
             bucket: Some(i.bucket),
-            prefix: Some(prefix),
-            key_marker: i.key_marker,
+            prefix: Some(encode_if(url, prefix)),
+            key_marker: i.key_marker.map(|k| encode_if(url, k)),
             upload_id_marker: i.upload_id_marker,
             max_uploads: Some(max as i32),
             is_truncated: Some(truncated),
@@ -1281,11 +1362,13 @@ impl S3 for TarnS3 {
             common_prefixes: Some(
                 prefixes
                     .into_iter()
-                    .map(|p| CommonPrefix { prefix: Some(p) })
+                    .map(|p| CommonPrefix {
+                        prefix: Some(encode_if(url, p)),
+                    })
                     .collect(),
             ),
-            delimiter: i.delimiter,
-            encoding_type: i.encoding_type,
+            delimiter: i.delimiter.map(|d| encode_if(url, d)),
+            encoding_type: encoding_type_of(url),
             ..Default::default()
         }))
     }

@@ -20,6 +20,70 @@ use crate::format::{
 };
 
 const FORMAT_FILE: &str = ".tarn/format";
+const LOCK_FILE: &str = ".tarn/lock";
+
+/// A drive held by this process: an exclusive `flock` on `.tarn/lock`, released
+/// when the process exits however it exits. Two servers on one drive would each
+/// write metadata the other does not see (and fjall's own lock would take the
+/// second one's index offline while it went on serving an empty store); an
+/// offline heal on a drive a server is using would race it. Both refuse.
+pub struct DriveLock {
+    _file: std::fs::File,
+}
+
+/// Takes the lock of the drive at `path` when it is (or will become) a Tarn
+/// drive. None for a missing directory or a foreign one (nothing is written
+/// into those); `DriveInUse` when another process holds it.
+pub fn lock(path: &Path) -> Result<Option<DriveLock>, StoreError> {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    if !path.is_dir() {
+        return Ok(None);
+    }
+    if !path.join(".tarn").is_dir() {
+        if !matches!(probe(path), DriveProbe::Empty) {
+            return Ok(None);
+        }
+        std::fs::create_dir_all(path.join(".tarn")).map_err(|e| StoreError::Drive {
+            drive: path.display().to_string(),
+            reason: format!("create .tarn: {e}"),
+        })?;
+    }
+    let io = |what: &str, e: std::io::Error| StoreError::Drive {
+        drive: path.display().to_string(),
+        reason: format!("{what}: {e}"),
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path.join(LOCK_FILE))
+        .map_err(|e| io("open the drive lock", e))?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::WouldBlock {
+            return Err(io("lock the drive", e));
+        }
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        let holder = match holder.trim() {
+            "" => "pid unknown".to_string(),
+            pid => format!("pid {pid}"),
+        };
+        return Err(StoreError::DriveInUse {
+            drive: path.display().to_string(),
+            holder,
+        });
+    }
+    let pid = std::process::id().to_string();
+    file.set_len(0)
+        .and_then(|_| file.rewind())
+        .and_then(|_| file.write_all(pid.as_bytes()))
+        .map_err(|e| io("write the drive lock", e))?;
+    Ok(Some(DriveLock { _file: file }))
+}
 
 /// What was found at a drive path before opening it.
 #[derive(Debug)]

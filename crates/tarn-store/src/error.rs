@@ -54,6 +54,12 @@ pub enum StoreError {
     IncompleteBody { declared: u64, actual: u64 },
     #[error("reading the request body failed: {0}")]
     Body(String),
+    /// A chunk of a signed streaming body failed its signature.
+    #[error("a chunk signature of the body does not match")]
+    BodySignature,
+    /// The body does not hash to the SHA-256 its request was signed with.
+    #[error("the body does not match its declared SHA-256")]
+    BodyHash,
     #[error("not enough drives: {what} needs {needed}, {available} available")]
     QuorumLost {
         what: &'static str,
@@ -68,6 +74,8 @@ pub enum StoreError {
     },
     #[error("drive {drive}: {reason}")]
     Drive { drive: String, reason: String },
+    #[error("drive {drive} is in use by another tarn process ({holder}); stop it first")]
+    DriveInUse { drive: String, holder: String },
     #[error("corrupt metadata on {drive}: {what}")]
     CorruptMetadata { drive: String, what: String },
     #[error("server busy: {0}")]

@@ -361,12 +361,17 @@ fn start_kv(
         tarn_kv::ServerOptions {
             listen: kv.listen,
             threads: cores,
-            pin_cores: cores > 1,
             io_uring,
             shm: kv.shm,
             idle_timeout: kv.idle_timeout,
             frame_timeout: kv.frame_timeout,
             handshake_timeout: kv.handshake_timeout,
+            // Threads unpinned, as by default: the KV daemon shares its host
+            // with the engines it serves, and a thread pinned to a core an
+            // engine keeps busy waited there, runnable, for seconds while
+            // other cores idled (issue 12's 30-second stall; tests/kv_stall.rs
+            // in tarn-client).
+            ..tarn_kv::ServerOptions::default()
         },
     )
     .context("starting the KV server")?;
@@ -538,6 +543,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             .or(file.inflight_requests_max)
             .unwrap_or(1024),
         domains,
+        region,
         admin_token: secret,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),

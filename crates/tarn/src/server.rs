@@ -38,10 +38,55 @@ pub struct ServerSettings {
     pub io_uring: bool,
     pub inflight_requests_max: usize,
     pub domains: Vec<String>,
+    /// The region requests must be signed for.
+    pub region: String,
     pub admin_token: String,
     pub scan_interval: Option<Duration>,
     /// The KV engines by tenant, for /metrics.
     pub kv: Vec<(String, Arc<tarn_kv::Engine>)>,
+}
+
+/// Refuses an address another process listens on. The S3 listeners use
+/// SO_REUSEPORT (one per core), which would let a second server on the same
+/// port start and take most of the connections, serving its own (empty)
+/// store: a plain bind first finds any listener already there.
+fn check_address_free(addr: SocketAddr) -> anyhow::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    let probe = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    probe.set_reuse_address(true)?;
+    match probe.bind(&addr.into()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            anyhow::bail!("another process is already listening on {addr} (another tarn server?)")
+        }
+        Err(e) => Err(e).with_context(|| format!("binding {addr}")),
+    }
+}
+
+/// Claims `addr` for this server for as long as the returned socket lives: an
+/// abstract Unix socket named after it, which only one process can bind (the
+/// kernel releases it when the process exits, however it exits). It closes the
+/// window between two servers' free-address checks.
+pub fn claim_address(
+    what: &str,
+    addr: SocketAddr,
+) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    use std::os::linux::net::SocketAddrExt;
+    let name = format!("tarn-{what}.{addr}");
+    let unix = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+    std::os::unix::net::UnixListener::bind_addr(&unix).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            anyhow::anyhow!("another tarn server is already serving {what} on {addr}")
+        } else {
+            anyhow::Error::new(e).context(format!("claiming {addr}"))
+        }
+    })
 }
 
 fn bind_reuseport(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
@@ -67,6 +112,7 @@ struct Front {
     metrics: Arc<Metrics>,
     inflight_max: usize,
     domains: Arc<Vec<String>>,
+    region: Arc<str>,
 }
 
 type Resp = http::Response<s3s::Body>;
@@ -79,6 +125,28 @@ fn error_response(status: http::StatusCode, code: &str, message: &str) -> Resp {
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/xml"),
     );
+    r
+}
+
+/// A request signed for another region, or a presigned URL valid too long.
+fn scope_error(e: tarn_s3::scope::ScopeError) -> Resp {
+    let mut body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{}</Code><Message>{}</Message>",
+        e.code, e.message
+    );
+    if let Some(r) = &e.region {
+        body.push_str(&format!("<Region>{r}</Region>"));
+    }
+    body.push_str("</Error>");
+    let mut r = http::Response::new(s3s::Body::from(body));
+    *r.status_mut() = http::StatusCode::BAD_REQUEST;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/xml"),
+    );
+    if let Some(v) = e.region.and_then(|r| http::HeaderValue::from_str(&r).ok()) {
+        r.headers_mut().insert("x-amz-bucket-region", v);
+    }
     r
 }
 
@@ -151,6 +219,10 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             metrics.record(op, 400, Duration::ZERO);
             return Box::pin(async { Ok(r) });
         }
+        if let Err(e) = tarn_s3::scope::check(req.headers(), req.uri().query(), &self.region) {
+            metrics.record(op, 400, Duration::ZERO);
+            return Box::pin(async { Ok(scope_error(e)) });
+        }
         let declared_in = req
             .headers()
             .get(http::header::CONTENT_LENGTH)
@@ -200,8 +272,10 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
     }
     // Bind the first listener to learn the port (the flag may say :0), then give
     // every core its own listener on that same port.
+    check_address_free(settings.listen)?;
     let first = bind_reuseport(settings.listen)?;
     let addr = first.local_addr()?;
+    let _claim = claim_address("s3", addr)?;
     let mut listeners = vec![first];
     for _ in 1..settings.cores {
         listeners.push(bind_reuseport(addr)?);
@@ -217,6 +291,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
         metrics: metrics.clone(),
         inflight_max: settings.inflight_requests_max,
         domains: Arc::new(settings.domains.clone()),
+        region: Arc::from(settings.region.as_str()),
     };
 
     let mut threads = Vec::new();

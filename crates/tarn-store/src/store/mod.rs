@@ -42,6 +42,8 @@ pub const KEY_MAX_BYTES: usize = 1024;
 const HEAL_QUEUE_MAX: usize = 10_000;
 
 pub(crate) struct DriveSlot {
+    /// Held for the store's life: one process per drive.
+    pub _lock: Option<drive::DriveLock>,
     pub paths: DrivePaths,
     pub db: Option<Arc<DriveDb>>,
     pub reason: Option<String>,
@@ -236,6 +238,14 @@ impl Store {
         }
         let set_count = n / set_size;
 
+        // One process per drive: every drive's lock first, before anything is
+        // read or written (another server's fjall lock would otherwise take the
+        // drive offline here while this server went on serving).
+        let mut locks = cfg
+            .drives
+            .iter()
+            .map(|p| drive::lock(p))
+            .collect::<Result<Vec<_>, _>>()?;
         // Probe every drive before touching any.
         let probes: Vec<DriveProbe> = cfg.drives.iter().map(|p| drive::probe(p)).collect();
         let formats: Vec<&DriveFormat> = probes
@@ -282,7 +292,11 @@ impl Store {
             let verdict: Result<(), String> = match probe {
                 DriveProbe::Missing if fresh_deployment => std::fs::create_dir_all(path)
                     .map_err(|e| format!("cannot create drive directory: {e}"))
-                    .and_then(|_| drive::format_drive(path, &want).map_err(|e| e.to_string())),
+                    .and_then(|_| {
+                        // Created just now: locked before it is formatted.
+                        locks[i] = drive::lock(path).map_err(|e| e.to_string())?;
+                        drive::format_drive(path, &want).map_err(|e| e.to_string())
+                    }),
                 DriveProbe::Missing => Err("drive directory is missing; not re-creating it (mount the drive or replace it with an empty directory)".into()),
                 DriveProbe::Unusable(reason) => Err(reason),
                 DriveProbe::Empty => {
@@ -317,8 +331,10 @@ impl Store {
                     .map_err(|e| format!("drive is not writable: {e}"))?;
                 DriveDb::open(path).map_err(|e| e.to_string())
             });
+            let lock = locks[i].take();
             match opened {
                 Ok(db) => drives.push(DriveSlot {
+                    _lock: lock,
                     paths,
                     db: Some(Arc::new(db)),
                     reason: None,
@@ -327,6 +343,7 @@ impl Store {
                 Err(reason) => {
                     tracing::error!(drive = %path.display(), %reason, "drive offline");
                     drives.push(DriveSlot {
+                        _lock: lock,
                         paths,
                         db: None,
                         reason: Some(reason),

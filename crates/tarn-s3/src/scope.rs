@@ -1,0 +1,139 @@
+//! Checks on a request's SigV4 credential scope that s3s does not make: the
+//! region a request was signed for must be this server's (AWS answers a wrong
+//! one with the right region, so clients that guessed, such as s3cmd with its
+//! legacy "US", retry correctly), and a presigned URL may not live longer
+//! than a week. Made on the request head, before the body is read.
+
+/// The longest a presigned URL may be valid, as in AWS.
+pub const PRESIGNED_EXPIRES_MAX_SECS: u64 = 604_800;
+
+/// A refusal in AWS's words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScopeError {
+    pub code: &'static str,
+    pub message: String,
+    /// The region to use instead, for a `<Region>` element and the
+    /// `x-amz-bucket-region` header.
+    pub region: Option<String>,
+}
+
+/// Checks the credential scope of a SigV4 request (header or presigned) and
+/// the expiry of a presigned one. Requests that are not SigV4 pass: s3s
+/// decides about them.
+pub fn check(
+    headers: &http::HeaderMap,
+    query: Option<&str>,
+    region: &str,
+) -> Result<(), ScopeError> {
+    if let Some(auth) = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        if let Some(rest) = auth.strip_prefix("AWS4-HMAC-SHA256") {
+            if let Some(scope_region) = credential_region(rest) {
+                if scope_region != region {
+                    return Err(ScopeError {
+                        code: "AuthorizationHeaderMalformed",
+                        message: format!(
+                            "The authorization header is malformed; the region '{scope_region}' is wrong; expecting '{region}'"
+                        ),
+                        region: Some(region.to_string()),
+                    });
+                }
+            }
+        }
+        return Ok(());
+    }
+    let Some(query) = query else { return Ok(()) };
+    let mut credential = None;
+    let mut expires = None;
+    for pair in query.split('&') {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "X-Amz-Credential" => credential = Some(percent_decode(v)),
+            "X-Amz-Expires" => expires = Some(v),
+            _ => {}
+        }
+    }
+    let Some(credential) = credential else {
+        return Ok(());
+    };
+    if let Some(scope_region) = credential.split('/').nth(2) {
+        if scope_region != region {
+            return Err(ScopeError {
+                code: "AuthorizationQueryParametersError",
+                message: format!(
+                    "Error parsing the X-Amz-Credential parameter; the region '{scope_region}' is wrong; expecting '{region}'"
+                ),
+                region: Some(region.to_string()),
+            });
+        }
+    }
+    if let Some(secs) = expires.and_then(|e| e.parse::<u64>().ok()) {
+        if secs > PRESIGNED_EXPIRES_MAX_SECS {
+            return Err(ScopeError {
+                code: "AuthorizationQueryParametersError",
+                message: format!(
+                    "X-Amz-Expires must be less than a week (in seconds) that is {PRESIGNED_EXPIRES_MAX_SECS}"
+                ),
+                region: None,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The region of `Credential=AK/DATE/REGION/SERVICE/aws4_request` in the
+/// parameters of an Authorization header.
+fn credential_region(params: &str) -> Option<&str> {
+    let start = params.find("Credential=")? + "Credential=".len();
+    let value = params[start..].split([',', ' ']).next()?;
+    value.split('/').nth(2)
+}
+
+fn percent_decode(s: &str) -> String {
+    urlencoding::decode(s)
+        .map(|c| c.into_owned())
+        .unwrap_or_else(|_| s.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auth(region: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        let v = format!("AWS4-HMAC-SHA256 Credential=AK/20261123/{region}/s3/aws4_request, SignedHeaders=host, Signature=00");
+        h.insert(http::header::AUTHORIZATION, v.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn header_scope_region() {
+        assert!(check(&auth("us-east-1"), None, "us-east-1").is_ok());
+        let e = check(&auth("US"), None, "us-east-1").unwrap_err();
+        assert_eq!(e.code, "AuthorizationHeaderMalformed");
+        assert!(e.message.contains("'US' is wrong; expecting 'us-east-1'"));
+        assert_eq!(e.region.as_deref(), Some("us-east-1"));
+        // SigV2 and anonymous requests are not ours to judge here.
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::AUTHORIZATION, "AWS AK:sig".parse().unwrap());
+        assert!(check(&h, None, "us-east-1").is_ok());
+        assert!(check(&http::HeaderMap::new(), Some("list-type=2"), "us-east-1").is_ok());
+    }
+
+    #[test]
+    fn presigned_scope_and_expiry() {
+        let q = |region: &str, expires: u64| {
+            format!("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AK%2F20261123%2F{region}%2Fs3%2Faws4_request&X-Amz-Expires={expires}&X-Amz-Signature=00")
+        };
+        let h = http::HeaderMap::new();
+        assert!(check(&h, Some(&q("us-east-1", 604_800)), "us-east-1").is_ok());
+        let e = check(&h, Some(&q("us-east-1", 604_801)), "us-east-1").unwrap_err();
+        assert_eq!(e.code, "AuthorizationQueryParametersError");
+        assert!(e.message.contains("604800"));
+        let e = check(&h, Some(&q("eu-west-1", 60)), "us-east-1").unwrap_err();
+        assert_eq!(e.code, "AuthorizationQueryParametersError");
+        assert_eq!(e.region.as_deref(), Some("us-east-1"));
+    }
+}
