@@ -87,6 +87,9 @@ fn value_of(c: &s3s::dto::Checksum, algo: &str) -> Option<String> {
     }
 }
 
+/// How the HTTP layer's body idle timeout starts its error's message.
+pub const BODY_IDLE_MESSAGE: &str = "request body idle timeout";
+
 /// What went wrong reading a body, told apart where the client must hear it:
 /// a forged or corrupted chunk of a signed stream (403), a body that does not
 /// hash to what was signed (400), anything else (the stream broke off). s3s
@@ -94,7 +97,9 @@ fn value_of(c: &s3s::dto::Checksum, algo: &str) -> Option<String> {
 /// messages (pinned by a test; s3s is pinned to one version).
 pub fn body_error(e: &(dyn std::error::Error + 'static)) -> StoreError {
     let text = e.to_string();
-    if text.contains("AwsChunkedStreamError: SignatureMismatch") {
+    if text.contains(BODY_IDLE_MESSAGE) {
+        StoreError::RequestTimeout(text)
+    } else if text.contains("AwsChunkedStreamError: SignatureMismatch") {
         StoreError::BodySignature
     } else if text.contains("UploadStreamError: Sha256Mismatch") {
         StoreError::BodyHash

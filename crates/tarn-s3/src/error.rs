@@ -49,6 +49,10 @@ pub fn s3_error(e: StoreError) -> S3Error {
             C::Custom("XAmzContentSHA256Mismatch".into()),
             "The provided 'x-amz-content-sha256' header does not match what was computed.".into(),
         ),
+        StoreError::RequestTimeout(_) => (
+            C::RequestTimeout,
+            "Your socket connection to the server was not read from or written to within the timeout period.".into(),
+        ),
         StoreError::SlowDown(_) => (C::SlowDown, "Please reduce your request rate.".into()),
         StoreError::QuorumLost { .. } => (C::ServiceUnavailable, e.to_string()),
         StoreError::Unreadable { .. }

@@ -60,6 +60,9 @@ pub enum StoreError {
     /// The body does not hash to the SHA-256 its request was signed with.
     #[error("the body does not match its declared SHA-256")]
     BodyHash,
+    /// The client stopped sending the body for longer than the idle timeout.
+    #[error("the client sent no body for too long: {0}")]
+    RequestTimeout(String),
     #[error("not enough drives: {what} needs {needed}, {available} available")]
     QuorumLost {
         what: &'static str,

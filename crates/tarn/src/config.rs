@@ -31,6 +31,11 @@ pub struct FileConfig {
     pub buffers_per_core: Option<usize>,
     pub scan_interval_secs: Option<u64>,
     pub io_uring: Option<bool>,
+    /// Seconds a request body may send nothing before the request fails.
+    pub request_body_idle_timeout_secs: Option<u64>,
+    /// Seconds a response may wait for the client to read before the
+    /// connection is reset.
+    pub response_send_idle_timeout_secs: Option<u64>,
     pub kv: Option<KvFileConfig>,
 }
 

@@ -5,6 +5,7 @@ mod admin;
 mod bench;
 mod bench_kv;
 mod config;
+mod conn;
 mod metrics;
 mod server;
 mod sigv4;
@@ -271,11 +272,7 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
         bail!("--kv-disk-size needs --kv-disk");
     }
     let secs = |v: Option<u64>, default: Duration, what: &str| -> anyhow::Result<Duration> {
-        match v {
-            None => Ok(default),
-            Some(0) => bail!("kv.{what} must be at least 1 second"),
-            Some(n) => Ok(Duration::from_secs(n)),
-        }
+        idle_secs(v, default, &format!("kv.{what}"))
     };
     let mut tenants = Vec::new();
     for t in f.and_then(|k| k.tenants.as_ref()).into_iter().flatten() {
@@ -547,12 +544,31 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         admin_token: secret,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
+        body_idle_timeout: idle_secs(
+            file.request_body_idle_timeout_secs,
+            server::BODY_IDLE_TIMEOUT_DEFAULT,
+            "request_body_idle_timeout_secs",
+        )?,
+        send_idle_timeout: idle_secs(
+            file.response_send_idle_timeout_secs,
+            server::SEND_IDLE_TIMEOUT_DEFAULT,
+            "response_send_idle_timeout_secs",
+        )?,
     };
     let result = server::run(store, s3, settings);
     if let Some((_, kv_server)) = kv {
         kv_server.stop();
     }
     result
+}
+
+/// A timeout in whole seconds from the file: at least 1.
+fn idle_secs(v: Option<u64>, default: Duration, key: &str) -> anyhow::Result<Duration> {
+    match v {
+        None => Ok(default),
+        Some(0) => anyhow::bail!("{key} must be at least 1 second"),
+        Some(s) => Ok(Duration::from_secs(s)),
+    }
 }
 
 fn run_heal(args: DriveArgs) -> anyhow::Result<()> {

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use tarn_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::conn::{ConnIo, ConnState};
 use crate::metrics::{operation, Metrics};
 
 /// Largest request head hyper will buffer.
@@ -44,7 +45,19 @@ pub struct ServerSettings {
     pub scan_interval: Option<Duration>,
     /// The KV engines by tenant, for /metrics.
     pub kv: Vec<(String, Arc<tarn_kv::Engine>)>,
+    /// A request body that sends nothing for this long fails (400
+    /// RequestTimeout) and gives back what it held.
+    pub body_idle_timeout: Duration,
+    /// A response the client reads nothing of for this long is aborted
+    /// (the connection reset).
+    pub send_idle_timeout: Duration,
 }
+
+/// Defaults of the two (docs/configuration.md).
+pub const BODY_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+pub const SEND_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+/// How often freed memory is handed back to the kernel.
+const MEMORY_TRIM_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Refuses an address another process listens on. The S3 listeners use
 /// SO_REUSEPORT (one per core), which would let a second server on the same
@@ -113,6 +126,91 @@ struct Front {
     inflight_max: usize,
     domains: Arc<Vec<String>>,
     region: Arc<str>,
+    body_idle: Duration,
+}
+
+/// The error a request body gives when the client stops sending it; the S3
+/// layer answers it with 400 RequestTimeout (`tarn_s3::body::body_error`).
+#[derive(Debug)]
+struct BodyIdle(Duration);
+
+impl std::fmt::Display for BodyIdle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: nothing for {}s",
+            tarn_s3::body::BODY_IDLE_MESSAGE,
+            self.0.as_secs()
+        )
+    }
+}
+
+impl std::error::Error for BodyIdle {}
+
+/// A request body with an idle timeout, which also records whether it was
+/// read to its end (a response to a request whose body was not read closes
+/// the connection).
+struct IdleBody {
+    inner: Incoming,
+    idle: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    done: Arc<AtomicBool>,
+}
+
+impl hyper::body::Body for IdleBody {
+    type Data = bytes::Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(None) => {
+                this.done.store(true, Ordering::Relaxed);
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                this.timer = None;
+                if hyper::body::Body::is_end_stream(&this.inner) {
+                    this.done.store(true, Ordering::Relaxed);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Pending => {
+                let idle = this.idle;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyIdle(idle))))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        hyper::body::Body::is_end_stream(&self.inner)
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::Body::size_hint(&self.inner)
+    }
+}
+
+/// Marks a response that is sent before its request's body was read: the
+/// connection closes after it (its framing is lost), cleanly, with the
+/// unread body drained (conn.rs) so that the client gets the answer.
+fn close_after(mut r: Resp) -> Resp {
+    r.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    r
 }
 
 type Resp = http::Response<s3s::Body>;
@@ -215,34 +313,55 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             bucket_in_host,
             req.headers().contains_key("x-amz-copy-source"),
         );
-        if let Some(r) = check_header_sizes(req.headers()) {
-            metrics.record(op, 400, Duration::ZERO);
-            return Box::pin(async { Ok(r) });
-        }
-        if let Err(e) = tarn_s3::scope::check(req.headers(), req.uri().query(), &self.region) {
-            metrics.record(op, 400, Duration::ZERO);
-            return Box::pin(async { Ok(scope_error(e)) });
-        }
         let declared_in = req
             .headers()
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0);
+        let has_body =
+            declared_in > 0 || req.headers().contains_key(http::header::TRANSFER_ENCODING);
+        let early = move |r: Resp| if has_body { close_after(r) } else { r };
+        if let Some(r) = check_header_sizes(req.headers()) {
+            metrics.record(op, 400, Duration::ZERO);
+            return Box::pin(async move { Ok(early(r)) });
+        }
+        if let Err(e) = tarn_s3::scope::check(req.headers(), req.uri().query(), &self.region) {
+            metrics.record(op, 400, Duration::ZERO);
+            return Box::pin(async move { Ok(early(scope_error(e))) });
+        }
         // Admission control: answer quickly instead of queueing without bound.
         let inflight = metrics.inflight.fetch_add(1, Ordering::Relaxed) + 1;
         if inflight as usize > self.inflight_max {
             metrics.inflight.fetch_sub(1, Ordering::Relaxed);
             metrics.rejected_overload.fetch_add(1, Ordering::Relaxed);
             metrics.record(op, 503, Duration::ZERO);
-            return Box::pin(async { Ok(slow_down()) });
+            return Box::pin(async move { Ok(early(slow_down())) });
         }
         metrics.bytes_in.fetch_add(declared_in, Ordering::Relaxed);
         let start = Instant::now();
-        let fut = hyper::service::Service::call(&self.s3, req);
+        let body_done = Arc::new(AtomicBool::new(false));
+        let (idle, done) = (self.body_idle, body_done.clone());
+        let req = req.map(move |inner| {
+            s3s::Body::http_body_unsync(IdleBody {
+                inner,
+                idle,
+                timer: None,
+                done,
+            })
+        });
+        let s3 = self.s3.clone();
         Box::pin(async move {
-            let res = fut.await;
+            let mut res = s3.call(req).await;
             metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+            if let Ok(r) = res.as_mut() {
+                if has_body && !body_done.load(Ordering::Relaxed) {
+                    r.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
+            }
             match &res {
                 Ok(r) => {
                     let out = r
@@ -292,7 +411,9 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
         inflight_max: settings.inflight_requests_max,
         domains: Arc::new(settings.domains.clone()),
         region: Arc::from(settings.region.as_str()),
+        body_idle: settings.body_idle_timeout,
     };
+    let send_idle = settings.send_idle_timeout;
 
     let mut threads = Vec::new();
     for (core, listener) in listeners.into_iter().enumerate() {
@@ -315,6 +436,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
                     rt.block_on(async move {
                         if core == 0 {
                             store.spawn_background(scan);
+                            tokio::spawn(trim_memory());
                         }
                         if let Some(admin) = admin {
                             let listener = TcpListener::from_std(admin)?;
@@ -327,7 +449,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
                             ));
                         }
                         let listener = TcpListener::from_std(listener)?;
-                        serve_core(listener, front, stop).await;
+                        serve_core(listener, front, send_idle, stop).await;
                         Ok::<_, anyhow::Error>(())
                     })
                 })?,
@@ -368,7 +490,28 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
     Ok(())
 }
 
-async fn serve_core(listener: TcpListener, front: Front, mut stop: watch::Receiver<bool>) {
+/// Hands memory the allocator keeps after a burst (request bodies, stripes
+/// queued to slow readers) back to the kernel, so that RSS comes back down
+/// once the clients are gone. glibc returns only the top of each arena by
+/// itself; `malloc_trim` releases the free pages inside them too.
+async fn trim_memory() {
+    loop {
+        tokio::time::sleep(MEMORY_TRIM_INTERVAL).await;
+        #[cfg(target_env = "gnu")]
+        // SAFETY: malloc_trim only returns free pages; it takes the arenas'
+        // locks itself.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+}
+
+async fn serve_core(
+    listener: TcpListener,
+    front: Front,
+    send_idle: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.max_buf_size(REQUEST_HEAD_MAX_BYTES)
@@ -388,10 +531,17 @@ async fn serve_core(listener: TcpListener, front: Front, mut stop: watch::Receiv
                 };
                 // Small responses must not wait for the delayed-ACK timer.
                 let _ = stream.set_nodelay(true);
-                let conn = http.serve_connection(TokioIo::new(stream), front.clone());
+                let state = Arc::new(ConnState::default());
+                let io = ConnIo::new(stream, send_idle, state.clone());
+                let conn = http.serve_connection(TokioIo::new(io), front.clone());
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
-                    if let Err(error) = conn.await {
+                    let mut conn = std::pin::pin!(conn);
+                    if let Err(error) = (&mut conn).await {
+                        // Mid-response this is a body cut short: the socket
+                        // closes with a reset, so the client cannot take the
+                        // truncated body for a whole one.
+                        state.abort();
                         tracing::debug!(%error, "connection ended with an error");
                     }
                 });

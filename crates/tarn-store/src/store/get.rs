@@ -20,8 +20,13 @@ use crate::format::{Layout, PartMeta, Storage, VersionMeta};
 use crate::shard::{ShardError, ShardReader};
 use crate::types::{ByteRange, ObjectInfo, ReadConditions};
 
-/// Stripes read ahead of the consumer; bounds memory per GET.
-const READ_AHEAD_STRIPES: usize = 2;
+/// A GET's data goes to the HTTP layer in pieces of this size, each its own
+/// allocation: what a client that stops reading keeps alive is what is queued
+/// for it plus the one piece being written, not whole stripes.
+const PIECE_BYTES: usize = 256 << 10;
+/// Pieces queued ahead of the consumer (1 MiB): the next stripe is read
+/// while the socket takes the last. Bounds memory per GET.
+const READ_AHEAD_PIECES: usize = 4;
 
 /// The bytes of a GET, produced by a reader task on the same core.
 pub struct ObjectStream {
@@ -31,7 +36,8 @@ pub struct ObjectStream {
 
 enum StreamInner {
     Ready(Option<Bytes>),
-    Channel(mpsc::Receiver<Result<Bytes, StoreError>>),
+    /// The first chunk, read before the response began, then the rest.
+    Channel(Option<Bytes>, mpsc::Receiver<Result<Bytes, StoreError>>),
 }
 
 impl ObjectStream {
@@ -57,7 +63,10 @@ impl Stream for ObjectStream {
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let item = match &mut self.inner {
             StreamInner::Ready(b) => Poll::Ready(b.take().map(Ok)),
-            StreamInner::Channel(rx) => rx.poll_recv(cx),
+            StreamInner::Channel(first, rx) => match first.take() {
+                Some(b) => Poll::Ready(Some(Ok(b))),
+                None => rx.poll_recv(cx),
+            },
         };
         if let Poll::Ready(Some(Ok(b))) = &item {
             self.remaining = self.remaining.saturating_sub(b.len() as u64);
@@ -176,7 +185,7 @@ impl Store {
                 remaining: 0,
             }),
             Storage::Parts(_) => {
-                let (tx, rx) = mpsc::channel(READ_AHEAD_STRIPES);
+                let (tx, mut rx) = mpsc::channel(READ_AHEAD_PIECES);
                 let store = self.clone();
                 let (bucket, key) = (bucket.to_string(), key.to_string());
                 tokio::spawn(async move {
@@ -189,10 +198,19 @@ impl Store {
                         let _ = tx.send(Err(e)).await;
                     }
                 });
-                Ok(ObjectStream {
-                    inner: StreamInner::Channel(rx),
-                    remaining,
-                })
+                // The first stripe is read before the answer starts: a read
+                // that cannot get buffers (503) or finds the object unreadable
+                // is an error response, never a 200 whose body breaks off.
+                match rx.recv().await {
+                    Some(Ok(first)) => Ok(ObjectStream {
+                        inner: StreamInner::Channel(Some(first), rx),
+                        remaining,
+                    }),
+                    Some(Err(e)) => Err(e),
+                    None => Err(StoreError::Io(std::io::Error::other(
+                        "the object's read ended before any data",
+                    ))),
+                }
             }
         }
     }
@@ -309,22 +327,54 @@ impl Store {
             let lo = a.max(j * stripe) - j * stripe;
             let hi = b.min((j + 1) * stripe) - j * stripe;
             let sl = reader.geometry.shard_len(j);
-            let mut out = BytesMut::with_capacity((hi - lo) as usize);
+            let len = (hi - lo) as usize;
+            let pieces = len.div_ceil(PIECE_BYTES).min(READ_AHEAD_PIECES);
+            let piece = len.div_ceil(pieces);
+            // Room in the channel first: while the client is not taking
+            // what is queued, this read holds no pool buffers (they go back
+            // to the pool for other requests) and no data of its own.
+            let permits = match tx.try_reserve_many(pieces) {
+                Ok(p) => p,
+                Err(mpsc::error::TrySendError::Full(())) => {
+                    reader.release_buffers();
+                    match tx.reserve_many(pieces).await {
+                        Ok(p) => p,
+                        Err(_) => return Ok(()), // the client went away
+                    }
+                }
+                Err(mpsc::error::TrySendError::Closed(())) => return Ok(()),
+            };
+            let mut out: Vec<BytesMut> = Vec::with_capacity(pieces);
             {
                 let data = reader.read_stripe(self, j).await?;
+                let mut room = 0;
                 for (i, shard) in data.iter().enumerate() {
                     let s_lo = i as u64 * sl;
                     let s_hi = s_lo + sl;
                     let from = lo.max(s_lo);
                     let to = hi.min(s_hi);
-                    if from < to {
-                        out.extend_from_slice(&shard[(from - s_lo) as usize..(to - s_lo) as usize]);
+                    let mut bytes = if from < to {
+                        &shard[(from - s_lo) as usize..(to - s_lo) as usize]
+                    } else {
+                        &[][..]
+                    };
+                    while !bytes.is_empty() {
+                        if room == 0 {
+                            out.push(BytesMut::with_capacity(piece));
+                            room = piece;
+                        }
+                        let take = room.min(bytes.len());
+                        out.last_mut()
+                            .expect("a piece")
+                            .extend_from_slice(&bytes[..take]);
+                        bytes = &bytes[take..];
+                        room -= take;
                     }
                 }
             }
             *damaged |= reader.damaged;
-            if tx.send(Ok(out.freeze())).await.is_err() {
-                return Ok(()); // the client went away
+            for (permit, p) in permits.zip(out) {
+                permit.send(Ok(p.freeze()));
             }
         }
         *damaged |= reader.damaged;
@@ -378,6 +428,13 @@ impl PartReader {
         let wanted: Vec<usize> = (0..k).collect();
         r.open_shards(store, &wanted).await;
         Ok(r)
+    }
+
+    /// Gives the pool buffers back (they are taken again by the next read).
+    pub(crate) fn release_buffers(&mut self) {
+        for b in &mut self.bufs {
+            *b = None;
+        }
     }
 
     async fn open_shards(&mut self, store: &Store, shards: &[usize]) {

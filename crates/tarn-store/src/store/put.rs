@@ -206,35 +206,43 @@ impl Store {
         }
         check_alive(&writers, quorum)?;
 
+        // A stripe's body bytes are kept as the chunks they came in (the
+        // HTTP layer's own buffers) until the stripe is complete; pool
+        // buffers are taken only then, for the copy into shards, the parity
+        // and the writes, and given back before the next stripe's body is
+        // awaited. A client that stops sending mid-stripe holds no pool
+        // buffer, so slow clients cannot starve the others of the pool.
         let wait = self.buffer_wait();
-        let mut shard_bufs: Vec<PooledBuf> = self.pool().acquire_many(n + 1, wait).await?;
-        let mut stripe_buf = shard_bufs.pop().expect("n + 1 buffers");
+        let mut pending: Vec<Bytes> = Vec::new();
+        let mut pending_len = 0usize;
         let mut size = 0u64;
         loop {
-            // Fill one stripe.
-            stripe_buf.clear();
             let mut ended = false;
-            while stripe_buf.len() < stripe {
+            while pending_len < stripe {
                 match reader.next().await? {
                     None => {
                         ended = true;
                         break;
                     }
                     Some(chunk) => {
-                        let room = stripe - stripe_buf.len();
+                        let room = stripe - pending_len;
                         if chunk.len() > room {
-                            stripe_buf.extend_from_slice(&chunk[..room]);
+                            pending.push(chunk.slice(..room));
                             reader.push_back(chunk.slice(room..));
+                            pending_len += room;
                         } else {
-                            stripe_buf.extend_from_slice(&chunk);
+                            pending_len += chunk.len();
+                            pending.push(chunk);
                         }
                     }
                 }
             }
-            if !stripe_buf.is_empty() {
-                size += stripe_buf.len() as u64;
+            if pending_len > 0 {
+                size += pending_len as u64;
+                let mut shard_bufs: Vec<PooledBuf> = self.pool().acquire_many(n, wait).await?;
                 self.write_stripe(
-                    &stripe_buf,
+                    &pending,
+                    pending_len,
                     &mut shard_bufs,
                     &mut writers,
                     codec.as_ref(),
@@ -242,13 +250,13 @@ impl Store {
                     quorum,
                 )
                 .await?;
+                pending.clear();
+                pending_len = 0;
             }
             if ended {
                 break;
             }
         }
-        drop(stripe_buf);
-        drop(shard_bufs);
 
         // Footers, then the file's fsync and its directory entry's fsync in
         // parallel, concurrently on every drive. Shards are written in place:
@@ -292,9 +300,11 @@ impl Store {
         Ok((data_id, size))
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn write_stripe(
         &self,
-        data: &[u8],
+        chunks: &[Bytes],
+        len: usize,
         shard_bufs: &mut [PooledBuf],
         writers: &mut [Option<ShardWriter>],
         codec: &dyn crate::codec::Codec,
@@ -302,18 +312,29 @@ impl Store {
         quorum: usize,
     ) -> Result<(), StoreError> {
         let g = StripeGeometry {
-            part_size: data.len() as u64,
-            stripe_size: data.len() as u64,
+            part_size: len as u64,
+            stripe_size: len as u64,
             data_shards: k as u64,
         };
-        let sl = g.shard_len_for(data.len() as u64) as usize;
-        for (i, buf) in shard_bufs.iter_mut().enumerate() {
+        let sl = g.shard_len_for(len as u64) as usize;
+        for buf in shard_bufs.iter_mut() {
             buf.clear();
-            if i < k {
-                let lo = (i * sl).min(data.len());
-                let hi = ((i + 1) * sl).min(data.len());
-                buf.extend_from_slice(&data[lo..hi]);
+        }
+        // The chunks, in order, cut into k data shards of sl bytes.
+        let mut shard = 0;
+        for chunk in chunks {
+            let mut c = &chunk[..];
+            while !c.is_empty() {
+                let buf = &mut shard_bufs[shard];
+                let take = (sl - buf.len()).min(c.len());
+                buf.extend_from_slice(&c[..take]);
+                c = &c[take..];
+                if buf.len() == sl {
+                    shard += 1;
+                }
             }
+        }
+        for buf in shard_bufs.iter_mut() {
             // Zero padding of the last data shard, and room for parity.
             let filled = buf.len();
             buf.set_len(sl);

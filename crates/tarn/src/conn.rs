@@ -1,0 +1,215 @@
+//! One S3 client connection's socket, with what the server needs to survive
+//! clients that stop reading or sending (issue 12):
+//!
+//! * a response-send idle timeout: a write that makes no progress for that
+//!   long fails, which ends the connection and frees what the response held;
+//! * an abort is a reset: a connection that ends in error (a response cut
+//!   short by that timeout or by a failed read mid-body) is closed with
+//!   `SO_LINGER` 0, so the client sees a reset, never a clean end of a
+//!   truncated body;
+//! * a normal close drains: after a response that was sent before the
+//!   request's body was read (an early 403 or 503 with `Connection: close`),
+//!   the server shuts its side, then reads and discards what the client still
+//!   sends for a moment before closing. Closing with unread data would make
+//!   the kernel send a reset, and the client could lose the answer.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::Sleep;
+
+/// How long a closing connection keeps reading what the client still sends.
+const DRAIN_MAX: Duration = Duration::from_secs(2);
+/// How much a closing connection reads before giving up and resetting.
+const DRAIN_MAX_BYTES: usize = 4 << 20;
+
+/// What the request side tells the socket: the connection is being aborted.
+#[derive(Debug, Default)]
+pub struct ConnState {
+    abort: AtomicBool,
+}
+
+impl ConnState {
+    /// The connection ends in error: close it with a reset.
+    pub fn abort(&self) {
+        self.abort.store(true, Ordering::Relaxed);
+    }
+
+    fn aborted(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
+    }
+}
+
+pub struct ConnIo {
+    stream: Option<TcpStream>,
+    send_idle: Duration,
+    /// Armed while a write waits for the client to make room.
+    stalled: Option<Pin<Box<Sleep>>>,
+    state: Arc<ConnState>,
+}
+
+impl ConnIo {
+    pub fn new(stream: TcpStream, send_idle: Duration, state: Arc<ConnState>) -> ConnIo {
+        ConnIo {
+            stream: Some(stream),
+            send_idle,
+            stalled: None,
+            state,
+        }
+    }
+
+    fn stream(&mut self) -> Pin<&mut TcpStream> {
+        Pin::new(self.stream.as_mut().expect("stream"))
+    }
+
+    /// After a write returned Pending: Ready(error) once it has waited for
+    /// the whole send idle timeout.
+    fn poll_stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        let idle = self.send_idle;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.state.abort();
+                Poll::Ready(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client read nothing for {}s", idle.as_secs()),
+                ))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn progressed<T>(
+        &mut self,
+        r: Poll<io::Result<T>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<T>> {
+        match r {
+            Poll::Ready(r) => {
+                self.stalled = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.poll_stalled(cx) {
+                Poll::Ready(e) => Poll::Ready(Err(e)),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+use std::future::Future;
+
+impl AsyncRead for ConnIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.stream().poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for ConnIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = self.stream().poll_write(cx, buf);
+        self.progressed(r, cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = self.stream().poll_write_vectored(cx, bufs);
+        self.progressed(r, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = self.stream().poll_flush(cx);
+        self.progressed(r, cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.stream().poll_shutdown(cx)
+    }
+}
+
+impl Drop for ConnIo {
+    fn drop(&mut self) {
+        let Some(stream) = self.stream.take() else {
+            return;
+        };
+        if self.state.aborted() {
+            reset(stream);
+            return;
+        }
+        // Drain on this thread's runtime; without one (shutting down), a
+        // plain close.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(drain(stream));
+        }
+    }
+}
+
+/// Closes with a reset (RST) instead of a clean end (FIN).
+fn reset(stream: TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt on a socket we own, with a live struct of the
+    // size we pass.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+    drop(stream);
+}
+
+/// Shuts the sending side, then reads and discards until the client closes,
+/// a moment passes or too much arrives (then a reset).
+async fn drain(mut stream: TcpStream) {
+    // SAFETY: shutdown(2) of the write side of a socket we own.
+    unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR) };
+    let mut buf = vec![0u8; 64 << 10];
+    let mut read = 0usize;
+    let drained = tokio::time::timeout(DRAIN_MAX, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(n) => {
+                    read += n;
+                    if read > DRAIN_MAX_BYTES {
+                        return false;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    if drained != Ok(true) {
+        reset(stream);
+    }
+}
