@@ -831,40 +831,76 @@ impl ShmTransport {
         Ok(out)
     }
 
-    /// Stores values: as many as fit the put window per request.
+    /// Stores values. They go in requests of up to `PUT_PIPELINE_BYTES`,
+    /// alternating between the two halves of the put window: the client
+    /// copies the next request's values into one half while the daemon
+    /// copies the last request's out of the other, so the two copies of a
+    /// put overlap instead of adding up. A value larger than half the
+    /// window goes alone, through the whole window.
     async fn put(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         let mut out = Vec::with_capacity(items.len());
+        let half = (self.window.len / 2) / WINDOW_ALIGN * WINDOW_ALIGN;
+        let chunk = half.min(PUT_PIPELINE_BYTES);
+        let mut pending: Option<(u64, usize)> = None;
+        let mut region = 0;
         let mut start = 0;
         while start < items.len() {
+            let first = items[start].data.len();
+            if first > self.window.len {
+                return Err(Error::Usage(format!(
+                    "a value of {first} bytes does not fit the {}-byte put window",
+                    self.window.len
+                )));
+            }
+            let alone = first > half;
+            if alone {
+                // The whole window: the daemon must be done with both halves.
+                if let Some((id, n)) = pending.take() {
+                    out.extend(self.finish_put(id, n).await?);
+                }
+            }
+            let (base, limit) = if alone {
+                (0, self.window.len)
+            } else {
+                (region * half, chunk.max(first))
+            };
             let mut used = 0usize;
             let mut end = start;
             while end < items.len() {
                 let at = used.next_multiple_of(WINDOW_ALIGN);
-                if at + items[end].data.len() > self.window.len {
+                if at + items[end].data.len() > limit {
                     break;
                 }
                 used = at + items[end].data.len();
                 end += 1;
             }
-            if end == start {
-                return Err(Error::Usage(format!(
-                    "a value of {} bytes does not fit the {}-byte put window",
-                    items[start].data.len(),
-                    self.window.len
-                )));
+            let id = self.encode_put(ns, &items[start..end], base);
+            if let Some((pid, n)) = pending.take() {
+                out.extend(self.finish_put(pid, n).await?);
             }
-            out.extend(self.put_window(ns, &items[start..end]).await?);
+            self.ch.send(&[]).await?;
+            if alone {
+                out.extend(self.finish_put(id, end - start).await?);
+            } else {
+                pending = Some((id, end - start));
+                region ^= 1;
+            }
             start = end;
+        }
+        if let Some((id, n)) = pending {
+            out.extend(self.finish_put(id, n).await?);
         }
         Ok(out)
     }
 
-    /// One PUT_SHM: the values copied into the window (checksummed as they
-    /// are copied), then the daemon copies them out into its arena.
-    async fn put_window(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    /// Copies values into the window from `base` on (checksumming as they
+    /// are copied) and builds their PUT_SHM in the channel's buffer; returns
+    /// its request id. The caller makes sure the daemon is not reading that
+    /// part of the window.
+    fn encode_put(&mut self, ns: &[u8], items: &[PutFrom<'_>], base: usize) -> u64 {
         let id = self.ch.begin(Op::PutShm);
         put_batch_head(&mut self.ch.out, ns, items.len(), 0);
-        let mut at = 0usize;
+        let mut at = base;
         for it in items {
             at = at.next_multiple_of(WINDOW_ALIGN);
             let len = it.data.len();
@@ -881,11 +917,18 @@ impl ShmTransport {
             .encode(&mut self.ch.out);
             at += len;
         }
-        self.ch.send(&[]).await?;
+        id
+    }
+
+    async fn finish_put(&mut self, id: u64, count: usize) -> Result<Vec<Status>> {
         self.ch.recv(id, Op::PutShm).await?;
-        decode_statuses(&self.ch.inp, items.len()).map_err(proto)
+        decode_statuses(&self.ch.inp, count).map_err(proto)
     }
 }
+
+/// Most bytes of one PUT_SHM request when a put is split to overlap the
+/// client's and the daemon's copies.
+const PUT_PIPELINE_BYTES: usize = 1 << 20;
 
 /// A way to reach the KV server. Every transport speaks the same protocol
 /// (`tarn_kv::proto`); they differ in how values move: inside the frames

@@ -2014,3 +2014,61 @@ fn idle_and_half_sent_connections_time_out() {
     expect_error(&mut s, ErrorCode::Denied);
     assert_closed(&mut s);
 }
+
+/// Shared-memory puts larger than the put window go in several requests,
+/// alternating between the window's halves (the client fills one while the
+/// daemon copies out of the other); a value larger than half the window
+/// goes alone (the window is never smaller than the largest value the server
+/// takes). Every value reads back whole.
+#[test]
+fn puts_through_a_small_window() {
+    let (_engine, server) = start(small_config());
+    let mut c = connect_with(
+        &server,
+        ConnectOptions {
+            transport: TransportChoice::Shm,
+            namespace: b"window".to_vec(),
+            put_window_bytes: 1 << 20,
+            ..Default::default()
+        },
+    );
+    assert_eq!(c.transport(), TransportKind::Shm);
+    // 40 × 100 KiB (4 MiB through a 1 MiB window), a 700 KiB one in the
+    // middle, and a last one that fills the window exactly.
+    let mut sizes: Vec<usize> = vec![100 << 10; 40];
+    sizes.insert(17, 700 << 10);
+    sizes.push(1 << 20);
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| value(i as u64, n))
+        .collect();
+    let items: Vec<PutFrom> = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| PutFrom {
+            digest: digest(i as u64),
+            data: v,
+        })
+        .collect();
+    assert_eq!(c.put_from(&items).unwrap(), vec![Status::Ok; items.len()]);
+    for (i, v) in values.iter().enumerate() {
+        let mut buf = vec![0u8; v.len()];
+        let r = c
+            .get_into(&mut [GetInto::whole(digest(i as u64), &mut buf)])
+            .unwrap();
+        assert_eq!(r[0].status, Status::Ok, "value {i}");
+        assert!(buf == *v, "value {i} differs");
+    }
+    let too_big = vec![1u8; (1 << 20) + 1];
+    let e = c
+        .put_from(&[PutFrom {
+            digest: digest(999),
+            data: &too_big,
+        }])
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("exceeds the server's maximum"),
+        "{e}"
+    );
+}
