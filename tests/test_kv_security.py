@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import tarn
 import tarn.kv as kv
 from tarnproc import BIN
 
@@ -76,6 +77,7 @@ def test_tenants_from_the_configuration_are_kept_apart(tenants_server, transport
         with pytest.raises(kv.KvPermissionError) as e:
             call()
         assert isinstance(e.value, PermissionError)
+        assert isinstance(e.value, tarn.KvPermissionError)
         assert "not granted" in str(e.value) or "denied" in str(e.value).lower()
     # Alice's blocks are intact.
     bufs = [bytearray(500) for _ in ks]

@@ -5,7 +5,13 @@ connector (imported only by vLLM).
 """
 
 from . import errors, kv
-from .errors import KvConnectionError, KvProtocolError, KvServerError, TarnError
+from .errors import (
+    KvConnectionError,
+    KvPermissionError,
+    KvProtocolError,
+    KvServerError,
+    TarnError,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -14,5 +20,6 @@ __all__ = [
     "TarnError",
     "KvConnectionError",
     "KvServerError",
+    "KvPermissionError",
     "KvProtocolError",
 ]
