@@ -190,7 +190,9 @@ def test_lost_drives_between_restarts_and_heal(make_server):
     s3 = server.client()
     for k, b in bodies.items():
         assert s3.get_object(Bucket="heal", Key=k)["Body"].read() == b
-    assert requests.get(f"{server.admin}/health/ready").status_code == 200
+    ready = requests.get(f"{server.admin}/health/ready")
+    assert ready.status_code == 200 and ready.text.startswith("degraded: 1 of 4 drives offline"), ready.text
+    assert server.drives[1] in ready.text
     drives = requests.get(f"{server.admin}/admin/drives", headers={"Authorization": f"Bearer {SECRET_KEY}"}).json()
     assert [d["online"] for d in drives] == [True, False, True, True]
     assert "missing" in drives[1]["reason"]
@@ -222,7 +224,8 @@ def test_metrics_and_health(server):
     with pytest.raises(botocore.exceptions.ClientError):
         s3.get_object(Bucket="met", Key="missing")
     assert requests.get(f"{server.admin}/health/live").status_code == 200
-    assert requests.get(f"{server.admin}/health/ready").status_code == 200
+    ready = requests.get(f"{server.admin}/health/ready")
+    assert (ready.status_code, ready.text) == (200, "ready\n")
     m = requests.get(f"{server.admin}/metrics").text
     assert 'tarn_requests_total{op="PutObject",status="200"} 1' in m
     assert 'tarn_requests_total{op="GetObject",status="404"} 1' in m

@@ -54,8 +54,30 @@ async fn handle(
     let r = match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
         ("GET", "/health/ready") => {
-            if store.is_ready() {
+            let offline: Vec<String> = store
+                .drive_status()
+                .into_iter()
+                .filter(|d| !d.online)
+                .map(|d| match d.reason {
+                    Some(r) => format!("{} ({r})", d.path),
+                    None => d.path,
+                })
+                .collect();
+            if store.is_ready() && offline.is_empty() {
                 text(200, "text/plain", "ready\n".into())
+            } else if store.is_ready() {
+                // Serving, with less redundancy than configured: ready for
+                // traffic, and saying what is missing.
+                text(
+                    200,
+                    "text/plain",
+                    format!(
+                        "degraded: {} of {} drives offline: {}\n",
+                        offline.len(),
+                        store.drive_status().len(),
+                        offline.join(", ")
+                    ),
+                )
             } else {
                 text(
                     503,
