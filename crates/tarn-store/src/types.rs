@@ -249,6 +249,8 @@ pub struct DriveStatus {
     pub path: String,
     pub set_index: usize,
     pub online: bool,
+    /// Taken out while running after an I/O error (retried until it works).
+    pub faulty: bool,
     pub reason: Option<String>,
 }
 

@@ -107,10 +107,17 @@ async fn handle(
                 .into_iter()
                 .map(|d| {
                     format!(
-                        "{{\"path\":\"{}\",\"set\":{},\"online\":{},\"reason\":{}}}",
+                        "{{\"path\":\"{}\",\"set\":{},\"online\":{},\"state\":\"{}\",\"reason\":{}}}",
                         json_escape(&d.path),
                         d.set_index,
                         d.online,
+                        if d.online {
+                            "online"
+                        } else if d.faulty {
+                            "faulty"
+                        } else {
+                            "offline"
+                        },
                         d.reason
                             .map(|r| format!("\"{}\"", json_escape(&r)))
                             .unwrap_or_else(|| "null".into())

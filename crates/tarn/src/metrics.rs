@@ -85,7 +85,7 @@ impl Metrics {
         drop(ops);
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 8] = [
+        let scalars: [(&str, &str, &str, u64); 10] = [
             (
                 "tarn_request_bytes_in_total",
                 "Declared request body bytes.",
@@ -134,6 +134,18 @@ impl Metrics {
                 "counter",
                 load(&st.shards_rebuilt),
             ),
+            (
+                "tarn_drive_faults_total",
+                "Drives taken out while running after an I/O error.",
+                "counter",
+                load(&st.drive_faults),
+            ),
+            (
+                "tarn_drive_rejoins_total",
+                "Drives that worked again and rejoined while running.",
+                "counter",
+                load(&st.drive_rejoins),
+            ),
         ];
         for (name, help, kind, v) in scalars {
             let _ = writeln!(
@@ -142,7 +154,7 @@ impl Metrics {
             );
         }
         out.push_str(
-            "# HELP tarn_drive_online Whether a drive is online.\n# TYPE tarn_drive_online gauge\n",
+            "# HELP tarn_drive_online Whether a drive is in use (0: offline since start, or faulty).\n# TYPE tarn_drive_online gauge\n",
         );
         for d in store.drive_status() {
             let _ = writeln!(

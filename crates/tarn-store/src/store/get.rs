@@ -226,7 +226,7 @@ impl Store {
     ) -> Result<Vec<u8>, StoreError> {
         let mut bad = false;
         for pos in 0..self.set_size(set) {
-            let Some(db) = self.slot(set, pos).db.clone() else {
+            let Some(db) = self.slot(set, pos).db() else {
                 continue;
             };
             let (b, k, vid, mt) = (
@@ -442,7 +442,7 @@ impl PartReader {
         let (first, last) = (self.first, self.last);
         let opens = shards.iter().map(|&i| {
             let slot = store.slot(self.set, self.layout.distribution[i] as usize);
-            let online = slot.db.is_some();
+            let online = slot.online();
             let path = slot.paths.shard(&self.data_id);
             async move {
                 if !online {
@@ -468,8 +468,7 @@ impl PartReader {
                     if !matches!(e, ShardError::Missing)
                         || store
                             .slot(self.set, self.layout.distribution[i] as usize)
-                            .db
-                            .is_some()
+                            .online()
                     {
                         tracing::warn!(shard = i, error = %e, "shard unusable, reconstructing from parity");
                     }

@@ -35,7 +35,7 @@ impl Store {
             .iter()
             .map(|(n, r)| (n.clone(), r.clone()))
             .collect();
-        for d in self.drives.iter().filter_map(|d| d.db.clone()) {
+        for d in self.drives.iter().filter_map(|d| d.db()) {
             let buckets = buckets.clone();
             let healed = run_blocking(move || {
                 let have: Vec<(String, crate::format::BucketRecord)> =
@@ -61,7 +61,7 @@ impl Store {
         for (bucket, _) in &buckets {
             for set in 0..self.sets.len() {
                 let dbs: Vec<_> = (0..self.set_size(set))
-                    .filter_map(|p| self.slot(set, p).db.clone())
+                    .filter_map(|p| self.slot(set, p).db())
                     .collect();
                 let b = bucket.clone();
                 let keys = run_blocking(move || {
@@ -86,6 +86,8 @@ impl Store {
                             report.objects_scanned += 1;
                             report.shards_rebuilt += r.shards_rebuilt;
                             report.metadata_rewritten += r.metadata_rewritten;
+                            // Drives the object could not be rewritten on.
+                            report.failures += r.failures;
                             if r.shards_rebuilt + r.metadata_rewritten > 0 {
                                 report.objects_healed += 1;
                             }
@@ -116,12 +118,7 @@ impl Store {
         let mut removed = 0;
         for set in 0..self.sets.len() {
             let members: Vec<_> = (0..self.set_size(set))
-                .map(|p| {
-                    (
-                        self.slot(set, p).db.clone(),
-                        self.slot(set, p).paths.clone(),
-                    )
-                })
+                .map(|p| (self.slot(set, p).db(), self.slot(set, p).paths.clone()))
                 .collect();
             let inflight = self.inflight_data.clone();
             removed += run_blocking(move || {
@@ -194,7 +191,7 @@ impl Store {
                 }
                 let mut good = None;
                 for pos in 0..self.set_size(set) {
-                    let Some(db) = self.slot(set, pos).db.clone() else {
+                    let Some(db) = self.slot(set, pos).db() else {
                         continue;
                     };
                     let (b, k, vid, mt) = (
@@ -219,7 +216,7 @@ impl Store {
         }
 
         for (pos, current) in records.iter().enumerate() {
-            let Some(db) = self.slot(set, pos).db.clone() else {
+            let Some(db) = self.slot(set, pos).db() else {
                 continue;
             };
             let meta_ok = matches!(current, Ok(Some(r)) if *r == merged)
@@ -281,7 +278,7 @@ impl Store {
         let mut bad = Vec::new();
         for (shard, &pos) in layout.distribution.iter().enumerate() {
             let slot = self.slot(set, pos as usize);
-            if slot.db.is_none() {
+            if !slot.online() {
                 continue;
             }
             let ok = match ShardReader::open(&slot.paths.shard(&part.data_id), g).await {

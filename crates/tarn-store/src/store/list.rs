@@ -169,7 +169,7 @@ impl Store {
         (0..self.sets.len())
             .map(|s| SetDrives {
                 dbs: (0..self.set_size(s))
-                    .filter_map(|p| self.slot(s, p).db.clone())
+                    .filter_map(|p| self.slot(s, p).db())
                     .collect(),
                 quorum: self.meta_read_quorum(self.set_size(s)),
             })

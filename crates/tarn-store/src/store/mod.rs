@@ -42,12 +42,106 @@ pub const KEY_MAX_BYTES: usize = 1024;
 const HEAL_QUEUE_MAX: usize = 10_000;
 
 pub(crate) struct DriveSlot {
-    /// Held for the store's life: one process per drive.
-    pub _lock: Option<drive::DriveLock>,
+    /// Held for the store's life: one process per drive (taken again when a
+    /// wiped drive rejoins).
+    pub lock: Mutex<Option<drive::DriveLock>>,
     pub paths: DrivePaths,
-    pub db: Option<Arc<DriveDb>>,
-    pub reason: Option<String>,
+    state: std::sync::RwLock<SlotState>,
     pub set_index: usize,
+    /// Where the drive belongs (deployment, set, position): a drive rejoins
+    /// while running only if its format says so, or it is empty.
+    pub expected: DriveFormat,
+}
+
+/// Whether a drive is in use, and why not.
+struct SlotState {
+    db: Option<Arc<DriveDb>>,
+    reason: Option<String>,
+    /// Taken out while running (an I/O error): probed until it works again.
+    faulty: bool,
+}
+
+impl DriveSlot {
+    fn new(
+        lock: Option<drive::DriveLock>,
+        paths: DrivePaths,
+        set_index: usize,
+        expected: DriveFormat,
+        opened: Result<DriveDb, String>,
+    ) -> DriveSlot {
+        let (db, reason) = match opened {
+            Ok(db) => (Some(Arc::new(db)), None),
+            Err(r) => (None, Some(r)),
+        };
+        DriveSlot {
+            lock: Mutex::new(lock),
+            paths,
+            state: std::sync::RwLock::new(SlotState {
+                db,
+                reason,
+                faulty: false,
+            }),
+            set_index,
+            expected,
+        }
+    }
+
+    /// The drive's metadata index, while the drive is in use.
+    pub fn db(&self) -> Option<Arc<DriveDb>> {
+        self.state.read().expect("drive state").db.clone()
+    }
+
+    pub fn online(&self) -> bool {
+        self.state.read().expect("drive state").db.is_some()
+    }
+
+    pub fn reason(&self) -> Option<String> {
+        self.state.read().expect("drive state").reason.clone()
+    }
+
+    fn faulty(&self) -> bool {
+        self.state.read().expect("drive state").faulty
+    }
+}
+
+/// How often drives taken out while running are tried again.
+const DRIVE_PROBE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Whether a drive taken out while running works again: it is where it was
+/// (or an empty directory, which is formatted for its place and healed),
+/// its tmp directory takes a write and an fsync, and its metadata index
+/// opens. True in the second place when it came back empty.
+fn rejoin(slot_root: &std::path::Path, expected: &DriveFormat) -> Result<(DriveDb, bool), String> {
+    let paths = DrivePaths {
+        root: slot_root.to_path_buf(),
+    };
+    let wiped = match drive::probe(slot_root) {
+        DriveProbe::Missing => return Err("drive directory is missing".into()),
+        DriveProbe::Unusable(reason) => return Err(reason),
+        DriveProbe::Empty => {
+            let mut fresh = expected.clone();
+            fresh.drive_id = new_id();
+            drive::format_drive(slot_root, &fresh).map_err(|e| e.to_string())?;
+            true
+        }
+        DriveProbe::Formatted(f) => {
+            if f.deployment_id != expected.deployment_id
+                || f.set_index != expected.set_index
+                || f.drive_index != expected.drive_index
+            {
+                return Err("a different drive is mounted here".into());
+            }
+            false
+        }
+    };
+    clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
+    // Where shards are written, too: the fault may have been there only.
+    for dir in [paths.tmp_dir(), paths.data_dir()] {
+        std::fs::create_dir_all(&dir).map_err(|e| format!("drive is not writable: {e}"))?;
+        probe_writable(&dir).map_err(|e| format!("drive is not writable: {e}"))?;
+    }
+    let db = DriveDb::open(slot_root).map_err(|e| e.to_string())?;
+    Ok((db, wiped))
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -63,6 +157,9 @@ pub struct StoreStats {
     pub heal_dropped: AtomicU64,
     pub shards_reconstructed: AtomicU64,
     pub shards_rebuilt: AtomicU64,
+    /// Drives taken out while running after an I/O error, and brought back.
+    pub drive_faults: AtomicU64,
+    pub drive_rejoins: AtomicU64,
 }
 
 /// Data ids whose shards are being written and not yet committed (or cleaned
@@ -332,31 +429,16 @@ impl Store {
                 DriveDb::open(path).map_err(|e| e.to_string())
             });
             let lock = locks[i].take();
-            match opened {
-                Ok(db) => drives.push(DriveSlot {
-                    _lock: lock,
-                    paths,
-                    db: Some(Arc::new(db)),
-                    reason: None,
-                    set_index,
-                }),
-                Err(reason) => {
-                    tracing::error!(drive = %path.display(), %reason, "drive offline");
-                    drives.push(DriveSlot {
-                        _lock: lock,
-                        paths,
-                        db: None,
-                        reason: Some(reason),
-                        set_index,
-                    });
-                }
+            if let Err(reason) = &opened {
+                tracing::error!(drive = %path.display(), %reason, "drive offline");
             }
+            drives.push(DriveSlot::new(lock, paths, set_index, want, opened));
         }
         let sets: Vec<Vec<usize>> = (0..set_count)
             .map(|s| (s * set_size..(s + 1) * set_size).collect())
             .collect();
         for (s, members) in sets.iter().enumerate() {
-            let online = members.iter().filter(|&&d| drives[d].db.is_some()).count();
+            let online = members.iter().filter(|&&d| drives[d].online()).count();
             if online < set_size / 2 + 1 {
                 tracing::error!(
                     set = s,
@@ -377,7 +459,7 @@ impl Store {
             .iter()
             .enumerate()
             .filter(|(i, _)| !fresh[*i])
-            .filter_map(|(_, d)| d.db.as_ref())
+            .filter_map(|(_, d)| d.db())
         {
             if let Ok(list) = d.buckets() {
                 answered += 1;
@@ -444,8 +526,9 @@ impl Store {
             .map(|d| DriveStatus {
                 path: d.paths.root.display().to_string(),
                 set_index: d.set_index,
-                online: d.db.is_some(),
-                reason: d.reason.clone(),
+                online: d.online(),
+                faulty: d.faulty(),
+                reason: d.reason(),
             })
             .collect()
     }
@@ -458,10 +541,7 @@ impl Store {
     }
 
     fn online_count(&self, members: &[usize]) -> usize {
-        members
-            .iter()
-            .filter(|&&d| self.drives[d].db.is_some())
-            .count()
+        members.iter().filter(|&&d| self.drives[d].online()).count()
     }
 
     pub(crate) fn meta_write_quorum(&self, set_size: usize) -> usize {
@@ -545,6 +625,61 @@ impl Store {
                 distribution,
             },
         )
+    }
+
+    /// An I/O error on a drive while running: the drive is taken out (reads
+    /// reconstruct from the others, writes go to the others while quorum
+    /// holds) and tried again every few seconds until it works.
+    pub(crate) fn drive_failed(&self, slot: &DriveSlot, what: &str, error: &dyn std::fmt::Display) {
+        let mut st = slot.state.write().expect("drive state");
+        if st.db.is_none() {
+            return;
+        }
+        let reason = format!("{what}: {error}");
+        tracing::error!(drive = %slot.paths.root.display(), %reason, "drive faulty: taken out until it works again");
+        st.db = None;
+        st.faulty = true;
+        st.reason = Some(reason);
+        self.stats.drive_faults.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Tries every drive taken out while running; one that works again
+    /// rejoins (and is healed).
+    async fn probe_faulty_drives(self: &Arc<Self>) {
+        for i in 0..self.drives.len() {
+            let slot = &self.drives[i];
+            if !slot.faulty() || slot.online() {
+                continue;
+            }
+            let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
+            let r = run_blocking(move || Ok(rejoin(&root, &expected))).await;
+            let r = r.unwrap_or_else(|e| Err(e.to_string()));
+            let mut st = slot.state.write().expect("drive state");
+            match r {
+                Ok((db, wiped)) => {
+                    if wiped {
+                        // The old lock file went with the old contents.
+                        if let Ok(lock) = drive::lock(&slot.paths.root) {
+                            *slot.lock.lock().expect("drive lock") = lock;
+                        }
+                    }
+                    st.db = Some(Arc::new(db));
+                    st.faulty = false;
+                    st.reason = None;
+                    drop(st);
+                    self.stats.drive_rejoins.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(drive = %slot.paths.root.display(), wiped, "drive works again: back online; healing");
+                    let store = self.clone();
+                    tokio::spawn(async move {
+                        let report = store.heal_all().await;
+                        tracing::info!(?report, "heal after a drive rejoined finished");
+                    });
+                }
+                Err(reason) => {
+                    st.reason = Some(format!("faulty, still failing: {reason}"));
+                }
+            }
+        }
     }
 
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
@@ -655,6 +790,14 @@ impl Store {
                 }
             }
         });
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(DRIVE_PROBE_INTERVAL).await;
+                let Some(store) = weak.upgrade() else { return };
+                store.probe_faulty_drives().await;
+            }
+        });
         if let Some(every) = scan_interval {
             let weak = Arc::downgrade(self);
             tokio::spawn(async move {
@@ -681,7 +824,7 @@ impl Store {
     }
 
     fn all_online(&self) -> Vec<Arc<DriveDb>> {
-        self.drives.iter().filter_map(|d| d.db.clone()).collect()
+        self.drives.iter().filter_map(|d| d.db()).collect()
     }
 
     async fn write_bucket_everywhere(
@@ -831,7 +974,7 @@ impl Store {
         // One blocking task reads every drive of the set: the records are small
         // and usually cached, so one thread hand-off beats one per drive.
         let dbs: Vec<Option<Arc<DriveDb>>> = (0..self.set_size(set))
-            .map(|pos| self.slot(set, pos).db.clone())
+            .map(|pos| self.slot(set, pos).db())
             .collect();
         let n = dbs.len();
         let (b, k) = (bucket.to_string(), key.to_string());
@@ -898,16 +1041,20 @@ impl Store {
         w: ObjectWrite,
     ) -> Result<usize, StoreError> {
         let w = Arc::new(w);
-        let futs = (0..self.set_size(set))
-            .filter_map(|pos| self.slot(set, pos).db.clone())
-            .map(|db| {
-                let (b, k, w) = (bucket.to_string(), key.to_string(), w.clone());
-                run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
-            });
+        let targets: Vec<(usize, Arc<DriveDb>)> = (0..self.set_size(set))
+            .filter_map(|pos| self.slot(set, pos).db().map(|db| (pos, db)))
+            .collect();
+        let futs = targets.iter().map(|(_, db)| {
+            let (b, k, w, db) = (bucket.to_string(), key.to_string(), w.clone(), db.clone());
+            run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
+        });
         let results = futures::future::join_all(futs).await;
         let ok = results.iter().filter(|r| r.is_ok()).count();
-        for e in results.iter().filter_map(|r| r.as_ref().err()) {
-            tracing::error!(%bucket, %key, error = %e, "metadata write failed on a drive");
+        for ((pos, _), r) in targets.iter().zip(&results) {
+            if let Err(e) = r {
+                tracing::error!(%bucket, %key, error = %e, "metadata write failed on a drive");
+                self.drive_failed(self.slot(set, *pos), "metadata write", e);
+            }
         }
         let quorum = self.meta_write_quorum(self.set_size(set));
         if ok < quorum {
@@ -1024,7 +1171,7 @@ impl Store {
             return;
         }
         let paths: Vec<PathBuf> = (0..self.set_size(set))
-            .filter(|&pos| self.slot(set, pos).db.is_some())
+            .filter(|&pos| self.slot(set, pos).online())
             .flat_map(|pos| {
                 let p = self.slot(set, pos).paths.clone();
                 data_ids
@@ -1270,7 +1417,7 @@ impl Store {
             let items = Arc::new(items);
             for chunk_start in (0..items.len()).step_by(50_000) {
                 let futs = (0..self.set_size(set))
-                    .filter_map(|p| self.slot(set, p).db.clone())
+                    .filter_map(|p| self.slot(set, p).db())
                     .map(|db| {
                         let (b, items) = (bucket.to_string(), items.clone());
                         run_blocking(move || {

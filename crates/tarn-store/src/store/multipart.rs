@@ -49,7 +49,7 @@ impl Store {
             layout,
         };
         let futs = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).db.clone())
+            .filter_map(|p| self.slot(set, p).db())
             .map(|db| {
                 let (b, k, r) = (bucket.to_string(), key.to_string(), rec.clone());
                 run_blocking(move || db.put_upload(&b, &k, &r).map_err(std::io::Error::other))
@@ -79,7 +79,7 @@ impl Store {
         upload_id: &Id128,
     ) -> Result<UploadRecord, StoreError> {
         let futs = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).db.clone())
+            .filter_map(|p| self.slot(set, p).db())
             .map(|db| {
                 let (b, k, id) = (bucket.to_string(), key.to_string(), *upload_id);
                 run_blocking(move || Ok(db.upload(&b, &k, &id)))
@@ -106,7 +106,7 @@ impl Store {
         upload_id: &Id128,
     ) -> Result<BTreeMap<u32, UploadPartRecord>, StoreError> {
         let futs = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).db.clone())
+            .filter_map(|p| self.slot(set, p).db())
             .map(|db| {
                 let id = *upload_id;
                 run_blocking(move || Ok(db.parts(&id)))
@@ -195,7 +195,7 @@ impl Store {
             self.upload(set, bucket, key, &id).await?;
             let previous = self.upload_parts(set, &id).await?.remove(&number);
             let futs = (0..self.set_size(set))
-                .filter_map(|p| self.slot(set, p).db.clone())
+                .filter_map(|p| self.slot(set, p).db())
                 .map(|db| {
                     let r = rec.clone();
                     run_blocking(move || db.put_part(&id, &r).map_err(std::io::Error::other))
@@ -283,7 +283,7 @@ impl Store {
         let parts = self.upload_parts(set, &id).await?;
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let futs = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).db.clone())
+            .filter_map(|p| self.slot(set, p).db())
             .map(|db| {
                 let (b, k, n) = (bucket.to_string(), key.to_string(), numbers.clone());
                 run_blocking(move || {
@@ -416,7 +416,7 @@ impl Store {
         max: usize,
     ) -> Result<(Vec<UploadInfo>, Vec<String>, bool), StoreError> {
         self.bucket_record(bucket)?;
-        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db.clone()).collect();
+        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
         let (b, p) = (bucket.to_string(), prefix.to_string());
         let all = run_blocking(move || {
             let mut seen: BTreeMap<(String, u64, String), ()> = BTreeMap::new();

@@ -192,7 +192,7 @@ impl Store {
         let mut writers: Vec<Option<ShardWriter>> = Vec::with_capacity(n);
         for (shard, &pos) in layout.distribution.iter().enumerate() {
             let slot = self.slot(set, pos as usize);
-            if slot.db.is_none() {
+            if !slot.online() {
                 writers.push(None);
                 continue;
             }
@@ -200,11 +200,17 @@ impl Store {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
                     tracing::error!(drive = %slot.paths.root.display(), %error, "cannot create shard file");
+                    self.drive_failed(slot, "creating a shard file", &error);
                     writers.push(None);
                 }
             }
         }
         check_alive(&writers, quorum)?;
+        let slots: Vec<&super::DriveSlot> = layout
+            .distribution
+            .iter()
+            .map(|&pos| self.slot(set, pos as usize))
+            .collect();
 
         // A stripe's body bytes are kept as the chunks they came in (the
         // HTTP layer's own buffers) until the stripe is complete; pool
@@ -245,6 +251,7 @@ impl Store {
                     pending_len,
                     &mut shard_bufs,
                     &mut writers,
+                    &slots,
                     codec.as_ref(),
                     k,
                     quorum,
@@ -262,29 +269,26 @@ impl Store {
         // parallel, concurrently on every drive. Shards are written in place:
         // nothing refers to them until the metadata commits, and the orphan
         // sweep never touches a data id that is still being written.
-        let finishing = writers
-            .iter_mut()
-            .zip(&layout.distribution)
-            .map(|(w, &pos)| {
-                let dir = self
-                    .slot(set, pos as usize)
-                    .paths
-                    .shard(&data_id)
-                    .parent()
-                    .map(std::path::Path::to_path_buf);
-                async move {
-                    let Some(writer) = w.take() else { return false };
-                    let Some(dir) = dir else { return false };
-                    let (file, entry) = futures::join!(writer.finish(), sync_dir_async(&dir));
-                    match file.and(entry) {
-                        Ok(()) => true,
-                        Err(error) => {
-                            tracing::error!(%error, "finishing shard file failed");
-                            false
-                        }
+        let finishing = writers.iter_mut().zip(&slots).map(|(w, slot)| {
+            let dir = slot
+                .paths
+                .shard(&data_id)
+                .parent()
+                .map(std::path::Path::to_path_buf);
+            async move {
+                let Some(writer) = w.take() else { return false };
+                let Some(dir) = dir else { return false };
+                let (file, entry) = futures::join!(writer.finish(), sync_dir_async(&dir));
+                match file.and(entry) {
+                    Ok(()) => true,
+                    Err(error) => {
+                        tracing::error!(drive = %slot.paths.root.display(), %error, "finishing shard file failed");
+                        self.drive_failed(slot, "finishing a shard file", &error);
+                        false
                     }
                 }
-            });
+            }
+        });
         let renamed = futures::future::join_all(finishing)
             .await
             .into_iter()
@@ -307,6 +311,7 @@ impl Store {
         len: usize,
         shard_bufs: &mut [PooledBuf],
         writers: &mut [Option<ShardWriter>],
+        slots: &[&super::DriveSlot],
         codec: &dyn crate::codec::Codec,
         k: usize,
         quorum: usize,
@@ -351,12 +356,14 @@ impl Store {
         let writes = writers
             .iter_mut()
             .zip(shard_bufs.iter_mut())
-            .map(|(w, pooled)| async move {
+            .zip(slots)
+            .map(|((w, pooled), slot)| async move {
                 let Some(writer) = w.as_mut() else { return };
                 let (res, buf) = writer.write_block(pooled.take()).await;
                 pooled.restore(buf);
                 if let Err(error) = res {
-                    tracing::error!(%error, "shard write failed; continuing without this drive");
+                    tracing::error!(drive = %slot.paths.root.display(), %error, "shard write failed; continuing without this drive");
+                    self.drive_failed(slot, "writing a shard", &error);
                     *w = None;
                 }
             });
