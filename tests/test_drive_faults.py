@@ -103,3 +103,51 @@ def test_an_unwritable_drive_is_taken_out_and_rejoins(make_server):
     s3 = server.client()
     for k, b in {**before, **during}.items():
         assert s3.get_object(Bucket="faults", Key=k)["Body"].read() == b
+
+
+def test_a_full_drive_keeps_serving_reads_and_deletes(tmp_path):
+    from tarnproc import Server
+
+    root = tmp_path / "full"
+    small = root / "d1"
+    small.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(small)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {r.stderr}")
+    server = None
+    try:
+        cfg = tmp_path / "full.toml"
+        cfg.write_text("drive_reserve_bytes = 4194304\n")
+        server = Server(str(root), drives=4, extra_args=["--config", str(cfg)],
+                        expected_errors=[r"drive full", r"no space left", r"shard write failed"])  # fmt: skip
+        s3 = server.client()
+        s3.create_bucket(Bucket="full")
+        # ~1.5 MiB per object lands on each drive: the 40 MiB one fills up
+        # after ~20 objects; the rest go to the other three (write quorum).
+        bodies = {f"k{i:02}": os.urandom(3 * MiB + i) for i in range(32)}
+        for k, b in bodies.items():
+            s3.put_object(Bucket="full", Key=k, Body=b)
+        state = drives(server)[1]
+        assert state["online"] is True and state["state"] == "full", state
+        ready = requests.get(f"{server.admin}/health/ready")
+        assert ready.status_code == 200 and "full" in ready.text, ready.text
+        # Still in service: reads, and DELETEs (which write metadata to it).
+        for k, b in bodies.items():
+            assert s3.get_object(Bucket="full", Key=k)["Body"].read() == b
+        doomed = sorted(bodies)[:20]
+        r = s3.delete_objects(Bucket="full", Delete={"Objects": [{"Key": k} for k in doomed]})
+        assert sorted(d["Key"] for d in r["Deleted"]) == doomed and not r.get("Errors"), r
+        for k in doomed:
+            s3.delete_object(Bucket="full", Key=k)  # idempotent, and a single DELETE works too
+        # The space came back: the drive takes new data again.
+        wait_for("the drive to have room", lambda: drives(server)[1]["state"] == "online")
+        s3.put_object(Bucket="full", Key="after", Body=b"x" * (3 * MiB))
+        left = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="full")["Contents"])
+        assert left == sorted((set(bodies) - set(doomed)) | {"after"})
+        for k in left:
+            if k != "after":
+                assert s3.get_object(Bucket="full", Key=k)["Body"].read() == bodies[k]
+    finally:
+        if server is not None:
+            server.stop()
+        subprocess.run(["umount", str(small)], capture_output=True)

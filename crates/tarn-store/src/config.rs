@@ -35,6 +35,10 @@ pub struct StoreConfig {
     pub object_size_max_bytes: u64,
     pub part_size_min_bytes: u64,
     pub part_count_max: u32,
+    /// Free space kept on every drive: below it a drive takes no new shard
+    /// data (it still serves reads and takes metadata, so DELETEs can free
+    /// space). None: 2% of the drive, at most 1 GiB.
+    pub drive_reserve_bytes: Option<u64>,
 }
 
 impl Default for StoreConfig {
@@ -54,6 +58,7 @@ impl Default for StoreConfig {
             object_size_max_bytes: 5 << 40,
             part_size_min_bytes: 5 << 20,
             part_count_max: 10_000,
+            drive_reserve_bytes: None,
         }
     }
 }

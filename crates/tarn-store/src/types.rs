@@ -251,6 +251,8 @@ pub struct DriveStatus {
     pub online: bool,
     /// Taken out while running after an I/O error (retried until it works).
     pub faulty: bool,
+    /// In use, but below its free-space reserve: no new data goes to it.
+    pub full: bool,
     pub reason: Option<String>,
 }
 

@@ -57,8 +57,9 @@ async fn handle(
             let offline: Vec<String> = store
                 .drive_status()
                 .into_iter()
-                .filter(|d| !d.online)
+                .filter(|d| !d.online || d.full)
                 .map(|d| match d.reason {
+                    _ if d.online => format!("{} (full: below its free-space reserve)", d.path),
                     Some(r) => format!("{} ({r})", d.path),
                     None => d.path,
                 })
@@ -72,7 +73,7 @@ async fn handle(
                     200,
                     "text/plain",
                     format!(
-                        "degraded: {} of {} drives offline: {}\n",
+                        "degraded: {} of {} drives offline or full: {}\n",
                         offline.len(),
                         store.drive_status().len(),
                         offline.join(", ")
@@ -111,7 +112,9 @@ async fn handle(
                         json_escape(&d.path),
                         d.set_index,
                         d.online,
-                        if d.online {
+                        if d.online && d.full {
+                            "full"
+                        } else if d.online {
                             "online"
                         } else if d.faulty {
                             "faulty"

@@ -31,6 +31,8 @@ pub struct FileConfig {
     pub buffers_per_core: Option<usize>,
     pub scan_interval_secs: Option<u64>,
     pub io_uring: Option<bool>,
+    /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
+    pub drive_reserve_bytes: Option<u64>,
     /// Seconds a request body may send nothing before the request fails.
     pub request_body_idle_timeout_secs: Option<u64>,
     /// Seconds a response may wait for the client to read before the

@@ -182,6 +182,7 @@ fn store_config(
     if let Some(b) = file.buffers_per_core {
         cfg.buffers_per_core = b;
     }
+    cfg.drive_reserve_bytes = file.drive_reserve_bytes;
     Ok(cfg)
 }
 

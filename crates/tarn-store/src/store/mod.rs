@@ -51,6 +51,31 @@ pub(crate) struct DriveSlot {
     /// Where the drive belongs (deployment, set, position): a drive rejoins
     /// while running only if its format says so, or it is empty.
     pub expected: DriveFormat,
+    /// Its filesystem's free space, looked at most once a second.
+    space: Mutex<Space>,
+}
+
+#[derive(Default)]
+struct Space {
+    at: Option<std::time::Instant>,
+    free: u64,
+    total: u64,
+}
+
+/// How long a free-space reading is trusted.
+const SPACE_RECHECK: Duration = Duration::from_secs(1);
+
+/// `statvfs` of a path: (free bytes for unprivileged writers, total bytes).
+fn fs_space(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs into a zeroed struct with a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let f = st.f_frsize as u64;
+    Some((st.f_bavail as u64 * f, st.f_blocks as u64 * f))
 }
 
 /// Whether a drive is in use, and why not.
@@ -83,7 +108,34 @@ impl DriveSlot {
             }),
             set_index,
             expected,
+            space: Mutex::new(Space::default()),
         }
+    }
+
+    /// Whether the drive can take `need` more bytes of shard data and keep
+    /// its reserve (`reserve`: None for the default, 2% of the drive, at
+    /// most 1 GiB).
+    pub fn has_room(&self, need: u64, reserve: Option<u64>) -> bool {
+        let mut sp = self.space.lock().expect("drive space");
+        if sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) {
+            match fs_space(&self.paths.root) {
+                Some((free, total)) => {
+                    sp.free = free;
+                    sp.total = total;
+                }
+                // Unknown: let the write find out.
+                None => return true,
+            }
+            sp.at = Some(std::time::Instant::now());
+        }
+        let reserve = reserve.unwrap_or((sp.total / 50).min(1 << 30));
+        sp.free >= reserve.saturating_add(need)
+    }
+
+    /// Counts a write against the cached free space until the next reading.
+    pub fn consumed(&self, bytes: u64) {
+        let mut sp = self.space.lock().expect("drive space");
+        sp.free = sp.free.saturating_sub(bytes);
     }
 
     /// The drive's metadata index, while the drive is in use.
@@ -528,6 +580,11 @@ impl Store {
                 set_index: d.set_index,
                 online: d.online(),
                 faulty: d.faulty(),
+                full: d.online()
+                    && !d.has_room(
+                        self.cfg.stripe_size_bytes as u64,
+                        self.cfg.drive_reserve_bytes,
+                    ),
                 reason: d.reason(),
             })
             .collect()
@@ -631,6 +688,18 @@ impl Store {
     /// reconstruct from the others, writes go to the others while quorum
     /// holds) and tried again every few seconds until it works.
     pub(crate) fn drive_failed(&self, slot: &DriveSlot, what: &str, error: &dyn std::fmt::Display) {
+        let text = error.to_string();
+        // A full drive is not a faulty one: it keeps serving reads and
+        // metadata (DELETEs free space), and takes no new data while it is
+        // below its reserve. The error reaches here as text through several
+        // error types; ENOSPC's is fixed by the OS.
+        if text.contains("os error 28") {
+            tracing::warn!(drive = %slot.paths.root.display(), %what, "drive full: no space left");
+            let mut sp = slot.space.lock().expect("drive space");
+            sp.free = 0;
+            sp.at = Some(std::time::Instant::now());
+            return;
+        }
         let mut st = slot.state.write().expect("drive state");
         if st.db.is_none() {
             return;

@@ -196,6 +196,13 @@ impl Store {
                 writers.push(None);
                 continue;
             }
+            // Room for a stripe's worth beyond the reserve (the same test
+            // `/admin/drives` reports "full" by).
+            if !slot.has_room(stripe as u64, self.cfg.drive_reserve_bytes) {
+                tracing::warn!(drive = %slot.paths.root.display(), "drive full (below its reserve): no new data on it");
+                writers.push(None);
+                continue;
+            }
             match ShardWriter::create(&slot.paths.shard(&data_id), shard as u8).await {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
@@ -359,7 +366,13 @@ impl Store {
             .zip(slots)
             .map(|((w, pooled), slot)| async move {
                 let Some(writer) = w.as_mut() else { return };
+                if !slot.has_room(sl as u64, self.cfg.drive_reserve_bytes) {
+                    tracing::warn!(drive = %slot.paths.root.display(), "drive full (below its reserve): no new data on it");
+                    *w = None;
+                    return;
+                }
                 let (res, buf) = writer.write_block(pooled.take()).await;
+                slot.consumed(sl as u64);
                 pooled.restore(buf);
                 if let Err(error) = res {
                     tracing::error!(drive = %slot.paths.root.display(), %error, "shard write failed; continuing without this drive");
