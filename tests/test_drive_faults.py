@@ -151,3 +151,36 @@ def test_a_full_drive_keeps_serving_reads_and_deletes(tmp_path):
         if server is not None:
             server.stop()
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_a_wiped_drive_is_noticed_formatted_and_healed(make_server):
+    server = make_server(drives=4, expected_errors=[r"drive faulty", r"drive offline", r"erasure set is degraded",
+                                                    r"lost write quorum", r"metadata write failed",
+                                                    r"shard write failed", r"cannot create shard file"])  # fmt: skip
+    s3 = server.client()
+    s3.create_bucket(Bucket="wipe")
+    bodies = {f"k{i}": os.urandom(2 * MiB + i) for i in range(4)}
+    for k, b in bodies.items():
+        s3.put_object(Bucket="wipe", Key=k, Body=b)
+    wiped = server.drives[1]
+    # Everything on it goes, while the server runs (a replaced disk, a
+    # mount that went away).
+    for name in os.listdir(wiped):
+        p = os.path.join(wiped, name)
+        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    # Noticed within a couple of seconds, then formatted for its place and
+    # brought back.
+    wait_for("the wipe to be noticed", lambda: metric(server, "tarn_drive_faults_total") >= 1)
+    wait_for("the drive to rejoin", lambda: drives(server)[1]["state"] == "online")
+    assert "contents are gone" in open(server.logs[-1]).read()
+    assert os.path.exists(os.path.join(wiped, ".tarn"))
+    report = requests.post(f"{server.admin}/admin/heal", headers={"Authorization": f"Bearer {SECRET_KEY}"}).json()
+    assert report["failures"] == 0, report
+    # Its shards are back: with two other drives gone, everything reads.
+    server.stop()
+    shutil.rmtree(server.drives[2])
+    shutil.rmtree(server.drives[3])
+    server.start()
+    s3 = server.client()
+    for k, b in bodies.items():
+        assert s3.get_object(Bucket="wipe", Key=k)["Body"].read() == b

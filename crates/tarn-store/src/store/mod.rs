@@ -712,12 +712,40 @@ impl Store {
         self.stats.drive_faults.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Tries every drive taken out while running; one that works again
-    /// rejoins (and is healed).
-    async fn probe_faulty_drives(self: &Arc<Self>) {
+    /// Looks at every drive: one in use whose format is gone (wiped,
+    /// unmounted) or is another drive's is taken out; one taken out while
+    /// running that works again rejoins (and is healed).
+    async fn watch_drives(self: &Arc<Self>) {
         for i in 0..self.drives.len() {
             let slot = &self.drives[i];
-            if !slot.faulty() || slot.online() {
+            if slot.online() {
+                let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
+                let verdict = run_blocking(move || {
+                    Ok(match drive::probe(&root) {
+                        DriveProbe::Formatted(f)
+                            if f.deployment_id == expected.deployment_id
+                                && f.set_index == expected.set_index
+                                && f.drive_index == expected.drive_index =>
+                        {
+                            None
+                        }
+                        DriveProbe::Formatted(_) => {
+                            Some("a different drive is mounted here".to_string())
+                        }
+                        DriveProbe::Missing => Some("the drive directory is gone".to_string()),
+                        DriveProbe::Empty => Some(
+                            "its contents are gone (wiped, or the mount went away)".to_string(),
+                        ),
+                        DriveProbe::Unusable(reason) => Some(reason),
+                    })
+                })
+                .await;
+                if let Ok(Some(reason)) = verdict {
+                    self.drive_failed(slot, "drive check", &reason);
+                }
+                continue;
+            }
+            if !slot.faulty() {
                 continue;
             }
             let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
@@ -864,7 +892,7 @@ impl Store {
             loop {
                 tokio::time::sleep(DRIVE_PROBE_INTERVAL).await;
                 let Some(store) = weak.upgrade() else { return };
-                store.probe_faulty_drives().await;
+                store.watch_drives().await;
             }
         });
         if let Some(every) = scan_interval {
