@@ -28,15 +28,13 @@ def port_of(url):
 
 
 @pytest.fixture
-def live(tmp_path):
-    (tmp_path / "a").mkdir()
-    s = Server(str(tmp_path / "a"), drives=2, extra_args=["--kv", "--kv-listen", "127.0.0.1:0", "--kv-memory", "64MiB"])
+def live(make_server):
+    # make_server stops it (by PID) however the test ends.
+    s = make_server(drives=2, extra_args=["--kv", "--kv-listen", "127.0.0.1:0", "--kv-memory", "64MiB"], name="a")
     c = s.client()
     c.create_bucket(Bucket="bk1")
     c.put_object(Bucket="bk1", Key="k", Body=b"first server")
-    yield s
-    s.stop()
-    assert not s.unexpected_errors()
+    return s
 
 
 def still_serving(s):
@@ -92,8 +90,8 @@ def test_offline_heal_on_live_drives_refuses(live):
     still_serving(live)
 
 
-def test_drives_are_free_again_after_the_server_stops(tmp_path):
-    s = Server(str(tmp_path), drives=2)
+def test_drives_are_free_again_after_the_server_stops(make_server, tmp_path):
+    s = make_server(drives=2, name="free")
     s.client().create_bucket(Bucket="bk1")
     s.kill()  # SIGKILL: the kernel releases the locks with the process
     args = ["heal"]
@@ -103,4 +101,3 @@ def test_drives_are_free_again_after_the_server_stops(tmp_path):
     assert r.returncode == 0, r.stderr
     s.start()
     assert [b["Name"] for b in s.client().list_buckets()["Buckets"]] == ["bk1"]
-    s.stop()
