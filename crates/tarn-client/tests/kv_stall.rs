@@ -103,16 +103,19 @@ fn calls_missed(opts: ServerOptions, calls: usize, until_miss: bool) -> usize {
         opts,
     )
     .unwrap();
-    let mut c = BlockingKvClient::connect(
-        &server.tcp_addr.to_string(),
-        ConnectOptions {
-            transport: TransportChoice::Shm,
-            namespace: b"stall".to_vec(),
-            call_timeout: Some(Duration::from_millis(500)),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let connect = || {
+        BlockingKvClient::connect(
+            &server.tcp_addr.to_string(),
+            ConnectOptions {
+                transport: TransportChoice::Shm,
+                namespace: b"stall".to_vec(),
+                call_timeout: Some(Duration::from_millis(500)),
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let mut c = connect();
     assert_eq!(c.transport(), TransportKind::Shm);
     let d = [7u8; 32];
     c.put_from(&[PutFrom {
@@ -132,16 +135,7 @@ fn calls_missed(opts: ServerOptions, calls: usize, until_miss: bool) -> usize {
                     break;
                 }
                 // A timed-out connection is not reused: start a new one.
-                c = BlockingKvClient::connect(
-                    &server.tcp_addr.to_string(),
-                    ConnectOptions {
-                        transport: TransportChoice::Shm,
-                        namespace: b"stall".to_vec(),
-                        call_timeout: Some(Duration::from_millis(500)),
-                        ..Default::default()
-                    },
-                )
-                .unwrap();
+                c = connect();
             }
         }
     }

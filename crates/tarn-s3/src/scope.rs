@@ -31,15 +31,12 @@ pub fn check(
     {
         if let Some(rest) = auth.strip_prefix("AWS4-HMAC-SHA256") {
             if let Some(scope_region) = credential_region(rest) {
-                if scope_region != region {
-                    return Err(ScopeError {
-                        code: "AuthorizationHeaderMalformed",
-                        message: format!(
-                            "The authorization header is malformed; the region '{scope_region}' is wrong; expecting '{region}'"
-                        ),
-                        region: Some(region.to_string()),
-                    });
-                }
+                check_region(
+                    "AuthorizationHeaderMalformed",
+                    "The authorization header is malformed",
+                    scope_region,
+                    region,
+                )?;
             }
         }
         return Ok(());
@@ -59,15 +56,12 @@ pub fn check(
         return Ok(());
     };
     if let Some(scope_region) = credential.split('/').nth(2) {
-        if scope_region != region {
-            return Err(ScopeError {
-                code: "AuthorizationQueryParametersError",
-                message: format!(
-                    "Error parsing the X-Amz-Credential parameter; the region '{scope_region}' is wrong; expecting '{region}'"
-                ),
-                region: Some(region.to_string()),
-            });
-        }
+        check_region(
+            "AuthorizationQueryParametersError",
+            "Error parsing the X-Amz-Credential parameter",
+            scope_region,
+            region,
+        )?;
     }
     if let Some(secs) = expires.and_then(|e| e.parse::<u64>().ok()) {
         if secs > PRESIGNED_EXPIRES_MAX_SECS {
@@ -81,6 +75,24 @@ pub fn check(
         }
     }
     Ok(())
+}
+
+/// A scope signed for another region, refused in AWS's words with the right
+/// one named.
+fn check_region(
+    code: &'static str,
+    what: &str,
+    scope_region: &str,
+    region: &str,
+) -> Result<(), ScopeError> {
+    if scope_region == region {
+        return Ok(());
+    }
+    Err(ScopeError {
+        code,
+        message: format!("{what}; the region '{scope_region}' is wrong; expecting '{region}'"),
+        region: Some(region.to_string()),
+    })
 }
 
 /// The region of `Credential=AK/DATE/REGION/SERVICE/aws4_request` in the

@@ -13,6 +13,7 @@
 //!   sends for a moment before closing. Closing with unread data would make
 //!   the kernel send a reset, and the client could lose the answer.
 
+use std::future::Future;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
@@ -105,8 +106,6 @@ impl ConnIo {
         }
     }
 }
-
-use std::future::Future;
 
 impl AsyncRead for ConnIo {
     fn poll_read(

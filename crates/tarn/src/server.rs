@@ -205,12 +205,11 @@ impl hyper::body::Body for IdleBody {
 /// Marks a response that is sent before its request's body was read: the
 /// connection closes after it (its framing is lost), cleanly, with the
 /// unread body drained (conn.rs) so that the client gets the answer.
-fn close_after(mut r: Resp) -> Resp {
+fn close_after(r: &mut Resp) {
     r.headers_mut().insert(
         http::header::CONNECTION,
         http::HeaderValue::from_static("close"),
     );
-    r
 }
 
 type Resp = http::Response<s3s::Body>;
@@ -321,7 +320,12 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             .unwrap_or(0);
         let has_body =
             declared_in > 0 || req.headers().contains_key(http::header::TRANSFER_ENCODING);
-        let early = move |r: Resp| if has_body { close_after(r) } else { r };
+        let early = move |mut r: Resp| {
+            if has_body {
+                close_after(&mut r);
+            }
+            r
+        };
         if let Some(r) = check_header_sizes(req.headers()) {
             metrics.record(op, 400, Duration::ZERO);
             return Box::pin(async move { Ok(early(r)) });
@@ -343,7 +347,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
         let body_done = Arc::new(AtomicBool::new(false));
         let (idle, done) = (self.body_idle, body_done.clone());
         let req = req.map(move |inner| {
-            s3s::Body::http_body_unsync(IdleBody {
+            s3s::Body::http_body(IdleBody {
                 inner,
                 idle,
                 timer: None,
@@ -356,10 +360,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             metrics.inflight.fetch_sub(1, Ordering::Relaxed);
             if let Ok(r) = res.as_mut() {
                 if has_body && !body_done.load(Ordering::Relaxed) {
-                    r.headers_mut().insert(
-                        http::header::CONNECTION,
-                        http::HeaderValue::from_static("close"),
-                    );
+                    close_after(r);
                 }
             }
             match &res {

@@ -156,6 +156,22 @@ impl DriveSlot {
     }
 }
 
+/// Whether an error is ENOSPC: an `io::Error` anywhere in its source chain
+/// says so, or, for errors the metadata engine hands back as text only, the
+/// OS's message does.
+fn no_space(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut e = Some(error);
+    while let Some(err) = e {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.raw_os_error() == Some(libc::ENOSPC) {
+                return true;
+            }
+        }
+        e = err.source();
+    }
+    error.to_string().contains("os error 28")
+}
+
 /// How often drives taken out while running are tried again.
 const DRIVE_PROBE_INTERVAL: Duration = Duration::from_secs(2);
 
@@ -687,13 +703,16 @@ impl Store {
     /// An I/O error on a drive while running: the drive is taken out (reads
     /// reconstruct from the others, writes go to the others while quorum
     /// holds) and tried again every few seconds until it works.
-    pub(crate) fn drive_failed(&self, slot: &DriveSlot, what: &str, error: &dyn std::fmt::Display) {
-        let text = error.to_string();
+    pub(crate) fn drive_failed(
+        &self,
+        slot: &DriveSlot,
+        what: &str,
+        error: &(dyn std::error::Error + 'static),
+    ) {
         // A full drive is not a faulty one: it keeps serving reads and
         // metadata (DELETEs free space), and takes no new data while it is
-        // below its reserve. The error reaches here as text through several
-        // error types; ENOSPC's is fixed by the OS.
-        if text.contains("os error 28") {
+        // below its reserve.
+        if no_space(error) {
             tracing::warn!(drive = %slot.paths.root.display(), %what, "drive full: no space left");
             let mut sp = slot.space.lock().expect("drive space");
             sp.free = 0;
@@ -741,7 +760,7 @@ impl Store {
                 })
                 .await;
                 if let Ok(Some(reason)) = verdict {
-                    self.drive_failed(slot, "drive check", &reason);
+                    self.drive_failed(slot, "drive check", &std::io::Error::other(reason));
                 }
                 continue;
             }
