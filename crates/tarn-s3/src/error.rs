@@ -57,6 +57,7 @@ pub fn s3_error(e: StoreError) -> S3Error {
         StoreError::QuorumLost { .. } => (C::ServiceUnavailable, e.to_string()),
         StoreError::Unreadable { .. }
         | StoreError::Drive { .. }
+        | StoreError::IndexCorrupt { .. }
         | StoreError::DriveInUse { .. }
         | StoreError::CorruptMetadata { .. }
         | StoreError::Config(_)

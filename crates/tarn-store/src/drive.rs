@@ -231,12 +231,7 @@ impl Iterator for ObjectCursor {
             let kv = self.iter.next()?;
             let (k, v) = match kv.into_inner() {
                 Ok(kv) => kv,
-                Err(e) => {
-                    return Some(Err(StoreError::Drive {
-                        drive: self.name.clone(),
-                        reason: format!("scan objects: {e}"),
-                    }))
-                }
+                Err(e) => return Some(Err(index_error(&self.name, "scan objects", &e))),
             };
             if !k.starts_with(&self.want_prefix) {
                 return None;
@@ -267,13 +262,105 @@ pub struct ObjectWrite {
     pub upload_delete: Option<(Id128, Vec<u32>)>,
 }
 
+/// Whether a metadata engine error says its files are damaged (checksums,
+/// encodings, files missing from it), as opposed to the drive failing an I/O
+/// or the index refusing writes after one failed.
+pub fn index_corruption(e: &fjall::Error) -> bool {
+    use std::io::ErrorKind;
+    let damaged_io = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            ErrorKind::UnexpectedEof | ErrorKind::InvalidData | ErrorKind::NotFound
+        )
+    };
+    match e {
+        fjall::Error::Storage(fjall::LsmError::Io(io)) => damaged_io(io),
+        fjall::Error::Storage(_) => true,
+        fjall::Error::Io(io) => damaged_io(io),
+        fjall::Error::Poisoned | fjall::Error::Locked | fjall::Error::KeyspaceDeleted => false,
+        _ => true,
+    }
+}
+
+/// A metadata engine error as a store error: `IndexCorrupt` for damage.
+fn index_error(drive: &str, what: &str, e: &fjall::Error) -> StoreError {
+    if index_corruption(e) {
+        StoreError::IndexCorrupt {
+            drive: drive.to_string(),
+            reason: format!("{what}: {e}"),
+        }
+    } else {
+        StoreError::Drive {
+            drive: drive.to_string(),
+            reason: format!("{what}: {e}"),
+        }
+    }
+}
+
+/// Where a corrupt index is moved to (the previous one set aside is replaced):
+/// kept for inspection, never read by Tarn again.
+pub const CORRUPT_INDEX_DIR: &str = ".tarn/meta.corrupt";
+
+/// Present while a drive's index is being rebuilt by heal: a restart
+/// before the rebuild finished goes on with it instead of trusting an index
+/// that lacks records.
+pub const REBUILD_MARKER: &str = ".tarn/rebuilding";
+
+/// Whether the drive's index was being rebuilt when the process stopped.
+pub fn rebuild_pending(path: &Path) -> bool {
+    path.join(REBUILD_MARKER).exists()
+}
+
+/// Records durably that the drive's index is being rebuilt.
+pub fn mark_rebuilding(path: &Path) -> Result<(), StoreError> {
+    let io = |what: &str, e: std::io::Error| StoreError::Drive {
+        drive: path.display().to_string(),
+        reason: format!("{what}: {e}"),
+    };
+    std::fs::File::create(path.join(REBUILD_MARKER))
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io("write the rebuild marker", e))?;
+    tarn_io::file::sync_dir(&path.join(".tarn")).map_err(|e| io("sync .tarn", e))
+}
+
+/// Removes the rebuild marker once heal has filled the index.
+pub fn clear_rebuilding(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path.join(REBUILD_MARKER)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => tarn_io::file::sync_dir(&path.join(".tarn")),
+    }
+}
+
+/// Moves a drive's metadata index out of the way so that a fresh one can be
+/// opened and rebuilt by heal (marked as rebuilding first, so that a crash
+/// in between still rebuilds).
+pub fn set_aside_index(path: &Path) -> Result<(), StoreError> {
+    let io = |what: &str, e: std::io::Error| StoreError::Drive {
+        drive: path.display().to_string(),
+        reason: format!("{what}: {e}"),
+    };
+    mark_rebuilding(path)?;
+    let aside = path.join(CORRUPT_INDEX_DIR);
+    match std::fs::remove_dir_all(&aside) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(io("remove the index set aside before", e))
+        }
+        _ => {}
+    }
+    match std::fs::rename(path.join(".tarn/meta"), &aside) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(io("set the corrupt index aside", e))
+        }
+        _ => {}
+    }
+    tarn_io::file::sync_dir(&path.join(".tarn")).map_err(|e| io("sync .tarn", e))
+}
+
 impl DriveDb {
+    /// Opens the drive's index: `IndexCorrupt` when its files are damaged.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let name = path.display().to_string();
-        let err = |e: fjall::Error| StoreError::Drive {
-            drive: name.clone(),
-            reason: format!("open metadata index: {e}"),
-        };
+        let err = |e: fjall::Error| index_error(&name, "open metadata index", &e);
         tarn_io::fault::check("open db").map_err(|e| StoreError::Drive {
             drive: name.clone(),
             reason: e.to_string(),
@@ -308,7 +395,7 @@ impl DriveDb {
                 return Ok(());
             }
             if let Some(e) = &st.failed {
-                return Err(self.fail("persist", e));
+                return Err(self.fail("persist", e.clone()));
             }
             if !st.leader {
                 st.leader = true;
@@ -330,7 +417,10 @@ impl DriveDb {
         }
     }
 
-    fn fail(&self, what: &str, e: impl std::fmt::Display) -> StoreError {
+    fn fail<E: std::fmt::Display + 'static>(&self, what: &str, e: E) -> StoreError {
+        if let Some(e) = (&e as &dyn std::any::Any).downcast_ref::<fjall::Error>() {
+            return index_error(&self.name, what, e);
+        }
         StoreError::Drive {
             drive: self.name.clone(),
             reason: format!("{what}: {e}"),
@@ -668,6 +758,50 @@ impl DrivePaths {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_damaged_index_is_told_from_a_failing_drive() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        {
+            let db = DriveDb::open(dir.path()).unwrap();
+            for i in 0..100 {
+                let part = UploadPartRecord {
+                    number: i,
+                    size: 1,
+                    etag: format!("etag {i}"),
+                    data_id: [1; 16],
+                    mod_time_ns: 1,
+                    checksum: None,
+                };
+                db.put_part(&[1; 16], &part).unwrap();
+            }
+        }
+        let journal = dir.path().join(".tarn/meta/0.jnl");
+        let mut bytes = std::fs::read(&journal).unwrap();
+        let written = bytes.iter().rposition(|&b| b != 0).unwrap();
+        bytes[written / 2] ^= 0x5a;
+        std::fs::write(&journal, bytes).unwrap();
+        match DriveDb::open(dir.path()) {
+            Err(StoreError::IndexCorrupt { .. }) => {}
+            Err(e) => panic!("not told as corruption: {e}"),
+            Ok(_) => panic!("a flipped journal byte went unnoticed"),
+        }
+        // Set aside, a fresh index opens (and the marker says it rebuilds).
+        set_aside_index(dir.path()).unwrap();
+        assert!(rebuild_pending(dir.path()));
+        assert!(dir.path().join(CORRUPT_INDEX_DIR).join("0.jnl").exists());
+        let db = DriveDb::open(dir.path()).unwrap();
+        assert!(db.parts(&[1; 16]).unwrap().is_empty());
+        clear_rebuilding(dir.path()).unwrap();
+        assert!(!rebuild_pending(dir.path()));
+        // Refusals that are not damage.
+        assert!(!index_corruption(&fjall::Error::Poisoned));
+        assert!(!index_corruption(&fjall::Error::Locked));
+        assert!(!index_corruption(&fjall::Error::Io(
+            std::io::Error::from_raw_os_error(libc::EIO)
+        )));
+    }
 
     #[test]
     fn group_commit_keeps_every_concurrent_write() {

@@ -79,6 +79,11 @@ pub enum StoreError {
     Drive { drive: String, reason: String },
     #[error("drive {drive} is in use by another tarn process ({holder}); stop it first")]
     DriveInUse { drive: String, holder: String },
+    /// The drive's metadata index itself failed its checksums or does not
+    /// parse (as opposed to one record in it): the index is set aside and
+    /// rebuilt by heal.
+    #[error("metadata index of {drive} is corrupt: {reason}")]
+    IndexCorrupt { drive: String, reason: String },
     #[error("corrupt metadata on {drive}: {what}")]
     CorruptMetadata { drive: String, what: String },
     #[error("server busy: {0}")]

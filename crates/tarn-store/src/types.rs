@@ -253,6 +253,9 @@ pub struct DriveStatus {
     pub faulty: bool,
     /// In use, but below its free-space reserve: no new data goes to it.
     pub full: bool,
+    /// In use, its index being rebuilt by heal: takes writes, answers no
+    /// metadata reads yet.
+    pub rebuilding: bool,
     pub reason: Option<String>,
 }
 

@@ -57,8 +57,11 @@ async fn handle(
             let offline: Vec<String> = store
                 .drive_status()
                 .into_iter()
-                .filter(|d| !d.online || d.full)
+                .filter(|d| !d.online || d.full || d.rebuilding)
                 .map(|d| match d.reason {
+                    _ if d.online && d.rebuilding => {
+                        format!("{} (rebuilding its index)", d.path)
+                    }
                     _ if d.online => format!("{} (full: below its free-space reserve)", d.path),
                     Some(r) => format!("{} ({r})", d.path),
                     None => d.path,
@@ -73,7 +76,7 @@ async fn handle(
                     200,
                     "text/plain",
                     format!(
-                        "degraded: {} of {} drives offline or full: {}\n",
+                        "degraded: {} of {} drives offline, full or rebuilding: {}\n",
                         offline.len(),
                         store.drive_status().len(),
                         offline.join(", ")
@@ -83,7 +86,7 @@ async fn handle(
                 text(
                     503,
                     "text/plain",
-                    "not ready: an erasure set lacks write quorum\n".into(),
+                    "not ready: an erasure set lacks write or read quorum\n".into(),
                 )
             }
         }
@@ -112,7 +115,9 @@ async fn handle(
                         json_escape(&d.path),
                         d.set_index,
                         d.online,
-                        if d.online && d.full {
+                        if d.online && d.rebuilding {
+                            "rebuilding"
+                        } else if d.online && d.full {
                             "full"
                         } else if d.online {
                             "online"

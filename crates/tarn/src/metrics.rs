@@ -85,7 +85,7 @@ impl Metrics {
         drop(ops);
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 10] = [
+        let scalars: [(&str, &str, &str, u64); 12] = [
             (
                 "tarn_request_bytes_in_total",
                 "Declared request body bytes.",
@@ -146,6 +146,18 @@ impl Metrics {
                 "counter",
                 load(&st.drive_rejoins),
             ),
+            (
+                "tarn_index_corruptions_total",
+                "Drive metadata indexes found damaged and set aside to be rebuilt.",
+                "counter",
+                load(&st.index_corruptions),
+            ),
+            (
+                "tarn_index_rebuilds_total",
+                "Drive metadata indexes rebuilt by heal (the drive serves reads again).",
+                "counter",
+                load(&st.index_rebuilds),
+            ),
         ];
         for (name, help, kind, v) in scalars {
             let _ = writeln!(
@@ -153,17 +165,30 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
         }
-        out.push_str(
-            "# HELP tarn_drive_online Whether a drive is in use (0: offline since start, or faulty).\n# TYPE tarn_drive_online gauge\n",
-        );
-        for d in store.drive_status() {
-            let _ = writeln!(
-                out,
-                "tarn_drive_online{{drive=\"{}\",set=\"{}\"}} {}",
-                d.path.replace('"', "'"),
-                d.set_index,
-                u8::from(d.online)
-            );
+        let drives = store.drive_status();
+        let gauges: [(&str, &str, fn(&tarn_store::types::DriveStatus) -> bool); 2] = [
+            (
+                "tarn_drive_online",
+                "Whether a drive is in use (0: offline since start, or faulty).",
+                |d| d.online,
+            ),
+            (
+                "tarn_drive_rebuilding",
+                "Whether a drive's index is being rebuilt by heal (it answers no metadata reads meanwhile).",
+                |d| d.rebuilding,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for d in &drives {
+                let _ = writeln!(
+                    out,
+                    "{name}{{drive=\"{}\",set=\"{}\"}} {}",
+                    d.path.replace('"', "'"),
+                    d.set_index,
+                    u8::from(value(d))
+                );
+            }
         }
         if let Some(kv) = self.kv.get() {
             render_kv(&mut out, kv);

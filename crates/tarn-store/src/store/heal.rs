@@ -24,9 +24,21 @@ use crate::types::HealReport;
 pub const ORPHAN_GRACE: Duration = Duration::from_secs(3600);
 
 impl Store {
-    /// Heals every bucket and object on every set.
+    /// Heals every bucket and object on every set. Drives whose index is
+    /// rebuilding get every record, inline copy and upload in progress; when
+    /// this pass reached all of them, they serve metadata reads again.
     pub async fn heal_all(&self) -> HealReport {
         let mut report = HealReport::default();
+        // Rebuilds this pass covers: those begun before it started.
+        let rebuilding: Vec<(usize, u64)> = self
+            .drives
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.online())
+            .filter_map(|(i, d)| d.rebuilding().map(|n| (i, n)))
+            .collect();
+        // Whether every record reached every drive in use.
+        let mut complete = true;
         // Bucket records onto every drive that lacks them.
         let buckets: Vec<(String, crate::format::BucketRecord)> = self
             .buckets
@@ -35,7 +47,7 @@ impl Store {
             .iter()
             .map(|(n, r)| (n.clone(), r.clone()))
             .collect();
-        for d in self.drives.iter().filter_map(|d| d.db()) {
+        for d in self.drives.iter().filter_map(|d| d.writer()) {
             let buckets = buckets.clone();
             let healed = run_blocking(move || {
                 let have: Vec<(String, crate::format::BucketRecord)> =
@@ -55,13 +67,14 @@ impl Store {
                 Err(error) => {
                     tracing::error!(%error, "healing bucket records failed");
                     report.failures += 1;
+                    complete = false;
                 }
             }
         }
         for (bucket, _) in &buckets {
             for set in 0..self.sets.len() {
                 let dbs: Vec<_> = (0..self.set_size(set))
-                    .filter_map(|p| self.slot(set, p).db())
+                    .filter_map(|p| self.slot(set, p).writer())
                     .collect();
                 let b = bucket.clone();
                 let keys = run_blocking(move || {
@@ -77,6 +90,7 @@ impl Store {
                     Err(error) => {
                         tracing::error!(%bucket, %error, "listing keys to heal failed");
                         report.failures += 1;
+                        complete = false;
                         continue;
                     }
                 };
@@ -88,6 +102,7 @@ impl Store {
                             report.metadata_rewritten += r.metadata_rewritten;
                             // Drives the object could not be rewritten on.
                             report.failures += r.failures;
+                            complete &= r.failures == 0;
                             if r.shards_rebuilt + r.metadata_rewritten > 0 {
                                 report.objects_healed += 1;
                             }
@@ -95,9 +110,30 @@ impl Store {
                         Err(error) => {
                             tracing::error!(%bucket, %key, %error, "heal failed");
                             report.failures += 1;
+                            // Shards that cannot be rebuilt come after the
+                            // metadata was written; anything else did not.
+                            complete &= matches!(error, StoreError::Unreadable { .. });
                         }
                     }
                 }
+                // Multipart uploads in progress, onto rebuilding drives.
+                let targets = self.writers(
+                    (0..self.set_size(set))
+                        .map(|p| self.slot(set, p))
+                        .filter(|s| s.rebuilding().is_some()),
+                );
+                if !targets.is_empty() {
+                    if let Err(error) = self.heal_uploads(set, bucket, &targets).await {
+                        tracing::error!(%bucket, %error, "copying uploads to a rebuilding drive failed");
+                        report.failures += 1;
+                        complete = false;
+                    }
+                }
+            }
+        }
+        if complete {
+            for (i, n) in rebuilding {
+                self.finish_rebuild(i, n);
             }
         }
         match self.sweep_orphans(ORPHAN_GRACE).await {
@@ -216,7 +252,7 @@ impl Store {
         }
 
         for (pos, current) in records.iter().enumerate() {
-            let Some(db) = self.slot(set, pos).db() else {
+            let Some(db) = self.slot(set, pos).writer() else {
                 continue;
             };
             let meta_ok = matches!(current, Ok(Some(r)) if *r == merged)
@@ -247,6 +283,7 @@ impl Store {
                 Ok(()) => report.metadata_rewritten += 1,
                 Err(error) => {
                     tracing::error!(%bucket, %key, %error, "rewriting metadata failed");
+                    self.index_write_failed(self.slot(set, pos), "metadata heal", &error);
                     report.failures += 1;
                 }
             }

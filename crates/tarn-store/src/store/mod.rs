@@ -84,6 +84,14 @@ struct SlotState {
     reason: Option<String>,
     /// Taken out while running (an I/O error): probed until it works again.
     faulty: bool,
+    /// Its index is known to lack records (it joined empty, its corrupt index
+    /// was set aside, or it missed writes while out): it takes every write and
+    /// serves its shards, but answers no metadata reads until a heal that
+    /// started after this rebuild began has filled it. The number names the
+    /// rebuild, so that a heal promotes only the one it covered.
+    rebuilding: Option<u64>,
+    /// Its index was found damaged while running: set aside at rejoin.
+    reindex: bool,
 }
 
 impl DriveSlot {
@@ -93,6 +101,7 @@ impl DriveSlot {
         set_index: usize,
         expected: DriveFormat,
         opened: Result<DriveDb, String>,
+        rebuilding: Option<u64>,
     ) -> DriveSlot {
         let (db, reason) = match opened {
             Ok(db) => (Some(Arc::new(db)), None),
@@ -105,6 +114,8 @@ impl DriveSlot {
                 db,
                 reason,
                 faulty: false,
+                rebuilding,
+                reindex: false,
             }),
             set_index,
             expected,
@@ -138,13 +149,32 @@ impl DriveSlot {
         sp.free = sp.free.saturating_sub(bytes);
     }
 
-    /// The drive's metadata index, while the drive is in use.
+    /// The drive's metadata index for reads: while the drive is in use and
+    /// its index is complete (not rebuilding).
     pub fn db(&self) -> Option<Arc<DriveDb>> {
+        let st = self.state.read().expect("drive state");
+        st.db.clone().filter(|_| st.rebuilding.is_none())
+    }
+
+    /// The drive's metadata index for writes: while the drive is in use,
+    /// rebuilding or not.
+    pub fn writer(&self) -> Option<Arc<DriveDb>> {
         self.state.read().expect("drive state").db.clone()
     }
 
+    /// In use: takes writes and serves its shard files.
     pub fn online(&self) -> bool {
         self.state.read().expect("drive state").db.is_some()
+    }
+
+    /// In use with a complete index: answers metadata reads.
+    pub fn readable(&self) -> bool {
+        let st = self.state.read().expect("drive state");
+        st.db.is_some() && st.rebuilding.is_none()
+    }
+
+    pub fn rebuilding(&self) -> Option<u64> {
+        self.state.read().expect("drive state").rebuilding
     }
 
     pub fn reason(&self) -> Option<String> {
@@ -160,26 +190,80 @@ impl DriveSlot {
 /// says so, or, for errors the metadata engine hands back as text only, the
 /// OS's message does.
 fn no_space(error: &(dyn std::error::Error + 'static)) -> bool {
+    in_chain(error, |e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::ENOSPC))
+    }) || error.to_string().contains("os error 28")
+}
+
+/// Whether an error says a drive's metadata index is damaged.
+fn index_corrupt(error: &(dyn std::error::Error + 'static)) -> bool {
+    in_chain(error, |e| {
+        matches!(
+            e.downcast_ref::<StoreError>(),
+            Some(StoreError::IndexCorrupt { .. })
+        )
+    })
+}
+
+/// Whether `test` holds for an error or any error in its source chain,
+/// including the payload of an `io::Error` (whose `source` skips it).
+fn in_chain(
+    error: &(dyn std::error::Error + 'static),
+    test: impl Fn(&(dyn std::error::Error + 'static)) -> bool,
+) -> bool {
     let mut e = Some(error);
     while let Some(err) = e {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if io.raw_os_error() == Some(libc::ENOSPC) {
+        if test(err) {
+            return true;
+        }
+        if let Some(inner) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            if test(inner) {
                 return true;
             }
         }
         e = err.source();
     }
-    error.to_string().contains("os error 28")
+    false
+}
+
+/// Opens a drive's metadata index; a damaged one is set aside and a fresh
+/// one opened in its place, to be rebuilt by heal (true in the second place).
+fn open_index(root: &std::path::Path, set_aside: bool) -> Result<(DriveDb, bool), String> {
+    if set_aside {
+        drive::set_aside_index(root).map_err(|e| e.to_string())?;
+    }
+    match DriveDb::open(root) {
+        Ok(db) => Ok((db, set_aside)),
+        Err(StoreError::IndexCorrupt { reason, .. }) if !set_aside => {
+            tracing::error!(drive = %root.display(), %reason,
+                "metadata index corrupt: set aside (.tarn/meta.corrupt); a fresh one is rebuilt by heal from the other drives of its set");
+            drive::set_aside_index(root).map_err(|e| e.to_string())?;
+            let db = DriveDb::open(root).map_err(|e| e.to_string())?;
+            Ok((db, true))
+        }
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// How often drives taken out while running are tried again.
 const DRIVE_PROBE_INTERVAL: Duration = Duration::from_secs(2);
+/// How soon a heal of rebuilding drives that could not finish runs again.
+const REBUILD_RETRY: Duration = Duration::from_secs(30);
 
 /// Whether a drive taken out while running works again: it is where it was
 /// (or an empty directory, which is formatted for its place and healed),
 /// its tmp directory takes a write and an fsync, and its metadata index
-/// opens. True in the second place when it came back empty.
-fn rejoin(slot_root: &std::path::Path, expected: &DriveFormat) -> Result<(DriveDb, bool), String> {
+/// opens (set aside first when `reindex`, or when found damaged). Also says
+/// whether it came back empty, and whether its index was set aside.
+fn rejoin(
+    slot_root: &std::path::Path,
+    expected: &DriveFormat,
+    reindex: bool,
+) -> Result<(DriveDb, bool, bool), String> {
     let paths = DrivePaths {
         root: slot_root.to_path_buf(),
     };
@@ -190,6 +274,7 @@ fn rejoin(slot_root: &std::path::Path, expected: &DriveFormat) -> Result<(DriveD
             let mut fresh = expected.clone();
             fresh.drive_id = new_id();
             drive::format_drive(slot_root, &fresh).map_err(|e| e.to_string())?;
+            drive::mark_rebuilding(slot_root).map_err(|e| e.to_string())?;
             true
         }
         DriveProbe::Formatted(f) => {
@@ -208,8 +293,8 @@ fn rejoin(slot_root: &std::path::Path, expected: &DriveFormat) -> Result<(DriveD
         std::fs::create_dir_all(&dir).map_err(|e| format!("drive is not writable: {e}"))?;
         probe_writable(&dir).map_err(|e| format!("drive is not writable: {e}"))?;
     }
-    let db = DriveDb::open(slot_root).map_err(|e| e.to_string())?;
-    Ok((db, wiped))
+    let (db, set_aside) = open_index(slot_root, reindex && !wiped)?;
+    Ok((db, wiped, set_aside))
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -228,6 +313,9 @@ pub struct StoreStats {
     /// Drives taken out while running after an I/O error, and brought back.
     pub drive_faults: AtomicU64,
     pub drive_rejoins: AtomicU64,
+    /// Drive indexes found damaged (set aside), and rebuilds heal completed.
+    pub index_corruptions: AtomicU64,
+    pub index_rebuilds: AtomicU64,
 }
 
 /// Data ids whose shards are being written and not yet committed (or cleaned
@@ -307,7 +395,10 @@ pub struct Store {
     pool: BufferPool,
     heal_tx: mpsc::Sender<HealTask>,
     heal_rx: Mutex<Option<mpsc::Receiver<HealTask>>>,
-    needs_full_heal: bool,
+    /// Names each drive rebuild (SlotState::rebuilding).
+    rebuild_seq: AtomicU64,
+    /// A heal run for rebuilding drives: whether one runs, when one ended.
+    rebuild_heal: Mutex<(bool, Option<std::time::Instant>)>,
     last_mod_time_ns: AtomicU64,
     pub stats: StoreStats,
 }
@@ -440,9 +531,11 @@ impl Store {
         };
 
         let mut drives = Vec::with_capacity(n);
-        let mut needs_full_heal = false;
-        // Drives formatted just now know nothing yet and must not vote on buckets.
-        let mut fresh = vec![false; n];
+        // Drives formatted just now (into a deployment that has data) and
+        // drives whose index was set aside know nothing yet: they rebuild,
+        // and neither vote on buckets nor answer reads until healed.
+        let mut rebuilds = 0u64;
+        let mut set_aside_at_start = 0u64;
         for (i, (path, probe)) in cfg.drives.iter().zip(probes).enumerate() {
             let set_index = i / set_size;
             let want = DriveFormat {
@@ -454,6 +547,7 @@ impl Store {
                 drive_index: (i % set_size) as u32,
             };
             let paths = DrivePaths { root: path.clone() };
+            let mut joined_empty = false;
             let verdict: Result<(), String> = match probe {
                 DriveProbe::Missing if fresh_deployment => std::fs::create_dir_all(path)
                     .map_err(|e| format!("cannot create drive directory: {e}"))
@@ -465,12 +559,18 @@ impl Store {
                 DriveProbe::Missing => Err("drive directory is missing; not re-creating it (mount the drive or replace it with an empty directory)".into()),
                 DriveProbe::Unusable(reason) => Err(reason),
                 DriveProbe::Empty => {
-                    fresh[i] = !fresh_deployment;
+                    joined_empty = !fresh_deployment;
                     if !fresh_deployment {
                         tracing::warn!(drive = %path.display(), "empty drive joins the deployment; it will be healed");
-                        needs_full_heal = true;
                     }
-                    drive::format_drive(path, &want).map_err(|e| e.to_string())
+                    drive::format_drive(path, &want)
+                        .and_then(|_| {
+                            if joined_empty {
+                                drive::mark_rebuilding(path)?;
+                            }
+                            Ok(())
+                        })
+                        .map_err(|e| e.to_string())
                 }
                 DriveProbe::Formatted(f) => {
                     if f.deployment_id != deployment_id {
@@ -494,13 +594,28 @@ impl Store {
                 clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
                 probe_writable(&paths.tmp_dir())
                     .map_err(|e| format!("drive is not writable: {e}"))?;
-                DriveDb::open(path).map_err(|e| e.to_string())
+                open_index(path, false)
             });
             let lock = locks[i].take();
+            if matches!(&opened, Ok((_, true))) {
+                set_aside_at_start += 1;
+            }
+            let rebuilding = match &opened {
+                Ok((_, set_aside))
+                    if *set_aside || joined_empty || drive::rebuild_pending(path) =>
+                {
+                    rebuilds += 1;
+                    Some(rebuilds)
+                }
+                _ => None,
+            };
             if let Err(reason) = &opened {
                 tracing::error!(drive = %path.display(), %reason, "drive offline");
             }
-            drives.push(DriveSlot::new(lock, paths, set_index, want, opened));
+            let opened = opened.map(|(db, _)| db);
+            drives.push(DriveSlot::new(
+                lock, paths, set_index, want, opened, rebuilding,
+            ));
         }
         let sets: Vec<Vec<usize>> = (0..set_count)
             .map(|s| (s * set_size..(s + 1) * set_size).collect())
@@ -523,12 +638,7 @@ impl Store {
         // that answered (a torn create or delete resolves here).
         let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
         let mut answered = 0;
-        for d in drives
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !fresh[*i])
-            .filter_map(|(_, d)| d.db())
-        {
+        for d in drives.iter().filter_map(|d| d.db()) {
             if let Ok(list) = d.buckets() {
                 answered += 1;
                 for (name, rec) in list {
@@ -566,9 +676,13 @@ impl Store {
             pool,
             heal_tx,
             heal_rx: Mutex::new(Some(heal_rx)),
-            needs_full_heal,
+            rebuild_seq: AtomicU64::new(rebuilds),
+            rebuild_heal: Mutex::new((false, None)),
             last_mod_time_ns: AtomicU64::new(0),
-            stats: StoreStats::default(),
+            stats: StoreStats {
+                index_corruptions: AtomicU64::new(set_aside_at_start),
+                ..StoreStats::default()
+            },
             inflight_data: Arc::default(),
             pins: Mutex::default(),
             cfg,
@@ -591,30 +705,48 @@ impl Store {
     pub fn drive_status(&self) -> Vec<DriveStatus> {
         self.drives
             .iter()
-            .map(|d| DriveStatus {
+            .enumerate()
+            .map(|(i, d)| DriveStatus {
                 path: d.paths.root.display().to_string(),
                 set_index: d.set_index,
                 online: d.online(),
                 faulty: d.faulty(),
+                rebuilding: d.online() && d.rebuilding().is_some(),
                 full: d.online()
                     && !d.has_room(
                         self.cfg.stripe_size_bytes as u64,
                         self.cfg.drive_reserve_bytes,
                     ),
-                reason: d.reason(),
+                reason: d.reason().or_else(|| {
+                    d.rebuilding()?;
+                    let (sources, needed) = self.heal_sources(i);
+                    Some(if sources < needed {
+                        format!("rebuilding its index: waits for {needed} other drives of its set to heal from, {sources} readable")
+                    } else {
+                        "rebuilding its index: being healed from the other drives of its set".into()
+                    })
+                }),
             })
             .collect()
     }
 
-    /// True when every erasure set can take writes.
+    /// True when every erasure set can take writes and answer reads.
     pub fn is_ready(&self) -> bool {
-        self.sets
-            .iter()
-            .all(|m| self.online_count(m) >= self.meta_write_quorum(m.len()))
+        self.sets.iter().all(|m| {
+            self.online_count(m) >= self.meta_write_quorum(m.len())
+                && self.readable_count(m) >= self.meta_read_quorum(m.len())
+        })
     }
 
     fn online_count(&self, members: &[usize]) -> usize {
         members.iter().filter(|&&d| self.drives[d].online()).count()
+    }
+
+    fn readable_count(&self, members: &[usize]) -> usize {
+        members
+            .iter()
+            .filter(|&&d| self.drives[d].readable())
+            .count()
     }
 
     pub(crate) fn meta_write_quorum(&self, set_size: usize) -> usize {
@@ -719,14 +851,56 @@ impl Store {
             sp.at = Some(std::time::Instant::now());
             return;
         }
+        self.take_out(slot, what, error, index_corrupt(error));
+    }
+
+    /// A metadata index write failed on a drive. The index refuses every
+    /// later write after one failure (its journal is in an unknown state),
+    /// whatever the cause, no space left included: the drive is taken out
+    /// and its index reopened (recovering its journal) once it works again.
+    pub(crate) fn index_write_failed(
+        &self,
+        slot: &DriveSlot,
+        what: &str,
+        error: &(dyn std::error::Error + 'static),
+    ) {
+        if no_space(error) {
+            let mut sp = slot.space.lock().expect("drive space");
+            sp.free = 0;
+            sp.at = Some(std::time::Instant::now());
+        }
+        self.take_out(slot, what, error, index_corrupt(error));
+    }
+
+    /// A metadata read found the drive's index damaged: taken out, and its
+    /// index set aside and rebuilt when it rejoins (within seconds).
+    pub(crate) fn index_read_failed(&self, slot: &DriveSlot, error: &StoreError) {
+        if index_corrupt(error) {
+            self.take_out(slot, "metadata read", error, true);
+        }
+    }
+
+    fn take_out(
+        &self,
+        slot: &DriveSlot,
+        what: &str,
+        error: &(dyn std::error::Error + 'static),
+        reindex: bool,
+    ) {
         let mut st = slot.state.write().expect("drive state");
         if st.db.is_none() {
             return;
         }
         let reason = format!("{what}: {error}");
-        tracing::error!(drive = %slot.paths.root.display(), %reason, "drive faulty: taken out until it works again");
+        if reindex {
+            tracing::error!(drive = %slot.paths.root.display(), %reason, "metadata index corrupt: drive taken out; its index is set aside and rebuilt");
+            self.stats.index_corruptions.fetch_add(1, Ordering::Relaxed);
+        } else {
+            tracing::error!(drive = %slot.paths.root.display(), %reason, "drive faulty: taken out until it works again");
+        }
         st.db = None;
         st.faulty = true;
+        st.reindex |= reindex;
         st.reason = Some(reason);
         self.stats.drive_faults.fetch_add(1, Ordering::Relaxed);
     }
@@ -768,11 +942,16 @@ impl Store {
                 continue;
             }
             let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
-            let r = run_blocking(move || Ok(rejoin(&root, &expected))).await;
+            let reindex = slot.state.read().expect("drive state").reindex;
+            let r = run_blocking(move || Ok(rejoin(&root, &expected, reindex))).await;
             let r = r.unwrap_or_else(|e| Err(e.to_string()));
             let mut st = slot.state.write().expect("drive state");
             match r {
-                Ok((db, wiped)) => {
+                Ok((db, wiped, set_aside)) => {
+                    // Found damaged only now (taken out for another fault).
+                    if set_aside && !reindex {
+                        self.stats.index_corruptions.fetch_add(1, Ordering::Relaxed);
+                    }
                     if wiped {
                         // The old lock file went with the old contents.
                         if let Ok(lock) = drive::lock(&slot.paths.root) {
@@ -781,21 +960,87 @@ impl Store {
                     }
                     st.db = Some(Arc::new(db));
                     st.faulty = false;
+                    st.reindex = false;
                     st.reason = None;
+                    // It missed the writes made while it was out (or lost
+                    // everything): it serves metadata reads again once healed.
+                    st.rebuilding = Some(self.rebuild_seq.fetch_add(1, Ordering::SeqCst) + 1);
                     drop(st);
                     self.stats.drive_rejoins.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(drive = %slot.paths.root.display(), wiped, "drive works again: back online; healing");
-                    let store = self.clone();
-                    tokio::spawn(async move {
-                        let report = store.heal_all().await;
-                        tracing::info!(?report, "heal after a drive rejoined finished");
-                    });
+                    tracing::warn!(drive = %slot.paths.root.display(), wiped, "drive works again: back in service; healing");
+                    self.heal_rebuilding(true);
                 }
                 Err(reason) => {
                     st.reason = Some(format!("faulty, still failing: {reason}"));
                 }
             }
         }
+        self.heal_rebuilding(false);
+    }
+
+    /// Starts a heal for drives that are rebuilding, unless one runs: right
+    /// away when `now`, else when the last one ended a while ago (one that
+    /// could not finish, say for lack of read quorum, is retried).
+    fn heal_rebuilding(self: &Arc<Self>, now: bool) {
+        // Only where the other drives of the set can answer for the records.
+        if !(0..self.drives.len()).any(|i| {
+            let (sources, needed) = self.heal_sources(i);
+            self.drives[i].online() && self.drives[i].rebuilding().is_some() && sources >= needed
+        }) {
+            return;
+        }
+        {
+            let mut h = self.rebuild_heal.lock().expect("rebuild heal");
+            let due = now || h.1.is_none_or(|t| t.elapsed() >= REBUILD_RETRY);
+            if h.0 || !due {
+                return;
+            }
+            h.0 = true;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            let report = store.heal_all().await;
+            tracing::info!(?report, "heal of rebuilding drives finished");
+            *store.rebuild_heal.lock().expect("rebuild heal") =
+                (false, Some(std::time::Instant::now()));
+        });
+    }
+
+    /// Ends rebuild `n` of drive `i` after a heal reached every record: it
+    /// serves metadata reads again, unless it failed or began another rebuild
+    /// meanwhile, or the other drives of its set were too few to heal from
+    /// (then it waits for the next heal).
+    pub(crate) fn finish_rebuild(&self, i: usize, n: u64) {
+        let slot = &self.drives[i];
+        let (sources, needed) = self.heal_sources(i);
+        let mut st = slot.state.write().expect("drive state");
+        if st.db.is_none() || st.rebuilding != Some(n) {
+            return;
+        }
+        if sources < needed {
+            tracing::warn!(drive = %slot.paths.root.display(), sources, needed, "index not rebuilt: too few drives of its set to heal from");
+            return;
+        }
+        if let Err(error) = drive::clear_rebuilding(&slot.paths.root) {
+            // Still rebuilding after a restart: harmless, healed again.
+            tracing::warn!(drive = %slot.paths.root.display(), %error, "cannot remove the rebuild marker");
+        }
+        st.rebuilding = None;
+        st.reason = None;
+        drop(st);
+        self.stats.index_rebuilds.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(drive = %slot.paths.root.display(), "index filled by heal: the drive serves reads again");
+    }
+
+    /// The other drives of drive `i`'s set with a complete index, and how
+    /// many a heal needs to answer for the records.
+    fn heal_sources(&self, i: usize) -> (usize, usize) {
+        let members = &self.sets[self.drives[i].set_index];
+        let sources = members
+            .iter()
+            .filter(|&&d| d != i && self.drives[d].readable())
+            .count();
+        (sources, self.meta_read_quorum(members.len()))
     }
 
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
@@ -890,15 +1135,10 @@ impl Store {
         let Some(mut rx) = self.heal_rx.lock().expect("heal lock").take() else {
             return;
         };
+        // Drives that joined empty or whose index was set aside at start.
+        self.heal_rebuilding(true);
         let weak = Arc::downgrade(self);
-        let full_first = self.needs_full_heal;
         tokio::spawn(async move {
-            if full_first {
-                if let Some(store) = weak.upgrade() {
-                    let report = store.heal_all().await;
-                    tracing::info!(?report, "heal after drive replacement finished");
-                }
-            }
             while let Some(task) = rx.recv().await {
                 let Some(store) = weak.upgrade() else { return };
                 if let Err(error) = store.heal_object(&task.bucket, &task.key).await {
@@ -939,8 +1179,30 @@ impl Store {
             .ok_or_else(|| StoreError::NoSuchBucket(name.to_string()))
     }
 
-    fn all_online(&self) -> Vec<Arc<DriveDb>> {
-        self.drives.iter().filter_map(|d| d.db()).collect()
+    /// The indexes of drives in use, for writes (rebuilding ones included),
+    /// with their slots.
+    pub(crate) fn writers<'a>(
+        &'a self,
+        slots: impl Iterator<Item = &'a DriveSlot>,
+    ) -> Vec<(&'a DriveSlot, Arc<DriveDb>)> {
+        slots.filter_map(|s| s.writer().map(|db| (s, db))).collect()
+    }
+
+    /// Counts the successes of metadata writes to drives; a drive whose
+    /// write failed is taken out (its index is reopened when it works).
+    pub(crate) fn count_index_writes(
+        &self,
+        what: &str,
+        targets: &[(&DriveSlot, Arc<DriveDb>)],
+        results: &[std::io::Result<()>],
+    ) -> usize {
+        for ((slot, _), r) in targets.iter().zip(results) {
+            if let Err(e) = r {
+                tracing::error!(drive = %slot.paths.root.display(), error = %e, "{what} failed on a drive");
+                self.index_write_failed(slot, what, e);
+            }
+        }
+        results.iter().filter(|r| r.is_ok()).count()
     }
 
     async fn write_bucket_everywhere(
@@ -950,9 +1212,9 @@ impl Store {
     ) -> Result<(), StoreError> {
         let total = self.drives.len();
         let quorum = total / 2 + 1;
-        let futs = self.all_online().into_iter().map(|db| {
-            let name = name.to_string();
-            let rec = rec.clone();
+        let targets = self.writers(self.drives.iter());
+        let futs = targets.iter().map(|(_, db)| {
+            let (name, rec, db) = (name.to_string(), rec.clone(), db.clone());
             run_blocking(move || {
                 match &rec {
                     Some(r) => db.put_bucket(&name, r),
@@ -961,11 +1223,8 @@ impl Store {
                 .map_err(std::io::Error::other)
             })
         });
-        let ok = futures::future::join_all(futs)
-            .await
-            .into_iter()
-            .filter(|r| r.is_ok())
-            .count();
+        let results = futures::future::join_all(futs).await;
+        let ok = self.count_index_writes("metadata write", &targets, &results);
         if ok < quorum {
             return Err(StoreError::QuorumLost {
                 what: "bucket update",
@@ -1014,7 +1273,7 @@ impl Store {
         let _g = self.locks.write(name, "").await;
         self.bucket_record(name)?;
         let name_owned = name.to_string();
-        let dbs = self.all_online();
+        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
         let has = run_blocking(move || {
             for db in dbs {
                 if db
@@ -1108,7 +1367,14 @@ impl Store {
         })
         .await;
         match read {
-            Ok(records) => records,
+            Ok(records) => {
+                for (pos, r) in records.iter().enumerate() {
+                    if let Err(e) = r {
+                        self.index_read_failed(self.slot(set, pos), e);
+                    }
+                }
+                records
+            }
             Err(e) => (0..n)
                 .map(|_| {
                     Err(StoreError::Drive {
@@ -1157,21 +1423,13 @@ impl Store {
         w: ObjectWrite,
     ) -> Result<usize, StoreError> {
         let w = Arc::new(w);
-        let targets: Vec<(usize, Arc<DriveDb>)> = (0..self.set_size(set))
-            .filter_map(|pos| self.slot(set, pos).db().map(|db| (pos, db)))
-            .collect();
+        let targets = self.writers((0..self.set_size(set)).map(|pos| self.slot(set, pos)));
         let futs = targets.iter().map(|(_, db)| {
             let (b, k, w, db) = (bucket.to_string(), key.to_string(), w.clone(), db.clone());
             run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
         });
         let results = futures::future::join_all(futs).await;
-        let ok = results.iter().filter(|r| r.is_ok()).count();
-        for ((pos, _), r) in targets.iter().zip(&results) {
-            if let Err(e) = r {
-                tracing::error!(%bucket, %key, error = %e, "metadata write failed on a drive");
-                self.drive_failed(self.slot(set, *pos), "metadata write", e);
-            }
-        }
+        let ok = self.count_index_writes("metadata write", &targets, &results);
         let quorum = self.meta_write_quorum(self.set_size(set));
         if ok < quorum {
             return Err(StoreError::QuorumLost {
@@ -1533,7 +1791,7 @@ impl Store {
             let items = Arc::new(items);
             for chunk_start in (0..items.len()).step_by(50_000) {
                 let futs = (0..self.set_size(set))
-                    .filter_map(|p| self.slot(set, p).db())
+                    .filter_map(|p| self.slot(set, p).writer())
                     .map(|db| {
                         let (b, items) = (bucket.to_string(), items.clone());
                         run_blocking(move || {

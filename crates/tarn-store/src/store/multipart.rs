@@ -48,17 +48,13 @@ impl Store {
             checksum_algorithm: checksum_algorithm.unwrap_or_default(),
             layout,
         };
-        let futs = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).db())
-            .map(|db| {
-                let (b, k, r) = (bucket.to_string(), key.to_string(), rec.clone());
-                run_blocking(move || db.put_upload(&b, &k, &r).map_err(std::io::Error::other))
-            });
-        let ok = futures::future::join_all(futs)
-            .await
-            .into_iter()
-            .filter(|r| r.is_ok())
-            .count();
+        let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
+        let futs = targets.iter().map(|(_, db)| {
+            let (b, k, r, db) = (bucket.to_string(), key.to_string(), rec.clone(), db.clone());
+            run_blocking(move || db.put_upload(&b, &k, &r).map_err(std::io::Error::other))
+        });
+        let results = futures::future::join_all(futs).await;
+        let ok = self.count_index_writes("metadata write", &targets, &results);
         let quorum = self.meta_write_quorum(self.set_size(set));
         if ok < quorum {
             return Err(StoreError::QuorumLost {
@@ -97,6 +93,71 @@ impl Store {
             Some(r) if found >= quorum => Ok(r),
             _ => Err(StoreError::NoSuchUpload(id_to_hex(upload_id))),
         }
+    }
+
+    /// Copies the multipart uploads in progress of `bucket` in `set` (their
+    /// records and parts, as a read quorum of the other drives has them) onto
+    /// `targets`, drives whose index is being rebuilt. Returns how many.
+    pub(crate) async fn heal_uploads(
+        &self,
+        set: usize,
+        bucket: &str,
+        targets: &[(&super::DriveSlot, Arc<crate::drive::DriveDb>)],
+    ) -> Result<u64, StoreError> {
+        let sources: Vec<_> = (0..self.set_size(set))
+            .filter_map(|p| self.slot(set, p).db())
+            .collect();
+        let b = bucket.to_string();
+        let found = run_blocking(move || {
+            let mut all = std::collections::BTreeSet::new();
+            for db in sources {
+                for (key, rec) in db
+                    .scan_uploads(&b, "", usize::MAX)
+                    .map_err(std::io::Error::other)?
+                {
+                    all.insert((key, rec.upload_id));
+                }
+            }
+            Ok(all)
+        })
+        .await?;
+        let mut copied = 0;
+        for (key, id) in found {
+            if self.set_for(bucket, &key) != set {
+                continue;
+            }
+            // Not while it completes or aborts.
+            let _g = self.locks.write(bucket, &key).await;
+            let rec = match self.upload(set, bucket, &key, &id).await {
+                Ok(r) => r,
+                Err(StoreError::NoSuchUpload(_)) => continue,
+                Err(e) => return Err(e),
+            };
+            let parts: Vec<UploadPartRecord> =
+                self.upload_parts(set, &id).await?.into_values().collect();
+            let futs = targets.iter().map(|(_, db)| {
+                let (b, k, rec, parts, db) = (
+                    bucket.to_string(),
+                    key.clone(),
+                    rec.clone(),
+                    parts.clone(),
+                    db.clone(),
+                );
+                run_blocking(move || {
+                    db.put_upload(&b, &k, &rec)
+                        .and_then(|_| parts.iter().try_for_each(|p| db.put_part(&id, p)))
+                        .map_err(std::io::Error::other)
+                })
+            });
+            let results = futures::future::join_all(futs).await;
+            if self.count_index_writes("upload heal", targets, &results) < targets.len() {
+                return Err(StoreError::Io(std::io::Error::other(
+                    "copying an upload to a rebuilding drive failed",
+                )));
+            }
+            copied += 1;
+        }
+        Ok(copied)
     }
 
     /// The parts a read quorum agrees on, newest record per part number.
@@ -194,17 +255,13 @@ impl Store {
             // The upload may have been completed or aborted meanwhile.
             self.upload(set, bucket, key, &id).await?;
             let previous = self.upload_parts(set, &id).await?.remove(&number);
-            let futs = (0..self.set_size(set))
-                .filter_map(|p| self.slot(set, p).db())
-                .map(|db| {
-                    let r = rec.clone();
-                    run_blocking(move || db.put_part(&id, &r).map_err(std::io::Error::other))
-                });
-            let ok = futures::future::join_all(futs)
-                .await
-                .into_iter()
-                .filter(|r| r.is_ok())
-                .count();
+            let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
+            let futs = targets.iter().map(|(_, db)| {
+                let (r, db) = (rec.clone(), db.clone());
+                run_blocking(move || db.put_part(&id, &r).map_err(std::io::Error::other))
+            });
+            let results = futures::future::join_all(futs).await;
+            let ok = self.count_index_writes("metadata write", &targets, &results);
             let quorum = self.meta_write_quorum(self.set_size(set));
             if ok < quorum {
                 return Err(StoreError::QuorumLost {
@@ -282,20 +339,21 @@ impl Store {
         self.upload(set, bucket, key, &id).await?;
         let parts = self.upload_parts(set, &id).await?;
         let numbers: Vec<u32> = parts.keys().copied().collect();
-        let futs = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).db())
-            .map(|db| {
-                let (b, k, n) = (bucket.to_string(), key.to_string(), numbers.clone());
-                run_blocking(move || {
-                    db.delete_upload(&b, &k, &id, &n)
-                        .map_err(std::io::Error::other)
-                })
-            });
-        let ok = futures::future::join_all(futs)
-            .await
-            .into_iter()
-            .filter(|r| r.is_ok())
-            .count();
+        let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
+        let futs = targets.iter().map(|(_, db)| {
+            let (b, k, n, db) = (
+                bucket.to_string(),
+                key.to_string(),
+                numbers.clone(),
+                db.clone(),
+            );
+            run_blocking(move || {
+                db.delete_upload(&b, &k, &id, &n)
+                    .map_err(std::io::Error::other)
+            })
+        });
+        let results = futures::future::join_all(futs).await;
+        let ok = self.count_index_writes("metadata write", &targets, &results);
         let quorum = self.meta_write_quorum(self.set_size(set));
         if ok < quorum {
             return Err(StoreError::QuorumLost {
