@@ -194,6 +194,38 @@ def test_a_wiped_drive_is_noticed_formatted_and_healed(make_server):
         assert s3.get_object(Bucket="wipe", Key=k)["Body"].read() == b
 
 
+
+def test_a_drive_offline_at_start_joins_once_mounted(make_server):
+    server = make_server(drives=4, expected_errors=[r"drive offline", r"erasure set is degraded", r"lost write quorum"])
+    s3 = server.client()
+    s3.create_bucket(Bucket="late")
+    before = {f"k{i}": os.urandom(2 * MiB + i) for i in range(3)}
+    for k, b in before.items():
+        s3.put_object(Bucket="late", Key=k, Body=b)
+    server.stop()
+    late = server.drives[3]
+    os.rename(late, late + ".unmounted")
+    server.start()
+    s3 = server.client()
+    assert drives(server)[3]["state"] == "offline"
+    during = {f"d{i}": os.urandom(2 * MiB + i) for i in range(3)}
+    for k, b in during.items():
+        s3.put_object(Bucket="late", Key=k, Body=b)
+    # Mounted again while running: it joins without a restart, catches up
+    # on what it missed, and serves reads once healed.
+    os.rename(late + ".unmounted", late)
+    wait_for("the drive to join", lambda: drives(server)[3]["state"] == "online")
+    assert metric(server, "tarn_drive_rejoins_total") == 1
+    report = heal(server)
+    assert report["failures"] == 0, report
+    server.stop()
+    shutil.rmtree(server.drives[1])
+    shutil.rmtree(server.drives[2])
+    server.start()
+    s3 = server.client()
+    for k, b in {**before, **during}.items():
+        assert s3.get_object(Bucket="late", Key=k)["Body"].read() == b
+
 # ---------------------------------------------------------------------------
 # A corrupt drive index is set aside and rebuilt by heal while the node
 # serves (issue 12, item 4), and an index write that failed for lack of space

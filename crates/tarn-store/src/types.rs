@@ -242,6 +242,8 @@ pub struct HealReport {
     /// Shard files no metadata refers to, removed after the grace period.
     pub orphans_removed: u64,
     pub failures: u64,
+    /// Of the failures, drives an object's record could not be written to.
+    pub metadata_failures: u64,
 }
 
 #[derive(Debug, Clone)]

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tarn_store::types::DriveStatus;
+
 /// Latency histogram bucket bounds in seconds.
 const BUCKETS_S: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -166,7 +168,8 @@ impl Metrics {
             );
         }
         let drives = store.drive_status();
-        let gauges: [(&str, &str, fn(&tarn_store::types::DriveStatus) -> bool); 2] = [
+        type DriveGauge = (&'static str, &'static str, fn(&DriveStatus) -> bool);
+        let gauges: [DriveGauge; 2] = [
             (
                 "tarn_drive_online",
                 "Whether a drive is in use (0: offline since start, or faulty).",

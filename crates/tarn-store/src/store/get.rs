@@ -472,6 +472,7 @@ impl PartReader {
                     {
                         tracing::warn!(shard = i, error = %e, "shard unusable, reconstructing from parity");
                     }
+                    self.device_failed(store, i, &e);
                     self.bad[i] = true;
                     self.damaged = true;
                 }
@@ -480,6 +481,20 @@ impl PartReader {
     }
 
     /// Reads stripe `j` and returns its k data shards (verified or rebuilt).
+    /// A read the device itself failed (not a missing or corrupt file, which
+    /// heal repairs) takes the drive out like a failed write.
+    fn device_failed(&self, store: &Store, i: usize, e: &ShardError) {
+        if let ShardError::Io(io) = e {
+            if matches!(
+                io.raw_os_error(),
+                Some(libc::EIO | libc::ENXIO | libc::ENODEV)
+            ) {
+                let slot = store.slot(self.set, self.layout.distribution[i] as usize);
+                store.drive_failed(slot, "reading a shard", io);
+            }
+        }
+    }
+
     pub(crate) async fn read_stripe(
         &mut self,
         store: &Store,
@@ -538,6 +553,7 @@ impl PartReader {
                 self.bufs[i] = Some(pooled);
                 if let Err(e) = res {
                     tracing::warn!(shard = i, stripe = j, error = %e, "shard block unusable, reconstructing from parity");
+                    self.device_failed(store, i, &e);
                     self.bad[i] = true;
                     self.damaged = true;
                     failed = true;

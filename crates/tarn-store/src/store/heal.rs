@@ -15,7 +15,7 @@ use crate::codec::{codec_for, StripeGeometry};
 use crate::drive::ObjectWrite;
 use crate::error::StoreError;
 use crate::format::{new_id, Layout, PartMeta, Storage};
-use crate::shard::{ShardReader, ShardWriter};
+use crate::shard::{shard_file_len, ShardReader, ShardWriter};
 use crate::types::HealReport;
 
 /// Age before an unreferenced shard file counts as an orphan. Shards are renamed
@@ -102,7 +102,7 @@ impl Store {
                             report.metadata_rewritten += r.metadata_rewritten;
                             // Drives the object could not be rewritten on.
                             report.failures += r.failures;
-                            complete &= r.failures == 0;
+                            complete &= r.metadata_failures == 0;
                             if r.shards_rebuilt + r.metadata_rewritten > 0 {
                                 report.objects_healed += 1;
                             }
@@ -285,6 +285,7 @@ impl Store {
                     tracing::error!(%bucket, %key, %error, "rewriting metadata failed");
                     self.index_write_failed(self.slot(set, pos), "metadata heal", &error);
                     report.failures += 1;
+                    report.metadata_failures += 1;
                 }
             }
         }
@@ -294,7 +295,9 @@ impl Store {
                 continue;
             };
             for part in parts {
-                report.shards_rebuilt += self.heal_part(set, &v.layout, part).await?;
+                let (rebuilt, skipped) = self.heal_part(set, &v.layout, part).await?;
+                report.shards_rebuilt += rebuilt;
+                report.failures += skipped;
             }
         }
         self.stats
@@ -303,13 +306,15 @@ impl Store {
         Ok(report)
     }
 
-    /// Verifies every shard file of a part and rebuilds the bad ones.
+    /// Verifies every shard file of a part and rebuilds the bad ones: how
+    /// many were rebuilt, and how many could not be for lack of room (a drive
+    /// below its reserve takes no rebuilt shards either).
     async fn heal_part(
         &self,
         set: usize,
         layout: &Layout,
         part: &PartMeta,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, u64), StoreError> {
         self.check_layout(set, layout)?;
         let g = StripeGeometry::new(part.size, layout.stripe_size_bytes, layout.data_shards);
         let mut bad = Vec::new();
@@ -327,19 +332,32 @@ impl Store {
             }
         }
         if bad.is_empty() {
-            return Ok(0);
+            return Ok((0, 0));
         }
         let k = layout.data_shards as usize;
         let n = layout.shard_count();
-        if n - bad.len() < k {
+        let survivors = n - bad.len();
+        let shard_bytes = shard_file_len(&g);
+        let before = bad.len();
+        bad.retain(|&shard| {
+            let slot = self.slot(set, layout.distribution[shard] as usize);
+            let room = slot.has_room(shard_bytes, self.cfg.drive_reserve_bytes);
+            if !room {
+                tracing::warn!(drive = %slot.paths.root.display(), part = part.number, shard, "shard not rebuilt: the drive is below its free-space reserve");
+            }
+            room
+        });
+        let skipped = (before - bad.len()) as u64;
+        if bad.is_empty() {
+            return Ok((0, skipped));
+        }
+        if survivors < k {
             return Err(StoreError::Unreadable {
                 bucket: String::new(),
                 key: String::new(),
                 reason: format!(
                     "part {}: only {} of {} needed shards survive",
-                    part.number,
-                    n - bad.len(),
-                    k
+                    part.number, survivors, k
                 ),
             });
         }
@@ -399,8 +417,10 @@ impl Store {
                 .clone();
             rename_durable(p.tmp_shard(&tmp_id), p.shard(&part.data_id)).await?;
             tracing::info!(drive = %p.root.display(), part = part.number, shard, "shard rebuilt");
+            self.slot(set, layout.distribution[shard] as usize)
+                .consumed(shard_bytes);
             rebuilt += 1;
         }
-        Ok(rebuilt)
+        Ok((rebuilt, skipped))
     }
 }

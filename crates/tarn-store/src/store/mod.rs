@@ -279,6 +279,8 @@ fn rejoin(
         }
         DriveProbe::Formatted(f) => {
             if f.deployment_id != expected.deployment_id
+                || f.set_count != expected.set_count
+                || f.set_drive_count != expected.set_drive_count
                 || f.set_index != expected.set_index
                 || f.drive_index != expected.drive_index
             {
@@ -872,11 +874,18 @@ impl Store {
         self.take_out(slot, what, error, index_corrupt(error));
     }
 
-    /// A metadata read found the drive's index damaged: taken out, and its
-    /// index set aside and rebuilt when it rejoins (within seconds).
+    /// A metadata read failed on a drive: a damaged index takes the drive
+    /// out and is set aside and rebuilt when it rejoins (within seconds); an
+    /// I/O error takes it out until it works. A record that does not decode
+    /// is left to heal.
     pub(crate) fn index_read_failed(&self, slot: &DriveSlot, error: &StoreError) {
-        if index_corrupt(error) {
-            self.take_out(slot, "metadata read", error, true);
+        match error {
+            StoreError::IndexCorrupt { .. } => self.take_out(slot, "metadata read", error, true),
+            // Errors the index reports, not the "offline" of a drive not read.
+            StoreError::Drive { drive, .. } if !drive.is_empty() => {
+                self.take_out(slot, "metadata read", error, false)
+            }
+            _ => {}
         }
     }
 
@@ -938,21 +947,35 @@ impl Store {
                 }
                 continue;
             }
-            if !slot.faulty() {
-                continue;
-            }
+            // Taken out while running, or offline since start (a drive
+            // mounted or repaired later joins without a restart).
             let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
             let reindex = slot.state.read().expect("drive state").reindex;
-            let r = run_blocking(move || Ok(rejoin(&root, &expected, reindex))).await;
+            let unlocked = slot.lock.lock().expect("drive lock").is_none();
+            let r = run_blocking(move || {
+                // One process per drive, for a drive joining late too.
+                let lock = if unlocked {
+                    match drive::lock(&root) {
+                        Ok(lock) => lock,
+                        Err(e) => return Ok(Err(e.to_string())),
+                    }
+                } else {
+                    None
+                };
+                Ok(rejoin(&root, &expected, reindex).map(|r| (r, lock)))
+            })
+            .await;
             let r = r.unwrap_or_else(|e| Err(e.to_string()));
             let mut st = slot.state.write().expect("drive state");
             match r {
-                Ok((db, wiped, set_aside)) => {
+                Ok(((db, wiped, set_aside), lock)) => {
                     // Found damaged only now (taken out for another fault).
                     if set_aside && !reindex {
                         self.stats.index_corruptions.fetch_add(1, Ordering::Relaxed);
                     }
-                    if wiped {
+                    if lock.is_some() {
+                        *slot.lock.lock().expect("drive lock") = lock;
+                    } else if wiped {
                         // The old lock file went with the old contents.
                         if let Ok(lock) = drive::lock(&slot.paths.root) {
                             *slot.lock.lock().expect("drive lock") = lock;
@@ -970,9 +993,11 @@ impl Store {
                     tracing::warn!(drive = %slot.paths.root.display(), wiped, "drive works again: back in service; healing");
                     self.heal_rebuilding(true);
                 }
-                Err(reason) => {
+                Err(reason) if st.faulty => {
                     st.reason = Some(format!("faulty, still failing: {reason}"));
                 }
+                // Offline since start: its reason from then stands.
+                Err(_) => {}
             }
         }
         self.heal_rebuilding(false);
