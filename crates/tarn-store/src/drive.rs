@@ -356,6 +356,61 @@ pub fn set_aside_index(path: &Path) -> Result<(), StoreError> {
     tarn_io::file::sync_dir(&path.join(".tarn")).map_err(|e| io("sync .tarn", e))
 }
 
+/// Bytes of a journal file up to its last non-zero byte (journals are
+/// preallocated with zeros).
+fn written_len(path: &Path) -> std::io::Result<u64> {
+    let data = std::fs::read(path)?;
+    Ok(data
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(0, |i| i as u64 + 1))
+}
+
+/// A scratch copy of an index to open: table files (immutable) hard-linked,
+/// everything else copied; with `cut` = (j, n), journal j is kept to its
+/// first n bytes and later journals are left out.
+fn scratch_copy(
+    from: &Path,
+    to: &Path,
+    journals: &[(u64, String)],
+    cut: Option<(usize, u64)>,
+) -> std::io::Result<()> {
+    fn walk(from: &Path, to: &Path, in_tables: bool) -> std::io::Result<()> {
+        std::fs::create_dir_all(to)?;
+        for e in std::fs::read_dir(from)? {
+            let e = e?;
+            let (src, dst) = (e.path(), to.join(e.file_name()));
+            if e.file_type()?.is_dir() {
+                walk(&src, &dst, in_tables || e.file_name() == "tables")?;
+            } else if in_tables {
+                std::fs::hard_link(&src, &dst)?;
+            } else if !e.file_name().to_string_lossy().ends_with(".jnl") {
+                std::fs::copy(&src, &dst)?;
+            }
+        }
+        Ok(())
+    }
+    match std::fs::remove_dir_all(to) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    walk(from, to, false)?;
+    for (j, (_, name)) in journals.iter().enumerate() {
+        let keep = match cut {
+            Some((c, _)) if j > c => continue,
+            Some((c, n)) if j == c => Some(n),
+            _ => None,
+        };
+        let data = std::fs::read(from.join(name))?;
+        let data = match keep {
+            Some(n) => &data[..(n as usize).min(data.len())],
+            None => &data[..],
+        };
+        std::fs::write(to.join(name), data)?;
+    }
+    Ok(())
+}
+
 impl DriveDb {
     /// Opens the drive's index: `IndexCorrupt` when its files are damaged.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
@@ -379,6 +434,112 @@ impl DriveDb {
             name: name.clone(),
             group: GroupCommit::default(),
         })
+    }
+
+    /// Copies into this (fresh) index every entry that can still be read from
+    /// the damaged one set aside at `.tarn/meta.corrupt`: the salvage of a
+    /// drive that has no other drive to be healed from. A damaged journal is
+    /// cut before the first batch that fails its checksum (the writes from
+    /// there on are lost); damaged tables leave their entries behind. Works
+    /// on a scratch copy (`.tarn/meta.salvage`, removed after): the set-aside
+    /// index stays as it was found. Returns the entries copied and, when the
+    /// journal was cut, which file at which byte.
+    pub fn salvage(&self, root: &Path) -> Result<(u64, Option<(String, u64)>), String> {
+        let aside = root.join(CORRUPT_INDEX_DIR);
+        let scratch = root.join(".tarn/meta.salvage");
+        let mut journals: Vec<(u64, String)> = std::fs::read_dir(&aside)
+            .map_err(|e| format!("list the set-aside index: {e}"))?
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                Some((name.strip_suffix(".jnl")?.parse().ok()?, name))
+            })
+            .collect();
+        journals.sort();
+        let written: Vec<u64> = journals
+            .iter()
+            .map(|(_, name)| written_len(&aside.join(name)))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("read the set-aside journal: {e}"))?;
+        let open = |cut: Option<(usize, u64)>| -> Result<Database, String> {
+            scratch_copy(&aside, &scratch, &journals, cut)
+                .map_err(|e| format!("copy the set-aside index: {e}"))?;
+            Database::builder(&scratch)
+                .open()
+                .map_err(|e| e.to_string())
+        };
+        // Whole first; else the longest journal prefix that opens: the first
+        // journal that fails when kept whole, cut by bisection.
+        let found = match open(None) {
+            Ok(db) => Some((db, None)),
+            Err(_) => {
+                let mut found = None;
+                for j in 0..journals.len() {
+                    if open(Some((j, written[j]))).is_ok() {
+                        continue;
+                    }
+                    let (mut lo, mut hi) = (0u64, written[j]);
+                    if open(Some((j, 0))).is_ok() {
+                        // Invariant: a cut at lo opens, one at hi does not.
+                        while hi - lo > 1 {
+                            let mid = lo + (hi - lo) / 2;
+                            if open(Some((j, mid))).is_ok() {
+                                lo = mid;
+                            } else {
+                                hi = mid;
+                            }
+                        }
+                        let db = open(Some((j, lo)))?;
+                        found = Some((db, Some((journals[j].1.clone(), lo))));
+                    }
+                    break;
+                }
+                found
+            }
+        };
+        let Some((src, cut)) = found else {
+            let _ = std::fs::remove_dir_all(&scratch);
+            return Err("nothing could be salvaged: the index's tables are damaged".into());
+        };
+        let mut copied = 0u64;
+        for (name, dst) in [
+            ("buckets", &self.buckets),
+            ("objects", &self.objects),
+            ("inline", &self.inline),
+            ("uploads", &self.uploads),
+            ("parts", &self.parts),
+        ] {
+            let ks = src
+                .keyspace(name, KeyspaceCreateOptions::default)
+                .map_err(|e| format!("open {name}: {e}"))?;
+            let mut batch = self.db.batch();
+            let mut pending = 0;
+            for kv in ks.iter() {
+                // A damaged block ends what this keyspace gives.
+                let Ok((k, v)) = kv.into_inner() else {
+                    tracing::error!(drive = %self.name, keyspace = name, "salvage stopped at a damaged block");
+                    break;
+                };
+                batch.insert(dst, k.to_vec(), v.to_vec());
+                pending += 1;
+                copied += 1;
+                if pending == 10_000 {
+                    std::mem::replace(&mut batch, self.db.batch())
+                        .commit()
+                        .map_err(|e| format!("write salvaged entries: {e}"))?;
+                    pending = 0;
+                }
+            }
+            batch
+                .commit()
+                .map_err(|e| format!("write salvaged entries: {e}"))?;
+        }
+        drop(src);
+        let _ = std::fs::remove_dir_all(&scratch);
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| format!("persist salvaged entries: {e}"))?;
+        Ok((copied, cut))
     }
 
     /// Commits `batch` and returns once it is durable, sharing the fsync with
@@ -793,6 +954,22 @@ mod tests {
         assert!(dir.path().join(CORRUPT_INDEX_DIR).join("0.jnl").exists());
         let db = DriveDb::open(dir.path()).unwrap();
         assert!(db.parts(&[1; 16]).unwrap().is_empty());
+        // What precedes the damaged batch is salvaged, in order; the
+        // set-aside index is left as it was.
+        let before = std::fs::read(dir.path().join(CORRUPT_INDEX_DIR).join("0.jnl")).unwrap();
+        let (entries, cut) = db.salvage(dir.path()).unwrap();
+        let (journal, at) = cut.expect("the journal was cut");
+        assert_eq!(journal, "0.jnl");
+        assert!(at > 0 && at <= written as u64, "{at}");
+        let parts = db.parts(&[1; 16]).unwrap();
+        assert_eq!(parts.len() as u64, entries);
+        assert!((30..100).contains(&entries), "{entries}");
+        assert!(parts.iter().enumerate().all(|(i, p)| p.number == i as u32));
+        assert_eq!(
+            std::fs::read(dir.path().join(CORRUPT_INDEX_DIR).join("0.jnl")).unwrap(),
+            before
+        );
+        assert!(!dir.path().join(".tarn/meta.salvage").exists());
         clear_rebuilding(dir.path()).unwrap();
         assert!(!rebuild_pending(dir.path()));
         // Refusals that are not damage.

@@ -100,8 +100,8 @@ async fn handle(
                 200,
                 "application/json",
                 format!(
-                    "{{\"objects_scanned\":{},\"objects_healed\":{},\"shards_rebuilt\":{},\"metadata_rewritten\":{},\"buckets_healed\":{},\"failures\":{}}}\n",
-                    r.objects_scanned, r.objects_healed, r.shards_rebuilt, r.metadata_rewritten, r.buckets_healed, r.failures
+                    "{{\"objects_scanned\":{},\"objects_healed\":{},\"shards_rebuilt\":{},\"metadata_rewritten\":{},\"buckets_healed\":{},\"orphans_removed\":{},\"failures\":{}}}\n",
+                    r.objects_scanned, r.objects_healed, r.shards_rebuilt, r.metadata_rewritten, r.buckets_healed, r.orphans_removed, r.failures
                 ),
             )
         }

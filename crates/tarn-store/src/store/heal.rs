@@ -156,6 +156,19 @@ impl Store {
             let members: Vec<_> = (0..self.set_size(set))
                 .map(|p| (self.slot(set, p).db(), self.slot(set, p).paths.clone()))
                 .collect();
+            // A drive alone in its set whose index was salvaged: the files of
+            // the records it lost are nobody's, and kept for the operator
+            // until the set-aside index is removed.
+            if members.len() == 1
+                && members[0]
+                    .1
+                    .root
+                    .join(crate::drive::CORRUPT_INDEX_DIR)
+                    .exists()
+            {
+                tracing::warn!(drive = %members[0].1.root.display(), "orphan sweep skipped: the drive's index was salvaged; remove .tarn/meta.corrupt to sweep");
+                continue;
+            }
             let inflight = self.inflight_data.clone();
             removed += run_blocking(move || {
                 // Union of references across the set: a file is an orphan only if

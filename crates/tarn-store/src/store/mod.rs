@@ -230,23 +230,54 @@ fn in_chain(
     false
 }
 
-/// Opens a drive's metadata index; a damaged one is set aside and a fresh
-/// one opened in its place, to be rebuilt by heal (true in the second place).
-fn open_index(root: &std::path::Path, set_aside: bool) -> Result<(DriveDb, bool), String> {
-    if set_aside {
+/// Opens a drive's metadata index; a damaged one (or any when `set_aside`)
+/// is set aside and a fresh one opened in its place, to be rebuilt by heal
+/// (true in the second place). A drive `alone` in its set has nothing to be
+/// healed from: what can still be read of its damaged index is salvaged.
+fn open_index(
+    root: &std::path::Path,
+    set_aside: bool,
+    alone: bool,
+) -> Result<(DriveDb, bool), String> {
+    // A salvage that did not finish (the process stopped in it) starts over.
+    let unfinished_salvage =
+        alone && drive::rebuild_pending(root) && root.join(drive::CORRUPT_INDEX_DIR).is_dir();
+    if unfinished_salvage {
+        std::fs::remove_dir_all(root.join(".tarn/meta"))
+            .or_else(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => Ok(()),
+                _ => Err(e),
+            })
+            .map_err(|e| format!("remove a half-salvaged index: {e}"))?;
+    } else if !set_aside {
+        match DriveDb::open(root) {
+            Ok(db) => return Ok((db, false)),
+            Err(StoreError::IndexCorrupt { reason, .. }) => {
+                tracing::error!(drive = %root.display(), %reason,
+                    "metadata index corrupt: set aside (.tarn/meta.corrupt); a fresh one is rebuilt by heal");
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    if !unfinished_salvage {
         drive::set_aside_index(root).map_err(|e| e.to_string())?;
     }
-    match DriveDb::open(root) {
-        Ok(db) => Ok((db, set_aside)),
-        Err(StoreError::IndexCorrupt { reason, .. }) if !set_aside => {
-            tracing::error!(drive = %root.display(), %reason,
-                "metadata index corrupt: set aside (.tarn/meta.corrupt); a fresh one is rebuilt by heal from the other drives of its set");
-            drive::set_aside_index(root).map_err(|e| e.to_string())?;
-            let db = DriveDb::open(root).map_err(|e| e.to_string())?;
-            Ok((db, true))
+    let db = DriveDb::open(root).map_err(|e| e.to_string())?;
+    if alone {
+        match db.salvage(root) {
+            Ok((entries, None)) => {
+                tracing::warn!(drive = %root.display(), entries, "salvaged the damaged index (it opened whole; entries past a damaged block are lost)")
+            }
+            Ok((entries, Some((journal, at)))) => {
+                tracing::error!(drive = %root.display(), entries, %journal, at,
+                    "salvaged the damaged index up to where its journal is damaged: writes recorded after that point are lost")
+            }
+            Err(reason) => {
+                tracing::error!(drive = %root.display(), %reason, "nothing salvaged from the damaged index: its records are lost")
+            }
         }
-        Err(e) => Err(e.to_string()),
     }
+    Ok((db, true))
 }
 
 /// How often drives taken out while running are tried again.
@@ -295,7 +326,8 @@ fn rejoin(
         std::fs::create_dir_all(&dir).map_err(|e| format!("drive is not writable: {e}"))?;
         probe_writable(&dir).map_err(|e| format!("drive is not writable: {e}"))?;
     }
-    let (db, set_aside) = open_index(slot_root, reindex && !wiped)?;
+    let alone = expected.set_drive_count == 1;
+    let (db, set_aside) = open_index(slot_root, reindex && !wiped, alone)?;
     Ok((db, wiped, set_aside))
 }
 
@@ -596,13 +628,20 @@ impl Store {
                 clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
                 probe_writable(&paths.tmp_dir())
                     .map_err(|e| format!("drive is not writable: {e}"))?;
-                open_index(path, false)
+                open_index(path, false, set_size == 1)
             });
             let lock = locks[i].take();
             if matches!(&opened, Ok((_, true))) {
                 set_aside_at_start += 1;
             }
             let rebuilding = match &opened {
+                // Alone in its set: the salvage of its index was its rebuild.
+                Ok(_) if set_size == 1 => {
+                    if let Err(error) = drive::clear_rebuilding(path) {
+                        tracing::warn!(drive = %path.display(), %error, "cannot remove the rebuild marker");
+                    }
+                    None
+                }
                 Ok((_, set_aside))
                     if *set_aside || joined_empty || drive::rebuild_pending(path) =>
                 {
@@ -1058,14 +1097,20 @@ impl Store {
     }
 
     /// The other drives of drive `i`'s set with a complete index, and how
-    /// many a heal needs to answer for the records.
+    /// many a heal needs to answer for the records (none for a drive alone
+    /// in its set, whose rebuild is the salvage of its own index).
     fn heal_sources(&self, i: usize) -> (usize, usize) {
         let members = &self.sets[self.drives[i].set_index];
         let sources = members
             .iter()
             .filter(|&&d| d != i && self.drives[d].readable())
             .count();
-        (sources, self.meta_read_quorum(members.len()))
+        let needed = if members.len() == 1 {
+            0
+        } else {
+            self.meta_read_quorum(members.len())
+        };
+        (sources, needed)
     }
 
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
