@@ -24,9 +24,12 @@ use crate::types::{ByteRange, ObjectInfo, ReadConditions};
 /// allocation: what a client that stops reading keeps alive is what is queued
 /// for it plus the one piece being written, not whole stripes.
 const PIECE_BYTES: usize = 256 << 10;
-/// Pieces queued ahead of the consumer (1 MiB): the next stripe is read
-/// while the socket takes the last. Bounds memory per GET.
-const READ_AHEAD_PIECES: usize = 4;
+/// Pieces queued ahead of the consumer: two stripes (of the default 1 MiB), so
+/// that the next stripe is read while the socket takes the last (with room
+/// for one stripe only, the read of a stripe waited until the client had
+/// taken all of the one before: a third less throughput for large GETs).
+/// Bounds memory per GET.
+const READ_AHEAD_PIECES: usize = 8;
 
 /// The bytes of a GET, produced by a reader task on the same core.
 pub struct ObjectStream {
@@ -328,7 +331,8 @@ impl Store {
             let hi = b.min((j + 1) * stripe) - j * stripe;
             let sl = reader.geometry.shard_len(j);
             let len = (hi - lo) as usize;
-            let pieces = len.div_ceil(PIECE_BYTES).min(READ_AHEAD_PIECES);
+            // At most half the queue, so that two stripes always fit.
+            let pieces = len.div_ceil(PIECE_BYTES).min(READ_AHEAD_PIECES / 2);
             let piece = len.div_ceil(pieces);
             // Room in the channel first: while the client is not taking
             // what is queued, this read holds no pool buffers (they go back
