@@ -285,6 +285,16 @@ const DRIVE_PROBE_INTERVAL: Duration = Duration::from_secs(2);
 /// How soon a heal of rebuilding drives that could not finish runs again.
 const REBUILD_RETRY: Duration = Duration::from_secs(30);
 
+/// Whether a drive's format says it is the one expected at a place:
+/// same deployment, layout and position.
+fn belongs_here(f: &DriveFormat, expected: &DriveFormat) -> bool {
+    f.deployment_id == expected.deployment_id
+        && f.set_count == expected.set_count
+        && f.set_drive_count == expected.set_drive_count
+        && f.set_index == expected.set_index
+        && f.drive_index == expected.drive_index
+}
+
 /// Whether a drive taken out while running works again: it is where it was
 /// (or an empty directory, which is formatted for its place and healed),
 /// its tmp directory takes a write and an fsync, and its metadata index
@@ -309,12 +319,7 @@ fn rejoin(
             true
         }
         DriveProbe::Formatted(f) => {
-            if f.deployment_id != expected.deployment_id
-                || f.set_count != expected.set_count
-                || f.set_drive_count != expected.set_drive_count
-                || f.set_index != expected.set_index
-                || f.drive_index != expected.drive_index
-            {
+            if !belongs_here(&f, expected) {
                 return Err("a different drive is mounted here".into());
             }
             false
@@ -963,13 +968,7 @@ impl Store {
                 let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
                 let verdict = run_blocking(move || {
                     Ok(match drive::probe(&root) {
-                        DriveProbe::Formatted(f)
-                            if f.deployment_id == expected.deployment_id
-                                && f.set_index == expected.set_index
-                                && f.drive_index == expected.drive_index =>
-                        {
-                            None
-                        }
+                        DriveProbe::Formatted(f) if belongs_here(&f, &expected) => None,
                         DriveProbe::Formatted(_) => {
                             Some("a different drive is mounted here".to_string())
                         }
