@@ -289,6 +289,57 @@ fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 5] {
     out
 }
 
+/// Server-side encryption (SSE-S3, SSE-KMS, SSE-C) and object lock are not
+/// implemented: a request that asks for them is refused, never stored in
+/// plaintext or without the lock as if it had been honoured. `writes`: the
+/// request stores data (PUT, copy, multipart), where asking for encryption
+/// or a lock is `NotImplemented`; on reads (GET, HEAD) SSE-C key headers
+/// name an encryption no stored object has, which AWS answers with 400.
+fn refuse_unsupported(headers: &http::HeaderMap, writes: bool) -> S3Result<()> {
+    const ENCRYPTION: [&str; 4] = [
+        "x-amz-server-side-encryption",
+        "x-amz-server-side-encryption-aws-kms-key-id",
+        "x-amz-server-side-encryption-context",
+        "x-amz-server-side-encryption-bucket-key-enabled",
+    ];
+    const CUSTOMER_KEY: [&str; 6] = [
+        "x-amz-server-side-encryption-customer-algorithm",
+        "x-amz-server-side-encryption-customer-key",
+        "x-amz-server-side-encryption-customer-key-md5",
+        "x-amz-copy-source-server-side-encryption-customer-algorithm",
+        "x-amz-copy-source-server-side-encryption-customer-key",
+        "x-amz-copy-source-server-side-encryption-customer-key-md5",
+    ];
+    const OBJECT_LOCK: [&str; 3] = [
+        "x-amz-object-lock-mode",
+        "x-amz-object-lock-retain-until-date",
+        "x-amz-object-lock-legal-hold",
+    ];
+    let has = |names: &[&str]| names.iter().any(|n| headers.contains_key(*n));
+    if has(&CUSTOMER_KEY) && !writes {
+        return Err(S3Error::with_message(
+            S3ErrorCode::InvalidRequest,
+            "The encryption parameters are not applicable to this object.",
+        ));
+    }
+    if has(&CUSTOMER_KEY) || has(&ENCRYPTION) {
+        return Err(S3Error::with_message(
+            S3ErrorCode::NotImplemented,
+            "Server-side encryption (SSE-S3, SSE-KMS, SSE-C) is not supported; nothing was stored.",
+        ));
+    }
+    let lock_bucket = headers
+        .get("x-amz-bucket-object-lock-enabled")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    if writes && (has(&OBJECT_LOCK) || lock_bucket) {
+        return Err(S3Error::with_message(
+            S3ErrorCode::NotImplemented,
+            "Object lock is not supported; nothing was stored.",
+        ));
+    }
+    Ok(())
+}
+
 fn copy_source(cs: &CopySource) -> S3Result<(String, String, Option<String>)> {
     match cs {
         CopySource::Bucket {
@@ -334,6 +385,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CreateBucketInput>,
     ) -> S3Result<S3Response<CreateBucketOutput>> {
+        refuse_unsupported(&req.headers, true)?;
         if let Some(loc) = req
             .input
             .create_bucket_configuration
@@ -471,6 +523,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<PutObjectInput>,
     ) -> S3Result<S3Response<PutObjectOutput>> {
+        refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
@@ -518,6 +571,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<GetObjectInput>,
     ) -> S3Result<S3Response<GetObjectOutput>> {
+        refuse_unsupported(&req.headers, false)?;
         let i = req.input;
         let part_number = match i.part_number {
             Some(n) if !(1..=10_000).contains(&n) => {
@@ -581,6 +635,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<HeadObjectInput>,
     ) -> S3Result<S3Response<HeadObjectOutput>> {
+        refuse_unsupported(&req.headers, false)?;
         let i = req.input;
         let info = self
             .store
@@ -726,6 +781,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CopyObjectInput>,
     ) -> S3Result<S3Response<CopyObjectOutput>> {
+        refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let (sb, sk, sv) = copy_source(&i.copy_source)?;
         let conditions = read_conditions(
@@ -1035,6 +1091,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CreateMultipartUploadInput>,
     ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
         let opts = put_options(
@@ -1065,6 +1122,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<UploadPartInput>,
     ) -> S3Result<S3Response<UploadPartOutput>> {
+        refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
@@ -1111,6 +1169,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<UploadPartCopyInput>,
     ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let bad_range = || {
             S3Error::with_message(

@@ -1,0 +1,78 @@
+"""No wrong successes for encryption and object lock (issue 13, first part).
+
+Before: a PUT with SSE-C headers (a customer-provided key) was stored in
+plaintext and a GET without the key returned it; SSE-S3 and SSE-KMS headers,
+object-lock headers on PutObject and CreateBucket were accepted and ignored.
+Tarn implements neither yet: each such request is refused (501
+NotImplemented) and stores nothing; SSE-C key headers on a read are 400
+InvalidRequest, as AWS answers for an object not encrypted with a key.
+"""
+
+import datetime
+import os
+
+import botocore.exceptions
+import pytest
+
+KEY = os.urandom(32)
+
+
+def refused(call, code, status):
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        call()
+    err = e.value.response
+    assert err["Error"]["Code"] == code, err
+    assert err["ResponseMetadata"]["HTTPStatusCode"] == status, err
+
+
+def missing(s3, bucket, key):
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.head_object(Bucket=bucket, Key=key)
+    return e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+
+
+ENCRYPTIONS = {
+    "sse-c": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": KEY},
+    "sse-s3": {"ServerSideEncryption": "AES256"},
+    "sse-kms": {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "some-key"},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ENCRYPTIONS))
+def test_encrypted_writes_are_refused_and_store_nothing(s3, kind):
+    sse = ENCRYPTIONS[kind]
+    s3.create_bucket(Bucket="enc")
+    s3.put_object(Bucket="enc", Key="plain", Body=b"plain")
+    refused(lambda: s3.put_object(Bucket="enc", Key="secret", Body=b"secret", **sse), "NotImplemented", 501)
+    assert missing(s3, "enc", "secret")
+    refused(lambda: s3.copy_object(Bucket="enc", Key="copy", CopySource={"Bucket": "enc", "Key": "plain"}, **sse),
+            "NotImplemented", 501)  # fmt: skip
+    assert missing(s3, "enc", "copy")
+    refused(lambda: s3.create_multipart_upload(Bucket="enc", Key="mp", **sse), "NotImplemented", 501)
+    assert s3.list_multipart_uploads(Bucket="enc").get("Uploads", []) == []
+    # The plain object is untouched.
+    assert s3.get_object(Bucket="enc", Key="plain")["Body"].read() == b"plain"
+
+
+def test_customer_keys_on_reads_do_not_apply(s3):
+    s3.create_bucket(Bucket="encr")
+    s3.put_object(Bucket="encr", Key="plain", Body=b"plain")
+    sse = ENCRYPTIONS["sse-c"]
+    refused(lambda: s3.get_object(Bucket="encr", Key="plain", **sse), "InvalidRequest", 400)
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.head_object(Bucket="encr", Key="plain", **sse)
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+
+
+def test_object_lock_is_refused(s3):
+    refused(lambda: s3.create_bucket(Bucket="locked", ObjectLockEnabledForBucket=True), "NotImplemented", 501)
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.head_bucket(Bucket="locked")
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+    s3.create_bucket(Bucket="lockobj")
+    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+    refused(lambda: s3.put_object(Bucket="lockobj", Key="k", Body=b"x", ObjectLockMode="GOVERNANCE",
+                                  ObjectLockRetainUntilDate=until), "NotImplemented", 501)  # fmt: skip
+    refused(lambda: s3.put_object(Bucket="lockobj", Key="k", Body=b"x", ObjectLockLegalHoldStatus="ON"),
+            "NotImplemented", 501)  # fmt: skip
+    assert missing(s3, "lockobj", "k")
