@@ -74,14 +74,20 @@ fn xml_unsafe(s: &str) -> bool {
 /// AWS writes those as `&#x1;`, which XML parsers reject, so the whole
 /// listing fails to parse in the aws CLI and boto3; here the response
 /// encodes every name instead and says so in `<EncodingType>url`.
+/// The names: the page's keys, its common prefixes, and the request's and
+/// answer's other name fields (prefix, markers, delimiter).
 fn listing_url_encoded<'a>(
     requested: &Option<EncodingType>,
-    names: impl IntoIterator<Item = &'a str>,
+    mut keys: impl Iterator<Item = &'a str>,
+    common_prefixes: &[String],
+    fields: &[Option<&str>],
 ) -> bool {
     requested
         .as_ref()
         .is_some_and(|e| e.as_str() == EncodingType::URL)
-        || names.into_iter().any(xml_unsafe)
+        || keys.any(xml_unsafe)
+        || common_prefixes.iter().any(|p| xml_unsafe(p))
+        || fields.iter().flatten().any(|f| xml_unsafe(f))
 }
 
 /// A key for a response element that has no encoding-type: left out when
@@ -882,14 +888,14 @@ impl S3 for TarnS3 {
             .map_err(s3_error)?;
         let url = listing_url_encoded(
             &i.encoding_type,
-            page.objects
-                .iter()
-                .map(|o| o.key.as_str())
-                .chain(page.common_prefixes.iter().map(String::as_str))
-                .chain([prefix.as_str()])
-                .chain(i.marker.as_deref())
-                .chain(i.delimiter.as_deref())
-                .chain(page.next_after.as_deref()),
+            page.objects.iter().map(|o| o.key.as_str()),
+            &page.common_prefixes,
+            &[
+                Some(&prefix),
+                i.marker.as_deref(),
+                i.delimiter.as_deref(),
+                page.next_after.as_deref(),
+            ],
         );
         let contents: Vec<Object> = page.objects.iter().map(|o| list_entry(o, url)).collect();
         let next_marker = if page.is_truncated && i.delimiter.is_some() {
@@ -945,13 +951,13 @@ impl S3 for TarnS3 {
             .map_err(s3_error)?;
         let url = listing_url_encoded(
             &i.encoding_type,
-            page.objects
-                .iter()
-                .map(|o| o.key.as_str())
-                .chain(page.common_prefixes.iter().map(String::as_str))
-                .chain([prefix.as_str()])
-                .chain(i.start_after.as_deref())
-                .chain(i.delimiter.as_deref()),
+            page.objects.iter().map(|o| o.key.as_str()),
+            &page.common_prefixes,
+            &[
+                Some(&prefix),
+                i.start_after.as_deref(),
+                i.delimiter.as_deref(),
+            ],
         );
         let fetch_owner = i.fetch_owner.unwrap_or(false);
         let contents: Vec<Object> = page
@@ -1017,14 +1023,14 @@ impl S3 for TarnS3 {
             .map_err(s3_error)?;
         let url = listing_url_encoded(
             &i.encoding_type,
-            page.versions
-                .iter()
-                .map(|v| v.key.as_str())
-                .chain(page.common_prefixes.iter().map(String::as_str))
-                .chain([prefix.as_str()])
-                .chain(i.key_marker.as_deref())
-                .chain(i.delimiter.as_deref())
-                .chain(page.next_key_marker.as_deref()),
+            page.versions.iter().map(|v| v.key.as_str()),
+            &page.common_prefixes,
+            &[
+                Some(&prefix),
+                i.key_marker.as_deref(),
+                i.delimiter.as_deref(),
+                page.next_key_marker.as_deref(),
+            ],
         );
         let mut versions = Vec::new();
         let mut markers = Vec::new();
@@ -1383,13 +1389,13 @@ impl S3 for TarnS3 {
             .map_err(s3_error)?;
         let url = listing_url_encoded(
             &i.encoding_type,
-            uploads
-                .iter()
-                .map(|u| u.key.as_str())
-                .chain(prefixes.iter().map(String::as_str))
-                .chain([prefix.as_str()])
-                .chain(i.key_marker.as_deref())
-                .chain(i.delimiter.as_deref()),
+            uploads.iter().map(|u| u.key.as_str()),
+            &prefixes,
+            &[
+                Some(&prefix),
+                i.key_marker.as_deref(),
+                i.delimiter.as_deref(),
+            ],
         );
         let next_key = uploads.last().map(|u| encode_if(url, u.key.clone()));
         let next_id = uploads.last().map(|u| u.upload_id.clone());

@@ -356,23 +356,13 @@ pub fn set_aside_index(path: &Path) -> Result<(), StoreError> {
     tarn_io::file::sync_dir(&path.join(".tarn")).map_err(|e| io("sync .tarn", e))
 }
 
-/// Bytes of a journal file up to its last non-zero byte (journals are
-/// preallocated with zeros).
-fn written_len(path: &Path) -> std::io::Result<u64> {
-    let data = std::fs::read(path)?;
-    Ok(data
-        .iter()
-        .rposition(|&b| b != 0)
-        .map_or(0, |i| i as u64 + 1))
-}
-
 /// A scratch copy of an index to open: table files (immutable) hard-linked,
 /// everything else copied; with `cut` = (j, n), journal j is kept to its
 /// first n bytes and later journals are left out.
 fn scratch_copy(
     from: &Path,
     to: &Path,
-    journals: &[(u64, String)],
+    journals: &[(String, Vec<u8>)],
     cut: Option<(usize, u64)>,
 ) -> std::io::Result<()> {
     fn walk(from: &Path, to: &Path, in_tables: bool) -> std::io::Result<()> {
@@ -395,13 +385,12 @@ fn scratch_copy(
         _ => {}
     }
     walk(from, to, false)?;
-    for (j, (_, name)) in journals.iter().enumerate() {
+    for (j, (name, data)) in journals.iter().enumerate() {
         let keep = match cut {
             Some((c, _)) if j > c => continue,
             Some((c, n)) if j == c => Some(n),
             _ => None,
         };
-        let data = std::fs::read(from.join(name))?;
         let data = match keep {
             Some(n) => &data[..(n as usize).min(data.len())],
             None => &data[..],
@@ -456,11 +445,21 @@ impl DriveDb {
             })
             .collect();
         journals.sort();
+        // Each journal read once; every trial below writes its cut of it.
+        let journals: Vec<(String, Vec<u8>)> = journals
+            .into_iter()
+            .map(|(_, name)| Ok((name.clone(), std::fs::read(aside.join(&name))?)))
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| format!("read the set-aside journal: {e}"))?;
+        // Journals are preallocated with zeros: up to the last non-zero byte.
         let written: Vec<u64> = journals
             .iter()
-            .map(|(_, name)| written_len(&aside.join(name)))
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("read the set-aside journal: {e}"))?;
+            .map(|(_, data)| {
+                data.iter()
+                    .rposition(|&b| b != 0)
+                    .map_or(0, |i| i as u64 + 1)
+            })
+            .collect();
         let open = |cut: Option<(usize, u64)>| -> Result<Database, String> {
             scratch_copy(&aside, &scratch, &journals, cut)
                 .map_err(|e| format!("copy the set-aside index: {e}"))?;
@@ -490,7 +489,7 @@ impl DriveDb {
                             }
                         }
                         let db = open(Some((j, lo)))?;
-                        found = Some((db, Some((journals[j].1.clone(), lo))));
+                        found = Some((db, Some((journals[j].0.clone(), lo))));
                     }
                     break;
                 }

@@ -67,13 +67,7 @@ fn check_address_free(addr: SocketAddr) -> anyhow::Result<()> {
     if addr.port() == 0 {
         return Ok(());
     }
-    let probe = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
-    probe.set_reuse_address(true)?;
-    match probe.bind(&addr.into()) {
+    match tcp_socket(addr)?.bind(&addr.into()) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
             anyhow::bail!("another process is already listening on {addr} (another tarn server?)")
@@ -102,13 +96,19 @@ pub fn claim_address(
     })
 }
 
-fn bind_reuseport(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+/// A TCP socket for `addr` with SO_REUSEADDR, not yet bound.
+fn tcp_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM,
         Some(socket2::Protocol::TCP),
     )?;
     socket.set_reuse_address(true)?;
+    Ok(socket)
+}
+
+fn bind_reuseport(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    let socket = tcp_socket(addr)?;
     socket.set_reuse_port(true)?;
     socket.set_nonblocking(true)?;
     socket

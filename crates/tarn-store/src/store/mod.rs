@@ -143,6 +143,13 @@ impl DriveSlot {
         sp.free >= reserve.saturating_add(need)
     }
 
+    /// Out of space now (an ENOSPC): full until the next reading says not.
+    fn mark_full(&self) {
+        let mut sp = self.space.lock().expect("drive space");
+        sp.free = 0;
+        sp.at = Some(std::time::Instant::now());
+    }
+
     /// Counts a write against the cached free space until the next reading.
     pub fn consumed(&self, bytes: u64) {
         let mut sp = self.space.lock().expect("drive space");
@@ -892,12 +899,10 @@ impl Store {
         // below its reserve.
         if no_space(error) {
             tracing::warn!(drive = %slot.paths.root.display(), %what, "drive full: no space left");
-            let mut sp = slot.space.lock().expect("drive space");
-            sp.free = 0;
-            sp.at = Some(std::time::Instant::now());
+            slot.mark_full();
             return;
         }
-        self.take_out(slot, what, error, index_corrupt(error));
+        self.take_out(slot, what, error, false);
     }
 
     /// A metadata index write failed on a drive. The index refuses every
@@ -911,9 +916,7 @@ impl Store {
         error: &(dyn std::error::Error + 'static),
     ) {
         if no_space(error) {
-            let mut sp = slot.space.lock().expect("drive space");
-            sp.free = 0;
-            sp.at = Some(std::time::Instant::now());
+            slot.mark_full();
         }
         self.take_out(slot, what, error, index_corrupt(error));
     }
@@ -925,10 +928,7 @@ impl Store {
     pub(crate) fn index_read_failed(&self, slot: &DriveSlot, error: &StoreError) {
         match error {
             StoreError::IndexCorrupt { .. } => self.take_out(slot, "metadata read", error, true),
-            // Errors the index reports, not the "offline" of a drive not read.
-            StoreError::Drive { drive, .. } if !drive.is_empty() => {
-                self.take_out(slot, "metadata read", error, false)
-            }
+            StoreError::Drive { .. } => self.take_out(slot, "metadata read", error, false),
             _ => {}
         }
     }
@@ -1421,6 +1421,7 @@ impl Store {
             .map(|pos| self.slot(set, pos).db())
             .collect();
         let n = dbs.len();
+        let read_from: Vec<bool> = dbs.iter().map(Option::is_some).collect();
         let (b, k) = (bucket.to_string(), key.to_string());
         let read = run_blocking(move || {
             Ok(dbs
@@ -1437,8 +1438,9 @@ impl Store {
         .await;
         match read {
             Ok(records) => {
+                // Errors of the drives read, not the "offline" of the others.
                 for (pos, r) in records.iter().enumerate() {
-                    if let Err(e) = r {
+                    if let (true, Err(e)) = (read_from[pos], r) {
                         self.index_read_failed(self.slot(set, pos), e);
                     }
                 }
