@@ -28,9 +28,9 @@ def test_bucket_lifecycle(s3):
     s3.head_bucket(Bucket="alpha")
     assert "alpha" in [b["Name"] for b in s3.list_buckets()["Buckets"]]
     assert s3.get_bucket_location(Bucket="alpha").get("LocationConstraint") in (None, "")
-    with pytest.raises(botocore.exceptions.ClientError) as e:
-        s3.create_bucket(Bucket="alpha")
-    assert code(e) == "BucketAlreadyOwnedByYou"
+    # S3 in us-east-1 answers 200 to creating a bucket one already owns
+    # (test_s3_semantics pins the rest).
+    s3.create_bucket(Bucket="alpha")
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.create_bucket(Bucket="Bad_Name")
     assert code(e) == "InvalidBucketName"
@@ -227,7 +227,7 @@ def test_listing_v1_v2(s3):
     # encoding-type=url asked for explicitly: boto3 leaves decoding to the caller.
     r = s3.list_objects_v2(Bucket="list", Prefix="a b", EncodingType="url")
     assert [urllib.parse.unquote(o["Key"]) for o in r["Contents"]] == ["a b+c/ü.txt"]
-    assert r["Contents"][0]["Key"] == "a%20b%2Bc%2F%C3%BC.txt"
+    assert r["Contents"][0]["Key"] == "a%20b%2Bc/%C3%BC.txt"
     r = s3.list_objects(Bucket="list", Prefix="dir0/", MaxKeys=3)
     assert r["IsTruncated"] and len(r["Contents"]) == 3
     with pytest.raises(botocore.exceptions.ClientError) as e:

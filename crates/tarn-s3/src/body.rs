@@ -120,6 +120,18 @@ pub fn object_body(
         Some(b) => b.map(|r| r.map_err(|e| body_error(&*e))).boxed(),
         None => futures::stream::empty().boxed(),
     };
+    checked_body(stream, declared_len, spec, trailers)
+}
+
+/// An engine body over `stream` that hashes and checks what `spec` declares
+/// (a spec with only a trailer algorithm and no trailers computes the
+/// checksum to store).
+pub fn checked_body(
+    stream: tarn_store::BodyStream,
+    declared_len: Option<u64>,
+    spec: ChecksumSpec,
+    trailers: Option<TrailingHeaders>,
+) -> ObjectBody {
     let Some(algo) = spec.algorithm().map(str::to_string) else {
         return ObjectBody {
             stream,

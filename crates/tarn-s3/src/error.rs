@@ -34,6 +34,7 @@ pub fn s3_error(e: StoreError) -> S3Error {
             "The requested range is not satisfiable".into(),
         ),
         StoreError::InvalidArgument(_) => (C::InvalidArgument, e.to_string()),
+        StoreError::InvalidRequest(_) => (C::InvalidRequest, e.to_string()),
         StoreError::BadDigest => (
             C::BadDigest,
             "The Content-MD5 you specified did not match what we received.".into(),

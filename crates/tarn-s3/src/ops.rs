@@ -10,9 +10,10 @@ use tarn_store::{
     VersionListParams, Versioning,
 };
 
-use crate::body::{content_md5, object_body, ChecksumSpec};
+use crate::body::{checked_body, content_md5, object_body, ChecksumSpec, CHECKSUM_ALGORITHMS};
 use crate::error::s3_error;
 use crate::util::*;
+use tarn_store::checksum::ChecksumType as ChecksumKind;
 
 /// The S3 front of one node.
 pub struct TarnS3 {
@@ -101,12 +102,36 @@ fn encoding_type_of(url: bool) -> Option<EncodingType> {
     url.then(|| EncodingType::from_static(EncodingType::URL))
 }
 
+/// URL-encodes a name of a listing that asked for (or needs) it. `/` stays
+/// as it is, as in S3: clients split keys on it before decoding.
 fn encode_if(url: bool, s: String) -> String {
     if url {
-        urlencoding::encode(&s).into_owned()
+        s.split('/')
+            .map(|seg| urlencoding::encode(seg))
+            .collect::<Vec<_>>()
+            .join("/")
     } else {
         s
     }
+}
+
+/// A delimiter parameter: an empty one is no delimiter (S3 neither groups
+/// by it nor echoes it).
+fn delimiter_of(d: Option<String>) -> Option<String> {
+    d.filter(|d| !d.is_empty())
+}
+
+/// The stored Content-Encoding: `aws-chunked` describes how the request body
+/// was sent, not the object, and is left out (S3 does the same); nothing is
+/// stored when it was the only coding.
+fn stored_content_encoding(v: Option<String>) -> Option<String> {
+    let v = v?;
+    let kept: Vec<&str> = v
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("aws-chunked"))
+        .collect();
+    (!kept.is_empty()).then(|| kept.join(","))
 }
 
 /// The system headers S3 stores with an object, from any request input that
@@ -116,7 +141,10 @@ macro_rules! stored_headers {
         [
             ("cache-control", $i.cache_control.clone()),
             ("content-disposition", $i.content_disposition.clone()),
-            ("content-encoding", $i.content_encoding.clone()),
+            (
+                "content-encoding",
+                stored_content_encoding($i.content_encoding.clone()),
+            ),
             ("content-language", $i.content_language.clone()),
             ("expires", expires_string($i.expires.clone())),
         ]
@@ -137,9 +165,9 @@ macro_rules! declared_checksums {
 }
 
 /// The response fields GET and HEAD share, for the struct-update syntax:
-/// `Output { content_length: …, ..object_fields!(Output, info, checksums) }`.
+/// `Output { content_length: …, ..object_fields!(Output, info, checksums, type) }`.
 macro_rules! object_fields {
-    ($ty:ident, $info:expr, $checksums:expr) => {{
+    ($ty:ident, $info:expr, $checksums:expr, $checksum_type:expr) => {{
         let info: &ObjectInfo = &$info;
         let [crc32, crc32c, crc64nvme, sha1, sha256]: [Option<String>; 5] = $checksums;
         $ty {
@@ -160,6 +188,7 @@ macro_rules! object_fields {
             checksum_crc64nvme: crc64nvme,
             checksum_sha1: sha1,
             checksum_sha256: sha256,
+            checksum_type: $checksum_type,
             ..Default::default()
         }
     }};
@@ -282,13 +311,63 @@ fn range_of(r: Option<Range>) -> Option<ByteRange> {
     })
 }
 
+/// The checksum a GET or HEAD with `x-amz-checksum-mode: ENABLED` returns:
+/// the whole object's, or for `partNumber` the part's (a multipart object
+/// keeps each part's checksum), with its type. None for a byte range.
+fn response_checksum(
+    info: &ObjectInfo,
+    part_number: Option<u32>,
+    ranged: bool,
+) -> Option<(String, String)> {
+    if ranged {
+        return None;
+    }
+    match part_number {
+        Some(n) if !info.parts.is_empty() => info
+            .parts
+            .iter()
+            .find(|p| p.number == n)
+            .and_then(|p| p.checksum.clone()),
+        Some(_) => info.checksum.clone(),
+        None => info.checksum.clone(),
+    }
+}
+
+/// The MD5 behind an ETag that is one (32 hex digits; fast and multipart
+/// ETags carry a `-N`).
+fn md5_of_etag(etag: &str) -> Option<[u8; 16]> {
+    let e = etag.trim_matches('"');
+    if e.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(e.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// An x-amz-checksum-type value of a request.
+fn checksum_type_arg(t: &str) -> S3Result<ChecksumKind> {
+    match t {
+        "COMPOSITE" => Ok(ChecksumKind::Composite),
+        "FULL_OBJECT" => Ok(ChecksumKind::FullObject),
+        other => Err(S3Error::with_message(
+            S3ErrorCode::InvalidRequest,
+            format!("Unknown x-amz-checksum-type {other}: expected COMPOSITE or FULL_OBJECT."),
+        )),
+    }
+}
+
+fn checksum_type_of(c: &Option<(String, String)>) -> Option<ChecksumType> {
+    c.as_ref()
+        .map(|(_, v)| ChecksumType::from(ChecksumKind::of_value(v).as_str().to_string()))
+}
+
 fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 5] {
     let mut out: [Option<String>; 5] = Default::default();
     if let Some((algo, v)) = c {
-        if let Some(i) = crate::body::CHECKSUM_ALGORITHMS
-            .iter()
-            .position(|a| a == algo)
-        {
+        if let Some(i) = CHECKSUM_ALGORITHMS.iter().position(|a| a == algo) {
             out[i] = Some(v.clone());
         }
     }
@@ -368,22 +447,61 @@ fn copy_source(cs: &CopySource) -> S3Result<(String, String, Option<String>)> {
 impl S3 for TarnS3 {
     async fn list_buckets(
         &self,
-        _req: S3Request<ListBucketsInput>,
+        req: S3Request<ListBucketsInput>,
     ) -> S3Result<S3Response<ListBucketsOutput>> {
-        let buckets = self
-            .store
-            .list_buckets()
-            .into_iter()
-            .map(|b| Bucket {
+        let i = req.input;
+        let max = match i.max_buckets {
+            None => usize::MAX,
+            Some(n) if !(1..=10_000).contains(&n) => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "max-buckets must be an integer between 1 and 10000",
+                ))
+            }
+            Some(n) => n as usize,
+        };
+        let after = i
+            .continuation_token
+            .as_deref()
+            .map(decode_token)
+            .transpose()?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        // Every bucket of this node is in its one region.
+        let other_region = i
+            .bucket_region
+            .as_ref()
+            .is_some_and(|r| r.as_str() != self.region);
+        let mut all = self.store.list_buckets();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut page: Vec<Bucket> = Vec::new();
+        let mut truncated = false;
+        for b in all.into_iter().filter(|b| {
+            !other_region
+                && b.name.starts_with(&prefix)
+                && after.as_ref().is_none_or(|a| b.name.as_str() > a.as_str())
+        }) {
+            if page.len() == max {
+                truncated = true;
+                break;
+            }
+            page.push(Bucket {
                 name: Some(b.name),
                 creation_date: Some(timestamp(b.created_ns)),
                 bucket_region: Some(self.region.clone()),
+            });
+        }
+        let next = truncated
+            .then(|| {
+                page.last()
+                    .and_then(|b| b.name.as_deref())
+                    .map(encode_token)
             })
-            .collect();
+            .flatten();
         Ok(S3Response::new(ListBucketsOutput {
-            buckets: Some(buckets),
+            buckets: Some(page),
             owner: Some(owner()),
-            ..Default::default()
+            continuation_token: next,
+            prefix: i.prefix,
         }))
     }
 
@@ -428,10 +546,17 @@ impl S3 for TarnS3 {
                 }
             },
         };
-        self.store
+        match self
+            .store
             .create_bucket(&req.input.bucket, durability)
             .await
-            .map_err(s3_error)?;
+        {
+            Ok(()) => {}
+            // S3 in us-east-1 answers 200 to a CreateBucket of a bucket the
+            // caller already owns (and changes nothing); other regions 409.
+            Err(tarn_store::StoreError::BucketExists(_)) if self.region == "us-east-1" => {}
+            Err(e) => return Err(s3_error(e)),
+        }
         Ok(S3Response::new(CreateBucketOutput {
             location: Some(format!("/{}", req.input.bucket)),
         }))
@@ -543,12 +668,8 @@ impl S3 for TarnS3 {
             tags,
         );
         opts.content_md5 = md5;
-        opts.if_none_match_any = i.if_none_match.as_ref().is_some_and(|c| c.is_any());
-        opts.if_match = i
-            .if_match
-            .as_ref()
-            .and_then(|c| c.as_etag())
-            .map(|e| e.value().to_string());
+        opts.if_none_match = condition_string(i.if_none_match.as_ref());
+        opts.if_match = condition_string(i.if_match.as_ref());
         let body = object_body(
             i.body,
             declared_len(&headers, i.content_length),
@@ -615,17 +736,12 @@ impl S3 for TarnS3 {
         let content_range = partial
             .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size))
             .filter(|_| end > start || info.size > 0);
-        let full = !partial;
-        let checksum_on = i
+        let checksum = i
             .checksum_mode
             .as_ref()
             .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
-            && full;
-        let checksums = if checksum_on {
-            checksum_fields(&info.checksum)
-        } else {
-            Default::default()
-        };
+            .then(|| response_checksum(&info, part_number, range.is_some()))
+            .flatten();
         let parts_count = part_number.map(|_| info.parts_count() as i32);
         Ok(S3Response::new(GetObjectOutput {
             body: Some(StreamingBlob::wrap(got.stream)),
@@ -633,7 +749,12 @@ impl S3 for TarnS3 {
             content_range,
             tag_count: (!info.tags.is_empty()).then_some(info.tags.len() as i32),
             parts_count,
-            ..object_fields!(GetObjectOutput, info, checksums)
+            ..object_fields!(
+                GetObjectOutput,
+                info,
+                checksum_fields(&checksum),
+                checksum_type_of(&checksum)
+            )
         }))
     }
 
@@ -674,21 +795,37 @@ impl S3 for TarnS3 {
             }
             (None, None) => (info.size, None, None),
         };
-        let checksum_on = i
+        let checksum = i
             .checksum_mode
             .as_ref()
-            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED);
-        let checksums = if checksum_on {
-            checksum_fields(&info.checksum)
-        } else {
-            Default::default()
-        };
-        Ok(S3Response::new(HeadObjectOutput {
+            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
+            .then(|| {
+                response_checksum(
+                    &info,
+                    i.part_number.map(|n| n.max(0) as u32),
+                    i.range.is_some(),
+                )
+            })
+            .flatten();
+        let mut resp = S3Response::new(HeadObjectOutput {
             content_length: Some(len as i64),
             content_range,
             parts_count,
-            ..object_fields!(HeadObjectOutput, info, checksums)
-        }))
+            ..object_fields!(
+                HeadObjectOutput,
+                info,
+                checksum_fields(&checksum),
+                checksum_type_of(&checksum)
+            )
+        });
+        // HeadObject's model has no tag count; S3 sends the header anyway.
+        if !info.tags.is_empty() {
+            resp.headers.insert(
+                "x-amz-tagging-count",
+                http::HeaderValue::from(info.tags.len()),
+            );
+        }
+        Ok(resp)
     }
 
     async fn delete_object(
@@ -841,14 +978,26 @@ impl S3 for TarnS3 {
                 ..Default::default()
             }
         };
-        opts.checksum = src.checksum.clone();
-        let len = got.range.1 - got.range.0;
-        let stream = futures::StreamExt::boxed(got.stream);
-        let body = tarn_store::ObjectBody {
-            stream,
-            declared_len: Some(len),
-            finish: None,
+        // The copy is checked end to end against the source: its MD5 ETag
+        // (kept an MD5 ETag whatever the size, as clients verify copies by
+        // it) and its checksum. A composite (multipart) checksum does not
+        // describe the single-part copy: the copy gets the full checksum of
+        // the same algorithm instead.
+        opts.content_md5 = md5_of_etag(&src.etag);
+        let spec = match &src.checksum {
+            Some((algo, v)) if ChecksumKind::of_value(v) == ChecksumKind::Composite => {
+                ChecksumSpec {
+                    header: None,
+                    trailer: Some(algo.clone()),
+                }
+            }
+            c => ChecksumSpec {
+                header: c.clone(),
+                trailer: None,
+            },
         };
+        let len = got.range.1 - got.range.0;
+        let body = checked_body(futures::StreamExt::boxed(got.stream), Some(len), spec, None);
         let info = self
             .store
             .put_object(&i.bucket, &i.key, body, opts)
@@ -870,7 +1019,8 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<ListObjectsInput>,
     ) -> S3Result<S3Response<ListObjectsOutput>> {
-        let i = req.input;
+        let mut i = req.input;
+        i.delimiter = delimiter_of(i.delimiter.take());
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let page = self
@@ -906,7 +1056,8 @@ impl S3 for TarnS3 {
         Ok(S3Response::new(ListObjectsOutput {
             name: Some(i.bucket),
             prefix: Some(encode_if(url, prefix)),
-            marker: i.marker.map(|m| encode_if(url, m)),
+            // Always present in V1 listings, empty when none was given.
+            marker: Some(encode_if(url, i.marker.unwrap_or_default())),
             max_keys: Some(max as i32),
             is_truncated: Some(page.is_truncated),
             contents: Some(contents),
@@ -929,7 +1080,8 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<ListObjectsV2Input>,
     ) -> S3Result<S3Response<ListObjectsV2Output>> {
-        let i = req.input;
+        let mut i = req.input;
+        i.delimiter = delimiter_of(i.delimiter.take());
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let after = match &i.continuation_token {
@@ -1004,7 +1156,8 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<ListObjectVersionsInput>,
     ) -> S3Result<S3Response<ListObjectVersionsOutput>> {
-        let i = req.input;
+        let mut i = req.input;
+        i.delimiter = delimiter_of(i.delimiter.take());
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let page = self
@@ -1106,20 +1259,44 @@ impl S3 for TarnS3 {
             i.metadata.clone(),
             tags,
         );
+        let mut opts = opts;
         let algo = i
             .checksum_algorithm
             .as_ref()
-            .map(|a| a.as_str().to_string());
+            .map(|a| a.as_str().to_ascii_uppercase());
+        match &algo {
+            Some(a) if !CHECKSUM_ALGORITHMS.contains(&a.as_str()) => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidRequest,
+                    format!("Checksum algorithm {a} is not supported."),
+                ))
+            }
+            Some(a) => {
+                let t = ChecksumKind::resolve(a, i.checksum_type.as_ref().map(|t| t.as_str()))
+                    .map_err(|m| S3Error::with_message(S3ErrorCode::InvalidRequest, m))?;
+                opts.checksum_type = Some(t);
+            }
+            None if i.checksum_type.is_some() => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidRequest,
+                    "x-amz-checksum-type needs x-amz-checksum-algorithm.",
+                ))
+            }
+            None => {}
+        }
         let id = self
             .store
-            .create_multipart_upload(&i.bucket, &i.key, opts, algo)
+            .create_multipart_upload(&i.bucket, &i.key, opts.clone(), algo.clone())
             .await
             .map_err(s3_error)?;
         Ok(S3Response::new(CreateMultipartUploadOutput {
             bucket: Some(i.bucket),
             key: xml_key(i.key),
             upload_id: Some(id),
-            checksum_algorithm: i.checksum_algorithm,
+            checksum_algorithm: algo.map(ChecksumAlgorithm::from),
+            checksum_type: opts
+                .checksum_type
+                .map(|t| ChecksumType::from(t.as_str().to_string())),
             ..Default::default()
         }))
     }
@@ -1217,11 +1394,22 @@ impl S3 for TarnS3 {
         }
         let src_version = got.info.version_id.clone();
         let len = got.range.1 - got.range.0;
-        let body = tarn_store::ObjectBody {
-            stream: futures::StreamExt::boxed(got.stream),
-            declared_len: Some(len),
-            finish: None,
-        };
+        // A part of an upload with a checksum algorithm carries that
+        // checksum, computed here from the copied bytes.
+        let algo = self
+            .store
+            .upload_checksum_algorithm(&i.bucket, &i.key, &i.upload_id)
+            .await
+            .map_err(s3_error)?;
+        let body = checked_body(
+            futures::StreamExt::boxed(got.stream),
+            Some(len),
+            ChecksumSpec {
+                header: None,
+                trailer: algo,
+            },
+            None,
+        );
         let part = self
             .store
             .upload_part(
@@ -1236,10 +1424,17 @@ impl S3 for TarnS3 {
             .await
             .map_err(s3_error)?;
         Ok(S3Response::new(UploadPartCopyOutput {
-            copy_part_result: Some(CopyPartResult {
-                e_tag: Some(etag(&part.etag)),
-                last_modified: Some(timestamp(part.last_modified_ns)),
-                ..Default::default()
+            copy_part_result: Some({
+                let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&part.checksum);
+                CopyPartResult {
+                    e_tag: Some(etag(&part.etag)),
+                    last_modified: Some(timestamp(part.last_modified_ns)),
+                    checksum_crc32: crc32,
+                    checksum_crc32c: crc32c,
+                    checksum_crc64nvme: crc64nvme,
+                    checksum_sha1: sha1,
+                    checksum_sha256: sha256,
+                }
             }),
             copy_source_version_id: src_version,
             ..Default::default()
@@ -1251,10 +1446,15 @@ impl S3 for TarnS3 {
         req: S3Request<CompleteMultipartUploadInput>,
     ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
         let i = req.input;
-        let parts = i.multipart_upload.and_then(|m| m.parts).unwrap_or_default();
+        let parts = i
+            .multipart_upload
+            .clone()
+            .and_then(|m| m.parts)
+            .unwrap_or_default();
         let mut list = Vec::with_capacity(parts.len());
+        let mut part_checksums = Vec::new();
         for p in parts {
-            let (Some(n), Some(e)) = (p.part_number, p.e_tag) else {
+            let (Some(n), Some(e)) = (p.part_number, p.e_tag.as_ref()) else {
                 return Err(S3Error::with_message(
                     S3ErrorCode::MalformedXML,
                     "every part needs PartNumber and ETag",
@@ -1264,14 +1464,33 @@ impl S3 for TarnS3 {
                 return Err(S3Error::new(S3ErrorCode::InvalidPart));
             }
             list.push((n as u32, e.value().to_string()));
+            for (a, v) in CHECKSUM_ALGORITHMS.iter().zip(declared_checksums!(p)) {
+                if let Some(v) = v {
+                    part_checksums.push((n as u32, a.to_string(), v.clone()));
+                }
+            }
+        }
+        let declared: Vec<(String, String)> = CHECKSUM_ALGORITHMS
+            .iter()
+            .zip(declared_checksums!(i))
+            .filter_map(|(a, v)| v.map(|v| (a.to_string(), v.clone())))
+            .collect();
+        if declared.len() > 1 {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidRequest,
+                "Expecting a single x-amz-checksum- header",
+            ));
         }
         let opts = PutOptions {
-            if_none_match_any: i.if_none_match.as_ref().is_some_and(|c| c.is_any()),
-            if_match: i
-                .if_match
+            if_none_match: condition_string(i.if_none_match.as_ref()),
+            if_match: condition_string(i.if_match.as_ref()),
+            checksum: declared.into_iter().next(),
+            checksum_type: i
+                .checksum_type
                 .as_ref()
-                .and_then(|c| c.as_etag())
-                .map(|e| e.value().to_string()),
+                .map(|t| checksum_type_arg(t.as_str()))
+                .transpose()?,
+            part_checksums,
             ..Default::default()
         };
         let info = self
@@ -1279,12 +1498,19 @@ impl S3 for TarnS3 {
             .complete_multipart_upload(&i.bucket, &i.key, &i.upload_id, &list, &opts)
             .await
             .map_err(s3_error)?;
+        let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);
         Ok(S3Response::new(CompleteMultipartUploadOutput {
             bucket: Some(i.bucket.clone()),
             key: xml_key(i.key.clone()),
             e_tag: Some(etag(&info.etag)),
             location: Some(format!("/{}/{}", i.bucket, urlencoding::encode(&i.key))),
             version_id: info.version_id,
+            checksum_type: checksum_type_of(&info.checksum),
+            checksum_crc32: crc32,
+            checksum_crc32c: crc32c,
+            checksum_crc64nvme: crc64nvme,
+            checksum_sha1: sha1,
+            checksum_sha256: sha256,
             ..Default::default()
         }))
     }
@@ -1363,7 +1589,8 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<ListMultipartUploadsInput>,
     ) -> S3Result<S3Response<ListMultipartUploadsOutput>> {
-        let i = req.input;
+        let mut i = req.input;
+        i.delimiter = delimiter_of(i.delimiter.take());
         let max = match i.max_uploads {
             None => 1000,
             Some(n) if n < 0 => {

@@ -628,11 +628,16 @@ impl DriveDb {
     }
 
     /// Whether any object or upload of `bucket` exists on this drive.
-    pub fn bucket_has_entries(&self, bucket: &str) -> Result<bool, StoreError> {
+    /// Whether the bucket holds any object (or, with `uploads`, any
+    /// multipart upload in progress) on this drive.
+    pub fn bucket_has_entries(&self, bucket: &str, uploads: bool) -> Result<bool, StoreError> {
         let prefix = object_key(bucket, "");
         if let Some(kv) = self.objects.prefix(&prefix).next() {
             kv.into_inner().map_err(|e| self.fail("scan objects", e))?;
             return Ok(true);
+        }
+        if !uploads {
+            return Ok(false);
         }
         if let Some(kv) = self.uploads.prefix(&prefix).next() {
             kv.into_inner().map_err(|e| self.fail("scan uploads", e))?;

@@ -46,6 +46,10 @@ pub enum StoreError {
     InvalidRange,
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A request that is well-formed but cannot be served as asked (S3's
+    /// InvalidRequest), e.g. a part without the checksum its upload requires.
+    #[error("{0}")]
+    InvalidRequest(String),
     #[error("Content-MD5 does not match the body")]
     BadDigest,
     #[error("checksum {algorithm} does not match the body")]

@@ -20,8 +20,9 @@
 use crate::checksum::crc32c;
 
 pub const MAGIC: [u8; 4] = *b"TRNM";
-/// Version 1: the first format.
-pub const FORMAT_VERSION: u16 = 1;
+/// Version 1: the first format. Version 2: each part of a multipart object
+/// keeps its checksum, and an upload in progress its checksum type.
+pub const FORMAT_VERSION: u16 = 2;
 const HEADER_BYTES: usize = 12;
 const TRAILER_BYTES: usize = 4;
 
@@ -137,6 +138,7 @@ impl Encoder {
 pub struct Decoder<'a> {
     buf: &'a [u8],
     pos: usize,
+    version: u16,
 }
 
 impl<'a> Decoder<'a> {
@@ -192,7 +194,13 @@ impl<'a> Decoder<'a> {
         Ok(Decoder {
             buf: &record[HEADER_BYTES..end],
             pos: 0,
+            version,
         })
+    }
+
+    /// The format version the record was written in.
+    pub fn version(&self) -> u16 {
+        self.version
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
@@ -462,6 +470,9 @@ pub struct PartMeta {
     pub size: u64,
     pub etag: String,
     pub data_id: Id128,
+    /// (algorithm, base64 value) of the part, as UploadPart verified it
+    /// (format 2; None in records of format 1).
+    pub checksum: Option<(String, String)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -517,6 +528,7 @@ impl VersionMeta {
                     e.u64(p.size);
                     e.str(&p.etag);
                     e.fixed(&p.data_id);
+                    e.opt_pair(&p.checksum);
                 }
             }
         }
@@ -545,6 +557,11 @@ impl VersionMeta {
                         size: d.u64()?,
                         etag: d.str("part etag")?,
                         data_id: d.fixed()?,
+                        checksum: if d.version() >= 2 {
+                            d.opt_pair("part checksum")?
+                        } else {
+                            None
+                        },
                     });
                 }
                 if parts.iter().map(|p| p.size).sum::<u64>() != size {
@@ -612,6 +629,9 @@ pub struct UploadRecord {
     pub tags: Vec<(String, String)>,
     pub checksum_algorithm: String,
     pub layout: Layout,
+    /// COMPOSITE or FULL_OBJECT when `checksum_algorithm` is set (format 2;
+    /// empty in records of format 1, which means the algorithm's default).
+    pub checksum_type: String,
 }
 
 impl UploadRecord {
@@ -625,6 +645,7 @@ impl UploadRecord {
         e.pairs(&self.tags);
         e.str(&self.checksum_algorithm);
         self.layout.encode(&mut e);
+        e.str(&self.checksum_type);
         e.finish(RecordKind::Upload)
     }
 
@@ -639,6 +660,11 @@ impl UploadRecord {
             tags: d.pairs("tags")?,
             checksum_algorithm: d.str("checksum_algorithm")?,
             layout: Layout::decode(&mut d)?,
+            checksum_type: if d.version() >= 2 {
+                d.str("checksum_type")?
+            } else {
+                String::new()
+            },
         };
         d.finish()?;
         Ok(r)
@@ -746,7 +772,7 @@ mod tests {
             k in 1u8..8, m in 0u8..4, stripe in 1u32..1 << 22,
         ) -> VersionMeta {
             let storage = if inline { Storage::Inline { crc32c: crc } } else {
-                Storage::Parts(part_sizes.iter().enumerate().map(|(i, &s)| PartMeta { number: i as u32 + 1, size: s, etag: etag.clone(), data_id: version_id }).collect())
+                Storage::Parts(part_sizes.iter().enumerate().map(|(i, &s)| PartMeta { number: i as u32 + 1, size: s, etag: etag.clone(), data_id: version_id, checksum: checksum.clone() }).collect())
             };
             let size = match &storage { Storage::Inline { .. } => 7, Storage::Parts(p) => p.iter().map(|p| p.size).sum() };
             let codec = if k == 1 { CodecId::Replicate } else { CodecId::ReedSolomonSimd };
@@ -845,6 +871,62 @@ mod tests {
             BucketRecord::decode(&b),
             Err(FormatError::UnsupportedVersion(9))
         );
+    }
+
+    /// Rewrites a record as format 1 wrote it: `cut` payload bytes (the
+    /// fields format 2 added at the end) removed, the version set to 1.
+    fn as_format1(record: &[u8], cut: usize) -> Vec<u8> {
+        let payload_end = record.len() - TRAILER_BYTES - cut;
+        let mut out = record[..payload_end].to_vec();
+        out[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let len = (payload_end - HEADER_BYTES) as u32;
+        out[8..12].copy_from_slice(&len.to_le_bytes());
+        let crc = crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    #[test]
+    fn format1_records_still_decode() {
+        let layout = Layout::single_copy(1 << 20);
+        let upload = UploadRecord {
+            upload_id: [7; 16],
+            initiated_ns: 3,
+            content_type: "a/b".into(),
+            headers: vec![],
+            user_metadata: vec![],
+            tags: vec![],
+            checksum_algorithm: "CRC32".into(),
+            layout: layout.clone(),
+            checksum_type: String::new(),
+        };
+        // An empty checksum type is its 4-byte length.
+        let old = as_format1(&upload.encode(), 4);
+        assert_eq!(UploadRecord::decode(&old).unwrap(), upload);
+        let v = VersionMeta {
+            version_id: [1; 16],
+            mod_time_ns: 9,
+            delete_marker: false,
+            size: 5,
+            etag: "e-1".into(),
+            content_type: "x".into(),
+            headers: vec![],
+            user_metadata: vec![],
+            tags: vec![],
+            checksum: None,
+            layout,
+            storage: Storage::Parts(vec![PartMeta {
+                number: 1,
+                size: 5,
+                etag: "p".into(),
+                data_id: [2; 16],
+                checksum: None,
+            }]),
+        };
+        let rec = ObjectRecord { versions: vec![v] };
+        // The last part's absent checksum is one byte.
+        let old = as_format1(&rec.encode(), 1);
+        assert_eq!(ObjectRecord::decode(&old).unwrap(), rec);
     }
 
     #[test]

@@ -43,9 +43,21 @@ pub struct PutOptions {
     /// A checksum the client declared up front, already verified by the caller's
     /// body wrapper; stored and returned on GET/HEAD.
     pub checksum: Option<(String, String)>,
-    /// Conditional write: fail unless the current ETag matches / no object exists.
+    /// Conditional write (If-Match / If-None-Match as sent, `*` or ETags):
+    /// fails with PreconditionFailed unless a current version exists and
+    /// matches `if_match`, and unless no current version matches
+    /// `if_none_match` (`*` matches any).
     pub if_match: Option<String>,
-    pub if_none_match_any: bool,
+    pub if_none_match: Option<String>,
+    /// CreateMultipartUpload: the checksum type of the upload (with its
+    /// algorithm). CompleteMultipartUpload: the type the client declared,
+    /// which must be the upload's.
+    pub checksum_type: Option<crate::checksum::ChecksumType>,
+    /// CompleteMultipartUpload: (part number, algorithm, base64 value) the
+    /// client listed for its parts; each must be what the part was uploaded
+    /// with. (`checksum`, there, is the whole object's checksum the client
+    /// expects, checked against the one formed from the parts.)
+    pub part_checksums: Vec<(u32, String, String)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +73,8 @@ pub struct PartSummary {
     pub number: u32,
     pub size: u64,
     pub etag: String,
+    /// The part's own checksum (algorithm, base64), when it was uploaded with one.
+    pub checksum: Option<(String, String)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -127,6 +127,69 @@ struct Front {
     domains: Arc<Vec<String>>,
     region: Arc<str>,
     body_idle: Duration,
+    request_ids: Arc<RequestIds>,
+}
+
+/// Request ids: unique in this process (a random start, then a bijection of
+/// a counter), 16 hex digits as S3's.
+struct RequestIds {
+    seed: u64,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl RequestIds {
+    fn new() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        RequestIds {
+            seed: h.finish(),
+            next: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn next(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("{:016X}", self.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+}
+
+/// Every response carries `x-amz-request-id`; an error body also names it in
+/// `<RequestId>`, as S3's do (clients log it, support asks for it).
+fn stamp_request_id(r: &mut Resp, id: &str) {
+    let Ok(v) = http::HeaderValue::from_str(id) else {
+        return;
+    };
+    r.headers_mut().insert("x-amz-request-id", v);
+    if r.status().as_u16() < 400 {
+        return;
+    }
+    let Some(body) = r.body().bytes() else { return };
+    let Some(end) = find(&body, b"</Error>") else {
+        return;
+    };
+    if find(&body, b"<RequestId>").is_some() {
+        return;
+    }
+    let mut out = Vec::with_capacity(body.len() + id.len() + 24);
+    out.extend_from_slice(&body[..end]);
+    out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());
+    out.extend_from_slice(&body[end..]);
+    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
+        r.headers_mut().insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(out.len()),
+        );
+    }
+    *r.body_mut() = s3s::Body::from(out);
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// The error a request body gives when the client stops sending it; the S3
@@ -295,6 +358,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
 
     fn call(&self, req: http::Request<Incoming>) -> Self::Future {
         let metrics = self.metrics.clone();
+        let request_id = self.request_ids.next();
         let host = req
             .headers()
             .get(http::header::HOST)
@@ -320,19 +384,22 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             .unwrap_or(0);
         let has_body =
             declared_in > 0 || req.headers().contains_key(http::header::TRANSFER_ENCODING);
-        let early = move |mut r: Resp| {
+        let early = |mut r: Resp| {
             if has_body {
                 close_after(&mut r);
             }
+            stamp_request_id(&mut r, &request_id);
             r
         };
         if let Some(r) = check_header_sizes(req.headers()) {
             metrics.record(op, 400, Duration::ZERO);
-            return Box::pin(async move { Ok(early(r)) });
+            let r = early(r);
+            return Box::pin(async move { Ok(r) });
         }
         if let Err(e) = tarn_s3::scope::check(req.headers(), req.uri().query(), &self.region) {
             metrics.record(op, 400, Duration::ZERO);
-            return Box::pin(async move { Ok(early(scope_error(e))) });
+            let r = early(scope_error(e));
+            return Box::pin(async move { Ok(r) });
         }
         // Admission control: answer quickly instead of queueing without bound.
         let inflight = metrics.inflight.fetch_add(1, Ordering::Relaxed) + 1;
@@ -340,7 +407,8 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             metrics.inflight.fetch_sub(1, Ordering::Relaxed);
             metrics.rejected_overload.fetch_add(1, Ordering::Relaxed);
             metrics.record(op, 503, Duration::ZERO);
-            return Box::pin(async move { Ok(early(slow_down())) });
+            let r = early(slow_down());
+            return Box::pin(async move { Ok(r) });
         }
         metrics.bytes_in.fetch_add(declared_in, Ordering::Relaxed);
         let start = Instant::now();
@@ -362,6 +430,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 if has_body && !body_done.load(Ordering::Relaxed) {
                     close_after(r);
                 }
+                stamp_request_id(r, &request_id);
             }
             match &res {
                 Ok(r) => {
@@ -413,6 +482,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
         domains: Arc::new(settings.domains.clone()),
         region: Arc::from(settings.region.as_str()),
         body_idle: settings.body_idle_timeout,
+        request_ids: Arc::new(RequestIds::new()),
     };
     let send_idle = settings.send_idle_timeout;
 

@@ -1338,15 +1338,56 @@ impl Store {
         Ok(())
     }
 
+    /// Deletes an empty bucket. Multipart uploads in progress do not keep a
+    /// bucket from being deleted (as in S3): they are aborted first.
     pub async fn delete_bucket(&self, name: &str) -> Result<(), StoreError> {
+        self.bucket_record(name)?;
+        if self.bucket_has_entries(name, false).await? {
+            return Err(StoreError::BucketNotEmpty(name.to_string()));
+        }
+        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
+        let b = name.to_string();
+        let uploads = run_blocking(move || {
+            let mut all = std::collections::BTreeSet::new();
+            for db in dbs {
+                for (key, rec) in db
+                    .scan_uploads(&b, "", usize::MAX)
+                    .map_err(std::io::Error::other)?
+                {
+                    all.insert((key, crate::format::id_to_hex(&rec.upload_id)));
+                }
+            }
+            Ok(all)
+        })
+        .await?;
+        for (key, id) in uploads {
+            match self.abort_multipart_upload(name, &key, &id).await {
+                Ok(()) | Err(StoreError::NoSuchUpload(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // Aborts take their keys' locks, so the bucket's (a lock stripe
+        // they may share) is taken only now; an object or upload that
+        // arrived meanwhile keeps the bucket.
         let _g = self.locks.write(name, "").await;
         self.bucket_record(name)?;
+        if self.bucket_has_entries(name, true).await? {
+            return Err(StoreError::BucketNotEmpty(name.to_string()));
+        }
+        self.write_bucket_everywhere(name, None).await?;
+        self.buckets.write().expect("buckets lock").remove(name);
+        Ok(())
+    }
+
+    /// Whether any drive holds an object of `name` (or, with `uploads`, a
+    /// multipart upload in progress).
+    async fn bucket_has_entries(&self, name: &str, uploads: bool) -> Result<bool, StoreError> {
         let name_owned = name.to_string();
         let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
         let has = run_blocking(move || {
             for db in dbs {
                 if db
-                    .bucket_has_entries(&name_owned)
+                    .bucket_has_entries(&name_owned, uploads)
                     .map_err(std::io::Error::other)?
                 {
                     return Ok(true);
@@ -1355,12 +1396,7 @@ impl Store {
             Ok(false)
         })
         .await?;
-        if has {
-            return Err(StoreError::BucketNotEmpty(name.to_string()));
-        }
-        self.write_bucket_everywhere(name, None).await?;
-        self.buckets.write().expect("buckets lock").remove(name);
-        Ok(())
+        Ok(has)
     }
 
     pub fn head_bucket(&self, name: &str) -> Result<BucketInfo, StoreError> {
@@ -1540,6 +1576,7 @@ impl Store {
                         number: p.number,
                         size: p.size,
                         etag: p.etag.clone(),
+                        checksum: p.checksum.clone(),
                     })
                     .collect(),
                 _ => Vec::new(),

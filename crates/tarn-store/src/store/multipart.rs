@@ -11,6 +11,7 @@ use tarn_io::file::run_blocking;
 
 use super::put::{part_etag, BodyReader};
 use super::{now_ns, validate_key, Store};
+use crate::checksum::{multipart_checksum, ChecksumType};
 use crate::error::StoreError;
 use crate::format::{
     id_from_hex, id_to_hex, new_id, Id128, PartMeta, Storage, UploadPartRecord, UploadRecord,
@@ -45,6 +46,10 @@ impl Store {
             headers: opts.headers,
             user_metadata: opts.user_metadata,
             tags: opts.tags,
+            checksum_type: match (&checksum_algorithm, opts.checksum_type) {
+                (Some(_), Some(t)) => t.as_str().to_string(),
+                _ => String::new(),
+            },
             checksum_algorithm: checksum_algorithm.unwrap_or_default(),
             layout,
         };
@@ -205,6 +210,21 @@ impl Store {
         Ok(out)
     }
 
+    /// The checksum algorithm an upload in progress was created with, which
+    /// every part must carry.
+    pub async fn upload_checksum_algorithm(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        self.bucket_record(bucket)?;
+        let id = parse_upload_id(upload_id)?;
+        let set = self.set_for(bucket, key);
+        let u = self.upload(set, bucket, key, &id).await?;
+        Ok((!u.checksum_algorithm.is_empty()).then_some(u.checksum_algorithm))
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub async fn upload_part(
         &self,
@@ -240,13 +260,22 @@ impl Store {
         let written = self.write_data(set, &upload.layout, &mut reader).await?;
         let result = async {
             let digest = reader.finish(content_md5)?;
+            let checksum = digest.checksum.clone().or(checksum);
+            let algo = &upload.checksum_algorithm;
+            if !algo.is_empty() && checksum.as_ref().is_none_or(|(a, _)| a != algo) {
+                return Err(StoreError::InvalidRequest(format!(
+                    "The upload was created using the {algo} checksum algorithm; each part must carry its x-amz-checksum-{} (checksum type mismatch: expected {algo}, got {}).",
+                    algo.to_ascii_lowercase(),
+                    checksum.as_ref().map_or("none", |(a, _)| a.as_str()),
+                )));
+            }
             let rec = UploadPartRecord {
                 number,
                 size: written.size,
                 etag: part_etag(&digest),
                 data_id: written.data_id,
                 mod_time_ns: now_ns(),
-                checksum: digest.checksum.or(checksum),
+                checksum,
             };
             let _g = self
                 .locks
@@ -412,6 +441,11 @@ impl Store {
             if etag.trim_matches('"') != p.etag {
                 return Err(StoreError::InvalidPart(*number));
             }
+            for (_, algo, value) in opts.part_checksums.iter().filter(|c| c.0 == *number) {
+                if p.checksum.as_ref() != Some(&(algo.clone(), value.clone())) {
+                    return Err(StoreError::InvalidPart(*number));
+                }
+            }
             if i + 1 < list.len() && p.size < self.cfg.part_size_min_bytes {
                 return Err(StoreError::EntityTooSmall {
                     number: *number,
@@ -419,15 +453,17 @@ impl Store {
                     min: self.cfg.part_size_min_bytes,
                 });
             }
-            let raw = decode_hex16(&p.etag).ok_or(StoreError::InvalidPart(*number))?;
+            let raw = part_digest(&p.etag).ok_or(StoreError::InvalidPart(*number))?;
             md5_concat.update(raw);
             chosen.push(PartMeta {
                 number: *number,
                 size: p.size,
                 etag: p.etag.clone(),
                 data_id: p.data_id,
+                checksum: p.checksum.clone(),
             });
         }
+        let checksum = object_checksum(&upload, &chosen, opts)?;
         let etag = format!("{}-{}", super::put::hex(&md5_concat.finalize()), list.len());
         let size = chosen.iter().map(|p| p.size).sum();
         let unused: Vec<Id128> = parts
@@ -449,7 +485,7 @@ impl Store {
             headers: upload.headers.clone(),
             user_metadata: upload.user_metadata.clone(),
             tags: upload.tags.clone(),
-            checksum: None,
+            checksum,
             layout: upload.layout.clone(),
             storage: Storage::Parts(chosen),
         };
@@ -533,12 +569,86 @@ impl Store {
     }
 }
 
+/// The checksum a completed upload stores: formed from its parts' as the
+/// upload's checksum type says, and checked against what the client declared
+/// on the completion (its type, and the whole object's value). An upload
+/// created without an algorithm gets one only when every part carries the
+/// same algorithm and the client asks for it; a checksum that cannot be
+/// formed is refused, never stored unverified.
+fn object_checksum(
+    upload: &UploadRecord,
+    chosen: &[PartMeta],
+    opts: &PutOptions,
+) -> Result<Option<(String, String)>, StoreError> {
+    let (algo, kind) = if upload.checksum_algorithm.is_empty() {
+        let Some((algo, _)) = &opts.checksum else {
+            if let Some(t) = opts.checksum_type {
+                return Err(StoreError::InvalidRequest(format!(
+                    "The upload was created without a checksum algorithm; the {} checksum type does not apply.",
+                    t.as_str()
+                )));
+            }
+            return Ok(None);
+        };
+        let kind = ChecksumType::resolve(algo, opts.checksum_type.map(|t| t.as_str()))
+            .map_err(StoreError::InvalidRequest)?;
+        (algo.clone(), kind)
+    } else {
+        let algo = upload.checksum_algorithm.clone();
+        let kind = ChecksumType::resolve(&algo, Some(&upload.checksum_type))
+            .map_err(StoreError::InvalidRequest)?;
+        if let Some(t) = opts.checksum_type.filter(|t| *t != kind) {
+            return Err(StoreError::InvalidRequest(format!(
+                "The upload was created using the {} checksum type; the completion asked for {}.",
+                kind.as_str(),
+                t.as_str()
+            )));
+        }
+        (algo, kind)
+    };
+    let mut values = Vec::with_capacity(chosen.len());
+    for p in chosen {
+        match &p.checksum {
+            Some((a, v)) if *a == algo => values.push((v.as_str(), p.size)),
+            _ => {
+                return Err(StoreError::InvalidRequest(format!(
+                    "Part {} was uploaded without an {algo} checksum; the object's {algo} checksum cannot be formed.",
+                    p.number
+                )))
+            }
+        }
+    }
+    let value = multipart_checksum(&algo, kind, &values).ok_or_else(|| {
+        StoreError::InvalidRequest(format!(
+            "The {algo} checksums of the parts cannot form a {} checksum.",
+            kind.as_str()
+        ))
+    })?;
+    if let Some((a, want)) = &opts.checksum {
+        let bare = |v: &str| -> String {
+            match ChecksumType::of_value(v) {
+                ChecksumType::Composite => v.rsplit_once('-').map_or(v, |(b, _)| b).to_string(),
+                ChecksumType::FullObject => v.to_string(),
+            }
+        };
+        if *a != algo {
+            return Err(StoreError::InvalidRequest(format!(
+                "The upload uses the {algo} checksum algorithm; the completion declared {a}."
+            )));
+        }
+        if bare(want) != bare(&value) {
+            return Err(StoreError::ChecksumMismatch { algorithm: algo });
+        }
+    }
+    Ok(Some((algo, value)))
+}
+
 /// S3's multipart ETag for a part list: MD5 of the concatenated binary part
 /// digests, then `-N`.
 fn multipart_etag(list: &[(u32, String)]) -> Option<String> {
     let mut md5 = Md5::new();
     for (_, etag) in list {
-        md5.update(decode_hex16(etag.trim_matches('"'))?);
+        md5.update(part_digest(etag)?);
     }
     Some(format!(
         "{}-{}",
@@ -547,6 +657,9 @@ fn multipart_etag(list: &[(u32, String)]) -> Option<String> {
     ))
 }
 
-fn decode_hex16(s: &str) -> Option<[u8; 16]> {
-    id_from_hex(s)
+/// The 16 bytes behind a part ETag: its MD5, or the fast digest of a part
+/// ETag marked `-1` (quotes allowed).
+fn part_digest(etag: &str) -> Option<[u8; 16]> {
+    let e = etag.trim_matches('"');
+    id_from_hex(e.strip_suffix("-1").unwrap_or(e))
 }

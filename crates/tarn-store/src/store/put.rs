@@ -122,13 +122,12 @@ pub(crate) fn single_etag(d: &BodyDigest) -> String {
     }
 }
 
-/// Part ETag: always 32 hex digits (MD5 when computed, else the fast digest), so
-/// that the multipart ETag can be derived from the part list.
+/// Part ETag: the MD5 when computed, else the fast digest marked `-1` as for
+/// single-part objects, so that clients that check a part's ETag against its
+/// MD5 (s3cmd) know to skip it. Either way 16 bytes the multipart ETag is
+/// derived from (`part_digest`).
 pub(crate) fn part_etag(d: &BodyDigest) -> String {
-    match d.md5 {
-        Some(m) => hex(&m),
-        None => hex(&d.xxh128.to_be_bytes()),
-    }
+    single_etag(d)
 }
 
 /// The shard files a part was written to: committed under `data_id` on the
@@ -464,6 +463,8 @@ impl Store {
                 size: written.size,
                 etag: String::new(),
                 data_id: written.data_id,
+                // The object's own checksum is the part's.
+                checksum: None,
             }]);
             inflight = Some(written.inflight);
             (storage, None, layout)
@@ -536,8 +537,10 @@ impl Store {
         self.bucket_record(bucket)?;
         let (mut rec, _) = self.resolved(set, bucket, key).await?;
         let current = rec.versions.first().filter(|v| !v.delete_marker);
-        if opts.if_none_match_any && current.is_some() {
-            return Err(StoreError::PreconditionFailed);
+        if let Some(none) = &opts.if_none_match {
+            if current.is_some_and(|v| etag_matches(none, &v.etag)) {
+                return Err(StoreError::PreconditionFailed);
+            }
         }
         if let Some(want) = &opts.if_match {
             let ok = current.is_some_and(|v| etag_matches(want, &v.etag));
