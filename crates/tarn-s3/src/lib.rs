@@ -8,6 +8,7 @@
 
 pub mod body;
 pub mod error;
+pub mod iam;
 pub mod ops;
 pub mod scope;
 pub mod util;
@@ -25,29 +26,29 @@ pub use ops::TarnS3;
 /// Settings of the S3 front.
 #[derive(Debug, Clone)]
 pub struct S3Settings {
-    pub access_key: String,
-    pub secret_key: String,
     pub region: String,
     /// Base domains for virtual-host-style requests (`bucket.<domain>`).
     pub domains: Vec<String>,
 }
 
-/// One access key for now; per-bucket permissions come with the IAM issue.
+/// Access keys: the bootstrap credentials and every user's (`iam`).
 struct Keys {
-    access_key: String,
-    secret_key: SecretKey,
+    iam: Arc<iam::Iam>,
 }
 
 #[async_trait::async_trait]
 impl S3Auth for Keys {
     async fn get_secret_key(&self, access_key: &str) -> S3Result<SecretKey> {
-        if access_key == self.access_key {
-            Ok(self.secret_key.clone())
-        } else {
-            Err(s3s::S3Error::with_message(
+        match self.iam.lookup(access_key) {
+            Ok(Some((_, secret))) => Ok(secret),
+            Ok(None) => Err(s3s::S3Error::with_message(
                 s3s::S3ErrorCode::InvalidAccessKeyId,
                 "The AWS Access Key Id you provided does not exist in our records.",
-            ))
+            )),
+            Err(e) => Err(s3s::S3Error::with_message(
+                s3s::S3ErrorCode::ServiceUnavailable,
+                e.to_string(),
+            )),
         }
     }
 }
@@ -78,12 +79,9 @@ impl S3Host for Hosts {
     }
 }
 
-pub fn build_service(store: Arc<Store>, settings: &S3Settings) -> S3Service {
+pub fn build_service(store: Arc<Store>, iam: Arc<iam::Iam>, settings: &S3Settings) -> S3Service {
     let mut b = S3ServiceBuilder::new(TarnS3::new(store, settings.region.clone()));
-    b.set_auth(Keys {
-        access_key: settings.access_key.clone(),
-        secret_key: SecretKey::from(settings.secret_key.clone()),
-    });
+    b.set_auth(Keys { iam });
     b.set_host(Hosts {
         domains: settings.domains.clone(),
     });

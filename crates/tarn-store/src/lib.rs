@@ -22,5 +22,7 @@ pub use config::{EtagMode, StoreConfig};
 pub use error::StoreError;
 pub use format::{Durability, Versioning};
 pub use store::get::GetResult;
-pub use store::{parse_version, validate_bucket_name, ObjectStream, Store, KEY_MAX_BYTES};
+pub use store::{
+    parse_version, validate_bucket_name, ObjectStream, Store, KEY_MAX_BYTES, SYSTEM_BUCKET,
+};
 pub use types::*;

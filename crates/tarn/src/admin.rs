@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use tarn_s3::iam::{Iam, IamError};
 use tarn_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -39,11 +40,80 @@ fn json_escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
+fn json(status: u16, v: serde_json::Value) -> http::Response<s3s::Body> {
+    text(status, "application/json", format!("{v}\n"))
+}
+
+fn iam_error(e: IamError) -> http::Response<s3s::Body> {
+    let status = match &e {
+        IamError::InvalidName(_) | IamError::Reserved(_) => 400,
+        IamError::NoSuchUser(_) | IamError::NoSuchKey { .. } => 404,
+        IamError::UserExists(_) => 409,
+        IamError::NotLoaded | IamError::Store(_) => 503,
+        IamError::Corrupt { .. } => 500,
+    };
+    json(status, serde_json::json!({ "error": e.to_string() }))
+}
+
+fn new_key(k: tarn_s3::iam::NewKey) -> http::Response<s3s::Body> {
+    json(
+        200,
+        serde_json::json!({
+            "user": k.user,
+            "access_key": k.access_key,
+            "secret_key": k.secret_key,
+        }),
+    )
+}
+
+/// Users and keys: `GET /admin/users`, `POST|DELETE /admin/users/NAME`,
+/// `POST /admin/users/NAME/keys`, `DELETE /admin/users/NAME/keys/ACCESS_KEY`.
+async fn users(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body> {
+    let rest = path.trim_start_matches("/admin/users").trim_matches('/');
+    let parts: Vec<&str> = if rest.is_empty() {
+        Vec::new()
+    } else {
+        rest.split('/').collect()
+    };
+    let r = match (method, parts.as_slice()) {
+        ("GET", []) => {
+            let users: Vec<_> = iam
+                .list_users()
+                .into_iter()
+                .map(|u| {
+                    serde_json::json!({
+                        "name": u.name,
+                        "created_ns": u.created_ns,
+                        "access_keys": u.access_keys,
+                    })
+                })
+                .collect();
+            if !iam.is_loaded() {
+                return iam_error(IamError::NotLoaded);
+            }
+            return json(200, serde_json::json!({ "users": users }));
+        }
+        ("POST", [name]) => iam.add_user(name).await.map(new_key),
+        ("DELETE", [name]) => iam
+            .remove_user(name)
+            .await
+            .map(|()| text(204, "text/plain", String::new())),
+        ("POST", [name, "keys"]) => iam.add_key(name).await.map(new_key),
+        ("DELETE", [name, "keys", key]) => iam
+            .remove_key(name, key)
+            .await
+            .map(|()| text(204, "text/plain", String::new())),
+        _ => return text(404, "text/plain", "not found\n".into()),
+    };
+    r.unwrap_or_else(iam_error)
+}
+
 async fn handle(
     req: http::Request<Incoming>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
     token: Arc<String>,
+    iam: Arc<Iam>,
 ) -> Result<http::Response<s3s::Body>, Infallible> {
     let authorized = req
         .headers()
@@ -91,9 +161,10 @@ async fn handle(
             }
         }
         ("GET", "/metrics") => text(200, "text/plain; version=0.0.4", metrics.render(&store)),
-        (_, "/admin/heal") | (_, "/admin/drives") if !authorized => {
+        (_, p) if p.starts_with("/admin/") && !authorized => {
             text(401, "text/plain", "missing or wrong bearer token\n".into())
         }
+        (m, p) if p == "/admin/users" || p.starts_with("/admin/users/") => users(m, p, &iam).await,
         ("POST", "/admin/heal") => {
             let r = store.heal_all().await;
             text(
@@ -144,6 +215,7 @@ pub async fn serve(
     store: Arc<Store>,
     metrics: Arc<Metrics>,
     token: String,
+    iam: Arc<Iam>,
     mut stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
@@ -155,9 +227,9 @@ pub async fn serve(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let (store, metrics, token) = (store.clone(), metrics.clone(), token.clone());
+                let (store, metrics, token, iam) = (store.clone(), metrics.clone(), token.clone(), iam.clone());
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone()));
+                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone(), iam.clone()));
                     let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

@@ -2,6 +2,7 @@
 //! serves a single node on ./data at 127.0.0.1:9000.
 
 mod admin;
+mod admin_cli;
 mod bench;
 mod bench_kv;
 mod config;
@@ -40,6 +41,8 @@ enum Command {
     /// Load generators.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Operator commands against a running server (users and keys).
+    Admin(Box<admin_cli::AdminArgs>),
 }
 
 #[derive(Subcommand)]
@@ -474,12 +477,12 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains.push("localhost".into());
     }
     let settings = tarn_s3::S3Settings {
-        access_key: access.clone(),
-        secret_key: secret.clone(),
         region: region.clone(),
         domains: domains.clone(),
     };
-    let s3 = tarn_s3::build_service(store.clone(), &settings);
+    let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
+    let iam = load_users(&store, &access, &secret, io_uring)?;
+    let s3 = tarn_s3::build_service(store.clone(), iam.clone(), &settings);
     println!(
         "Tarn {} — {} drive(s), erasure {k}+{m}, region {region}",
         env!("CARGO_PKG_VERSION"),
@@ -495,7 +498,6 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         .scan_interval_secs
         .or(file.scan_interval_secs)
         .unwrap_or(6 * 3600);
-    let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
     // The KV store runs on its own runtime threads, one per core like S3's.
     let kv = match kv {
         Some(kv) => {
@@ -543,6 +545,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains,
         region,
         admin_token: secret,
+        iam,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         body_idle_timeout: idle_secs(
@@ -561,6 +564,47 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         kv_server.stop();
     }
     result
+}
+
+/// The users, read from the drives before serving. When the drives that
+/// hold them lack a read quorum the server starts anyway (root's key works,
+/// others are answered 503) and a thread retries until they are read.
+fn load_users(
+    store: &Arc<Store>,
+    access: &str,
+    secret: &str,
+    io_uring: bool,
+) -> anyhow::Result<Arc<tarn_s3::iam::Iam>> {
+    const RETRY: Duration = Duration::from_secs(5);
+    let iam = tarn_s3::iam::Iam::new(store.clone(), access, secret);
+    let rt = tarn_io::runtime::build_core_runtime(0, false, io_uring)?;
+    match rt.block_on(iam.load()) {
+        Ok(()) => {}
+        Err(tarn_s3::iam::IamError::Corrupt { what, reason }) => {
+            bail!("reading users: {what}: {reason}")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "users not loaded yet; retrying every 5 s");
+            let iam = iam.clone();
+            std::thread::Builder::new()
+                .name("tarn-users".into())
+                .spawn(move || {
+                    let rt = match tarn_io::runtime::build_core_runtime(0, false, io_uring) {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            tracing::error!(error = %e, "no runtime to load users on");
+                            return;
+                        }
+                    };
+                    while let Err(e) = rt.block_on(iam.load()) {
+                        tracing::warn!(error = %e, "users not loaded yet");
+                        std::thread::sleep(RETRY);
+                    }
+                    tracing::info!("users loaded");
+                })?;
+        }
+    }
+    Ok(iam)
 }
 
 /// A timeout in whole seconds from the file: at least 1.
@@ -609,6 +653,7 @@ fn main() {
         Command::Heal(a) => run_heal(a),
         Command::Bench(BenchCommand::S3(a)) => bench::run(*a),
         Command::Bench(BenchCommand::Kv(a)) => bench_kv::run(*a),
+        Command::Admin(a) => admin_cli::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

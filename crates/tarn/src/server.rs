@@ -42,6 +42,8 @@ pub struct ServerSettings {
     /// The region requests must be signed for.
     pub region: String,
     pub admin_token: String,
+    /// Users and their keys, managed on the admin port.
+    pub iam: Arc<tarn_s3::iam::Iam>,
     pub scan_interval: Option<Duration>,
     /// The KV engines by tenant, for /metrics.
     pub kv: Vec<(String, Arc<tarn_kv::Engine>)>,
@@ -498,7 +500,11 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
         } else {
             None
         };
-        let admin_ctx = (metrics.clone(), settings.admin_token.clone());
+        let admin_ctx = (
+            metrics.clone(),
+            settings.admin_token.clone(),
+            settings.iam.clone(),
+        );
         let scan = settings.scan_interval;
         threads.push(
             std::thread::Builder::new()
@@ -517,6 +523,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
                                 store.clone(),
                                 admin_ctx.0,
                                 admin_ctx.1,
+                                admin_ctx.2,
                                 stop.clone(),
                             ));
                         }

@@ -474,6 +474,12 @@ pub fn parse_version(s: &str) -> Option<Id128> {
     }
 }
 
+/// The bucket Tarn keeps its own records in (users and their keys, bucket
+/// configuration): erasure-coded, quorum-written and healed like any other,
+/// left out of bucket listings, and out of reach of S3 requests (its name is
+/// not a valid S3 bucket name, which every S3 request is checked for).
+pub const SYSTEM_BUCKET: &str = ".tarn";
+
 pub fn validate_bucket_name(name: &str) -> Result<(), StoreError> {
     let ok = (3..=63).contains(&name.len())
         && name
@@ -1310,6 +1316,25 @@ impl Store {
         durability: Durability,
     ) -> Result<(), StoreError> {
         validate_bucket_name(name)?;
+        self.create_bucket_named(name, durability).await
+    }
+
+    /// Creates the system bucket unless it exists (at start, before serving).
+    pub async fn ensure_system_bucket(&self) -> Result<(), StoreError> {
+        match self
+            .create_bucket_named(SYSTEM_BUCKET, Durability::ErasureCoded)
+            .await
+        {
+            Ok(()) | Err(StoreError::BucketExists(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn create_bucket_named(
+        &self,
+        name: &str,
+        durability: Durability,
+    ) -> Result<(), StoreError> {
         if let Durability::Replicated(0) = durability {
             return Err(StoreError::InvalidArgument(
                 "replica count must be at least 1".into(),
@@ -1409,11 +1434,13 @@ impl Store {
         })
     }
 
+    /// The users' buckets (not the system bucket).
     pub fn list_buckets(&self) -> Vec<BucketInfo> {
         self.buckets
             .read()
             .expect("buckets lock")
             .iter()
+            .filter(|(n, _)| n.as_str() != SYSTEM_BUCKET)
             .map(|(n, r)| BucketInfo {
                 name: n.clone(),
                 created_ns: r.created_ns,

@@ -1,0 +1,203 @@
+//! `tarn admin`: operator commands against a running server's admin port
+//! (`--endpoint`, the admin URL; `--token`, the server's secret key). Plain
+//! HTTP/1.1 over a blocking socket: one request per command.
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+#[derive(clap::Args)]
+pub struct AdminArgs {
+    /// The server's admin URL (`Admin endpoint:` in its output).
+    #[arg(
+        long,
+        env = "TARN_ADMIN_ENDPOINT",
+        default_value = "http://127.0.0.1:9001"
+    )]
+    endpoint: String,
+    /// The admin token: the server's secret key.
+    #[arg(long, env = "TARN_ADMIN_TOKEN", hide_env_values = true)]
+    token: String,
+    #[command(subcommand)]
+    command: AdminCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum AdminCommand {
+    /// Users and their access keys.
+    #[command(subcommand)]
+    User(UserCommand),
+}
+
+#[derive(clap::Subcommand)]
+enum UserCommand {
+    /// Make a user with one access key; prints the key and its secret (shown
+    /// only this once).
+    Add {
+        name: String,
+        /// Print {"user", "access_key", "secret_key"} as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List users and their access keys (never secrets).
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a user; all its keys stop working at once.
+    Remove { name: String },
+    /// Access keys of a user.
+    #[command(subcommand)]
+    Key(KeyCommand),
+}
+
+#[derive(clap::Subcommand)]
+enum KeyCommand {
+    /// Give a user another access key; prints it and its secret.
+    Add {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke one access key of a user (it stops working at once).
+    Remove { name: String, access_key: String },
+}
+
+pub fn run(args: AdminArgs) -> anyhow::Result<()> {
+    let call = |method: &str, path: &str| request(&args.endpoint, &args.token, method, path);
+    match args.command {
+        AdminCommand::User(UserCommand::Add { name, json }) => {
+            print_key(&call("POST", &format!("/admin/users/{name}"))?, json)
+        }
+        AdminCommand::User(UserCommand::Key(KeyCommand::Add { name, json })) => {
+            print_key(&call("POST", &format!("/admin/users/{name}/keys"))?, json)
+        }
+        AdminCommand::User(UserCommand::List { json }) => {
+            let v = call("GET", "/admin/users")?;
+            if json {
+                println!("{v}");
+                return Ok(());
+            }
+            for u in v["users"].as_array().into_iter().flatten() {
+                let keys: Vec<&str> = u["access_keys"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|k| k.as_str())
+                    .collect();
+                println!("{}\t{}", u["name"].as_str().unwrap_or(""), keys.join(","));
+            }
+            Ok(())
+        }
+        AdminCommand::User(UserCommand::Remove { name }) => {
+            call("DELETE", &format!("/admin/users/{name}"))?;
+            println!("removed user {name}");
+            Ok(())
+        }
+        AdminCommand::User(UserCommand::Key(KeyCommand::Remove { name, access_key })) => {
+            call("DELETE", &format!("/admin/users/{name}/keys/{access_key}"))?;
+            println!("removed access key {access_key} of user {name}");
+            Ok(())
+        }
+    }
+}
+
+fn print_key(v: &serde_json::Value, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "user": v["user"],
+                "access_key": v["access_key"],
+                "secret_key": v["secret_key"],
+            })
+        );
+    } else {
+        println!("user:       {}", v["user"].as_str().unwrap_or(""));
+        println!("access key: {}", v["access_key"].as_str().unwrap_or(""));
+        println!("secret key: {}", v["secret_key"].as_str().unwrap_or(""));
+    }
+    Ok(())
+}
+
+/// One request; the answer's JSON (null for an empty body). A non-2xx
+/// answer is an error carrying the server's message.
+fn request(
+    endpoint: &str,
+    token: &str,
+    method: &str,
+    path: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let authority = endpoint
+        .strip_prefix("http://")
+        .with_context(|| format!("--endpoint {endpoint}: an http:// URL"))?
+        .trim_end_matches('/');
+    if authority.contains('/') {
+        bail!("--endpoint {endpoint}: no path expected");
+    }
+    let mut s = std::net::TcpStream::connect(authority)
+        .with_context(|| format!("connecting to {endpoint}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("malformed answer from the admin port")?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut body = raw[split + 4..].to_vec();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("malformed status line from the admin port")?;
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body).context("malformed chunked answer")?;
+    }
+    let text = String::from_utf8_lossy(&body).into_owned();
+    if !(200..300).contains(&status) {
+        let msg = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_string))
+            .unwrap_or_else(|| text.trim().to_string());
+        bail!("{method} {path}: {status}: {msg}");
+    }
+    if text.trim().is_empty() {
+        return Ok(serde_json::Value::Null);
+    }
+    serde_json::from_str(&text).context("the admin port answered something other than JSON")
+}
+
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol]).ok()?.trim(), 16).ok()?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..size)?);
+        b = b.get(size + 2..)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn chunked_bodies() {
+        assert_eq!(
+            super::dechunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap(),
+            b"abcde"
+        );
+        assert!(super::dechunk(b"5\r\nab").is_none());
+    }
+}
