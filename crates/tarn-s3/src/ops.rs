@@ -413,6 +413,21 @@ fn refuse_unsupported(headers: &http::HeaderMap, writes: bool) -> S3Result<()> {
             "Server-side encryption (SSE-S3, SSE-KMS, SSE-C) is not supported; nothing was stored.",
         ));
     }
+    // Until ACLs are kept (the rest of issue 13), an ACL that would grant
+    // anything beyond the owner is refused rather than ignored; `private`
+    // and `bucket-owner-full-control` are what an object gets anyway.
+    let acl = headers.get("x-amz-acl").map(|v| v.as_bytes());
+    let grants = headers
+        .keys()
+        .any(|k| k.as_str().starts_with("x-amz-grant-"));
+    if writes
+        && (grants || acl.is_some_and(|a| a != b"private" && a != b"bucket-owner-full-control"))
+    {
+        return Err(S3Error::with_message(
+            S3ErrorCode::NotImplemented,
+            "ACLs other than private (x-amz-acl, x-amz-grant-*) are not supported yet; nothing was stored.",
+        ));
+    }
     let lock_bucket = headers
         .get("x-amz-bucket-object-lock-enabled")
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
