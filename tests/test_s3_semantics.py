@@ -227,7 +227,7 @@ def test_list_buckets_pages(server, s3):
     assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "InvalidArgument"
 
 
-def test_create_own_bucket_and_delete_with_uploads(s3):
+def test_create_own_bucket_and_delete_with_uploads(server, s3):
     """Bugs: creating a bucket one already owns was 409 (S3 in us-east-1
     answers 200 and changes nothing); deleting a bucket whose only content
     is multipart uploads in progress was BucketNotEmpty (S3 aborts them and
@@ -236,6 +236,11 @@ def test_create_own_bucket_and_delete_with_uploads(s3):
     s3.put_bucket_versioning(Bucket="own", VersioningConfiguration={"Status": "Enabled"})
     s3.create_bucket(Bucket="own")
     assert s3.get_bucket_versioning(Bucket="own")["Status"] == "Enabled"
+    # A durability the bucket does not have would not be honoured: 409.
+    r = signed_request(server.endpoint, "PUT", "/own", headers={"x-tarn-durability": "single"})
+    assert r.status_code == 409, r.text
+    r = signed_request(server.endpoint, "PUT", "/own", headers={"x-tarn-durability": "erasure"})
+    assert r.status_code == 200, r.text
     ups = [s3.create_multipart_upload(Bucket="own", Key=f"k{i}")["UploadId"] for i in range(3)]
     s3.upload_part(Bucket="own", Key="k0", UploadId=ups[0], PartNumber=1, Body=b"part")
     s3.put_object(Bucket="own", Key="obj", Body=b"x")

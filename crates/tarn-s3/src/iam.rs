@@ -169,11 +169,10 @@ impl Iam {
             return Ok(());
         }
         self.store.ensure_system_bucket().await?;
-        let iam = self;
         let mut users = BTreeMap::new();
         let mut after = None;
         loop {
-            let page = iam
+            let page = self
                 .store
                 .list_objects(
                     SYSTEM_BUCKET,
@@ -186,7 +185,7 @@ impl Iam {
                 )
                 .await?;
             for o in &page.objects {
-                let doc = iam.read_doc(&o.key).await?;
+                let doc = self.read_doc(&o.key).await?;
                 users.insert(doc.name.clone(), doc);
             }
             if !page.is_truncated {
@@ -194,8 +193,8 @@ impl Iam {
             }
             after = page.objects.last().map(|o| o.key.clone());
         }
-        let table = iam.table_of(users)?;
-        *iam.table.write().expect("iam table") = Arc::new(table);
+        let table = self.table_of(users)?;
+        *self.table.write().expect("iam table") = Arc::new(table);
         self.loaded.store(true, Ordering::Release);
         Ok(())
     }

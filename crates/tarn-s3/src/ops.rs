@@ -328,35 +328,21 @@ fn response_checksum(
             .iter()
             .find(|p| p.number == n)
             .and_then(|p| p.checksum.clone()),
-        Some(_) => info.checksum.clone(),
-        None => info.checksum.clone(),
+        _ => info.checksum.clone(),
     }
-}
-
-/// The MD5 behind an ETag that is one (32 hex digits; fast and multipart
-/// ETags carry a `-N`).
-fn md5_of_etag(etag: &str) -> Option<[u8; 16]> {
-    let e = etag.trim_matches('"');
-    if e.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(e.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
 }
 
 /// An x-amz-checksum-type value of a request.
-fn checksum_type_arg(t: &str) -> S3Result<ChecksumKind> {
-    match t {
-        "COMPOSITE" => Ok(ChecksumKind::Composite),
-        "FULL_OBJECT" => Ok(ChecksumKind::FullObject),
-        other => Err(S3Error::with_message(
+fn checksum_type_arg(t: &ChecksumType) -> S3Result<ChecksumKind> {
+    ChecksumKind::parse(t.as_str()).ok_or_else(|| {
+        S3Error::with_message(
             S3ErrorCode::InvalidRequest,
-            format!("Unknown x-amz-checksum-type {other}: expected COMPOSITE or FULL_OBJECT."),
-        )),
-    }
+            format!(
+                "Unknown x-amz-checksum-type {}: expected COMPOSITE or FULL_OBJECT.",
+                t.as_str()
+            ),
+        )
+    })
 }
 
 fn checksum_type_of(c: &Option<(String, String)>) -> Option<ChecksumType> {
@@ -569,7 +555,15 @@ impl S3 for TarnS3 {
             Ok(()) => {}
             // S3 in us-east-1 answers 200 to a CreateBucket of a bucket the
             // caller already owns (and changes nothing); other regions 409.
-            Err(tarn_store::StoreError::BucketExists(_)) if self.region == "us-east-1" => {}
+            // A durability the bucket does not have would not be honoured:
+            // 409 as well.
+            Err(tarn_store::StoreError::BucketExists(_))
+                if self.region == "us-east-1"
+                    && (!req.headers.contains_key("x-tarn-durability")
+                        || self
+                            .store
+                            .head_bucket(&req.input.bucket)
+                            .is_ok_and(|b| b.durability == durability)) => {}
             Err(e) => return Err(s3_error(e)),
         }
         Ok(S3Response::new(CreateBucketOutput {
@@ -998,7 +992,8 @@ impl S3 for TarnS3 {
         // it) and its checksum. A composite (multipart) checksum does not
         // describe the single-part copy: the copy gets the full checksum of
         // the same algorithm instead.
-        opts.content_md5 = md5_of_etag(&src.etag);
+        // (An MD5 ETag is 32 hex digits; fast and multipart ones carry `-N`.)
+        opts.content_md5 = tarn_store::format::id_from_hex(src.etag.trim_matches('"'));
         let spec = match &src.checksum {
             Some((algo, v)) if ChecksumKind::of_value(v) == ChecksumKind::Composite => {
                 ChecksumSpec {
@@ -1268,13 +1263,12 @@ impl S3 for TarnS3 {
         refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
-        let opts = put_options(
+        let mut opts = put_options(
             i.content_type.clone(),
             stored_headers!(i),
             i.metadata.clone(),
             tags,
         );
-        let mut opts = opts;
         let algo = i
             .checksum_algorithm
             .as_ref()
@@ -1287,7 +1281,12 @@ impl S3 for TarnS3 {
                 ))
             }
             Some(a) => {
-                let t = ChecksumKind::resolve(a, i.checksum_type.as_ref().map(|t| t.as_str()))
+                let asked = i
+                    .checksum_type
+                    .as_ref()
+                    .map(checksum_type_arg)
+                    .transpose()?;
+                let t = ChecksumKind::resolve(a, asked)
                     .map_err(|m| S3Error::with_message(S3ErrorCode::InvalidRequest, m))?;
                 opts.checksum_type = Some(t);
             }
@@ -1299,9 +1298,10 @@ impl S3 for TarnS3 {
             }
             None => {}
         }
+        let checksum_type = opts.checksum_type;
         let id = self
             .store
-            .create_multipart_upload(&i.bucket, &i.key, opts.clone(), algo.clone())
+            .create_multipart_upload(&i.bucket, &i.key, opts, algo.clone())
             .await
             .map_err(s3_error)?;
         Ok(S3Response::new(CreateMultipartUploadOutput {
@@ -1309,9 +1309,7 @@ impl S3 for TarnS3 {
             key: xml_key(i.key),
             upload_id: Some(id),
             checksum_algorithm: algo.map(ChecksumAlgorithm::from),
-            checksum_type: opts
-                .checksum_type
-                .map(|t| ChecksumType::from(t.as_str().to_string())),
+            checksum_type: checksum_type.map(|t| ChecksumType::from(t.as_str().to_string())),
             ..Default::default()
         }))
     }
@@ -1460,10 +1458,10 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CompleteMultipartUploadInput>,
     ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
-        let i = req.input;
+        let mut i = req.input;
         let parts = i
             .multipart_upload
-            .clone()
+            .take()
             .and_then(|m| m.parts)
             .unwrap_or_default();
         let mut list = Vec::with_capacity(parts.len());
@@ -1485,25 +1483,16 @@ impl S3 for TarnS3 {
                 }
             }
         }
-        let declared: Vec<(String, String)> = CHECKSUM_ALGORITHMS
-            .iter()
-            .zip(declared_checksums!(i))
-            .filter_map(|(a, v)| v.map(|v| (a.to_string(), v.clone())))
-            .collect();
-        if declared.len() > 1 {
-            return Err(S3Error::with_message(
-                S3ErrorCode::InvalidRequest,
-                "Expecting a single x-amz-checksum- header",
-            ));
-        }
+        // The whole object's checksum the client expects (one at most).
+        let declared = ChecksumSpec::from_request(&req.headers, declared_checksums!(i))?.header;
         let opts = PutOptions {
             if_none_match: condition_string(i.if_none_match.as_ref()),
             if_match: condition_string(i.if_match.as_ref()),
-            checksum: declared.into_iter().next(),
+            checksum: declared,
             checksum_type: i
                 .checksum_type
                 .as_ref()
-                .map(|t| checksum_type_arg(t.as_str()))
+                .map(checksum_type_arg)
                 .transpose()?,
             part_checksums,
             ..Default::default()

@@ -36,22 +36,24 @@ impl ChecksumType {
         }
     }
 
-    /// The type an upload gets when the client names an algorithm but no
-    /// type (AWS: FULL_OBJECT for CRC64NVME, COMPOSITE for the others);
-    /// None when the algorithm cannot have that type.
-    pub fn resolve(algorithm: &str, asked: Option<&str>) -> Result<Self, String> {
-        let t = match asked {
-            None | Some("") => {
-                if algorithm == "CRC64NVME" {
-                    ChecksumType::FullObject
-                } else {
-                    ChecksumType::Composite
-                }
-            }
-            Some("COMPOSITE") => ChecksumType::Composite,
-            Some("FULL_OBJECT") => ChecksumType::FullObject,
-            Some(other) => return Err(format!("unknown checksum type {other}")),
-        };
+    /// An `x-amz-checksum-type` value (as S3 spells it).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "COMPOSITE" => Some(ChecksumType::Composite),
+            "FULL_OBJECT" => Some(ChecksumType::FullObject),
+            _ => None,
+        }
+    }
+
+    /// The type an upload of `algorithm` gets: the one asked for, else the
+    /// algorithm's default (AWS: FULL_OBJECT for CRC64NVME, COMPOSITE for
+    /// the others); an error when the algorithm cannot have that type.
+    pub fn resolve(algorithm: &str, asked: Option<Self>) -> Result<Self, String> {
+        let t = asked.unwrap_or(if algorithm == "CRC64NVME" {
+            ChecksumType::FullObject
+        } else {
+            ChecksumType::Composite
+        });
         match (algorithm, t) {
             ("CRC32" | "CRC32C" | "SHA1" | "SHA256", ChecksumType::Composite)
             | ("CRC32" | "CRC32C" | "CRC64NVME", ChecksumType::FullObject) => Ok(t),
@@ -171,8 +173,10 @@ mod tests {
         assert_eq!(super::ChecksumType::of_value(&va), FullObject);
         assert!(multipart_checksum("SHA256", FullObject, &[(&va, 6)]).is_none());
         assert!(multipart_checksum("CRC32", Composite, &[("!!", 6)]).is_none());
-        assert!(super::ChecksumType::resolve("SHA1", Some("FULL_OBJECT")).is_err());
-        assert!(super::ChecksumType::resolve("CRC64NVME", Some("COMPOSITE")).is_err());
+        assert!(super::ChecksumType::resolve("SHA1", Some(FullObject)).is_err());
+        assert!(super::ChecksumType::resolve("CRC64NVME", Some(Composite)).is_err());
+        assert_eq!(super::ChecksumType::parse("FULL_OBJECT"), Some(FullObject));
+        assert_eq!(super::ChecksumType::parse(""), None);
         assert_eq!(
             super::ChecksumType::resolve("CRC64NVME", None),
             Ok(FullObject)

@@ -77,6 +77,9 @@ async fn users(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body>
     };
     let r = match (method, parts.as_slice()) {
         ("GET", []) => {
+            if !iam.is_loaded() {
+                return iam_error(IamError::NotLoaded);
+            }
             let users: Vec<_> = iam
                 .list_users()
                 .into_iter()
@@ -88,9 +91,6 @@ async fn users(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body>
                     })
                 })
                 .collect();
-            if !iam.is_loaded() {
-                return iam_error(IamError::NotLoaded);
-            }
             return json(200, serde_json::json!({ "users": users }));
         }
         ("POST", [name]) => iam.add_user(name).await.map(new_key),

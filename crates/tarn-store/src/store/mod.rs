@@ -1371,21 +1371,8 @@ impl Store {
             return Err(StoreError::BucketNotEmpty(name.to_string()));
         }
         let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
-        let b = name.to_string();
-        let uploads = run_blocking(move || {
-            let mut all = std::collections::BTreeSet::new();
-            for db in dbs {
-                for (key, rec) in db
-                    .scan_uploads(&b, "", usize::MAX)
-                    .map_err(std::io::Error::other)?
-                {
-                    all.insert((key, crate::format::id_to_hex(&rec.upload_id)));
-                }
-            }
-            Ok(all)
-        })
-        .await?;
-        for (key, id) in uploads {
+        for (key, id) in multipart::bucket_uploads(dbs, name).await? {
+            let id = crate::format::id_to_hex(&id);
             match self.abort_multipart_upload(name, &key, &id).await {
                 Ok(()) | Err(StoreError::NoSuchUpload(_)) => {}
                 Err(e) => return Err(e),

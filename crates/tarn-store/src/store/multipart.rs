@@ -9,7 +9,7 @@ use std::sync::Arc;
 use md5::{Digest, Md5};
 use tarn_io::file::run_blocking;
 
-use super::put::{part_etag, BodyReader};
+use super::put::{single_etag, BodyReader};
 use super::{now_ns, validate_key, Store};
 use crate::checksum::{multipart_checksum, ChecksumType};
 use crate::error::StoreError;
@@ -112,20 +112,7 @@ impl Store {
         let sources: Vec<_> = (0..self.set_size(set))
             .filter_map(|p| self.slot(set, p).db())
             .collect();
-        let b = bucket.to_string();
-        let found = run_blocking(move || {
-            let mut all = std::collections::BTreeSet::new();
-            for db in sources {
-                for (key, rec) in db
-                    .scan_uploads(&b, "", usize::MAX)
-                    .map_err(std::io::Error::other)?
-                {
-                    all.insert((key, rec.upload_id));
-                }
-            }
-            Ok(all)
-        })
-        .await?;
+        let found = bucket_uploads(sources, bucket).await?;
         let mut copied = 0;
         for (key, id) in found {
             if self.set_for(bucket, &key) != set {
@@ -272,7 +259,7 @@ impl Store {
             let rec = UploadPartRecord {
                 number,
                 size: written.size,
-                etag: part_etag(&digest),
+                etag: single_etag(&digest),
                 data_id: written.data_id,
                 mod_time_ns: now_ns(),
                 checksum,
@@ -441,8 +428,13 @@ impl Store {
             if etag.trim_matches('"') != p.etag {
                 return Err(StoreError::InvalidPart(*number));
             }
-            for (_, algo, value) in opts.part_checksums.iter().filter(|c| c.0 == *number) {
-                if p.checksum.as_ref() != Some(&(algo.clone(), value.clone())) {
+            let listed = opts.part_checksums.iter().filter(|c| c.0 == *number);
+            for (_, algo, value) in listed {
+                if !p
+                    .checksum
+                    .as_ref()
+                    .is_some_and(|(a, v)| a == algo && v == value)
+                {
                     return Err(StoreError::InvalidPart(*number));
                 }
             }
@@ -590,12 +582,13 @@ fn object_checksum(
             }
             return Ok(None);
         };
-        let kind = ChecksumType::resolve(algo, opts.checksum_type.map(|t| t.as_str()))
-            .map_err(StoreError::InvalidRequest)?;
+        let kind =
+            ChecksumType::resolve(algo, opts.checksum_type).map_err(StoreError::InvalidRequest)?;
         (algo.clone(), kind)
     } else {
         let algo = upload.checksum_algorithm.clone();
-        let kind = ChecksumType::resolve(&algo, Some(&upload.checksum_type))
+        // Empty in uploads of format 1: the algorithm's default.
+        let kind = ChecksumType::resolve(&algo, ChecksumType::parse(&upload.checksum_type))
             .map_err(StoreError::InvalidRequest)?;
         if let Some(t) = opts.checksum_type.filter(|t| *t != kind) {
             return Err(StoreError::InvalidRequest(format!(
@@ -641,6 +634,29 @@ fn object_checksum(
         }
     }
     Ok(Some((algo, value)))
+}
+
+/// The multipart uploads in progress of `bucket` on `dbs` (keys and upload
+/// ids, each once).
+pub(crate) async fn bucket_uploads(
+    dbs: Vec<Arc<crate::drive::DriveDb>>,
+    bucket: &str,
+) -> Result<std::collections::BTreeSet<(String, Id128)>, StoreError> {
+    let b = bucket.to_string();
+    let all = run_blocking(move || {
+        let mut all = std::collections::BTreeSet::new();
+        for db in dbs {
+            for (key, rec) in db
+                .scan_uploads(&b, "", usize::MAX)
+                .map_err(std::io::Error::other)?
+            {
+                all.insert((key, rec.upload_id));
+            }
+        }
+        Ok(all)
+    })
+    .await?;
+    Ok(all)
 }
 
 /// S3's multipart ETag for a part list: MD5 of the concatenated binary part

@@ -114,20 +114,15 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Single-part ETag: the MD5 when computed, else the fast digest marked `-1`.
+/// The ETag of a body (an object written in one piece, or a part): the MD5
+/// when computed, else the fast digest marked `-1`, which clients that check
+/// ETags against MD5s (s3cmd, also for parts) know to skip. Either way 16
+/// bytes a multipart ETag is derived from (`multipart::part_digest`).
 pub(crate) fn single_etag(d: &BodyDigest) -> String {
     match d.md5 {
         Some(m) => hex(&m),
         None => format!("{}-1", hex(&d.xxh128.to_be_bytes())),
     }
-}
-
-/// Part ETag: the MD5 when computed, else the fast digest marked `-1` as for
-/// single-part objects, so that clients that check a part's ETag against its
-/// MD5 (s3cmd) know to skip it. Either way 16 bytes the multipart ETag is
-/// derived from (`part_digest`).
-pub(crate) fn part_etag(d: &BodyDigest) -> String {
-    single_etag(d)
 }
 
 /// The shard files a part was written to: committed under `data_id` on the
