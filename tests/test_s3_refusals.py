@@ -76,35 +76,3 @@ def test_object_lock_is_refused(s3):
     refused(lambda: s3.put_object(Bucket="lockobj", Key="k", Body=b"x", ObjectLockLegalHoldStatus="ON"),
             "NotImplemented", 501)  # fmt: skip
     assert missing(s3, "lockobj", "k")
-
-
-def test_acls_granting_more_than_the_owner_are_refused_until_kept(s3):
-    """Bug: `x-amz-acl: public-read` and `x-amz-grant-*` were accepted and
-    ignored (the object stayed private while the client believed it public).
-    Until ACLs are kept, anything beyond the owner is 501 and stores nothing;
-    `private`, which every object is, still works."""
-    s3.create_bucket(Bucket="acl-refused")
-    refused(lambda: s3.create_bucket(Bucket="acl-public", ACL="public-read"), "NotImplemented", 501)
-    with pytest.raises(botocore.exceptions.ClientError):
-        s3.head_bucket(Bucket="acl-public")
-    refused(
-        lambda: s3.put_object(Bucket="acl-refused", Key="k", Body=b"x", ACL="public-read"), "NotImplemented", 501
-    )
-    refused(
-        lambda: s3.put_object(Bucket="acl-refused", Key="k", Body=b"x", GrantRead='uri="http://acs.amazonaws.com/groups/global/AllUsers"'),
-        "NotImplemented",
-        501,
-    )
-    refused(
-        lambda: s3.create_multipart_upload(Bucket="acl-refused", Key="k", ACL="public-read-write"),
-        "NotImplemented",
-        501,
-    )
-    assert missing(s3, "acl-refused", "k")
-    s3.put_object(Bucket="acl-refused", Key="src", Body=b"x", ACL="private")
-    refused(
-        lambda: s3.copy_object(Bucket="acl-refused", Key="k", CopySource="acl-refused/src", ACL="public-read"),
-        "NotImplemented",
-        501,
-    )
-    assert missing(s3, "acl-refused", "k")

@@ -17,12 +17,13 @@ use std::sync::{Arc, RwLock};
 
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{ChaCha20Poly1305, Nonce};
-use futures::StreamExt;
 use hmac::{Hmac, KeyInit as _, Mac};
 use s3s::auth::SecretKey;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
-use tarn_store::{ListParams, ObjectBody, PutOptions, Store, StoreError, SYSTEM_BUCKET};
+use tarn_store::{Store, StoreError};
+
+use crate::sysdoc;
 
 /// The bootstrap credentials' user.
 pub const ROOT_USER: &str = "root";
@@ -170,28 +171,9 @@ impl Iam {
         }
         self.store.ensure_system_bucket().await?;
         let mut users = BTreeMap::new();
-        let mut after = None;
-        loop {
-            let page = self
-                .store
-                .list_objects(
-                    SYSTEM_BUCKET,
-                    ListParams {
-                        prefix: USERS_PREFIX.into(),
-                        delimiter: None,
-                        after: after.clone(),
-                        max_keys: 1000,
-                    },
-                )
-                .await?;
-            for o in &page.objects {
-                let doc = self.read_doc(&o.key).await?;
-                users.insert(doc.name.clone(), doc);
-            }
-            if !page.is_truncated {
-                break;
-            }
-            after = page.objects.last().map(|o| o.key.clone());
+        for key in sysdoc::list(&self.store, USERS_PREFIX).await? {
+            let doc = self.read_doc(&key).await?;
+            users.insert(doc.name.clone(), doc);
         }
         let table = self.table_of(users)?;
         *self.table.write().expect("iam table") = Arc::new(table);
@@ -200,15 +182,7 @@ impl Iam {
     }
 
     async fn read_doc(&self, key: &str) -> Result<UserDoc, IamError> {
-        let got = self
-            .store
-            .get_object_if(SYSTEM_BUCKET, key, None, None, None, &Default::default())
-            .await?;
-        let mut bytes = Vec::with_capacity(got.info.size as usize);
-        let mut stream = got.stream;
-        while let Some(chunk) = stream.next().await {
-            bytes.extend_from_slice(&chunk?);
-        }
+        let bytes = sysdoc::read(&self.store, key).await?;
         let corrupt = |reason: String| IamError::Corrupt {
             what: key.to_string(),
             reason,
@@ -305,6 +279,17 @@ impl Iam {
             .cloned())
     }
 
+    /// Whether `name` is a user (root included).
+    pub fn user_exists(&self, name: &str) -> bool {
+        name == ROOT_USER
+            || self
+                .table
+                .read()
+                .expect("iam table")
+                .users
+                .contains_key(name)
+    }
+
     pub fn list_users(&self) -> Vec<UserSummary> {
         self.table
             .read()
@@ -341,23 +326,8 @@ impl Iam {
     async fn commit(&self, name: &str, doc: Option<UserDoc>) -> Result<(), IamError> {
         let key = doc_key(name);
         match &doc {
-            Some(d) => {
-                let json = serde_json::to_vec(d).expect("a user document serializes");
-                self.store
-                    .put_object(
-                        SYSTEM_BUCKET,
-                        &key,
-                        ObjectBody::from_bytes(json),
-                        PutOptions {
-                            content_type: Some("application/json".into()),
-                            ..Default::default()
-                        },
-                    )
-                    .await?;
-            }
-            None => {
-                self.store.delete_object(SYSTEM_BUCKET, &key, None).await?;
-            }
+            Some(d) => sysdoc::write(&self.store, &key, d).await?,
+            None => sysdoc::delete(&self.store, &key).await?,
         }
         let mut users = self.table.read().expect("iam table").users.clone();
         match doc {

@@ -6,11 +6,16 @@
 //! `tarn-store`. One function (`error::s3_error`) maps engine errors to S3 codes.
 //! It may call `tarn-store` and `tarn-io`.
 
+pub mod access;
+pub mod acl;
 pub mod body;
 pub mod error;
 pub mod iam;
 pub mod ops;
+mod ops_access;
+pub mod policy;
 pub mod scope;
+pub mod sysdoc;
 pub mod util;
 
 use std::sync::Arc;
@@ -79,9 +84,15 @@ impl S3Host for Hosts {
     }
 }
 
-pub fn build_service(store: Arc<Store>, iam: Arc<iam::Iam>, settings: &S3Settings) -> S3Service {
-    let mut b = S3ServiceBuilder::new(TarnS3::new(store, settings.region.clone()));
+pub fn build_service(
+    store: Arc<Store>,
+    access: Arc<access::Access>,
+    settings: &S3Settings,
+) -> S3Service {
+    let iam = access.iam.clone();
+    let mut b = S3ServiceBuilder::new(TarnS3::new(store, access.clone(), settings.region.clone()));
     b.set_auth(Keys { iam });
+    b.set_access(access::Checker(access));
     b.set_host(Hosts {
         domains: settings.domains.clone(),
     });

@@ -10,6 +10,11 @@ use tarn_store::{
     VersionListParams, Versioning,
 };
 
+use crate::access::Ownership;
+use crate::access::{
+    object_allowed, Access, BucketAccess, Caller, DeniedDeletes, ObjectCheck, SourceCheck,
+};
+use crate::acl::{Acl, ACL_HEADER};
 use crate::body::{checked_body, content_md5, object_body, ChecksumSpec, CHECKSUM_ALGORITHMS};
 use crate::error::s3_error;
 use crate::util::*;
@@ -18,6 +23,7 @@ use tarn_store::checksum::ChecksumType as ChecksumKind;
 /// The S3 front of one node.
 pub struct TarnS3 {
     pub(crate) store: Arc<Store>,
+    pub(crate) access: Arc<Access>,
     pub(crate) region: String,
 }
 
@@ -25,14 +31,18 @@ impl TarnS3 {
     /// Opens a copy source with its x-amz-copy-source-if-* conditions checked on
     /// the same metadata read that serves the bytes. For copies every failed
     /// condition is 412, never 304.
+    /// The source must be readable by the caller: a pending object-ACL
+    /// check (`SourceCheck`) is decided on the version read.
     async fn open_copy_source(
         &self,
+        ext: &http::Extensions,
         source: &CopySource,
         conditions: ReadConditions,
         range: Option<ByteRange>,
     ) -> S3Result<tarn_store::GetResult> {
         let (bucket, key, version) = copy_source(source)?;
-        self.store
+        let got = self
+            .store
             .get_object_if(&bucket, &key, version.as_deref(), range, None, &conditions)
             .await
             .map_err(|e| match e {
@@ -40,14 +50,52 @@ impl TarnS3 {
                     S3Error::new(S3ErrorCode::PreconditionFailed)
                 }
                 e => s3_error(e),
-            })
+            })?;
+        object_allowed(
+            ext.get::<SourceCheck>().map(|c| &c.0),
+            self.access.bucket(&bucket).as_deref(),
+            &got.info,
+        )?;
+        Ok(got)
     }
 
-    pub fn new(store: Arc<Store>, region: impl Into<String>) -> Self {
+    pub fn new(store: Arc<Store>, access: Arc<Access>, region: impl Into<String>) -> Self {
         TarnS3 {
             store,
+            access,
             region: region.into(),
         }
+    }
+
+    /// The access settings of a request's bucket: those the check judged
+    /// it by, or (for root, which is not judged) the current ones.
+    pub(crate) fn bucket_access(
+        &self,
+        ext: &http::Extensions,
+        bucket: &str,
+    ) -> S3Result<Arc<BucketAccess>> {
+        if let Some(b) = ext.get::<Arc<BucketAccess>>() {
+            return Ok(b.clone());
+        }
+        self.access
+            .bucket(bucket)
+            .ok_or_else(|| s3_error(tarn_store::StoreError::NoSuchBucket(bucket.to_string())))
+    }
+
+    /// The stored ACL header of an object a request writes into `bucket`
+    /// (x-amz-acl, x-amz-grant-*, the bucket's object ownership).
+    fn object_acl_header(
+        &self,
+        ext: &http::Extensions,
+        headers: &http::HeaderMap,
+        bucket: &str,
+    ) -> S3Result<Option<(String, String)>> {
+        let b = self.bucket_access(ext, bucket)?;
+        let caller = ext.get::<Caller>().and_then(|c| c.name());
+        Ok(self
+            .access
+            .object_acl_for_write(&b, caller, headers)?
+            .map(|v| (ACL_HEADER.to_string(), v)))
     }
 }
 
@@ -399,21 +447,6 @@ fn refuse_unsupported(headers: &http::HeaderMap, writes: bool) -> S3Result<()> {
             "Server-side encryption (SSE-S3, SSE-KMS, SSE-C) is not supported; nothing was stored.",
         ));
     }
-    // Until ACLs are kept (the rest of issue 13), an ACL that would grant
-    // anything beyond the owner is refused rather than ignored; `private`
-    // and `bucket-owner-full-control` are what an object gets anyway.
-    let acl = headers.get("x-amz-acl").map(|v| v.as_bytes());
-    let grants = headers
-        .keys()
-        .any(|k| k.as_str().starts_with("x-amz-grant-"));
-    if writes
-        && (grants || acl.is_some_and(|a| a != b"private" && a != b"bucket-owner-full-control"))
-    {
-        return Err(S3Error::with_message(
-            S3ErrorCode::NotImplemented,
-            "ACLs other than private (x-amz-acl, x-amz-grant-*) are not supported yet; nothing was stored.",
-        ));
-    }
     let lock_bucket = headers
         .get("x-amz-bucket-object-lock-enabled")
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
@@ -446,11 +479,110 @@ fn copy_source(cs: &CopySource) -> S3Result<(String, String, Option<String>)> {
 
 #[async_trait::async_trait]
 impl S3 for TarnS3 {
+    async fn get_bucket_acl(
+        &self,
+        req: S3Request<GetBucketAclInput>,
+    ) -> S3Result<S3Response<GetBucketAclOutput>> {
+        self.op_get_bucket_acl(req).await
+    }
+
+    async fn put_bucket_acl(
+        &self,
+        req: S3Request<PutBucketAclInput>,
+    ) -> S3Result<S3Response<PutBucketAclOutput>> {
+        self.op_put_bucket_acl(req).await
+    }
+
+    async fn get_object_acl(
+        &self,
+        req: S3Request<GetObjectAclInput>,
+    ) -> S3Result<S3Response<GetObjectAclOutput>> {
+        self.op_get_object_acl(req).await
+    }
+
+    async fn put_object_acl(
+        &self,
+        req: S3Request<PutObjectAclInput>,
+    ) -> S3Result<S3Response<PutObjectAclOutput>> {
+        self.op_put_object_acl(req).await
+    }
+
+    async fn get_bucket_policy(
+        &self,
+        req: S3Request<GetBucketPolicyInput>,
+    ) -> S3Result<S3Response<GetBucketPolicyOutput>> {
+        self.op_get_bucket_policy(req).await
+    }
+
+    async fn put_bucket_policy(
+        &self,
+        req: S3Request<PutBucketPolicyInput>,
+    ) -> S3Result<S3Response<PutBucketPolicyOutput>> {
+        self.op_put_bucket_policy(req).await
+    }
+
+    async fn delete_bucket_policy(
+        &self,
+        req: S3Request<DeleteBucketPolicyInput>,
+    ) -> S3Result<S3Response<DeleteBucketPolicyOutput>> {
+        self.op_delete_bucket_policy(req).await
+    }
+
+    async fn get_bucket_policy_status(
+        &self,
+        req: S3Request<GetBucketPolicyStatusInput>,
+    ) -> S3Result<S3Response<GetBucketPolicyStatusOutput>> {
+        self.op_get_bucket_policy_status(req).await
+    }
+
+    async fn get_public_access_block(
+        &self,
+        req: S3Request<GetPublicAccessBlockInput>,
+    ) -> S3Result<S3Response<GetPublicAccessBlockOutput>> {
+        self.op_get_public_access_block(req).await
+    }
+
+    async fn put_public_access_block(
+        &self,
+        req: S3Request<PutPublicAccessBlockInput>,
+    ) -> S3Result<S3Response<PutPublicAccessBlockOutput>> {
+        self.op_put_public_access_block(req).await
+    }
+
+    async fn delete_public_access_block(
+        &self,
+        req: S3Request<DeletePublicAccessBlockInput>,
+    ) -> S3Result<S3Response<DeletePublicAccessBlockOutput>> {
+        self.op_delete_public_access_block(req).await
+    }
+
+    async fn get_bucket_ownership_controls(
+        &self,
+        req: S3Request<GetBucketOwnershipControlsInput>,
+    ) -> S3Result<S3Response<GetBucketOwnershipControlsOutput>> {
+        self.op_get_bucket_ownership_controls(req).await
+    }
+
+    async fn put_bucket_ownership_controls(
+        &self,
+        req: S3Request<PutBucketOwnershipControlsInput>,
+    ) -> S3Result<S3Response<PutBucketOwnershipControlsOutput>> {
+        self.op_put_bucket_ownership_controls(req).await
+    }
+
+    async fn delete_bucket_ownership_controls(
+        &self,
+        req: S3Request<DeleteBucketOwnershipControlsInput>,
+    ) -> S3Result<S3Response<DeleteBucketOwnershipControlsOutput>> {
+        self.op_delete_bucket_ownership_controls(req).await
+    }
+
     async fn list_buckets(
         &self,
         req: S3Request<ListBucketsInput>,
     ) -> S3Result<S3Response<ListBucketsOutput>> {
         let i = req.input;
+        let caller = req.extensions.get::<Caller>();
         let max = match i.max_buckets {
             None => usize::MAX,
             Some(n) if !(1..=10_000).contains(&n) => {
@@ -473,6 +605,7 @@ impl S3 for TarnS3 {
             .as_ref()
             .is_some_and(|r| r.as_str() != self.region);
         let mut all = self.store.list_buckets();
+        all.retain(|b| self.lists_bucket(caller, &b.name));
         all.sort_by(|a, b| a.name.cmp(&b.name));
         let mut page: Vec<Bucket> = Vec::new();
         let mut truncated = false;
@@ -547,23 +680,72 @@ impl S3 for TarnS3 {
                 }
             },
         };
+        let caller = req
+            .extensions
+            .get::<Caller>()
+            .and_then(|c| c.name())
+            .ok_or_else(|| S3Error::new(S3ErrorCode::AccessDenied))?
+            .to_string();
+        // New buckets are made as AWS makes them: ACLs disabled
+        // (BucketOwnerEnforced) unless x-amz-object-ownership says
+        // otherwise, and public access blocked.
+        let ownership = match req
+            .headers
+            .get("x-amz-object-ownership")
+            .map(|v| v.to_str().unwrap_or(""))
+        {
+            Some(o) => Ownership::parse(o)?,
+            None => Ownership::BucketOwnerEnforced,
+        };
+        let acl = match self.access.requested_acl(&req.headers, &caller, &caller)? {
+            Some((acl, _)) => acl,
+            None => Acl::private(&caller),
+        };
+        if ownership == Ownership::BucketOwnerEnforced && !acl.owner_only(&caller) {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidBucketAclWithObjectOwnership,
+                "Bucket cannot have ACLs set with ObjectOwnership's BucketOwnerEnforced setting",
+            ));
+        }
+        if acl.is_public() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::AccessDenied,
+                "A new bucket blocks public access: create it, delete its public access block, then put the ACL.",
+            ));
+        }
         match self
-            .store
-            .create_bucket(&req.input.bucket, durability)
+            .access
+            .create_bucket(&caller, &req.input.bucket, durability, ownership, acl)
             .await
         {
             Ok(()) => {}
-            // S3 in us-east-1 answers 200 to a CreateBucket of a bucket the
-            // caller already owns (and changes nothing); other regions 409.
-            // A durability the bucket does not have would not be honoured:
-            // 409 as well.
-            Err(tarn_store::StoreError::BucketExists(_))
-                if self.region == "us-east-1"
-                    && (!req.headers.contains_key("x-tarn-durability")
-                        || self
-                            .store
-                            .head_bucket(&req.input.bucket)
-                            .is_ok_and(|b| b.durability == durability)) => {}
+            Err(tarn_store::StoreError::BucketExists(_)) => {
+                let owned = self
+                    .access
+                    .bucket(&req.input.bucket)
+                    .is_some_and(|b| b.doc.owner == caller);
+                // S3 in us-east-1 answers 200 to a CreateBucket of a bucket
+                // the caller already owns (and changes nothing); other
+                // regions 409. A durability the bucket does not have would
+                // not be honoured: 409 as well. Another's bucket: 409
+                // BucketAlreadyExists.
+                if !owned {
+                    return Err(S3Error::with_message(
+                        S3ErrorCode::BucketAlreadyExists,
+                        "The requested bucket name is not available.",
+                    ));
+                }
+                let same = !req.headers.contains_key("x-tarn-durability")
+                    || self
+                        .store
+                        .head_bucket(&req.input.bucket)
+                        .is_ok_and(|b| b.durability == durability);
+                if self.region != "us-east-1" || !same {
+                    return Err(s3_error(tarn_store::StoreError::BucketExists(
+                        req.input.bucket.clone(),
+                    )));
+                }
+            }
             Err(e) => return Err(s3_error(e)),
         }
         Ok(S3Response::new(CreateBucketOutput {
@@ -588,7 +770,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteBucketInput>,
     ) -> S3Result<S3Response<DeleteBucketOutput>> {
-        self.store
+        self.access
             .delete_bucket(&req.input.bucket)
             .await
             .map_err(s3_error)?;
@@ -667,6 +849,7 @@ impl S3 for TarnS3 {
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
+        let acl = self.object_acl_header(&req.extensions, &headers, &i.bucket)?;
         let spec = ChecksumSpec::from_request(&headers, declared_checksums!(i))?;
         let md5 = content_md5(i.content_md5.as_ref())?;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
@@ -676,6 +859,7 @@ impl S3 for TarnS3 {
             i.metadata.clone(),
             tags,
         );
+        opts.headers.extend(acl);
         opts.content_md5 = md5;
         opts.if_none_match = condition_string(i.if_none_match.as_ref());
         opts.if_match = condition_string(i.if_match.as_ref());
@@ -740,6 +924,11 @@ impl S3 for TarnS3 {
             .await
             .map_err(s3_error)?;
         let info = got.info;
+        object_allowed(
+            req.extensions.get::<ObjectCheck>(),
+            req.extensions.get::<Arc<BucketAccess>>().map(|b| &**b),
+            &info,
+        )?;
         let (start, end) = got.range;
         let partial = range.is_some() || part_number.is_some();
         let content_range = partial
@@ -778,6 +967,11 @@ impl S3 for TarnS3 {
             .head_object(&i.bucket, &i.key, i.version_id.as_deref())
             .await
             .map_err(s3_error)?;
+        object_allowed(
+            req.extensions.get::<ObjectCheck>(),
+            req.extensions.get::<Arc<BucketAccess>>().map(|b| &**b),
+            &info,
+        )?;
         check_conditions(
             &info,
             i.if_match.as_ref(),
@@ -864,6 +1058,7 @@ impl S3 for TarnS3 {
         req: S3Request<DeleteObjectsInput>,
     ) -> S3Result<S3Response<DeleteObjectsOutput>> {
         let i = req.input;
+        let refused = req.extensions.get::<DeniedDeletes>();
         self.store.head_bucket(&i.bucket).map_err(s3_error)?;
         if i.delete.objects.len() > 1000 {
             return Err(S3Error::with_message(
@@ -892,6 +1087,15 @@ impl S3 for TarnS3 {
         let mut deleted = Vec::new();
         let mut errors = Vec::new();
         for o in i.delete.objects {
+            if refused.is_some_and(|r| r.0.contains(&(o.key.clone(), o.version_id.clone()))) {
+                errors.push(Error {
+                    code: Some("AccessDenied".into()),
+                    key: Some(o.key),
+                    message: Some("Access Denied".into()),
+                    version_id: o.version_id,
+                });
+                continue;
+            }
             match self
                 .store
                 .delete_object(&i.bucket, &o.key, o.version_id.as_deref())
@@ -935,6 +1139,7 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<CopyObjectOutput>> {
         refuse_unsupported(&req.headers, true)?;
         let i = req.input;
+        let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
         let (sb, sk, sv) = copy_source(&i.copy_source)?;
         let conditions = read_conditions(
             i.copy_source_if_match.as_ref(),
@@ -943,7 +1148,7 @@ impl S3 for TarnS3 {
             i.copy_source_if_unmodified_since.as_ref(),
         );
         let got = self
-            .open_copy_source(&i.copy_source, conditions, None)
+            .open_copy_source(&req.extensions, &i.copy_source, conditions, None)
             .await?;
         let src = got.info.clone();
         if src.size > COPY_SOURCE_MAX_BYTES {
@@ -981,12 +1186,19 @@ impl S3 for TarnS3 {
         } else {
             PutOptions {
                 content_type: Some(src.content_type.clone()),
-                headers: src.headers.clone(),
+                // The copy's ACL is the request's, never the source's.
+                headers: src
+                    .headers
+                    .iter()
+                    .filter(|(k, _)| k != ACL_HEADER)
+                    .cloned()
+                    .collect(),
                 user_metadata: src.user_metadata.clone(),
                 tags,
                 ..Default::default()
             }
         };
+        opts.headers.extend(acl);
         // The copy is checked end to end against the source: its MD5 ETag
         // (kept an MD5 ETag whatever the size, as clients verify copies by
         // it) and its checksum. A composite (multipart) checksum does not
@@ -1262,6 +1474,7 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
         refuse_unsupported(&req.headers, true)?;
         let i = req.input;
+        let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
         let mut opts = put_options(
             i.content_type.clone(),
@@ -1269,6 +1482,7 @@ impl S3 for TarnS3 {
             i.metadata.clone(),
             tags,
         );
+        opts.headers.extend(acl);
         let algo = i
             .checksum_algorithm
             .as_ref()
@@ -1396,6 +1610,7 @@ impl S3 for TarnS3 {
         );
         let got = self
             .open_copy_source(
+                &req.extensions,
                 &i.copy_source,
                 conditions,
                 range.map(|(a, b)| ByteRange::Closed(a, b)),

@@ -481,8 +481,9 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains: domains.clone(),
     };
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
-    let iam = load_users(&store, &access, &secret, io_uring)?;
-    let s3 = tarn_s3::build_service(store.clone(), iam.clone(), &settings);
+    let permissions = load_users(&store, &access, &secret, io_uring)?;
+    let iam = permissions.iam.clone();
+    let s3 = tarn_s3::build_service(store.clone(), permissions, &settings);
     println!(
         "Tarn {} — {} drive(s), erasure {k}+{m}, region {region}",
         env!("CARGO_PKG_VERSION"),
@@ -566,22 +567,24 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     result
 }
 
-/// The users, read from the drives before serving. When the drives that
-/// hold them lack a read quorum the server starts anyway (root's key works,
-/// others are answered 503) and a thread retries until they are read.
+/// The users and the buckets' permissions, read from the drives before
+/// serving. When the drives that hold them lack a read quorum the server
+/// starts anyway (root's key works, other requests are answered 503) and a
+/// thread retries until they are read.
 fn load_users(
     store: &Arc<Store>,
     access: &str,
     secret: &str,
     io_uring: bool,
-) -> anyhow::Result<Arc<tarn_s3::iam::Iam>> {
+) -> anyhow::Result<Arc<tarn_s3::access::Access>> {
     const RETRY: Duration = Duration::from_secs(5);
     let iam = tarn_s3::iam::Iam::new(store.clone(), access, secret);
+    let iam = tarn_s3::access::Access::new(store.clone(), iam);
     let rt = tarn_io::runtime::build_core_runtime(0, false, io_uring)?;
     match rt.block_on(iam.load()) {
         Ok(()) => {}
         Err(tarn_s3::iam::IamError::Corrupt { what, reason }) => {
-            bail!("reading users: {what}: {reason}")
+            bail!("reading users and permissions: {what}: {reason}")
         }
         Err(e) => {
             tracing::warn!(error = %e, "users not loaded yet; retrying every 5 s");

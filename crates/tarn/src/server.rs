@@ -130,6 +130,8 @@ struct Front {
     region: Arc<str>,
     body_idle: Duration,
     request_ids: Arc<RequestIds>,
+    /// The connection's client (for the `aws:SourceIp` policy condition).
+    peer: Option<std::net::IpAddr>,
 }
 
 /// Request ids: unique in this process (a random start, then a bijection of
@@ -181,6 +183,27 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
     out.extend_from_slice(&body[..end]);
     out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());
     out.extend_from_slice(&body[end..]);
+    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
+        r.headers_mut().insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(out.len()),
+        );
+    }
+    *r.body_mut() = s3s::Body::from(out);
+}
+
+/// An ACL body that is not valid XML is `MalformedACLError` in S3, not the
+/// generic `MalformedXML` the XML layer answers.
+fn malformed_acl(r: &mut Resp) {
+    if r.status() != http::StatusCode::BAD_REQUEST {
+        return;
+    }
+    let Some(body) = r.body().bytes() else { return };
+    let from: &[u8] = b"<Code>MalformedXML</Code>";
+    let Some(at) = find(&body, from) else { return };
+    let mut out = body[..at].to_vec();
+    out.extend_from_slice(b"<Code>MalformedACLError</Code>");
+    out.extend_from_slice(&body[at + from.len()..]);
     if r.headers().contains_key(http::header::CONTENT_LENGTH) {
         r.headers_mut().insert(
             http::header::CONTENT_LENGTH,
@@ -358,7 +381,10 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
     type Error = s3s::HttpError;
     type Future = Pin<Box<dyn Future<Output = Result<Resp, s3s::HttpError>> + Send>>;
 
-    fn call(&self, req: http::Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: http::Request<Incoming>) -> Self::Future {
+        if let Some(ip) = self.peer {
+            req.extensions_mut().insert(tarn_s3::access::ClientAddr(ip));
+        }
         let metrics = self.metrics.clone();
         let request_id = self.request_ids.next();
         let host = req
@@ -432,6 +458,9 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 if has_body && !body_done.load(Ordering::Relaxed) {
                     close_after(r);
                 }
+                if matches!(op, "PutBucketAcl" | "PutObjectAcl") {
+                    malformed_acl(r);
+                }
                 stamp_request_id(r, &request_id);
             }
             match &res {
@@ -485,6 +514,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
         region: Arc::from(settings.region.as_str()),
         body_idle: settings.body_idle_timeout,
         request_ids: Arc::new(RequestIds::new()),
+        peer: None,
     };
     let send_idle = settings.send_idle_timeout;
 
@@ -619,7 +649,7 @@ async fn serve_core(
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let (stream, _) = match accepted {
+                let (stream, peer) = match accepted {
                     Ok(s) => s,
                     Err(error) => {
                         tracing::warn!(%error, "accept failed");
@@ -631,7 +661,9 @@ async fn serve_core(
                 let _ = stream.set_nodelay(true);
                 let state = Arc::new(ConnState::default());
                 let io = ConnIo::new(stream, send_idle, state.clone());
-                let conn = http.serve_connection(TokioIo::new(io), front.clone());
+                let mut front = front.clone();
+                front.peer = Some(peer.ip());
+                let conn = http.serve_connection(TokioIo::new(io), front);
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
                     let mut conn = std::pin::pin!(conn);

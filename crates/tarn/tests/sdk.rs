@@ -17,6 +17,7 @@ const MIB: usize = 1 << 20;
 struct Server {
     child: Child,
     endpoint: String,
+    admin: String,
     _dir: tempfile::TempDir,
 }
 
@@ -42,33 +43,68 @@ impl Server {
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("start tarn");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let endpoint = loop {
+        let (mut endpoint, mut admin) = (None, None);
+        while endpoint.is_none() || admin.is_none() {
             let line = lines
                 .next()
-                .expect("tarn exited before printing its endpoint")
+                .expect("tarn exited before printing its endpoints")
                 .unwrap();
             if let Some(e) = line.strip_prefix("S3 endpoint: ") {
-                break e.trim().to_string();
+                endpoint = Some(e.trim().to_string());
             }
-        };
+            if let Some(e) = line.strip_prefix("Admin endpoint: ") {
+                admin = e.split_whitespace().next().map(str::to_string);
+            }
+        }
+        let (endpoint, admin) = (endpoint.unwrap(), admin.unwrap());
         // Keep draining stdout so the server never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
         Server {
             child,
             endpoint,
+            admin,
             _dir: dir,
         }
     }
 
     fn client(&self) -> Client {
+        self.client_as("tarnadmin", "tarnadmin-secret")
+    }
+
+    /// A new user made with `tarn admin user add NAME --json`: its client.
+    fn user(&self, name: &str) -> Client {
+        let out = Command::new(env!("CARGO_BIN_EXE_tarn"))
+            .args([
+                "admin",
+                "--endpoint",
+                &self.admin,
+                "--token",
+                "tarnadmin-secret",
+            ])
+            .args(["user", "add", name, "--json"])
+            .output()
+            .expect("run tarn admin");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let key: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        self.client_as(
+            key["access_key"].as_str().unwrap(),
+            key["secret_key"].as_str().unwrap(),
+        )
+    }
+
+    fn client_as(&self, access_key: &str, secret_key: &str) -> Client {
         let http = aws_smithy_http_client::Builder::new().build_http();
         let conf = aws_sdk_s3::Config::builder()
             .behavior_version(BehaviorVersion::latest())
             .endpoint_url(&self.endpoint)
             .region(Region::new("us-east-1"))
             .credentials_provider(Credentials::new(
-                "tarnadmin",
-                "tarnadmin-secret",
+                access_key.to_string(),
+                secret_key.to_string(),
                 None,
                 None,
                 "test",
@@ -384,4 +420,88 @@ async fn aws_sdk_s3_end_to_end() {
         .await
         .unwrap();
     assert_eq!(versions.versions().len(), 2);
+}
+
+/// Two users under the Rust SDK: bob cannot read, list, write, delete or
+/// copy from alice's bucket until her bucket policy grants it, and can
+/// exactly what it grants then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_and_bucket_policies() {
+    let server = Server::start();
+    let (alice, bob) = (server.user("alice"), server.user("bob"));
+    alice
+        .create_bucket()
+        .bucket("alice-b")
+        .send()
+        .await
+        .unwrap();
+    bob.create_bucket().bucket("bob-b").send().await.unwrap();
+    alice
+        .put_object()
+        .bucket("alice-b")
+        .key("k")
+        .body(ByteStream::from_static(b"alice's"))
+        .send()
+        .await
+        .unwrap();
+    let denied = |e: String| assert!(e.contains("AccessDenied") || e.contains("403"), "{e}");
+    let try_all = |allowed_read: bool| {
+        let bob = bob.clone();
+        async move {
+            let get = bob.get_object().bucket("alice-b").key("k").send().await;
+            let list = bob.list_objects_v2().bucket("alice-b").send().await;
+            let copy = bob
+                .copy_object()
+                .bucket("bob-b")
+                .key("c")
+                .copy_source("alice-b/k")
+                .send()
+                .await;
+            assert_eq!(get.is_ok(), allowed_read);
+            assert_eq!(list.is_ok(), allowed_read);
+            assert_eq!(copy.is_ok(), allowed_read);
+            if !allowed_read {
+                denied(format!("{:?}", get.unwrap_err().into_service_error()));
+            }
+            let put = bob
+                .put_object()
+                .bucket("alice-b")
+                .key("x")
+                .body(ByteStream::from_static(b"bob's"))
+                .send()
+                .await;
+            denied(format!("{:?}", put.unwrap_err().into_service_error()));
+            let del = bob.delete_object().bucket("alice-b").key("k").send().await;
+            denied(format!("{:?}", del.unwrap_err().into_service_error()));
+        }
+    };
+    try_all(false).await;
+    let policy = r#"{"Version":"2012-10-17","Statement":[{"Effect":"Allow",
+        "Principal":{"AWS":"bob"},"Action":["s3:GetObject","s3:ListBucket"],
+        "Resource":["arn:aws:s3:::alice-b","arn:aws:s3:::alice-b/*"]}]}"#;
+    alice
+        .put_bucket_policy()
+        .bucket("alice-b")
+        .policy(policy)
+        .send()
+        .await
+        .unwrap();
+    try_all(true).await;
+    assert_eq!(body(&bob, "bob-b", "c").await, b"alice's");
+    let malformed = alice
+        .put_bucket_policy()
+        .bucket("alice-b")
+        .policy("{\"Statement\": 1}")
+        .send()
+        .await
+        .unwrap_err();
+    assert!(format!("{:?}", malformed.into_service_error()).contains("MalformedPolicy"));
+    alice
+        .delete_bucket_policy()
+        .bucket("alice-b")
+        .send()
+        .await
+        .unwrap();
+    try_all(false).await;
+    assert_eq!(body(&alice, "alice-b", "k").await, b"alice's");
 }

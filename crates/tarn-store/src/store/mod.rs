@@ -1421,6 +1421,15 @@ impl Store {
         })
     }
 
+    /// When a bucket was made (None: no such bucket); cheaper than head_bucket.
+    pub fn bucket_created_ns(&self, name: &str) -> Option<u64> {
+        self.buckets
+            .read()
+            .expect("buckets lock")
+            .get(name)
+            .map(|r| r.created_ns)
+    }
+
     /// The users' buckets (not the system bucket).
     pub fn list_buckets(&self) -> Vec<BucketInfo> {
         self.buckets
@@ -1834,6 +1843,37 @@ impl Store {
         version: Option<&str>,
         tags: Vec<(String, String)>,
     ) -> Result<Option<String>, StoreError> {
+        self.update_version(bucket, key, version, |v| v.tags = tags)
+            .await
+    }
+
+    /// Sets (or with None removes) one stored header of a version; never
+    /// touches its data.
+    pub async fn set_object_header(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        name: &str,
+        value: Option<String>,
+    ) -> Result<Option<String>, StoreError> {
+        self.update_version(bucket, key, version, |v| {
+            v.headers.retain(|(k, _)| k != name);
+            if let Some(value) = value {
+                v.headers.push((name.to_string(), value));
+            }
+        })
+        .await
+    }
+
+    /// Changes the metadata of one version (not a delete marker) in place.
+    async fn update_version(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        change: impl FnOnce(&mut VersionMeta),
+    ) -> Result<Option<String>, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
         let set = self.set_for(bucket, key);
@@ -1849,7 +1889,7 @@ impl Store {
             .iter_mut()
             .find(|v| (v.version_id, v.mod_time_ns) == id)
             .expect("selected version");
-        target.tags = tags;
+        change(target);
         let vid = version_to_string(&target.version_id);
         self.write_object_everywhere(
             set,

@@ -1,0 +1,879 @@
+//! Who may do what: bucket ownership, bucket policies, ACLs, the public
+//! access block and object ownership controls, checked for every S3 request
+//! before it reaches the engine (`S3Access::check`, with per-key checks for
+//! DeleteObjects and the copy source of copies).
+//!
+//! The model, in the order a request is judged:
+//! 1. `root` (the bootstrap credentials) is the administrator and may do
+//!    everything.
+//! 2. An explicit Deny in the bucket policy refuses the request (the bucket
+//!    owner may still read, replace and delete the policy itself).
+//! 3. An Allow in the bucket policy grants it; with RestrictPublicBuckets,
+//!    an Allow that reaches everyone counts for nothing.
+//! 4. The bucket owner may do everything on the bucket.
+//! 5. Unless ACLs are disabled (object ownership BucketOwnerEnforced, the
+//!    default), the bucket ACL and the object's ACL grant what they name;
+//!    with IgnorePublicAcls grants to everyone count for nothing.
+//! 6. Anything else is AccessDenied.
+//!
+//! Each bucket's settings are one JSON document in the system bucket
+//! (`access/buckets/<name>.json`), cached here with the policy parsed, so a
+//! check costs a few hash lookups. A bucket without a document (made before
+//! permissions existed) is root's, with the defaults of a new bucket.
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use s3s::access::{S3Access, S3AccessContext};
+use s3s::dto::{CopySource, DeleteObjectsInput};
+use s3s::path::S3Path;
+use s3s::{S3Error, S3ErrorCode, S3Request, S3Result};
+use serde::{Deserialize, Serialize};
+use tarn_store::{Durability, ObjectInfo, Store, StoreError};
+
+use crate::acl::{Acl, Grant, Permission, ACL_HEADER};
+use crate::error::s3_error;
+use crate::iam::{Iam, ROOT_USER};
+use crate::policy::{Policy, RequestContext, Verdict};
+use crate::sysdoc;
+
+const BUCKETS_PREFIX: &str = "access/buckets/";
+const DOC_FORMAT: u32 = 1;
+
+/// The client's address, put into each request's extensions by the server
+/// (the `aws:SourceIp` condition key).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub IpAddr);
+
+/// Who sent a request, recorded for the operations (None: anonymous).
+#[derive(Debug, Clone)]
+pub struct Caller(pub Option<String>);
+
+impl Caller {
+    pub fn name(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+}
+
+/// A request allowed only if the object's own ACL grants it; the
+/// operation checks it against the object it reads (`object_allowed`).
+#[derive(Debug, Clone)]
+pub struct ObjectCheck {
+    user: Option<String>,
+    permission: Permission,
+    bucket_owner: String,
+    ignore_public: bool,
+}
+
+/// The same, for the source object of a copy.
+#[derive(Debug, Clone)]
+pub struct SourceCheck(pub ObjectCheck);
+
+/// The (key, version) pairs of a DeleteObjects the caller may not delete.
+#[derive(Debug, Clone, Default)]
+pub struct DeniedDeletes(pub HashSet<(String, Option<String>)>);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Ownership {
+    /// ACLs are disabled; the bucket owner owns every object.
+    BucketOwnerEnforced,
+    /// Objects written with `bucket-owner-full-control` become the bucket
+    /// owner's; others the writer's.
+    BucketOwnerPreferred,
+    /// The writer owns each object.
+    ObjectWriter,
+}
+
+impl Ownership {
+    pub fn parse(s: &str) -> S3Result<Self> {
+        match s {
+            "BucketOwnerEnforced" => Ok(Ownership::BucketOwnerEnforced),
+            "BucketOwnerPreferred" => Ok(Ownership::BucketOwnerPreferred),
+            "ObjectWriter" => Ok(Ownership::ObjectWriter),
+            _ => Err(S3Error::with_message(
+                S3ErrorCode::InvalidArgument,
+                format!("Invalid object ownership {s:?}: BucketOwnerEnforced, BucketOwnerPreferred or ObjectWriter"),
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ownership::BucketOwnerEnforced => "BucketOwnerEnforced",
+            Ownership::BucketOwnerPreferred => "BucketOwnerPreferred",
+            Ownership::ObjectWriter => "ObjectWriter",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PublicAccessBlock {
+    pub block_public_acls: bool,
+    pub ignore_public_acls: bool,
+    pub block_public_policy: bool,
+    pub restrict_public_buckets: bool,
+}
+
+impl PublicAccessBlock {
+    pub const ALL: PublicAccessBlock = PublicAccessBlock {
+        block_public_acls: true,
+        ignore_public_acls: true,
+        block_public_policy: true,
+        restrict_public_buckets: true,
+    };
+}
+
+/// A bucket's access settings as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BucketDoc {
+    format: u32,
+    bucket: String,
+    /// The bucket this document belongs to: a document left from a deleted
+    /// bucket of the same name never applies to a new one.
+    created_ns: u64,
+    pub owner: String,
+    /// None: the controls were deleted (objects are their writers').
+    pub ownership: Option<Ownership>,
+    pub grants: Vec<Grant>,
+    pub policy: Option<String>,
+    pub public_access_block: Option<PublicAccessBlock>,
+}
+
+/// A bucket's settings as checked: the document with its policy parsed.
+#[derive(Debug)]
+pub struct BucketAccess {
+    pub doc: BucketDoc,
+    pub acl: Acl,
+    pub policy: Option<Policy>,
+}
+
+impl BucketAccess {
+    fn new(doc: BucketDoc, policy: Option<Policy>) -> Self {
+        let acl = Acl {
+            owner: doc.owner.clone(),
+            grants: doc.grants.clone(),
+        };
+        BucketAccess { doc, acl, policy }
+    }
+
+    /// ACLs are disabled.
+    pub fn enforced(&self) -> bool {
+        self.doc.ownership == Some(Ownership::BucketOwnerEnforced)
+    }
+
+    pub fn pab(&self) -> PublicAccessBlock {
+        self.doc.public_access_block.unwrap_or_default()
+    }
+
+    /// The ACL of an object of this bucket.
+    pub fn object_acl(&self, info: &ObjectInfo) -> Acl {
+        if !self.enforced() {
+            if let Some(acl) = info
+                .headers
+                .iter()
+                .find(|(k, _)| k == ACL_HEADER)
+                .and_then(|(_, v)| Acl::decode(v))
+            {
+                return acl;
+            }
+        }
+        Acl::private(&self.doc.owner)
+    }
+}
+
+/// The document of a new bucket: ACLs disabled and public access blocked,
+/// as AWS makes new buckets.
+fn new_doc(
+    bucket: &str,
+    created_ns: u64,
+    owner: &str,
+    ownership: Ownership,
+    acl: Acl,
+) -> BucketDoc {
+    BucketDoc {
+        format: DOC_FORMAT,
+        bucket: bucket.to_string(),
+        created_ns,
+        owner: owner.to_string(),
+        ownership: Some(ownership),
+        grants: acl.grants,
+        policy: None,
+        public_access_block: Some(PublicAccessBlock::ALL),
+    }
+}
+
+fn doc_key(bucket: &str) -> String {
+    format!("{BUCKETS_PREFIX}{bucket}.json")
+}
+
+fn denied() -> S3Error {
+    S3Error::with_message(S3ErrorCode::AccessDenied, "Access Denied")
+}
+
+/// The policy action of an operation on a bucket or object, and whether it
+/// names an object. `versioned`: the request names a version.
+fn action_of(op: &str, versioned: bool) -> Option<&'static str> {
+    let v = |plain, version| Some(if versioned { version } else { plain });
+    match op {
+        "ListObjects" | "ListObjectsV2" | "HeadBucket" => Some("s3:ListBucket"),
+        "ListObjectVersions" => Some("s3:ListBucketVersions"),
+        "ListMultipartUploads" => Some("s3:ListBucketMultipartUploads"),
+        "GetBucketLocation" => Some("s3:GetBucketLocation"),
+        "GetBucketVersioning" => Some("s3:GetBucketVersioning"),
+        "PutBucketVersioning" => Some("s3:PutBucketVersioning"),
+        "DeleteBucket" => Some("s3:DeleteBucket"),
+        "GetBucketAcl" => Some("s3:GetBucketAcl"),
+        "PutBucketAcl" => Some("s3:PutBucketAcl"),
+        "GetBucketPolicy" => Some("s3:GetBucketPolicy"),
+        "PutBucketPolicy" => Some("s3:PutBucketPolicy"),
+        "DeleteBucketPolicy" => Some("s3:DeleteBucketPolicy"),
+        "GetBucketPolicyStatus" => Some("s3:GetBucketPolicyStatus"),
+        "GetPublicAccessBlock" => Some("s3:GetBucketPublicAccessBlock"),
+        "PutPublicAccessBlock" | "DeletePublicAccessBlock" => Some("s3:PutBucketPublicAccessBlock"),
+        "GetBucketOwnershipControls" => Some("s3:GetBucketOwnershipControls"),
+        "PutBucketOwnershipControls" | "DeleteBucketOwnershipControls" => {
+            Some("s3:PutBucketOwnershipControls")
+        }
+        "GetObject" | "HeadObject" => v("s3:GetObject", "s3:GetObjectVersion"),
+        "PutObject"
+        | "CreateMultipartUpload"
+        | "UploadPart"
+        | "CompleteMultipartUpload"
+        | "CopyObject"
+        | "UploadPartCopy" => Some("s3:PutObject"),
+        "DeleteObject" => v("s3:DeleteObject", "s3:DeleteObjectVersion"),
+        "AbortMultipartUpload" => Some("s3:AbortMultipartUpload"),
+        "ListParts" => Some("s3:ListMultipartUploadParts"),
+        "GetObjectTagging" => v("s3:GetObjectTagging", "s3:GetObjectVersionTagging"),
+        "PutObjectTagging" => v("s3:PutObjectTagging", "s3:PutObjectVersionTagging"),
+        "DeleteObjectTagging" => v("s3:DeleteObjectTagging", "s3:DeleteObjectVersionTagging"),
+        "GetObjectAcl" => v("s3:GetObjectAcl", "s3:GetObjectVersionAcl"),
+        "PutObjectAcl" => v("s3:PutObjectAcl", "s3:PutObjectVersionAcl"),
+        _ => None,
+    }
+}
+
+/// What a bucket ACL grant of a permission allows.
+fn bucket_acl_permission(action: &str) -> Option<Permission> {
+    match action {
+        "s3:ListBucket" | "s3:ListBucketVersions" | "s3:ListBucketMultipartUploads" => {
+            Some(Permission::Read)
+        }
+        "s3:PutObject"
+        | "s3:DeleteObject"
+        | "s3:DeleteObjectVersion"
+        | "s3:AbortMultipartUpload"
+        | "s3:ListMultipartUploadParts" => Some(Permission::Write),
+        "s3:GetBucketAcl" => Some(Permission::ReadAcp),
+        "s3:PutBucketAcl" => Some(Permission::WriteAcp),
+        _ => None,
+    }
+}
+
+/// What an object ACL grant of a permission allows.
+fn object_acl_permission(action: &str) -> Option<Permission> {
+    match action {
+        "s3:GetObject" | "s3:GetObjectVersion" => Some(Permission::Read),
+        "s3:GetObjectAcl" | "s3:GetObjectVersionAcl" => Some(Permission::ReadAcp),
+        "s3:PutObjectAcl" | "s3:PutObjectVersionAcl" => Some(Permission::WriteAcp),
+        _ => None,
+    }
+}
+
+/// A policy-management action the bucket owner can never lock itself out of.
+fn owner_always(action: &str) -> bool {
+    matches!(
+        action,
+        "s3:GetBucketPolicy" | "s3:PutBucketPolicy" | "s3:DeleteBucketPolicy"
+    )
+}
+
+/// The outcome of judging one action on one resource.
+#[derive(Debug)]
+enum Decision {
+    Allow,
+    Deny,
+    /// Allowed only if the object's ACL grants this.
+    ObjectAcl(ObjectCheck),
+}
+
+/// The values of a request's condition keys.
+struct Ctx<'a> {
+    user: Option<&'a str>,
+    headers: &'a http::HeaderMap,
+    query: Option<&'a str>,
+    peer: Option<IpAddr>,
+}
+
+impl Ctx<'_> {
+    fn query_param(&self, name: &str) -> Option<String> {
+        self.query?.split('&').find_map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (urlencoding::decode(k).ok()? == name)
+                .then(|| urlencoding::decode(v).ok().map(|v| v.into_owned()))
+                .flatten()
+        })
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+
+    fn presigned(&self) -> bool {
+        self.query_param("X-Amz-Signature").is_some() || self.query_param("Signature").is_some()
+    }
+}
+
+impl RequestContext for Ctx<'_> {
+    fn principal(&self) -> Option<&str> {
+        self.user
+    }
+
+    fn value(&self, key: &str) -> Option<String> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        match key {
+            "aws:sourceip" => self.peer.map(|p| p.to_string()),
+            "aws:securetransport" => Some("false".into()),
+            "aws:currenttime" => time::OffsetDateTime::from_unix_timestamp(now as i64)
+                .ok()
+                .and_then(|t| {
+                    t.format(&time::format_description::well_known::Rfc3339)
+                        .ok()
+                }),
+            "aws:epochtime" => Some(now.to_string()),
+            "aws:useragent" => self.header("user-agent"),
+            "aws:referer" => self.header("referer"),
+            "aws:username" | "aws:userid" => self.user.map(str::to_string),
+            "aws:principaltype" => Some(
+                if self.user.is_some() {
+                    "User"
+                } else {
+                    "Anonymous"
+                }
+                .into(),
+            ),
+            "s3:prefix" => self.query_param("prefix"),
+            "s3:delimiter" => self.query_param("delimiter"),
+            "s3:max-keys" => self.query_param("max-keys"),
+            "s3:versionid" => self.query_param("versionId"),
+            "s3:authtype" => self.user.map(|_| {
+                if self.presigned() {
+                    "REST-QUERY-STRING"
+                } else {
+                    "REST-HEADER"
+                }
+                .to_string()
+            }),
+            "s3:signatureversion" => self.user.map(|_| {
+                let v2 = self.query_param("Signature").is_some()
+                    || self
+                        .header("authorization")
+                        .is_some_and(|a| a.starts_with("AWS "));
+                if v2 { "AWS" } else { "AWS4-HMAC-SHA256" }.to_string()
+            }),
+            k => k.strip_prefix("s3:").and_then(|h| self.header(h)),
+        }
+    }
+}
+
+/// Permission checks and the buckets' access settings.
+pub struct Access {
+    store: Arc<Store>,
+    pub iam: Arc<Iam>,
+    buckets: RwLock<HashMap<String, Arc<BucketAccess>>>,
+    loaded: AtomicBool,
+    /// One change of bucket settings (or bucket creation) at a time.
+    changes: tokio::sync::Mutex<()>,
+}
+
+impl Access {
+    pub fn new(store: Arc<Store>, iam: Arc<Iam>) -> Arc<Self> {
+        Arc::new(Access {
+            store,
+            iam,
+            buckets: RwLock::new(HashMap::new()),
+            loaded: AtomicBool::new(false),
+            changes: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    pub fn is_loaded(&self) -> bool {
+        self.loaded.load(Ordering::Acquire) && self.iam.is_loaded()
+    }
+
+    /// Reads every bucket's settings (after the users: policies name them).
+    pub async fn load(&self) -> Result<(), crate::iam::IamError> {
+        self.iam.load().await?;
+        let _g = self.changes.lock().await;
+        if self.loaded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut map = HashMap::new();
+        for key in sysdoc::list(&self.store, BUCKETS_PREFIX).await? {
+            let bytes = sysdoc::read(&self.store, &key).await?;
+            let corrupt = |reason: String| crate::iam::IamError::Corrupt {
+                what: key.clone(),
+                reason,
+            };
+            let doc: BucketDoc =
+                serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+            if doc.format != DOC_FORMAT || doc_key(&doc.bucket) != key {
+                return Err(corrupt(format!(
+                    "format {} for {:?}",
+                    doc.format, doc.bucket
+                )));
+            }
+            // A stored policy was valid when put; users it names may have
+            // been removed since, which only makes it name nobody.
+            let policy = match &doc.policy {
+                Some(text) => Some(
+                    Policy::parse(text, &doc.bucket, &|_| true)
+                        .map_err(|e| corrupt(format!("its policy: {e}")))?,
+                ),
+                None => None,
+            };
+            map.insert(doc.bucket.clone(), Arc::new(BucketAccess::new(doc, policy)));
+        }
+        *self.buckets.write().expect("access table") = map;
+        self.loaded.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// The settings of an existing bucket; None when there is no such bucket.
+    pub fn bucket(&self, name: &str) -> Option<Arc<BucketAccess>> {
+        let created_ns = self.store.bucket_created_ns(name)?;
+        if let Some(b) = self.buckets.read().expect("access table").get(name) {
+            if b.doc.created_ns == created_ns {
+                return Some(b.clone());
+            }
+        }
+        let doc = new_doc(
+            name,
+            created_ns,
+            ROOT_USER,
+            Ownership::BucketOwnerEnforced,
+            Acl::private(ROOT_USER),
+        );
+        Some(Arc::new(BucketAccess::new(doc, None)))
+    }
+
+    fn user_exists(&self) -> impl Fn(&str) -> bool + '_ {
+        |u| self.iam.user_exists(u)
+    }
+
+    /// Creates a bucket owned by `owner`. Its settings are written right
+    /// after it; if that fails, the (empty) bucket is removed again.
+    pub async fn create_bucket(
+        &self,
+        owner: &str,
+        name: &str,
+        durability: Durability,
+        ownership: Ownership,
+        acl: Acl,
+    ) -> Result<(), StoreError> {
+        let _g = self.changes.lock().await;
+        self.store.create_bucket(name, durability).await?;
+        let created_ns = self.store.head_bucket(name)?.created_ns;
+        let doc = new_doc(name, created_ns, owner, ownership, acl);
+        if let Err(e) = sysdoc::write(&self.store, &doc_key(name), &doc).await {
+            let _ = self.store.delete_bucket(name).await;
+            return Err(e);
+        }
+        self.buckets
+            .write()
+            .expect("access table")
+            .insert(name.to_string(), Arc::new(BucketAccess::new(doc, None)));
+        Ok(())
+    }
+
+    /// Deletes an empty bucket and its settings.
+    pub async fn delete_bucket(&self, name: &str) -> Result<(), StoreError> {
+        let _g = self.changes.lock().await;
+        self.store.delete_bucket(name).await?;
+        self.buckets.write().expect("access table").remove(name);
+        // A document left behind (a failed delete) never applies to a new
+        // bucket of the same name: it names the old bucket's creation time.
+        if let Err(e) = sysdoc::delete(&self.store, &doc_key(name)).await {
+            tracing::warn!(bucket = name, error = %e, "the deleted bucket's settings stay behind");
+        }
+        Ok(())
+    }
+
+    /// Changes a bucket's settings: `change` edits the document (and may
+    /// refuse); the new document is written, then takes effect.
+    pub async fn update(
+        &self,
+        name: &str,
+        change: impl FnOnce(&mut BucketDoc) -> S3Result<()>,
+    ) -> S3Result<()> {
+        let _g = self.changes.lock().await;
+        let b = self
+            .bucket(name)
+            .ok_or_else(|| s3_error(StoreError::NoSuchBucket(name.to_string())))?;
+        let mut doc = b.doc.clone();
+        change(&mut doc)?;
+        let policy = match &doc.policy {
+            Some(text) => {
+                Some(Policy::parse(text, name, &self.user_exists()).map_err(|e| {
+                    S3Error::with_message(S3ErrorCode::MalformedPolicy, e.to_string())
+                })?)
+            }
+            None => None,
+        };
+        sysdoc::write(&self.store, &doc_key(name), &doc)
+            .await
+            .map_err(s3_error)?;
+        self.buckets
+            .write()
+            .expect("access table")
+            .insert(name.to_string(), Arc::new(BucketAccess::new(doc, policy)));
+        Ok(())
+    }
+
+    /// Parses a policy for `bucket` as PutBucketPolicy must.
+    pub fn parse_policy(&self, bucket: &str, text: &str) -> S3Result<Policy> {
+        Policy::parse(text, bucket, &self.user_exists())
+            .map_err(|e| S3Error::with_message(S3ErrorCode::MalformedPolicy, e.to_string()))
+    }
+
+    /// The ACL a write asks for (`x-amz-acl` or `x-amz-grant-*`), if any.
+    pub fn requested_acl(
+        &self,
+        headers: &http::HeaderMap,
+        owner: &str,
+        bucket_owner: &str,
+    ) -> S3Result<Option<(Acl, Option<String>)>> {
+        let canned = headers
+            .get("x-amz-acl")
+            .map(|v| v.to_str().unwrap_or("").to_string());
+        let granted = Acl::from_grant_headers(owner, headers, &self.user_exists())?;
+        match (canned, granted) {
+            (Some(_), Some(_)) => Err(S3Error::with_message(
+                S3ErrorCode::InvalidRequest,
+                "Specifying both Canned ACLs and Header Grants is not allowed",
+            )),
+            (Some(c), None) => Ok(Some((Acl::canned(&c, owner, bucket_owner)?, Some(c)))),
+            (None, Some(a)) => Ok(Some((a, None))),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The stored ACL header of an object written by `writer` into
+    /// `bucket` with `headers` (None: the bucket owner's, private).
+    pub fn object_acl_for_write(
+        &self,
+        b: &BucketAccess,
+        writer: Option<&str>,
+        headers: &http::HeaderMap,
+    ) -> S3Result<Option<String>> {
+        let bucket_owner = b.doc.owner.as_str();
+        // Anonymous writers (a public-read-write bucket) leave their
+        // objects to the bucket owner.
+        let writer = writer.unwrap_or(bucket_owner);
+        let owner = match b.doc.ownership {
+            Some(Ownership::BucketOwnerEnforced) => bucket_owner,
+            Some(Ownership::BucketOwnerPreferred)
+                if headers
+                    .get("x-amz-acl")
+                    .is_some_and(|v| v.as_bytes() == b"bucket-owner-full-control") =>
+            {
+                bucket_owner
+            }
+            _ => writer,
+        };
+        let requested = self.requested_acl(headers, owner, bucket_owner)?;
+        let acl = match requested {
+            Some((acl, _)) => acl,
+            None => Acl::private(owner),
+        };
+        if b.enforced() {
+            return if acl.owner_only(bucket_owner) {
+                Ok(None)
+            } else {
+                Err(acl_not_supported())
+            };
+        }
+        if acl.is_public() && b.pab().block_public_acls {
+            return Err(denied());
+        }
+        if owner == bucket_owner && acl.owner_only(bucket_owner) {
+            return Ok(None);
+        }
+        Ok(Some(acl.encode()))
+    }
+
+    fn judge(&self, b: &BucketAccess, cx: &Ctx<'_>, action: &str, resource: &str) -> Decision {
+        let who = cx.user;
+        let owner = who == Some(b.doc.owner.as_str());
+        let verdict = b
+            .policy
+            .as_ref()
+            .map_or(Verdict::NotApplicable, |p| p.evaluate(cx, action, resource));
+        let pab = b.pab();
+        match verdict {
+            Verdict::Deny if !(owner && owner_always(action)) => return Decision::Deny,
+            Verdict::Allow { public } if !(public && pab.restrict_public_buckets && !owner) => {
+                return Decision::Allow
+            }
+            _ => {}
+        }
+        let object_permission = object_acl_permission(action);
+        if owner && (b.enforced() || object_permission.is_none()) {
+            return Decision::Allow;
+        }
+        if b.enforced() {
+            return Decision::Deny;
+        }
+        if let Some(p) = bucket_acl_permission(action) {
+            if b.acl.allows(who, p, pab.ignore_public_acls) {
+                return Decision::Allow;
+            }
+        }
+        match object_permission {
+            Some(permission) => Decision::ObjectAcl(ObjectCheck {
+                user: who.map(str::to_string),
+                permission,
+                bucket_owner: b.doc.owner.clone(),
+                ignore_public: pab.ignore_public_acls,
+            }),
+            None => Decision::Deny,
+        }
+    }
+
+    /// The caller's user name from the request's credentials.
+    fn caller(&self, access_key: Option<&str>) -> S3Result<Option<String>> {
+        let Some(key) = access_key else {
+            return Ok(None);
+        };
+        match self.iam.lookup(key) {
+            Ok(Some((user, _))) => Ok(Some(user)),
+            // The key was revoked after the signature was checked.
+            Ok(None) => Err(S3Error::with_message(
+                S3ErrorCode::InvalidAccessKeyId,
+                "The AWS Access Key Id you provided does not exist in our records.",
+            )),
+            Err(e) => Err(S3Error::with_message(
+                S3ErrorCode::ServiceUnavailable,
+                e.to_string(),
+            )),
+        }
+    }
+
+    fn source_check(&self, cx: &Ctx<'_>) -> S3Result<Option<ObjectCheck>> {
+        let Some(raw) = cx.header("x-amz-copy-source") else {
+            return Ok(None);
+        };
+        let source = CopySource::parse(&raw).map_err(|_| {
+            S3Error::with_message(S3ErrorCode::InvalidArgument, "Invalid x-amz-copy-source")
+        })?;
+        let CopySource::Bucket {
+            bucket,
+            key,
+            version_id,
+        } = source
+        else {
+            return Err(S3Error::with_message(
+                S3ErrorCode::NotImplemented,
+                "access point copy sources are not supported",
+            ));
+        };
+        let b = self
+            .bucket(&bucket)
+            .ok_or_else(|| s3_error(StoreError::NoSuchBucket(bucket.to_string())))?;
+        let action = if version_id.is_some() {
+            "s3:GetObjectVersion"
+        } else {
+            "s3:GetObject"
+        };
+        match self.judge(&b, cx, action, &format!("{bucket}/{key}")) {
+            Decision::Allow => Ok(None),
+            Decision::Deny => Err(denied()),
+            Decision::ObjectAcl(c) => Ok(Some(c)),
+        }
+    }
+}
+
+fn acl_not_supported() -> S3Error {
+    S3Error::with_message(
+        S3ErrorCode::AccessControlListNotSupported,
+        "The bucket does not allow ACLs (object ownership BucketOwnerEnforced).",
+    )
+}
+
+/// Checks a pending object-ACL decision against the object read.
+pub fn object_allowed(
+    check: Option<&ObjectCheck>,
+    b: Option<&BucketAccess>,
+    info: &ObjectInfo,
+) -> S3Result<()> {
+    let Some(c) = check else {
+        return Ok(());
+    };
+    let acl = match b {
+        Some(b) => b.object_acl(info),
+        None => Acl::private(&c.bucket_owner),
+    };
+    let who = c.user.as_deref();
+    if who == Some(acl.owner.as_str()) || acl.allows(who, c.permission, c.ignore_public) {
+        Ok(())
+    } else {
+        Err(denied())
+    }
+}
+
+/// An access checker bound to `Access` (the S3 service keeps it).
+pub struct Checker(pub Arc<Access>);
+
+#[async_trait::async_trait]
+impl S3Access for Checker {
+    async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
+        let a = &self.0;
+        let user = a.caller(cx.credentials().map(|c| c.access_key.as_str()))?;
+        let op = cx.s3_op().name().to_string();
+        let op = op.as_str();
+        if user.as_deref() == Some(ROOT_USER) {
+            cx.extensions_mut().insert(Caller(user));
+            return Ok(());
+        }
+        if !a.is_loaded() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::ServiceUnavailable,
+                "The permissions are not loaded yet.",
+            ));
+        }
+        let (bucket, key) = match cx.s3_path() {
+            S3Path::Root => (None, None),
+            S3Path::Bucket { bucket } => (Some(bucket.to_string()), None),
+            S3Path::Object { bucket, key } => (Some(bucket.to_string()), Some(key.to_string())),
+        };
+        let peer = cx.extensions_mut().get::<ClientAddr>().map(|c| c.0);
+        let ctx = Ctx {
+            user: user.as_deref(),
+            headers: cx.headers(),
+            query: cx.uri().query(),
+            peer,
+        };
+        let Some(bucket) = bucket else {
+            // ListBuckets: each user sees the buckets it owns.
+            if user.is_none() {
+                return Err(denied());
+            }
+            cx.extensions_mut().insert(Caller(user));
+            return Ok(());
+        };
+        if op == "CreateBucket" {
+            if user.is_none() {
+                return Err(denied());
+            }
+            cx.extensions_mut().insert(Caller(user));
+            return Ok(());
+        }
+        let Some(b) = a.bucket(&bucket) else {
+            // A signed caller hears that the bucket does not exist (tools
+            // create it then); an anonymous one learns nothing.
+            return Err(match user {
+                Some(_) => s3_error(StoreError::NoSuchBucket(bucket)),
+                None => denied(),
+            });
+        };
+        let source = if matches!(op, "CopyObject" | "UploadPartCopy") {
+            a.source_check(&ctx)?
+        } else {
+            None
+        };
+        let versioned = ctx.query_param("versionId").is_some();
+        let decision = if op == "DeleteObjects" {
+            // Judged key by key once the body is read (`delete_objects`).
+            Decision::Allow
+        } else {
+            match action_of(op, versioned) {
+                Some(action) => {
+                    let resource = match &key {
+                        Some(k) => format!("{bucket}/{k}"),
+                        None => bucket.clone(),
+                    };
+                    a.judge(&b, &ctx, action, &resource)
+                }
+                // An operation Tarn does not serve: the owner hears
+                // NotImplemented from it, others are refused here.
+                None if user.as_deref() == Some(b.doc.owner.as_str()) => Decision::Allow,
+                None => Decision::Deny,
+            }
+        };
+        let check = match decision {
+            Decision::Allow => None,
+            Decision::Deny => return Err(denied()),
+            Decision::ObjectAcl(c) => Some(c),
+        };
+        let ext = cx.extensions_mut();
+        ext.insert(Caller(user));
+        ext.insert(b);
+        if let Some(c) = check {
+            ext.insert(c);
+        }
+        if let Some(s) = source {
+            ext.insert(SourceCheck(s));
+        }
+        Ok(())
+    }
+
+    async fn delete_objects(&self, req: &mut S3Request<DeleteObjectsInput>) -> S3Result<()> {
+        let a = &self.0;
+        let user = req.extensions.get::<Caller>().and_then(|c| c.0.clone());
+        if user.as_deref() == Some(ROOT_USER) {
+            return Ok(());
+        }
+        let Some(b) = req.extensions.get::<Arc<BucketAccess>>().cloned() else {
+            return Err(denied());
+        };
+        let ctx = Ctx {
+            user: user.as_deref(),
+            headers: &req.headers,
+            query: req.uri.query(),
+            peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
+        };
+        let mut refused = DeniedDeletes::default();
+        for o in &req.input.delete.objects {
+            let action = if o.version_id.is_some() {
+                "s3:DeleteObjectVersion"
+            } else {
+                "s3:DeleteObject"
+            };
+            let resource = format!("{}/{}", req.input.bucket, o.key);
+            if !matches!(a.judge(&b, &ctx, action, &resource), Decision::Allow) {
+                refused.0.insert((o.key.clone(), o.version_id.clone()));
+            }
+        }
+        req.extensions.insert(refused);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_of_operations() {
+        assert_eq!(action_of("GetObject", false), Some("s3:GetObject"));
+        assert_eq!(action_of("HeadObject", true), Some("s3:GetObjectVersion"));
+        assert_eq!(action_of("UploadPartCopy", false), Some("s3:PutObject"));
+        assert_eq!(action_of("ListObjectsV2", false), Some("s3:ListBucket"));
+        assert_eq!(action_of("GetBucketLifecycleConfiguration", false), None);
+        assert_eq!(
+            bucket_acl_permission("s3:DeleteObject"),
+            Some(Permission::Write)
+        );
+        assert_eq!(
+            object_acl_permission("s3:GetObjectVersion"),
+            Some(Permission::Read)
+        );
+    }
+}
