@@ -2,6 +2,7 @@
 loopback ports, stopped by its PID. Shared by tests/ and e2e/ (which has no
 boto3: `client()` imports it when called)."""
 
+import json
 import os
 import re
 import signal
@@ -99,7 +100,9 @@ class Server:
                     bad.append(line.rstrip())
         return bad
 
-    def client(self, **config):
+    def client(self, key=None, **config):
+        """A boto3 client signing as root, or as the user whose `key`
+        (`add_user`'s answer) is given."""
         import boto3
         import botocore.config
 
@@ -107,8 +110,26 @@ class Server:
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
+            aws_access_key_id=key["access_key"] if key else ACCESS_KEY,
+            aws_secret_access_key=key["secret_key"] if key else SECRET_KEY,
             region_name="us-east-1",
             config=cfg,
         )
+
+
+def admin(server, *args, check=True):
+    """`tarn admin` against `server` with the root token."""
+    r = subprocess.run(
+        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if check:
+        assert r.returncode == 0, f"tarn admin {args}: {r.stderr}"
+    return r
+
+
+def add_user(server, name):
+    """A new user: {"user", "access_key", "secret_key"}."""
+    return json.loads(admin(server, "user", "add", name, "--json").stdout)

@@ -20,31 +20,13 @@ import botocore.exceptions
 import pytest
 import requests
 
-from tarnproc import BIN, SECRET_KEY
+from tarnproc import add_user, admin
 
 CFG = botocore.config.Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"})
 
 
-def add_user(server, name):
-    r = subprocess.run(
-        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, "user", "add", name, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
 def client(server, key):
-    return boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id=key["access_key"],
-        aws_secret_access_key=key["secret_key"],
-        region_name="us-east-1",
-        config=CFG,
-    )
+    return server.client(key, s3={"addressing_style": "path"})
 
 
 def anonymous(server):
@@ -108,6 +90,11 @@ def test_another_users_bucket_is_closed_until_a_policy_grants(server, s3, team):
     # Another's bucket name is taken, not "yours".
     fails(lambda: b.create_bucket(Bucket="aaa"), "BucketAlreadyExists")
     a.create_bucket(Bucket="aaa")  # the owner: 200 in us-east-1
+    # ... but not when it asks for settings the bucket does not have.
+    fails(lambda: a.create_bucket(Bucket="aaa", ObjectOwnership="ObjectWriter"), "BucketAlreadyOwnedByYou")
+    assert a.get_bucket_ownership_controls(Bucket="aaa")["OwnershipControls"]["Rules"] == [
+        {"ObjectOwnership": "BucketOwnerEnforced"}
+    ]
 
     # A policy lets bob read and list, and nothing else.
     policy = {
@@ -375,6 +362,10 @@ def test_malformed_policies_and_acls_change_nothing(server, team):
         ("alice", "FULL_CONTROL")
     ]
     fails(lambda: b.list_objects_v2(Bucket="acls"))
+    # A policy naming a user removed since does not block other changes.
+    admin(server, "user", "remove", "bob")
+    a.put_public_access_block(Bucket="aaa", PublicAccessBlockConfiguration={"BlockPublicAcls": True})
+    assert json.loads(a.get_bucket_policy(Bucket="aaa")["Policy"]) == good
 
 
 def aws(server, key, *args):

@@ -6,40 +6,15 @@ import json
 import os
 import subprocess
 
-import boto3
-import botocore.config
 import botocore.exceptions
 import pytest
 import requests
 
-from tarnproc import BIN, SECRET_KEY
-
-
-def admin(server, *args, check=True):
-    r = subprocess.run(
-        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if check:
-        assert r.returncode == 0, f"tarn admin {args}: {r.stderr}"
-    return r
-
-
-def add_user(server, name):
-    return json.loads(admin(server, "user", "add", name, "--json").stdout)
+from tarnproc import BIN, SECRET_KEY, add_user, admin
 
 
 def client(server, key):
-    return boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id=key["access_key"],
-        aws_secret_access_key=key["secret_key"],
-        region_name="us-east-1",
-        config=botocore.config.Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"}),
-    )
+    return server.client(key)
 
 
 def code(e):

@@ -335,19 +335,21 @@ impl RequestContext for Ctx<'_> {
     }
 
     fn value(&self, key: &str) -> Option<String> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let now = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        };
         match key {
             "aws:sourceip" => self.peer.map(|p| p.to_string()),
             "aws:securetransport" => Some("false".into()),
-            "aws:currenttime" => time::OffsetDateTime::from_unix_timestamp(now as i64)
+            "aws:currenttime" => time::OffsetDateTime::from_unix_timestamp(now() as i64)
                 .ok()
                 .and_then(|t| {
                     t.format(&time::format_description::well_known::Rfc3339)
                         .ok()
                 }),
-            "aws:epochtime" => Some(now.to_string()),
+            "aws:epochtime" => Some(now().to_string()),
             "aws:useragent" => self.header("user-agent"),
             "aws:referer" => self.header("referer"),
             "aws:username" | "aws:userid" => self.user.map(str::to_string),
@@ -519,12 +521,11 @@ impl Access {
             .ok_or_else(|| s3_error(StoreError::NoSuchBucket(name.to_string())))?;
         let mut doc = b.doc.clone();
         change(&mut doc)?;
+        // An unchanged policy stays as parsed (users it names may have been
+        // removed since it was put; that must not block other changes).
         let policy = match &doc.policy {
-            Some(text) => {
-                Some(Policy::parse(text, name, &self.user_exists()).map_err(|e| {
-                    S3Error::with_message(S3ErrorCode::MalformedPolicy, e.to_string())
-                })?)
-            }
+            Some(_) if doc.policy == b.doc.policy => b.policy.clone(),
+            Some(text) => Some(self.parse_policy(name, text)?),
             None => None,
         };
         sysdoc::write(&self.store, &doc_key(name), &doc)
@@ -549,7 +550,7 @@ impl Access {
         headers: &http::HeaderMap,
         owner: &str,
         bucket_owner: &str,
-    ) -> S3Result<Option<(Acl, Option<String>)>> {
+    ) -> S3Result<Option<Acl>> {
         let canned = headers
             .get("x-amz-acl")
             .map(|v| v.to_str().unwrap_or("").to_string());
@@ -559,8 +560,8 @@ impl Access {
                 S3ErrorCode::InvalidRequest,
                 "Specifying both Canned ACLs and Header Grants is not allowed",
             )),
-            (Some(c), None) => Ok(Some((Acl::canned(&c, owner, bucket_owner)?, Some(c)))),
-            (None, Some(a)) => Ok(Some((a, None))),
+            (Some(c), None) => Ok(Some(Acl::canned(&c, owner, bucket_owner)?)),
+            (None, Some(a)) => Ok(Some(a)),
             (None, None) => Ok(None),
         }
     }
@@ -588,11 +589,9 @@ impl Access {
             }
             _ => writer,
         };
-        let requested = self.requested_acl(headers, owner, bucket_owner)?;
-        let acl = match requested {
-            Some((acl, _)) => acl,
-            None => Acl::private(owner),
-        };
+        let acl = self
+            .requested_acl(headers, owner, bucket_owner)?
+            .unwrap_or_else(|| Acl::private(owner));
         if b.enforced() {
             return if acl.owner_only(bucket_owner) {
                 Ok(None)
@@ -652,8 +651,8 @@ impl Access {
         let Some(key) = access_key else {
             return Ok(None);
         };
-        match self.iam.lookup(key) {
-            Ok(Some((user, _))) => Ok(Some(user)),
+        match self.iam.user_of(key) {
+            Ok(Some(user)) => Ok(Some(user)),
             // The key was revoked after the signature was checked.
             Ok(None) => Err(S3Error::with_message(
                 S3ErrorCode::InvalidAccessKeyId,
@@ -700,7 +699,7 @@ impl Access {
     }
 }
 
-fn acl_not_supported() -> S3Error {
+pub(crate) fn acl_not_supported() -> S3Error {
     S3Error::with_message(
         S3ErrorCode::AccessControlListNotSupported,
         "The bucket does not allow ACLs (object ownership BucketOwnerEnforced).",

@@ -276,9 +276,7 @@ impl Acl {
     /// Whether the ACL gives nobody but `owner` anything (what an ACL may be
     /// where ACLs are disabled: `private` or `bucket-owner-full-control`).
     pub fn owner_only(&self, owner: &str) -> bool {
-        self.grants.iter().all(|g| {
-            g.grantee == Grantee::User(owner.to_string()) && g.permission == Permission::FullControl
-        })
+        owner_only(&self.grants, owner)
     }
 
     pub fn to_dto(&self) -> (dto::Owner, Vec<dto::Grant>) {
@@ -327,6 +325,14 @@ impl Acl {
     pub fn decode(s: &str) -> Option<Acl> {
         serde_json::from_str(s).ok()
     }
+}
+
+/// Whether `grants` give nobody but `owner` anything.
+pub fn owner_only(grants: &[Grant], owner: &str) -> bool {
+    grants.iter().all(|g| {
+        matches!(&g.grantee, Grantee::User(u) if u == owner)
+            && g.permission == Permission::FullControl
+    })
 }
 
 fn invalid_argument(msg: String) -> S3Error {

@@ -279,6 +279,24 @@ impl Iam {
             .cloned())
     }
 
+    /// The user an access key belongs to (no secret copied: the permission
+    /// check of every request asks this).
+    pub fn user_of(&self, access_key: &str) -> Result<Option<String>, IamError> {
+        if access_key == self.root_access_key {
+            return Ok(Some(ROOT_USER.to_string()));
+        }
+        if !self.is_loaded() {
+            return Err(IamError::NotLoaded);
+        }
+        Ok(self
+            .table
+            .read()
+            .expect("iam table")
+            .keys
+            .get(access_key)
+            .map(|(user, _)| user.clone()))
+    }
+
     /// Whether `name` is a user (root included).
     pub fn user_exists(&self, name: &str) -> bool {
         name == ROOT_USER

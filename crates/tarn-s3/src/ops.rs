@@ -689,18 +689,14 @@ impl S3 for TarnS3 {
         // New buckets are made as AWS makes them: ACLs disabled
         // (BucketOwnerEnforced) unless x-amz-object-ownership says
         // otherwise, and public access blocked.
-        let ownership = match req
+        let asked_ownership = req
             .headers
             .get("x-amz-object-ownership")
-            .map(|v| v.to_str().unwrap_or(""))
-        {
-            Some(o) => Ownership::parse(o)?,
-            None => Ownership::BucketOwnerEnforced,
-        };
-        let acl = match self.access.requested_acl(&req.headers, &caller, &caller)? {
-            Some((acl, _)) => acl,
-            None => Acl::private(&caller),
-        };
+            .map(|v| Ownership::parse(v.to_str().unwrap_or("")))
+            .transpose()?;
+        let ownership = asked_ownership.unwrap_or(Ownership::BucketOwnerEnforced);
+        let asked_acl = self.access.requested_acl(&req.headers, &caller, &caller)?;
+        let acl = asked_acl.clone().unwrap_or_else(|| Acl::private(&caller));
         if ownership == Ownership::BucketOwnerEnforced && !acl.owner_only(&caller) {
             return Err(S3Error::with_message(
                 S3ErrorCode::InvalidBucketAclWithObjectOwnership,
@@ -720,26 +716,28 @@ impl S3 for TarnS3 {
         {
             Ok(()) => {}
             Err(tarn_store::StoreError::BucketExists(_)) => {
-                let owned = self
-                    .access
-                    .bucket(&req.input.bucket)
-                    .is_some_and(|b| b.doc.owner == caller);
                 // S3 in us-east-1 answers 200 to a CreateBucket of a bucket
                 // the caller already owns (and changes nothing); other
-                // regions 409. A durability the bucket does not have would
-                // not be honoured: 409 as well. Another's bucket: 409
-                // BucketAlreadyExists.
-                if !owned {
-                    return Err(S3Error::with_message(
-                        S3ErrorCode::BucketAlreadyExists,
-                        "The requested bucket name is not available.",
-                    ));
-                }
-                let same = !req.headers.contains_key("x-tarn-durability")
+                // regions 409. A durability, object ownership or ACL the
+                // bucket does not have would not be honoured: 409 as well.
+                // Another's bucket: 409 BucketAlreadyExists.
+                let existing = self
+                    .access
+                    .bucket(&req.input.bucket)
+                    .filter(|b| b.doc.owner == caller)
+                    .ok_or_else(|| {
+                        S3Error::with_message(
+                            S3ErrorCode::BucketAlreadyExists,
+                            "The requested bucket name is not available.",
+                        )
+                    })?;
+                let same = (!req.headers.contains_key("x-tarn-durability")
                     || self
                         .store
                         .head_bucket(&req.input.bucket)
-                        .is_ok_and(|b| b.durability == durability);
+                        .is_ok_and(|b| b.durability == durability))
+                    && asked_ownership.is_none_or(|o| existing.doc.ownership == Some(o))
+                    && asked_acl.is_none_or(|a| existing.doc.grants == a.grants);
                 if self.region != "us-east-1" || !same {
                     return Err(s3_error(tarn_store::StoreError::BucketExists(
                         req.input.bucket.clone(),

@@ -8,19 +8,13 @@ use s3s::dto::*;
 use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result};
 
 use crate::access::{
-    object_allowed, BucketAccess, Caller, ObjectCheck, Ownership, PublicAccessBlock,
+    acl_not_supported, object_allowed, BucketAccess, Caller, ObjectCheck, Ownership,
+    PublicAccessBlock,
 };
 use crate::acl::{Acl, ACL_HEADER};
 use crate::error::s3_error;
 use crate::iam::ROOT_USER;
 use crate::ops::TarnS3;
-
-fn acl_not_supported() -> S3Error {
-    S3Error::with_message(
-        S3ErrorCode::AccessControlListNotSupported,
-        "The bucket does not allow ACLs (object ownership BucketOwnerEnforced).",
-    )
-}
 
 fn public_blocked(what: &str) -> S3Error {
     S3Error::with_message(
@@ -41,18 +35,18 @@ impl TarnS3 {
     fn acl_of_request(
         &self,
         headers: &http::HeaderMap,
-        canned: Option<&str>,
         body: Option<&AccessControlPolicy>,
         owner: &str,
         bucket_owner: &str,
     ) -> S3Result<Acl> {
         let exists = |u: &str| self.access.iam.user_exists(u);
-        let granted = Acl::from_grant_headers(owner, headers, &exists)?;
-        match (canned, granted, body) {
-            (Some(c), None, None) => Acl::canned(c, owner, bucket_owner),
-            (None, Some(a), None) => Ok(a),
-            (None, None, Some(p)) => Acl::from_policy(owner, p, &exists),
-            (None, None, None) => Err(S3Error::with_message(
+        match (
+            self.access.requested_acl(headers, owner, bucket_owner)?,
+            body,
+        ) {
+            (Some(acl), None) => Ok(acl),
+            (None, Some(p)) => Acl::from_policy(owner, p, &exists),
+            (None, None) => Err(S3Error::with_message(
                 S3ErrorCode::MissingSecurityHeader,
                 "An ACL is required: x-amz-acl, x-amz-grant-* or an AccessControlPolicy body.",
             )),
@@ -89,7 +83,6 @@ impl TarnS3 {
         let owner = b.doc.owner.clone();
         let acl = self.acl_of_request(
             &req.headers,
-            i.acl.as_ref().map(|a| a.as_str()),
             i.access_control_policy.as_ref(),
             &owner,
             &owner,
@@ -148,7 +141,6 @@ impl TarnS3 {
         let owner = b.object_acl(&info).owner;
         let acl = self.acl_of_request(
             &req.headers,
-            i.acl.as_ref().map(|a| a.as_str()),
             i.access_control_policy.as_ref(),
             &owner,
             &b.doc.owner,
@@ -326,12 +318,9 @@ impl TarnS3 {
         let ownership = Ownership::parse(rules[0].object_ownership.as_str())?;
         self.access
             .update(&req.input.bucket, |d| {
-                let owner_only = Acl {
-                    owner: d.owner.clone(),
-                    grants: d.grants.clone(),
-                }
-                .owner_only(&d.owner);
-                if ownership == Ownership::BucketOwnerEnforced && !owner_only {
+                if ownership == Ownership::BucketOwnerEnforced
+                    && !crate::acl::owner_only(&d.grants, &d.owner)
+                {
                     return Err(S3Error::with_message(
                         S3ErrorCode::InvalidBucketAclWithObjectOwnership,
                         "Bucket cannot have ACLs set with ObjectOwnership's BucketOwnerEnforced setting",

@@ -481,7 +481,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains: domains.clone(),
     };
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
-    let permissions = load_users(&store, &access, &secret, io_uring)?;
+    let permissions = load_permissions(&store, &access, &secret, io_uring)?;
     let iam = permissions.iam.clone();
     let s3 = tarn_s3::build_service(store.clone(), permissions, &settings);
     println!(
@@ -571,7 +571,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
 /// serving. When the drives that hold them lack a read quorum the server
 /// starts anyway (root's key works, other requests are answered 503) and a
 /// thread retries until they are read.
-fn load_users(
+fn load_permissions(
     store: &Arc<Store>,
     access: &str,
     secret: &str,
@@ -579,16 +579,16 @@ fn load_users(
 ) -> anyhow::Result<Arc<tarn_s3::access::Access>> {
     const RETRY: Duration = Duration::from_secs(5);
     let iam = tarn_s3::iam::Iam::new(store.clone(), access, secret);
-    let iam = tarn_s3::access::Access::new(store.clone(), iam);
+    let permissions = tarn_s3::access::Access::new(store.clone(), iam);
     let rt = tarn_io::runtime::build_core_runtime(0, false, io_uring)?;
-    match rt.block_on(iam.load()) {
+    match rt.block_on(permissions.load()) {
         Ok(()) => {}
         Err(tarn_s3::iam::IamError::Corrupt { what, reason }) => {
             bail!("reading users and permissions: {what}: {reason}")
         }
         Err(e) => {
             tracing::warn!(error = %e, "users not loaded yet; retrying every 5 s");
-            let iam = iam.clone();
+            let permissions = permissions.clone();
             std::thread::Builder::new()
                 .name("tarn-users".into())
                 .spawn(move || {
@@ -599,7 +599,7 @@ fn load_users(
                             return;
                         }
                     };
-                    while let Err(e) = rt.block_on(iam.load()) {
+                    while let Err(e) = rt.block_on(permissions.load()) {
                         tracing::warn!(error = %e, "users not loaded yet");
                         std::thread::sleep(RETRY);
                     }
@@ -607,7 +607,7 @@ fn load_users(
                 })?;
         }
     }
-    Ok(iam)
+    Ok(permissions)
 }
 
 /// A timeout in whole seconds from the file: at least 1.
