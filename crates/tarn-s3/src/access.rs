@@ -21,6 +21,7 @@
 //! check costs a few hash lookups. A bucket without a document (made before
 //! permissions existed) is root's, with the defaults of a new bucket.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,29 +48,48 @@ const DOC_FORMAT: u32 = 1;
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub IpAddr);
 
-/// Who sent a request, recorded for the operations (None: anonymous).
-#[derive(Debug, Clone)]
-pub struct Caller(pub Option<String>);
+/// What the permission check decided for one request: the one entry it
+/// puts into the request's extensions for the operation.
+#[derive(Debug, Clone, Default)]
+pub struct Permit {
+    /// The caller's user name (None: anonymous).
+    pub caller: Option<Arc<str>>,
+    /// The settings of the bucket the request was judged by (None for root,
+    /// which is not judged, and for requests without a bucket).
+    pub bucket: Option<Arc<BucketAccess>>,
+    /// Allowed only if the object's own ACL grants it.
+    pub object: Option<ObjectCheck>,
+    /// The same, for the source object of a copy.
+    pub source: Option<ObjectCheck>,
+}
 
-impl Caller {
-    pub fn name(&self) -> Option<&str> {
-        self.0.as_deref()
+impl Permit {
+    pub fn caller(&self) -> Option<&str> {
+        self.caller.as_deref()
     }
+
+    /// Whether the request may go on with the object it read (the pending
+    /// object-ACL check, if any).
+    pub fn allows_object(&self, info: &ObjectInfo) -> S3Result<()> {
+        object_allowed(self.object.as_ref(), self.bucket.as_deref(), info)
+    }
+}
+
+/// The permit of a request. Every S3 request has one (the service always
+/// authenticates, so `Checker` judges each); None only outside it.
+pub fn permit_of(ext: &http::Extensions) -> Option<&Permit> {
+    ext.get::<Permit>()
 }
 
 /// A request allowed only if the object's own ACL grants it; the
 /// operation checks it against the object it reads (`object_allowed`).
 #[derive(Debug, Clone)]
 pub struct ObjectCheck {
-    user: Option<String>,
+    user: Option<Arc<str>>,
     permission: Permission,
     bucket_owner: String,
     ignore_public: bool,
 }
-
-/// The same, for the source object of a copy.
-#[derive(Debug, Clone)]
-pub struct SourceCheck(pub ObjectCheck);
 
 /// The (key, version) pairs of a DeleteObjects the caller may not delete.
 #[derive(Debug, Clone, Default)]
@@ -332,6 +352,10 @@ impl Ctx<'_> {
 impl RequestContext for Ctx<'_> {
     fn principal(&self) -> Option<&str> {
         self.user
+    }
+
+    fn source_ip(&self) -> Option<IpAddr> {
+        self.peer
     }
 
     fn value(&self, key: &str) -> Option<String> {
@@ -608,13 +632,24 @@ impl Access {
         Ok(Some(acl.encode()))
     }
 
-    fn judge(&self, b: &BucketAccess, cx: &Ctx<'_>, action: &str, resource: &str) -> Decision {
+    /// Judges `action` on `bucket` or on its object `key`.
+    fn judge(
+        &self,
+        b: &BucketAccess,
+        cx: &Ctx<'_>,
+        action: &str,
+        bucket: &str,
+        key: Option<&str>,
+    ) -> Decision {
         let who = cx.user;
         let owner = who == Some(b.doc.owner.as_str());
-        let verdict = b
-            .policy
-            .as_ref()
-            .map_or(Verdict::NotApplicable, |p| p.evaluate(cx, action, resource));
+        let verdict = b.policy.as_ref().map_or(Verdict::NotApplicable, |p| {
+            let resource = match key {
+                Some(k) => Cow::Owned(format!("{bucket}/{k}")),
+                None => Cow::Borrowed(bucket),
+            };
+            p.evaluate(cx, action, &resource)
+        });
         let pab = b.pab();
         match verdict {
             Verdict::Deny if !(owner && owner_always(action)) => return Decision::Deny,
@@ -637,7 +672,7 @@ impl Access {
         }
         match object_permission {
             Some(permission) => Decision::ObjectAcl(ObjectCheck {
-                user: who.map(str::to_string),
+                user: who.map(Arc::from),
                 permission,
                 bucket_owner: b.doc.owner.clone(),
                 ignore_public: pab.ignore_public_acls,
@@ -647,7 +682,7 @@ impl Access {
     }
 
     /// The caller's user name from the request's credentials.
-    fn caller(&self, access_key: Option<&str>) -> S3Result<Option<String>> {
+    fn caller(&self, access_key: Option<&str>) -> S3Result<Option<Arc<str>>> {
         let Some(key) = access_key else {
             return Ok(None);
         };
@@ -691,7 +726,7 @@ impl Access {
         } else {
             "s3:GetObject"
         };
-        match self.judge(&b, cx, action, &format!("{bucket}/{key}")) {
+        match self.judge(&b, cx, action, &bucket, Some(&key)) {
             Decision::Allow => Ok(None),
             Decision::Deny => Err(denied()),
             Decision::ObjectAcl(c) => Ok(Some(c)),
@@ -727,113 +762,129 @@ pub fn object_allowed(
     }
 }
 
-/// An access checker bound to `Access` (the S3 service keeps it).
-pub struct Checker(pub Arc<Access>);
+/// What a permission check reads of a request.
+pub struct AccessRequest<'a> {
+    /// The access key the request was signed with (None: anonymous).
+    pub access_key: Option<&'a str>,
+    /// The S3 operation's name (`GetObject`, ...).
+    pub op: &'a str,
+    pub path: &'a S3Path,
+    pub headers: &'a http::HeaderMap,
+    pub query: Option<&'a str>,
+    pub peer: Option<IpAddr>,
+}
 
-#[async_trait::async_trait]
-impl S3Access for Checker {
-    async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
-        let a = &self.0;
-        let user = a.caller(cx.credentials().map(|c| c.access_key.as_str()))?;
-        let op = cx.s3_op().name().to_string();
-        let op = op.as_str();
+impl Access {
+    /// Judges one request: its permit, or the error to answer.
+    pub fn authorize(&self, r: &AccessRequest<'_>) -> S3Result<Permit> {
+        let user = self.caller(r.access_key)?;
+        let op = r.op;
         if user.as_deref() == Some(ROOT_USER) {
-            cx.extensions_mut().insert(Caller(user));
-            return Ok(());
+            return Ok(Permit {
+                caller: user,
+                ..Permit::default()
+            });
         }
-        if !a.is_loaded() {
+        if !self.is_loaded() {
             return Err(S3Error::with_message(
                 S3ErrorCode::ServiceUnavailable,
                 "The permissions are not loaded yet.",
             ));
         }
-        let (bucket, key) = match cx.s3_path() {
+        let (bucket, key) = match r.path {
             S3Path::Root => (None, None),
-            S3Path::Bucket { bucket } => (Some(bucket.to_string()), None),
-            S3Path::Object { bucket, key } => (Some(bucket.to_string()), Some(key.to_string())),
+            S3Path::Bucket { bucket } => (Some(&**bucket), None),
+            S3Path::Object { bucket, key } => (Some(&**bucket), Some(&**key)),
         };
-        let peer = cx.extensions_mut().get::<ClientAddr>().map(|c| c.0);
         let ctx = Ctx {
             user: user.as_deref(),
-            headers: cx.headers(),
-            query: cx.uri().query(),
-            peer,
+            headers: r.headers,
+            query: r.query,
+            peer: r.peer,
         };
-        let Some(bucket) = bucket else {
-            // ListBuckets: each user sees the buckets it owns.
+        // ListBuckets (each user sees the buckets it owns) and CreateBucket
+        // need a signed caller and nothing more.
+        let Some(bucket) = bucket.filter(|_| op != "CreateBucket") else {
             if user.is_none() {
                 return Err(denied());
             }
-            cx.extensions_mut().insert(Caller(user));
-            return Ok(());
+            return Ok(Permit {
+                caller: user,
+                ..Permit::default()
+            });
         };
-        if op == "CreateBucket" {
-            if user.is_none() {
-                return Err(denied());
-            }
-            cx.extensions_mut().insert(Caller(user));
-            return Ok(());
-        }
-        let Some(b) = a.bucket(&bucket) else {
+        let Some(b) = self.bucket(bucket) else {
             // A signed caller hears that the bucket does not exist (tools
             // create it then); an anonymous one learns nothing.
             return Err(match user {
-                Some(_) => s3_error(StoreError::NoSuchBucket(bucket)),
+                Some(_) => s3_error(StoreError::NoSuchBucket(bucket.to_string())),
                 None => denied(),
             });
         };
         let source = if matches!(op, "CopyObject" | "UploadPartCopy") {
-            a.source_check(&ctx)?
+            self.source_check(&ctx)?
         } else {
             None
         };
-        let versioned = ctx.query_param("versionId").is_some();
         let decision = if op == "DeleteObjects" {
             // Judged key by key once the body is read (`delete_objects`).
             Decision::Allow
         } else {
+            let versioned = r.query.is_some() && ctx.query_param("versionId").is_some();
             match action_of(op, versioned) {
-                Some(action) => {
-                    let resource = match &key {
-                        Some(k) => format!("{bucket}/{k}"),
-                        None => bucket.clone(),
-                    };
-                    a.judge(&b, &ctx, action, &resource)
-                }
+                Some(action) => self.judge(&b, &ctx, action, bucket, key),
                 // An operation Tarn does not serve: the owner hears
                 // NotImplemented from it, others are refused here.
                 None if user.as_deref() == Some(b.doc.owner.as_str()) => Decision::Allow,
                 None => Decision::Deny,
             }
         };
-        let check = match decision {
+        let object = match decision {
             Decision::Allow => None,
             Decision::Deny => return Err(denied()),
             Decision::ObjectAcl(c) => Some(c),
         };
-        let ext = cx.extensions_mut();
-        ext.insert(Caller(user));
-        ext.insert(b);
-        if let Some(c) = check {
-            ext.insert(c);
-        }
-        if let Some(s) = source {
-            ext.insert(SourceCheck(s));
-        }
+        Ok(Permit {
+            caller: user,
+            bucket: Some(b),
+            object,
+            source,
+        })
+    }
+}
+
+/// An access checker bound to `Access` (the S3 service keeps it).
+pub struct Checker(pub Arc<Access>);
+
+#[async_trait::async_trait]
+impl S3Access for Checker {
+    async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
+        let peer = cx.extensions_mut().get::<ClientAddr>().map(|c| c.0);
+        let permit = self.0.authorize(&AccessRequest {
+            access_key: cx.credentials().map(|c| c.access_key.as_str()),
+            op: cx.s3_op().name(),
+            path: cx.s3_path(),
+            headers: cx.headers(),
+            query: cx.uri().query(),
+            peer,
+        })?;
+        cx.extensions_mut().insert(permit);
         Ok(())
     }
 
     async fn delete_objects(&self, req: &mut S3Request<DeleteObjectsInput>) -> S3Result<()> {
         let a = &self.0;
-        let user = req.extensions.get::<Caller>().and_then(|c| c.0.clone());
-        if user.as_deref() == Some(ROOT_USER) {
+        let Some(permit) = permit_of(&req.extensions) else {
+            return Err(denied());
+        };
+        if permit.caller() == Some(ROOT_USER) {
             return Ok(());
         }
-        let Some(b) = req.extensions.get::<Arc<BucketAccess>>().cloned() else {
+        let Some(b) = permit.bucket.clone() else {
             return Err(denied());
         };
         let ctx = Ctx {
-            user: user.as_deref(),
+            user: permit.caller(),
             headers: &req.headers,
             query: req.uri.query(),
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
@@ -845,8 +896,8 @@ impl S3Access for Checker {
             } else {
                 "s3:DeleteObject"
             };
-            let resource = format!("{}/{}", req.input.bucket, o.key);
-            if !matches!(a.judge(&b, &ctx, action, &resource), Decision::Allow) {
+            let judged = a.judge(&b, &ctx, action, &req.input.bucket, Some(&o.key));
+            if !matches!(judged, Decision::Allow) {
                 refused.0.insert((o.key.clone(), o.version_id.clone()));
             }
         }

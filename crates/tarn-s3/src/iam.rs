@@ -90,13 +90,14 @@ pub struct UserSummary {
 struct Table {
     users: BTreeMap<String, UserDoc>,
     /// access key -> (user, secret key)
-    keys: HashMap<String, (String, SecretKey)>,
+    keys: HashMap<String, (Arc<str>, SecretKey)>,
 }
 
 pub struct Iam {
     store: Arc<Store>,
     root_access_key: String,
     root_secret: SecretKey,
+    root_user: Arc<str>,
     cipher: ChaCha20Poly1305,
     table: RwLock<Arc<Table>>,
     /// Set once the stored users were read; until then only root's key
@@ -150,6 +151,7 @@ impl Iam {
             store,
             root_access_key: root_access_key.to_string(),
             root_secret: SecretKey::from(root_secret_key.to_string()),
+            root_user: Arc::from(ROOT_USER),
             cipher: ChaCha20Poly1305::new(&key.into()),
             table: RwLock::new(Arc::new(Table::default())),
             loaded: AtomicBool::new(false),
@@ -215,7 +217,7 @@ impl Iam {
                         })?;
                 keys.insert(
                     k.access_key.clone(),
-                    (u.name.clone(), SecretKey::from(secret)),
+                    (Arc::from(u.name.as_str()), SecretKey::from(secret)),
                 );
             }
         }
@@ -261,11 +263,10 @@ impl Iam {
         String::from_utf8(plain).ok()
     }
 
-    /// The user an access key belongs to, and its secret; None for a key
-    /// no user has.
-    pub fn lookup(&self, access_key: &str) -> Result<Option<(String, SecretKey)>, IamError> {
+    /// The secret of an access key; None for a key no user has.
+    pub fn secret_of(&self, access_key: &str) -> Result<Option<SecretKey>, IamError> {
         if access_key == self.root_access_key {
-            return Ok(Some((ROOT_USER.to_string(), self.root_secret.clone())));
+            return Ok(Some(self.root_secret.clone()));
         }
         if !self.is_loaded() {
             return Err(IamError::NotLoaded);
@@ -276,14 +277,14 @@ impl Iam {
             .expect("iam table")
             .keys
             .get(access_key)
-            .cloned())
+            .map(|(_, secret)| secret.clone()))
     }
 
-    /// The user an access key belongs to (no secret copied: the permission
-    /// check of every request asks this).
-    pub fn user_of(&self, access_key: &str) -> Result<Option<String>, IamError> {
+    /// The user an access key belongs to (shared, not copied: the
+    /// permission check of every request asks this).
+    pub fn user_of(&self, access_key: &str) -> Result<Option<Arc<str>>, IamError> {
         if access_key == self.root_access_key {
-            return Ok(Some(ROOT_USER.to_string()));
+            return Ok(Some(self.root_user.clone()));
         }
         if !self.is_loaded() {
             return Err(IamError::NotLoaded);

@@ -44,8 +44,8 @@ struct Keys {
 #[async_trait::async_trait]
 impl S3Auth for Keys {
     async fn get_secret_key(&self, access_key: &str) -> S3Result<SecretKey> {
-        match self.iam.lookup(access_key) {
-            Ok(Some((_, secret))) => Ok(secret),
+        match self.iam.secret_of(access_key) {
+            Ok(Some(secret)) => Ok(secret),
             Ok(None) => Err(s3s::S3Error::with_message(
                 s3s::S3ErrorCode::InvalidAccessKeyId,
                 "The AWS Access Key Id you provided does not exist in our records.",

@@ -11,9 +11,7 @@ use tarn_store::{
 };
 
 use crate::access::Ownership;
-use crate::access::{
-    object_allowed, Access, BucketAccess, Caller, DeniedDeletes, ObjectCheck, SourceCheck,
-};
+use crate::access::{object_allowed, permit_of, Access, BucketAccess, DeniedDeletes, Permit};
 use crate::acl::{Acl, ACL_HEADER};
 use crate::body::{checked_body, content_md5, object_body, ChecksumSpec, CHECKSUM_ALGORITHMS};
 use crate::error::s3_error;
@@ -32,7 +30,7 @@ impl TarnS3 {
     /// the same metadata read that serves the bytes. For copies every failed
     /// condition is 412, never 304.
     /// The source must be readable by the caller: a pending object-ACL
-    /// check (`SourceCheck`) is decided on the version read.
+    /// check (`Permit::source`) is decided on the version read.
     async fn open_copy_source(
         &self,
         ext: &http::Extensions,
@@ -52,7 +50,7 @@ impl TarnS3 {
                 e => s3_error(e),
             })?;
         object_allowed(
-            ext.get::<SourceCheck>().map(|c| &c.0),
+            permit_of(ext).and_then(|p| p.source.as_ref()),
             self.access.bucket(&bucket).as_deref(),
             &got.info,
         )?;
@@ -74,7 +72,7 @@ impl TarnS3 {
         ext: &http::Extensions,
         bucket: &str,
     ) -> S3Result<Arc<BucketAccess>> {
-        if let Some(b) = ext.get::<Arc<BucketAccess>>() {
+        if let Some(b) = permit_of(ext).and_then(|p| p.bucket.as_ref()) {
             return Ok(b.clone());
         }
         self.access
@@ -91,7 +89,7 @@ impl TarnS3 {
         bucket: &str,
     ) -> S3Result<Option<(String, String)>> {
         let b = self.bucket_access(ext, bucket)?;
-        let caller = ext.get::<Caller>().and_then(|c| c.name());
+        let caller = permit_of(ext).and_then(Permit::caller);
         Ok(self
             .access
             .object_acl_for_write(&b, caller, headers)?
@@ -582,7 +580,7 @@ impl S3 for TarnS3 {
         req: S3Request<ListBucketsInput>,
     ) -> S3Result<S3Response<ListBucketsOutput>> {
         let i = req.input;
-        let caller = req.extensions.get::<Caller>();
+        let caller = permit_of(&req.extensions).and_then(Permit::caller);
         let max = match i.max_buckets {
             None => usize::MAX,
             Some(n) if !(1..=10_000).contains(&n) => {
@@ -682,8 +680,8 @@ impl S3 for TarnS3 {
         };
         let caller = req
             .extensions
-            .get::<Caller>()
-            .and_then(|c| c.name())
+            .get::<Permit>()
+            .and_then(Permit::caller)
             .ok_or_else(|| S3Error::new(S3ErrorCode::AccessDenied))?
             .to_string();
         // New buckets are made as AWS makes them: ACLs disabled
@@ -922,11 +920,9 @@ impl S3 for TarnS3 {
             .await
             .map_err(s3_error)?;
         let info = got.info;
-        object_allowed(
-            req.extensions.get::<ObjectCheck>(),
-            req.extensions.get::<Arc<BucketAccess>>().map(|b| &**b),
-            &info,
-        )?;
+        if let Some(p) = permit_of(&req.extensions) {
+            p.allows_object(&info)?;
+        }
         let (start, end) = got.range;
         let partial = range.is_some() || part_number.is_some();
         let content_range = partial
@@ -965,11 +961,9 @@ impl S3 for TarnS3 {
             .head_object(&i.bucket, &i.key, i.version_id.as_deref())
             .await
             .map_err(s3_error)?;
-        object_allowed(
-            req.extensions.get::<ObjectCheck>(),
-            req.extensions.get::<Arc<BucketAccess>>().map(|b| &**b),
-            &info,
-        )?;
+        if let Some(p) = permit_of(&req.extensions) {
+            p.allows_object(&info)?;
+        }
         check_conditions(
             &info,
             i.if_match.as_ref(),

@@ -8,8 +8,7 @@ use s3s::dto::*;
 use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result};
 
 use crate::access::{
-    acl_not_supported, object_allowed, BucketAccess, Caller, ObjectCheck, Ownership,
-    PublicAccessBlock,
+    acl_not_supported, object_allowed, permit_of, BucketAccess, Ownership, PublicAccessBlock,
 };
 use crate::acl::{Acl, ACL_HEADER};
 use crate::error::s3_error;
@@ -117,7 +116,8 @@ impl TarnS3 {
             .head_object(&i.bucket, &i.key, i.version_id.as_deref())
             .await
             .map_err(s3_error)?;
-        object_allowed(req.extensions.get::<ObjectCheck>(), Some(&b), &info)?;
+        let check = permit_of(&req.extensions).and_then(|p| p.object.as_ref());
+        object_allowed(check, Some(&b), &info)?;
         let (owner, grants) = b.object_acl(&info).to_dto();
         Ok(S3Response::new(GetObjectAclOutput {
             grants: Some(grants),
@@ -137,7 +137,8 @@ impl TarnS3 {
             .head_object(&i.bucket, &i.key, i.version_id.as_deref())
             .await
             .map_err(s3_error)?;
-        object_allowed(req.extensions.get::<ObjectCheck>(), Some(&b), &info)?;
+        let check = permit_of(&req.extensions).and_then(|p| p.object.as_ref());
+        object_allowed(check, Some(&b), &info)?;
         let owner = b.object_acl(&info).owner;
         let acl = self.acl_of_request(
             &req.headers,
@@ -348,8 +349,8 @@ impl TarnS3 {
 
     /// Whether the caller may see `bucket` in ListBuckets: root sees all,
     /// other users the buckets they own.
-    pub(crate) fn lists_bucket(&self, caller: Option<&Caller>, bucket: &str) -> bool {
-        match caller.and_then(|c| c.name()) {
+    pub(crate) fn lists_bucket(&self, caller: Option<&str>, bucket: &str) -> bool {
+        match caller {
             Some(ROOT_USER) => true,
             Some(user) => self
                 .access

@@ -163,6 +163,8 @@ struct Condition {
     if_exists: bool,
     key: String,
     values: Vec<String>,
+    /// The values of an IpAddress / NotIpAddress condition, parsed.
+    nets: Vec<(IpAddr, u8)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -195,6 +197,11 @@ pub trait RequestContext {
     fn principal(&self) -> Option<&str>;
     /// The value of a condition key (lower case); None when the request has none.
     fn value(&self, key: &str) -> Option<String>;
+    /// The value of `aws:SourceIp` as an address (what IpAddress conditions
+    /// on it compare, without a round trip through text).
+    fn source_ip(&self) -> Option<IpAddr> {
+        self.value("aws:sourceip")?.parse().ok()
+    }
 }
 
 /// The outcome of evaluating a policy for one request.
@@ -271,7 +278,10 @@ fn parse_principal(v: &Value) -> Result<Principals, PolicyError> {
     }
 }
 
+/// An action pattern, lower case (action names, the service prefix
+/// included, compare without case as in AWS).
 fn parse_action(a: &str) -> Result<String, PolicyError> {
+    let a = a.to_ascii_lowercase();
     let ok = a == "*"
         || a.strip_prefix("s3:").is_some_and(|n| {
             !n.is_empty()
@@ -281,7 +291,7 @@ fn parse_action(a: &str) -> Result<String, PolicyError> {
     if !ok {
         return bad(format!("Policy has invalid action: {a}"));
     }
-    Ok(a.to_ascii_lowercase())
+    Ok(a)
 }
 
 fn parse_resource(r: &str, bucket: &str) -> Result<String, PolicyError> {
@@ -346,12 +356,19 @@ fn parse_conditions(v: &Value) -> Result<Vec<Condition>, PolicyError> {
             for value in &values {
                 check_value(op, value).map_err(|e| PolicyError(format!("{name} {key}: {e}")))?;
             }
+            let nets = match op {
+                Op::IpAddress | Op::NotIpAddress => {
+                    values.iter().filter_map(|v| parse_cidr(v)).collect()
+                }
+                _ => Vec::new(),
+            };
             out.push(Condition {
                 op,
                 set,
                 if_exists,
                 key,
                 values,
+                nets,
             });
         }
     }
@@ -412,9 +429,15 @@ fn parse_cidr(v: &str) -> Option<(IpAddr, u8)> {
 }
 
 fn cidr_contains(cidr: &str, ip: &str) -> bool {
-    let (Some((net, bits)), Ok(ip)) = (parse_cidr(cidr), ip.parse::<IpAddr>()) else {
-        return false;
-    };
+    match (parse_cidr(cidr), ip.parse::<IpAddr>()) {
+        (Some((net, bits)), Ok(ip)) => net_contains(net, bits, ip),
+        _ => false,
+    }
+}
+
+/// Whether `ip` is in the network `net`/`bits` (an IPv4-mapped IPv6
+/// address counts as its IPv4 address).
+fn net_contains(net: IpAddr, bits: u8, ip: IpAddr) -> bool {
     let ip = match (net, ip) {
         (IpAddr::V4(_), IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),
@@ -436,10 +459,21 @@ fn cidr_contains(cidr: &str, ip: &str) -> bool {
 
 /// `*` matches any run of characters, `?` any one.
 pub fn glob(pattern: &[u8], s: &[u8]) -> bool {
+    glob_folding(pattern, s, false)
+}
+
+/// `glob` of a lower-case pattern on `s` read in lower case (`fold`) or
+/// as it is.
+fn glob_folding(pattern: &[u8], s: &[u8], fold: bool) -> bool {
     let (mut p, mut i) = (0, 0);
     let mut star: Option<(usize, usize)> = None;
     while i < s.len() {
-        if p < pattern.len() && (pattern[p] == b'?' || pattern[p] == s[i]) {
+        let c = if fold {
+            s[i].to_ascii_lowercase()
+        } else {
+            s[i]
+        };
+        if p < pattern.len() && (pattern[p] == b'?' || pattern[p] == c) {
             p += 1;
             i += 1;
         } else if p < pattern.len() && pattern[p] == b'*' {
@@ -604,9 +638,8 @@ impl Policy {
     /// ("bucket" or "bucket/key").
     pub fn evaluate(&self, cx: &dyn RequestContext, action: &str, resource: &str) -> Verdict {
         let mut verdict = Verdict::NotApplicable;
-        let action = action.to_ascii_lowercase();
         for s in &self.statements {
-            if !self.applies(s, cx, &action, resource) {
+            if !self.applies(s, cx, action, resource) {
                 continue;
             }
             match s.effect {
@@ -633,7 +666,6 @@ impl Policy {
             .any(|s| s.effect == Effect::Allow && statement_public(s))
     }
 
-    /// `action` is lower case.
     fn applies(
         &self,
         s: &Statement,
@@ -652,7 +684,7 @@ impl Policy {
         let action_match = s
             .actions
             .iter()
-            .any(|a| glob(a.as_bytes(), action.as_bytes()));
+            .any(|a| glob_folding(a.as_bytes(), action.as_bytes(), true));
         if action_match == s.not_action {
             return false;
         }
@@ -692,28 +724,43 @@ impl Policy {
     }
 
     fn condition_holds(&self, c: &Condition, cx: &dyn RequestContext) -> bool {
-        let actual = cx.value(&c.key);
-        if c.op == Op::Null {
-            // Null: true means "the key is absent".
-            let want_absent = c.values.iter().any(|v| v.eq_ignore_ascii_case("true"));
-            return actual.is_none() == want_absent;
-        }
-        let Some(actual) = actual else {
-            return match c.set {
-                SetOp::ForAllValues => true,
-                SetOp::ForAnyValue => false,
-                SetOp::Single => c.if_exists,
+        let ip_match = matches!(c.op, Op::IpAddress | Op::NotIpAddress) && c.key == "aws:sourceip";
+        let any = if ip_match {
+            let Some(ip) = cx.source_ip() else {
+                return absent_holds(c);
             };
+            c.nets
+                .iter()
+                .any(|&(net, bits)| net_contains(net, bits, ip))
+        } else {
+            let actual = cx.value(&c.key);
+            if c.op == Op::Null {
+                // Null: true means "the key is absent".
+                let want_absent = c.values.iter().any(|v| v.eq_ignore_ascii_case("true"));
+                return actual.is_none() == want_absent;
+            }
+            let Some(actual) = actual else {
+                return absent_holds(c);
+            };
+            c.values.iter().any(|v| match self.substitute(v, cx) {
+                Some(v) => compare(c.op, &actual, &v),
+                None => false,
+            })
         };
-        let any = c.values.iter().any(|v| match self.substitute(v, cx) {
-            Some(v) => compare(c.op, &actual, &v),
-            None => false,
-        });
         if c.op.negated() {
             !any
         } else {
             any
         }
+    }
+}
+
+/// Whether a condition holds on a request without its key.
+fn absent_holds(c: &Condition) -> bool {
+    match c.set {
+        SetOp::ForAllValues => true,
+        SetOp::ForAnyValue => false,
+        SetOp::Single => c.if_exists,
     }
 }
 
@@ -886,6 +933,48 @@ mod tests {
         );
         assert_eq!(
             p.evaluate(&user("carol"), "s3:ListBucket", "b"),
+            Verdict::NotApplicable
+        );
+    }
+
+    #[test]
+    fn address_conditions_and_action_case() {
+        let p = Policy::parse(
+            r#"{"Version":"2012-10-17","Statement":[
+            {"Effect":"Allow","Principal":"*","Action":"S3:GetObject","Resource":"arn:aws:s3:::b/*",
+             "Condition":{"IpAddress":{"aws:SourceIp":["192.168.0.0/16","2001:db8::/32"]}}},
+            {"Effect":"Deny","Principal":"*","Action":"s3:Get*","Resource":"arn:aws:s3:::b/*",
+             "Condition":{"NotIpAddress":{"aws:SourceIp":["0.0.0.0/0","::/0"]}}}]}"#,
+            "b",
+            &users,
+        )
+        .unwrap();
+        let from = |ip: &'static str| Cx {
+            who: None,
+            values: vec![("aws:sourceip", ip)],
+        };
+        let ok = Verdict::Allow { public: false };
+        assert_eq!(p.evaluate(&from("192.168.7.1"), "s3:GetObject", "b/k"), ok);
+        // An IPv4 client seen through an IPv6 socket is its IPv4 address.
+        assert_eq!(
+            p.evaluate(&from("::ffff:192.168.7.1"), "s3:GetObject", "b/k"),
+            ok
+        );
+        assert_eq!(p.evaluate(&from("2001:db8::9"), "s3:GetObject", "b/k"), ok);
+        assert_eq!(
+            p.evaluate(&from("10.0.0.1"), "s3:GetObject", "b/k"),
+            Verdict::NotApplicable
+        );
+        // Actions compare without case, whichever side has capitals.
+        assert_eq!(p.evaluate(&from("192.168.7.1"), "s3:GETOBJECT", "b/k"), ok);
+        // No address at all: IpAddress fails, NotIpAddress fails too (a
+        // condition on a missing key does not hold).
+        let nowhere = Cx {
+            who: None,
+            values: vec![],
+        };
+        assert_eq!(
+            p.evaluate(&nowhere, "s3:GetObject", "b/k"),
             Verdict::NotApplicable
         );
     }

@@ -7,7 +7,7 @@
 //! HDR histogram.
 //!
 //! With `--compare`, the same workload runs against several endpoints in
-//! alternation (A B A B ...) and each figure is also given as a ratio to the
+//! alternation (A B C, B C A, ...: `phase_order`) and each figure is also given as a ratio to the
 //! first endpoint's, so that a comparison holds on a noisy machine.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -372,8 +372,8 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
         .iter()
         .map(|e| target_for(e, &args).map(Arc::new))
         .collect::<anyhow::Result<_>>()?;
-    // Alternating phases: A B A B ..., each endpoint getting the same share of
-    // the run, so that a noisy machine weighs on every endpoint alike.
+    // Alternating phases (`phase_order`), each endpoint getting the same
+    // share of the run, so that a noisy machine weighs on every endpoint alike.
     let rounds = if targets.len() > 1 {
         args.rounds.max(1)
     } else {
@@ -395,15 +395,17 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     for target in &targets {
         rt.block_on(setup(target, &bucket, &args, &base))?;
     }
+    let shown: Vec<String> = endpoints.iter().map(|e| redact(e)).collect();
     let mut figures = vec![Figures::empty()?; targets.len()];
     let mut outcome = Ok(());
     'rounds: for round in 0..rounds {
-        for (i, target) in targets.iter().enumerate() {
+        for i in phase_order(round, targets.len()) {
+            let target = &targets[i];
             let phase_count = args
                 .count
                 .map(|c| c / rounds as u64 + u64::from((round as u64) < c % rounds as u64));
             let label = if targets.len() > 1 {
-                format!("[{}] ", endpoints[i])
+                format!("[{}] ", shown[i])
             } else {
                 String::new()
             };
@@ -435,7 +437,6 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
     }
     outcome?;
 
-    let shown: Vec<String> = endpoints.iter().map(|e| redact(e)).collect();
     let named: Vec<_> = figures.iter().map(Figures::named).collect();
     if !args.json {
         println!(
@@ -477,6 +478,14 @@ pub struct Outcome {
     pub text: String,
     pub errors: u64,
     pub verify_failures: u64,
+}
+
+/// The endpoints' order in one round of a comparison: each round starts one
+/// endpoint later (A B C, B C A, C A B, ...), so that over a multiple of n
+/// rounds each endpoint runs as often in each position (first after setup,
+/// right after another, last) and no position's drift falls on one alone.
+pub fn phase_order(round: usize, n: usize) -> impl Iterator<Item = usize> {
+    (0..n).map(move |j| (round + j) % n)
 }
 
 /// Prints every endpoint's report (JSON: one object, or one comparison of
@@ -737,13 +746,17 @@ async fn sink_reply(
     })
 }
 
-/// An endpoint as printed: credentials in it are not.
+/// An endpoint as printed: its access key names whose requests these were,
+/// its secret key is never shown.
 fn redact(endpoint: &str) -> String {
     match endpoint
         .strip_prefix("http://")
         .and_then(|r| r.rsplit_once('@'))
     {
-        Some((_, hostport)) => format!("http://{hostport}"),
+        Some((creds, hostport)) => {
+            let key = creds.split_once(':').map_or(creds, |(k, _)| k);
+            format!("http://{key}@{hostport}")
+        }
         None => endpoint.to_string(),
     }
 }
@@ -1172,7 +1185,7 @@ mod tests {
         assert!(target_for("http://nosecret@x:1", &args).is_err());
         assert_eq!(
             redact("http://k2:s2@127.0.0.1:9100"),
-            "http://127.0.0.1:9100"
+            "http://k2@127.0.0.1:9100"
         );
         assert_eq!(redact("http://127.0.0.1:9100"), "http://127.0.0.1:9100");
     }
@@ -1200,6 +1213,15 @@ mod tests {
                 part_size: "8MiB".into(),
             }
         }
+    }
+
+    #[test]
+    fn phases_rotate() {
+        let order = |r| phase_order(r, 3).collect::<Vec<_>>();
+        assert_eq!(order(0), [0, 1, 2]);
+        assert_eq!(order(1), [1, 2, 0]);
+        assert_eq!(order(5), [2, 0, 1]);
+        assert_eq!(phase_order(0, 1).collect::<Vec<_>>(), [0]);
     }
 
     #[test]

@@ -303,8 +303,9 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
         .iter()
         .map(|c| format!("{:?}", c[0].transport()).to_lowercase())
         .collect();
-    // Alternating phases (A B A B ...), each endpoint getting the same share
-    // of the run, so that a noisy machine weighs on every endpoint alike.
+    // Alternating phases (`bench::phase_order`), each endpoint getting the
+    // same share of the run, so that a noisy machine weighs on every endpoint
+    // alike.
     let rounds = if endpoints.len() > 1 {
         args.rounds.max(1)
     } else {
@@ -315,7 +316,8 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
         .map(|t| Report::empty(&args.op, t, block, plan.batch, args.concurrency))
         .collect();
     for round in 0..rounds {
-        for (i, endpoint) in endpoints.iter().enumerate() {
+        for i in crate::bench::phase_order(round, endpoints.len()) {
+            let endpoint = &endpoints[i];
             let count = args
                 .count
                 .map(|c| c / rounds as u64 + u64::from((round as u64) < c % rounds as u64));
