@@ -1,0 +1,348 @@
+//! An etcd v3 client over etcd's JSON gateway (`POST /v3/kv/range` and
+//! friends; keys and values base64, 64-bit numbers as strings), on the HTTP/1
+//! client Tarn already carries: no gRPC stack for a service that is off the
+//! data path.
+//!
+//! Every call has a deadline and tries the endpoints in turn until one
+//! answers; an etcd that answers with an error is not retried elsewhere.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::{json, Value};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// No endpoint could be reached in time.
+    #[error("etcd unreachable ({endpoints}): {reason}")]
+    Unreachable { endpoints: String, reason: String },
+    /// etcd answered with an error.
+    #[error("etcd refused {call}: {status} {message}")]
+    Refused {
+        call: String,
+        status: u16,
+        message: String,
+    },
+    /// An answer this client cannot read.
+    #[error("etcd answered {call} with something unreadable: {reason}")]
+    Protocol { call: String, reason: String },
+}
+
+/// One key and its value with etcd's revisions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    pub key: String,
+    pub value: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    pub version: i64,
+    pub lease: i64,
+}
+
+/// A client for one etcd cluster (any of its endpoints).
+#[derive(Debug, Clone)]
+pub struct Etcd {
+    /// `host:port` of each endpoint.
+    endpoints: Vec<String>,
+    timeout: Duration,
+}
+
+fn b64(s: &[u8]) -> String {
+    base64_simd::STANDARD.encode_to_string(s)
+}
+
+/// etcd's JSON carries 64-bit numbers as strings and leaves out zeros.
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The first key after every key that starts with `prefix` (etcd's
+/// `range_end` for a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // All 0xff (or empty): every key from the prefix on.
+    vec![0]
+}
+
+impl Etcd {
+    /// `endpoints`: comma-separated `http://host:port` URLs (`--etcd`).
+    pub fn new(endpoints: &str, timeout: Duration) -> Result<Etcd, String> {
+        let mut out = Vec::new();
+        for e in endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+        {
+            let Some(rest) = e.strip_prefix("http://") else {
+                return Err(format!(
+                    "etcd endpoint {e:?} must be http://HOST:PORT (TLS to etcd is not supported)"
+                ));
+            };
+            let hostport = rest.trim_end_matches('/');
+            if hostport.is_empty() || hostport.contains('/') || !hostport.contains(':') {
+                return Err(format!("etcd endpoint {e:?} must be http://HOST:PORT"));
+            }
+            out.push(hostport.to_string());
+        }
+        if out.is_empty() {
+            return Err("no etcd endpoint given".into());
+        }
+        Ok(Etcd {
+            endpoints: out,
+            timeout,
+        })
+    }
+
+    pub fn endpoints(&self) -> String {
+        self.endpoints.join(",")
+    }
+
+    /// POSTs `body` to `path` on the first endpoint that answers.
+    async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
+        let body = Bytes::from(serde_json::to_vec(&body).expect("json"));
+        let mut reasons = Vec::new();
+        for ep in &self.endpoints {
+            match tokio::time::timeout(self.timeout, post(ep, path, body.clone())).await {
+                Ok(Ok((status, bytes))) => {
+                    let value: Value =
+                        serde_json::from_slice(&bytes).map_err(|e| EtcdError::Protocol {
+                            call: path.into(),
+                            reason: format!("{e}"),
+                        })?;
+                    if status != 200 {
+                        let message = value
+                            .get("message")
+                            .or_else(|| value.get("error"))
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string();
+                        return Err(EtcdError::Refused {
+                            call: path.into(),
+                            status,
+                            message,
+                        });
+                    }
+                    return Ok(value);
+                }
+                Ok(Err(e)) => reasons.push(format!("{ep}: {e}")),
+                Err(_) => reasons.push(format!("{ep}: no answer in {:?}", self.timeout)),
+            }
+        }
+        Err(EtcdError::Unreachable {
+            endpoints: self.endpoints(),
+            reason: reasons.join("; "),
+        })
+    }
+
+    fn protocol(call: &str, reason: impl Into<String>) -> EtcdError {
+        EtcdError::Protocol {
+            call: call.into(),
+            reason: reason.into(),
+        }
+    }
+
+    fn kvs(call: &str, v: &Value) -> Result<Vec<KeyValue>, EtcdError> {
+        let Some(list) = v.get("kvs") else {
+            return Ok(Vec::new());
+        };
+        let list = list
+            .as_array()
+            .ok_or_else(|| Self::protocol(call, "kvs is not a list"))?;
+        list.iter()
+            .map(|kv| {
+                let field = |name: &str| -> Result<Vec<u8>, EtcdError> {
+                    match kv.get(name).and_then(Value::as_str) {
+                        None => Ok(Vec::new()),
+                        Some(s) => base64_simd::STANDARD
+                            .decode_to_vec(s)
+                            .map_err(|e| Self::protocol(call, format!("{name}: {e}"))),
+                    }
+                };
+                let key = String::from_utf8(field("key")?)
+                    .map_err(|_| Self::protocol(call, "a key is not UTF-8"))?;
+                Ok(KeyValue {
+                    key,
+                    value: field("value")?,
+                    create_revision: int(&kv["create_revision"]),
+                    mod_revision: int(&kv["mod_revision"]),
+                    version: int(&kv["version"]),
+                    lease: int(&kv["lease"]),
+                })
+            })
+            .collect()
+    }
+
+    fn revision(v: &Value) -> i64 {
+        int(&v["header"]["revision"])
+    }
+
+    /// One key, and the store's revision at the read.
+    pub async fn get(&self, key: &str) -> Result<(Option<KeyValue>, i64), EtcdError> {
+        let v = self
+            .call("/v3/kv/range", json!({ "key": b64(key.as_bytes()) }))
+            .await?;
+        let mut kvs = Self::kvs("range", &v)?;
+        Ok((kvs.pop(), Self::revision(&v)))
+    }
+
+    /// Every key under `prefix`, in key order, and the store's revision at
+    /// the read (where a watch of the prefix starts).
+    pub async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), EtcdError> {
+        let v = self
+            .call(
+                "/v3/kv/range",
+                json!({
+                    "key": b64(prefix.as_bytes()),
+                    "range_end": b64(&prefix_end(prefix.as_bytes())),
+                }),
+            )
+            .await?;
+        Ok((Self::kvs("range", &v)?, Self::revision(&v)))
+    }
+
+    /// Writes `key` (on `lease` when given); the revision it was written at.
+    pub async fn put(&self, key: &str, value: &[u8], lease: Option<i64>) -> Result<i64, EtcdError> {
+        let mut body = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+        if let Some(l) = lease {
+            body["lease"] = json!(l.to_string());
+        }
+        let v = self.call("/v3/kv/put", body).await?;
+        Ok(Self::revision(&v))
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub async fn delete(&self, key: &str) -> Result<bool, EtcdError> {
+        let v = self
+            .call("/v3/kv/deleterange", json!({ "key": b64(key.as_bytes()) }))
+            .await?;
+        Ok(int(&v["deleted"]) > 0)
+    }
+
+    /// Writes `key` only if its last change was at `mod_revision` (0: only
+    /// if it does not exist). Whether it was written: two concurrent swaps
+    /// from the same revision never both win.
+    pub async fn compare_and_swap(
+        &self,
+        key: &str,
+        mod_revision: i64,
+        value: &[u8],
+        lease: Option<i64>,
+    ) -> Result<bool, EtcdError> {
+        let mut put = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+        if let Some(l) = lease {
+            put["lease"] = json!(l.to_string());
+        }
+        let v = self
+            .call(
+                "/v3/kv/txn",
+                json!({
+                    "compare": [{
+                        "key": b64(key.as_bytes()),
+                        "target": "MOD",
+                        "result": "EQUAL",
+                        "mod_revision": mod_revision.to_string(),
+                    }],
+                    "success": [{ "request_put": put }],
+                }),
+            )
+            .await?;
+        Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
+    }
+
+    /// A new lease of `ttl` seconds: (its id, the granted TTL).
+    pub async fn lease_grant(&self, ttl: i64) -> Result<(i64, i64), EtcdError> {
+        let v = self.call("/v3/lease/grant", json!({ "TTL": ttl })).await?;
+        let id = int(&v["ID"]);
+        if id == 0 {
+            return Err(Self::protocol("lease grant", "no lease id"));
+        }
+        Ok((id, int(&v["TTL"])))
+    }
+
+    /// Renews a lease: the TTL left, 0 when it has already expired (its keys
+    /// are gone).
+    pub async fn lease_keep_alive(&self, id: i64) -> Result<i64, EtcdError> {
+        let v = self
+            .call("/v3/lease/keepalive", json!({ "ID": id.to_string() }))
+            .await?;
+        Ok(int(&v["result"]["TTL"]))
+    }
+
+    /// Ends a lease now: its keys are deleted.
+    pub async fn lease_revoke(&self, id: i64) -> Result<(), EtcdError> {
+        match self
+            .call("/v3/lease/revoke", json!({ "ID": id.to_string() }))
+            .await
+        {
+            Ok(_) => Ok(()),
+            // Already expired: what revoking wanted.
+            Err(EtcdError::Refused { message, .. }) if message.contains("not found") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// One POST on a fresh connection: (status, body).
+async fn post(hostport: &str, path: &str, body: Bytes) -> Result<(u16, Bytes), String> {
+    let stream = tokio::net::TcpStream::connect(hostport)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let req = http::Request::post(path)
+        .header(http::header::HOST, hostport)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(|e| format!("request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("read: {e}"))?
+        .to_bytes();
+    driver.abort();
+    Ok((status, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_and_prefix_end() {
+        let e = Etcd::new(
+            "http://127.0.0.1:2379, http://10.0.0.2:2379/",
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!(e.endpoints(), "127.0.0.1:2379,10.0.0.2:2379");
+        assert!(Etcd::new("https://x:1", Duration::from_secs(1)).is_err());
+        assert!(Etcd::new("127.0.0.1:2379", Duration::from_secs(1)).is_err());
+        assert!(Etcd::new("", Duration::from_secs(1)).is_err());
+        assert_eq!(prefix_end(b"/tarn/a/"), b"/tarn/a0");
+        assert_eq!(prefix_end(b"a\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), b"\0");
+    }
+}
