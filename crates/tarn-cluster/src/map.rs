@@ -134,18 +134,17 @@ impl ClusterMap {
 
 /// Reads a document of one of the types above, refusing another format.
 pub fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, String> {
-    #[derive(Deserialize)]
-    struct Versioned {
-        format: u32,
+    let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| format!("{what}: {e}"))?;
+    match v.get("format").and_then(serde_json::Value::as_u64) {
+        Some(f) if f == u64::from(FORMAT) => {}
+        Some(f) => {
+            return Err(format!(
+                "{what}: format {f} (this binary reads format {FORMAT})"
+            ))
+        }
+        None => return Err(format!("{what}: no format number")),
     }
-    let v: Versioned = serde_json::from_slice(bytes).map_err(|e| format!("{what}: {e}"))?;
-    if v.format != FORMAT {
-        return Err(format!(
-            "{what}: format {} (this binary reads format {FORMAT})",
-            v.format
-        ));
-    }
-    serde_json::from_slice(bytes).map_err(|e| format!("{what}: {e}"))
+    serde_json::from_value(v).map_err(|e| format!("{what}: {e}"))
 }
 
 #[cfg(test)]

@@ -71,7 +71,17 @@ impl Permit {
     /// Whether the request may go on with the object it read (the pending
     /// object-ACL check, if any).
     pub fn allows_object(&self, info: &ObjectInfo) -> S3Result<()> {
-        object_allowed(self.object.as_ref(), self.bucket.as_deref(), info)
+        object_allowed(
+            self.object.as_ref(),
+            self.caller(),
+            self.bucket.as_deref(),
+            info,
+        )
+    }
+
+    /// The same for the source object of a copy, in its bucket `b`.
+    pub fn allows_source(&self, b: Option<&BucketAccess>, info: &ObjectInfo) -> S3Result<()> {
+        object_allowed(self.source.as_ref(), self.caller(), b, info)
     }
 }
 
@@ -85,7 +95,6 @@ pub fn permit_of(ext: &http::Extensions) -> Option<&Permit> {
 /// operation checks it against the object it reads (`object_allowed`).
 #[derive(Debug, Clone)]
 pub struct ObjectCheck {
-    user: Option<Arc<str>>,
     permission: Permission,
     bucket_owner: String,
     ignore_public: bool,
@@ -672,7 +681,6 @@ impl Access {
         }
         match object_permission {
             Some(permission) => Decision::ObjectAcl(ObjectCheck {
-                user: who.map(Arc::from),
                 permission,
                 bucket_owner: b.doc.owner.clone(),
                 ignore_public: pab.ignore_public_acls,
@@ -741,9 +749,11 @@ pub(crate) fn acl_not_supported() -> S3Error {
     )
 }
 
-/// Checks a pending object-ACL decision against the object read.
-pub fn object_allowed(
+/// Checks a pending object-ACL decision for `who` against the object read
+/// (in bucket `b`).
+fn object_allowed(
     check: Option<&ObjectCheck>,
+    who: Option<&str>,
     b: Option<&BucketAccess>,
     info: &ObjectInfo,
 ) -> S3Result<()> {
@@ -754,7 +764,6 @@ pub fn object_allowed(
         Some(b) => b.object_acl(info),
         None => Acl::private(&c.bucket_owner),
     };
-    let who = c.user.as_deref();
     if who == Some(acl.owner.as_str()) || acl.allows(who, c.permission, c.ignore_public) {
         Ok(())
     } else {

@@ -96,8 +96,8 @@ struct Table {
 pub struct Iam {
     store: Arc<Store>,
     root_access_key: String,
-    root_secret: SecretKey,
-    root_user: Arc<str>,
+    /// Root's entry, as the table keeps users' keys.
+    root: (Arc<str>, SecretKey),
     cipher: ChaCha20Poly1305,
     table: RwLock<Arc<Table>>,
     /// Set once the stored users were read; until then only root's key
@@ -150,8 +150,10 @@ impl Iam {
         let iam = Iam {
             store,
             root_access_key: root_access_key.to_string(),
-            root_secret: SecretKey::from(root_secret_key.to_string()),
-            root_user: Arc::from(ROOT_USER),
+            root: (
+                Arc::from(ROOT_USER),
+                SecretKey::from(root_secret_key.to_string()),
+            ),
             cipher: ChaCha20Poly1305::new(&key.into()),
             table: RwLock::new(Arc::new(Table::default())),
             loaded: AtomicBool::new(false),
@@ -265,26 +267,25 @@ impl Iam {
 
     /// The secret of an access key; None for a key no user has.
     pub fn secret_of(&self, access_key: &str) -> Result<Option<SecretKey>, IamError> {
-        if access_key == self.root_access_key {
-            return Ok(Some(self.root_secret.clone()));
-        }
-        if !self.is_loaded() {
-            return Err(IamError::NotLoaded);
-        }
-        Ok(self
-            .table
-            .read()
-            .expect("iam table")
-            .keys
-            .get(access_key)
-            .map(|(_, secret)| secret.clone()))
+        self.key(access_key, |(_, secret)| secret.clone())
     }
 
     /// The user an access key belongs to (shared, not copied: the
     /// permission check of every request asks this).
     pub fn user_of(&self, access_key: &str) -> Result<Option<Arc<str>>, IamError> {
+        self.key(access_key, |(user, _)| user.clone())
+    }
+
+    /// What `pick` takes from an access key's (user, secret) entry; None
+    /// for a key no user has. Until the users are loaded only root's key
+    /// is known and others are NotLoaded.
+    fn key<T>(
+        &self,
+        access_key: &str,
+        pick: impl FnOnce(&(Arc<str>, SecretKey)) -> T,
+    ) -> Result<Option<T>, IamError> {
         if access_key == self.root_access_key {
-            return Ok(Some(self.root_user.clone()));
+            return Ok(Some(pick(&self.root)));
         }
         if !self.is_loaded() {
             return Err(IamError::NotLoaded);
@@ -295,7 +296,7 @@ impl Iam {
             .expect("iam table")
             .keys
             .get(access_key)
-            .map(|(user, _)| user.clone()))
+            .map(pick))
     }
 
     /// Whether `name` is a user (root included).

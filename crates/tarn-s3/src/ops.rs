@@ -11,7 +11,7 @@ use tarn_store::{
 };
 
 use crate::access::Ownership;
-use crate::access::{object_allowed, permit_of, Access, BucketAccess, DeniedDeletes, Permit};
+use crate::access::{permit_of, Access, BucketAccess, DeniedDeletes, Permit};
 use crate::acl::{Acl, ACL_HEADER};
 use crate::body::{checked_body, content_md5, object_body, ChecksumSpec, CHECKSUM_ALGORITHMS};
 use crate::error::s3_error;
@@ -49,11 +49,9 @@ impl TarnS3 {
                 }
                 e => s3_error(e),
             })?;
-        object_allowed(
-            permit_of(ext).and_then(|p| p.source.as_ref()),
-            self.access.bucket(&bucket).as_deref(),
-            &got.info,
-        )?;
+        if let Some(p) = permit_of(ext) {
+            p.allows_source(self.access.bucket(&bucket).as_deref(), &got.info)?;
+        }
         Ok(got)
     }
 
@@ -678,9 +676,7 @@ impl S3 for TarnS3 {
                 }
             },
         };
-        let caller = req
-            .extensions
-            .get::<Permit>()
+        let caller = permit_of(&req.extensions)
             .and_then(Permit::caller)
             .ok_or_else(|| S3Error::new(S3ErrorCode::AccessDenied))?
             .to_string();

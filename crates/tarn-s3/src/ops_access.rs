@@ -7,9 +7,7 @@ use std::sync::Arc;
 use s3s::dto::*;
 use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result};
 
-use crate::access::{
-    acl_not_supported, object_allowed, permit_of, BucketAccess, Ownership, PublicAccessBlock,
-};
+use crate::access::{acl_not_supported, permit_of, BucketAccess, Ownership, PublicAccessBlock};
 use crate::acl::{Acl, ACL_HEADER};
 use crate::error::s3_error;
 use crate::iam::ROOT_USER;
@@ -116,8 +114,9 @@ impl TarnS3 {
             .head_object(&i.bucket, &i.key, i.version_id.as_deref())
             .await
             .map_err(s3_error)?;
-        let check = permit_of(&req.extensions).and_then(|p| p.object.as_ref());
-        object_allowed(check, Some(&b), &info)?;
+        if let Some(p) = permit_of(&req.extensions) {
+            p.allows_object(&info)?;
+        }
         let (owner, grants) = b.object_acl(&info).to_dto();
         Ok(S3Response::new(GetObjectAclOutput {
             grants: Some(grants),
@@ -137,8 +136,9 @@ impl TarnS3 {
             .head_object(&i.bucket, &i.key, i.version_id.as_deref())
             .await
             .map_err(s3_error)?;
-        let check = permit_of(&req.extensions).and_then(|p| p.object.as_ref());
-        object_allowed(check, Some(&b), &info)?;
+        if let Some(p) = permit_of(&req.extensions) {
+            p.allows_object(&info)?;
+        }
         let owner = b.object_acl(&info).owner;
         let acl = self.acl_of_request(
             &req.headers,
