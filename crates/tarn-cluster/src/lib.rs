@@ -9,3 +9,4 @@ pub mod keys;
 pub mod map;
 pub mod membership;
 pub mod placement;
+pub mod rpc;

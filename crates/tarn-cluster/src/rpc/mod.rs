@@ -1,0 +1,382 @@
+//! Node-to-node RPC: binary frames over TCP (`wire`), both ends proving
+//! knowledge of the cluster secret when a connection opens and failing
+//! closed, one call at a time per connection, several connections per peer
+//! kept in pools per core and per channel (control messages apart from bulk
+//! shard streams), a deadline on every call and the caller's map epoch on
+//! every request.
+//!
+//! The frames are authenticated at connect, not encrypted or signed one by
+//! one: cluster traffic belongs on a private network (docs/rpc.md).
+
+pub mod client;
+pub mod fuzz;
+pub mod server;
+pub mod wire;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+
+pub use client::{Call, RpcClient};
+pub use server::{serve, serve_connection, Handler, HandlerError, ServerCall, ServerStats};
+use wire::{
+    Challenge, Channel, Header, Hello, Refusal, Side, Transcript, WireError, CHALLENGE_FIXED_BYTES,
+    HEADER_BYTES, HELLO_FIXED_BYTES, PROTOCOL_VERSION, WELCOME_BYTES,
+};
+
+/// How long either side waits for the other's handshake messages.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Payloads up to this size go out with their header in one write.
+const COALESCE_MAX_BYTES: usize = 64 << 10;
+/// Read buffer of a connection (headers and small payloads come in one read).
+const READ_BUFFER_BYTES: usize = 64 << 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RpcError {
+    #[error("peer {peer} unreachable: {reason}")]
+    Unreachable { peer: String, reason: String },
+    #[error("deadline passed")]
+    Deadline,
+    #[error("authentication with {peer} failed: {reason}")]
+    Auth { peer: String, reason: String },
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("connection closed")]
+    Closed,
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer's map is newer: the caller's map is stale.
+    #[error("stale map epoch: the peer is at epoch {peer_epoch}")]
+    StaleEpoch { peer_epoch: u64 },
+    /// The peer's map is older: it reloads; the call may be retried.
+    #[error("the peer's map is behind (epoch {peer_epoch})")]
+    EpochAhead { peer_epoch: u64 },
+    /// The call reached the peer and failed there.
+    #[error("remote error ({code:?}): {message}")]
+    Remote {
+        code: wire::ErrorCode,
+        message: String,
+    },
+}
+
+impl From<WireError> for RpcError {
+    fn from(e: WireError) -> Self {
+        RpcError::Protocol(e.to_string())
+    }
+}
+
+impl RpcError {
+    /// Whether the call may have left the connection mid-frame: it is then
+    /// closed, never reused.
+    pub(crate) fn poisons_connection(&self) -> bool {
+        !matches!(
+            self,
+            RpcError::StaleEpoch { .. } | RpcError::EpochAhead { .. } | RpcError::Remote { .. }
+        )
+    }
+}
+
+/// Who this node is in the cluster, and the secret every node shares.
+#[derive(Clone)]
+pub struct Identity {
+    pub cluster: String,
+    pub node_id: String,
+    secret: Arc<[u8]>,
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Identity")
+            .field("cluster", &self.cluster)
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The shortest cluster secret accepted: a guessable secret lets anyone on
+/// the network act as a node.
+pub const SECRET_MIN_BYTES: usize = 16;
+
+impl Identity {
+    pub fn new(cluster: &str, node_id: &str, secret: &[u8]) -> Result<Identity, String> {
+        for (what, name) in [("cluster name", cluster), ("node id", node_id)] {
+            if name.is_empty()
+                || name.len() > wire::NAME_MAX_BYTES
+                || !name
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+            {
+                return Err(format!(
+                    "{what} {name:?}: 1 to {} characters of A-Z a-z 0-9 - _ .",
+                    wire::NAME_MAX_BYTES
+                ));
+            }
+        }
+        if secret.len() < SECRET_MIN_BYTES {
+            return Err(format!(
+                "the cluster secret must be at least {SECRET_MIN_BYTES} bytes"
+            ));
+        }
+        Ok(Identity {
+            cluster: cluster.to_string(),
+            node_id: node_id.to_string(),
+            secret: secret.into(),
+        })
+    }
+}
+
+/// A byte stream a connection runs on: TCP between nodes, an in-memory pipe
+/// in tests and fuzzing.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+pub type BoxStream = Box<dyn Stream>;
+
+/// One authenticated connection: frames in and out.
+pub struct Conn {
+    io: BufReader<BoxStream>,
+    /// The authenticated peer's node id.
+    pub peer_id: String,
+    pub channel: Channel,
+}
+
+impl Conn {
+    pub(crate) fn new(io: BoxStream, peer_id: String, channel: Channel) -> Conn {
+        Conn {
+            io: BufReader::with_capacity(READ_BUFFER_BYTES, io),
+            peer_id,
+            channel,
+        }
+    }
+
+    /// The stream under the connection (fuzzing writes raw bytes on it).
+    pub fn into_stream(self) -> BufReader<BoxStream> {
+        self.io
+    }
+
+    pub(crate) async fn write_frame(&mut self, h: Header, payload: &[u8]) -> std::io::Result<()> {
+        let head = h.encode(payload);
+        let w = self.io.get_mut();
+        if payload.len() <= COALESCE_MAX_BYTES {
+            let mut one = Vec::with_capacity(HEADER_BYTES + payload.len());
+            one.extend_from_slice(&head);
+            one.extend_from_slice(payload);
+            w.write_all(&one).await?;
+        } else {
+            w.write_all(&head).await?;
+            w.write_all(payload).await?;
+        }
+        w.flush().await
+    }
+
+    /// The next frame's header; `None` when the peer closed cleanly between
+    /// frames.
+    pub(crate) async fn read_header(&mut self) -> Result<Option<Header>, RpcError> {
+        let mut b = [0u8; HEADER_BYTES];
+        // A clean close is EOF before the first byte of a header.
+        if self.io.fill_buf().await?.is_empty() {
+            return Ok(None);
+        }
+        self.io.read_exact(&mut b).await.map_err(eof_is_closed)?;
+        Ok(Some(Header::decode(&b)?))
+    }
+
+    /// Reads a frame's payload into a new buffer and checks its CRC.
+    pub(crate) async fn read_payload(&mut self, h: &Header) -> Result<Vec<u8>, RpcError> {
+        let mut p = vec![0u8; h.len as usize];
+        self.read_payload_into(h, &mut p).await?;
+        Ok(p)
+    }
+
+    /// Reads a frame's payload into `buf` (exactly `h.len` bytes) and checks
+    /// its CRC.
+    pub(crate) async fn read_payload_into(
+        &mut self,
+        h: &Header,
+        buf: &mut [u8],
+    ) -> Result<(), RpcError> {
+        self.io.read_exact(buf).await.map_err(eof_is_closed)?;
+        h.check_payload(buf)?;
+        Ok(())
+    }
+
+    /// Whether the peer has sent something we have not read (without waiting).
+    pub(crate) fn has_pending_input(&mut self) -> bool {
+        use futures::FutureExt;
+        // Ready at all means bytes, an end of stream or an error: each is
+        // something the caller must read to learn.
+        self.io.fill_buf().now_or_never().is_some()
+    }
+}
+
+fn eof_is_closed(e: std::io::Error) -> RpcError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        RpcError::Closed
+    } else {
+        RpcError::Io(e)
+    }
+}
+
+/// The client side of the handshake: proves the secret and checks the
+/// server's proof. `expect` names the node the caller meant to reach.
+pub async fn client_handshake(
+    mut io: BoxStream,
+    me: &Identity,
+    channel: Channel,
+    peer: &str,
+    expect: Option<&str>,
+) -> Result<Conn, RpcError> {
+    let auth = |reason: String| RpcError::Auth {
+        peer: peer.to_string(),
+        reason,
+    };
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        channel,
+        cluster: me.cluster.clone(),
+        node_id: me.node_id.clone(),
+        nonce: wire::nonce(),
+    };
+    io.write_all(&hello.encode()).await?;
+    io.flush().await?;
+    let mut fixed = [0u8; CHALLENGE_FIXED_BYTES];
+    io.read_exact(&mut fixed).await.map_err(eof_is_closed)?;
+    let (mut challenge, n) = Challenge::decode_fixed(&fixed)?;
+    if challenge.status != Refusal::Accepted {
+        return Err(auth(format!("refused: {}", challenge.status.describe())));
+    }
+    if challenge.version != PROTOCOL_VERSION {
+        return Err(auth(format!(
+            "the peer speaks protocol version {}",
+            challenge.version
+        )));
+    }
+    let mut id = vec![0u8; n];
+    io.read_exact(&mut id).await.map_err(eof_is_closed)?;
+    let mut whole = fixed.to_vec();
+    whole.extend_from_slice(&id);
+    challenge = Challenge::decode(&whole)?;
+    let t = Transcript {
+        cluster: &me.cluster,
+        client_id: &me.node_id,
+        server_id: &challenge.node_id,
+        client_nonce: &hello.nonce,
+        server_nonce: &challenge.nonce,
+    };
+    if !wire::verify(Side::Server, &me.secret, &t, &challenge.proof) {
+        return Err(auth(
+            "the peer does not know the cluster secret".to_string(),
+        ));
+    }
+    if let Some(want) = expect {
+        if want != challenge.node_id {
+            return Err(auth(format!(
+                "expected node {want}, found node {}",
+                challenge.node_id
+            )));
+        }
+    }
+    io.write_all(&wire::proof(Side::Client, &me.secret, &t))
+        .await?;
+    io.flush().await?;
+    let mut welcome = [0u8; WELCOME_BYTES];
+    io.read_exact(&mut welcome)
+        .await
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => auth("the peer closed the connection".into()),
+            _ => RpcError::Io(e),
+        })?;
+    if welcome[0..4] != wire::MAGIC {
+        return Err(WireError::Magic.into());
+    }
+    match Refusal::from_u8(welcome[4]) {
+        Refusal::Accepted => Ok(Conn::new(io, challenge.node_id, channel)),
+        r => Err(auth(format!("refused: {}", r.describe()))),
+    }
+}
+
+/// The server side of the handshake. Every refusal is answered (so the
+/// client can say why) and ends the connection.
+pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, RpcError> {
+    async fn refuse(io: &mut BoxStream, status: Refusal) {
+        let c = Challenge {
+            version: PROTOCOL_VERSION,
+            status,
+            node_id: String::new(),
+            nonce: [0; wire::NONCE_BYTES],
+            proof: [0; wire::PROOF_BYTES],
+        };
+        let _ = io.write_all(&c.encode()).await;
+        let _ = io.flush().await;
+    }
+    let mut fixed = [0u8; HELLO_FIXED_BYTES];
+    io.read_exact(&mut fixed).await.map_err(eof_is_closed)?;
+    let (version, _, c, n, _) = match Hello::decode_fixed(&fixed) {
+        Ok(f) => f,
+        Err(e) => {
+            refuse(&mut io, Refusal::Malformed).await;
+            return Err(e.into());
+        }
+    };
+    let mut names = vec![0u8; c + n];
+    io.read_exact(&mut names).await.map_err(eof_is_closed)?;
+    let mut whole = fixed.to_vec();
+    whole.extend_from_slice(&names);
+    let hello = match Hello::decode(&whole) {
+        Ok(h) => h,
+        Err(e) => {
+            refuse(&mut io, Refusal::Malformed).await;
+            return Err(e.into());
+        }
+    };
+    if version != PROTOCOL_VERSION {
+        refuse(&mut io, Refusal::Version).await;
+        return Err(RpcError::Protocol(format!(
+            "node {} speaks protocol version {version}",
+            hello.node_id
+        )));
+    }
+    if hello.cluster != me.cluster {
+        refuse(&mut io, Refusal::Cluster).await;
+        return Err(RpcError::Auth {
+            peer: hello.node_id,
+            reason: format!("belongs to cluster {:?}", hello.cluster),
+        });
+    }
+    let server_nonce = wire::nonce();
+    let t = Transcript {
+        cluster: &me.cluster,
+        client_id: &hello.node_id,
+        server_id: &me.node_id,
+        client_nonce: &hello.nonce,
+        server_nonce: &server_nonce,
+    };
+    let challenge = Challenge {
+        version: PROTOCOL_VERSION,
+        status: Refusal::Accepted,
+        node_id: me.node_id.clone(),
+        nonce: server_nonce,
+        proof: wire::proof(Side::Server, &me.secret, &t),
+    };
+    io.write_all(&challenge.encode()).await?;
+    io.flush().await?;
+    let mut proof = [0u8; wire::PROOF_BYTES];
+    io.read_exact(&mut proof).await.map_err(eof_is_closed)?;
+    let ok = wire::verify(Side::Client, &me.secret, &t, &proof);
+    let mut welcome = [0u8; WELCOME_BYTES];
+    welcome[..4].copy_from_slice(&wire::MAGIC);
+    welcome[4] = if ok {
+        Refusal::Accepted as u8
+    } else {
+        Refusal::Proof as u8
+    };
+    io.write_all(&welcome).await?;
+    io.flush().await?;
+    if !ok {
+        return Err(RpcError::Auth {
+            peer: hello.node_id,
+            reason: "it does not know the cluster secret".into(),
+        });
+    }
+    Ok(Conn::new(io, hello.node_id, hello.channel))
+}

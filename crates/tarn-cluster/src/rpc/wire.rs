@@ -1,0 +1,777 @@
+//! The node-to-node RPC wire format, in one place: the handshake messages,
+//! the frame header, error codes, operation numbers and the field encoding
+//! of message payloads. Byte layouts and their history are in docs/rpc.md;
+//! everything here is pure (no I/O), so every decoder is fuzzed directly.
+//!
+//! Every decoder takes bytes from the network: it validates and returns an
+//! error, never panics, and never allocates more than the header it has
+//! already validated announces.
+
+use hmac::{KeyInit, Mac};
+use sha2::Sha256;
+
+/// The first bytes of every handshake message.
+pub const MAGIC: [u8; 4] = *b"TRPC";
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Each side's handshake nonce.
+pub const NONCE_BYTES: usize = 32;
+/// HMAC-SHA256 output.
+pub const PROOF_BYTES: usize = 32;
+/// Cluster names and node ids on the wire (the same limit as etcd keys use).
+pub const NAME_MAX_BYTES: usize = 63;
+/// Fixed part of HELLO, before the cluster name and node id.
+pub const HELLO_FIXED_BYTES: usize = 41;
+/// Fixed part of CHALLENGE, before the server's node id.
+pub const CHALLENGE_FIXED_BYTES: usize = 72;
+/// WELCOME: magic and a status byte.
+pub const WELCOME_BYTES: usize = 5;
+
+/// Every frame starts with this header.
+pub const HEADER_BYTES: usize = 32;
+/// Largest payload of a request, response, end or error frame: control
+/// documents (records, listing pages), never object data.
+pub const MESSAGE_MAX_BYTES: u32 = 16 << 20;
+/// Largest payload of a data frame: one shard block, which is at most one
+/// stripe (a replicated layout's block is the whole stripe).
+pub const DATA_MAX_BYTES: u32 = 64 << 20;
+const _: () = assert!(DATA_MAX_BYTES >= tarn_store::format::STRIPE_SIZE_MAX_BYTES);
+
+pub type Nonce = [u8; NONCE_BYTES];
+pub type Proof = [u8; PROOF_BYTES];
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic")]
+    Magic,
+    #[error("protocol version {0} is not supported (this node speaks {PROTOCOL_VERSION})")]
+    Version(u16),
+    #[error("truncated {0}")]
+    Truncated(&'static str),
+    #[error("{0}")]
+    Invalid(&'static str),
+    #[error("frame checksum mismatch")]
+    Checksum,
+    #[error("{what} payload of {len} bytes is over the limit of {max}")]
+    TooLarge {
+        what: &'static str,
+        len: u32,
+        max: u32,
+    },
+}
+
+/// Which pool a connection serves: small control messages never queue
+/// behind bulk shard streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Channel {
+    Control = 0,
+    Bulk = 1,
+}
+
+impl Channel {
+    pub fn from_u8(v: u8) -> Option<Channel> {
+        match v {
+            0 => Some(Channel::Control),
+            1 => Some(Channel::Bulk),
+            _ => None,
+        }
+    }
+}
+
+fn check_name(name: &[u8]) -> Result<(), WireError> {
+    if name.is_empty() || name.len() > NAME_MAX_BYTES {
+        return Err(WireError::Invalid("name length"));
+    }
+    if !name
+        .iter()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+    {
+        return Err(WireError::Invalid("name characters"));
+    }
+    Ok(())
+}
+
+/// The client's opening message.
+///
+/// ```text
+/// 0   4  magic "TRPC"
+/// 4   2  protocol version, u16 LE
+/// 6   1  channel: 0 control, 1 bulk
+/// 7   1  cluster name length c (1..=63)
+/// 8   1  client node id length n (1..=63)
+/// 9   32 client nonce
+/// 41  c  cluster name
+/// 41+c n client node id
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u16,
+    pub channel: Channel,
+    pub cluster: String,
+    pub node_id: String,
+    pub nonce: Nonce,
+}
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(HELLO_FIXED_BYTES + self.cluster.len() + self.node_id.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.push(self.channel as u8);
+        out.push(self.cluster.len() as u8);
+        out.push(self.node_id.len() as u8);
+        out.extend_from_slice(&self.nonce);
+        out.extend_from_slice(self.cluster.as_bytes());
+        out.extend_from_slice(self.node_id.as_bytes());
+        out
+    }
+
+    /// Decodes the fixed part: returns the lengths of the names that follow.
+    pub fn decode_fixed(b: &[u8]) -> Result<(u16, Channel, usize, usize, Nonce), WireError> {
+        if b.len() < HELLO_FIXED_BYTES {
+            return Err(WireError::Truncated("hello"));
+        }
+        if b[0..4] != MAGIC {
+            return Err(WireError::Magic);
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        let channel = Channel::from_u8(b[6]).ok_or(WireError::Invalid("channel"))?;
+        let (c, n) = (b[7] as usize, b[8] as usize);
+        if c == 0 || c > NAME_MAX_BYTES || n == 0 || n > NAME_MAX_BYTES {
+            return Err(WireError::Invalid("name length"));
+        }
+        let mut nonce = [0u8; NONCE_BYTES];
+        nonce.copy_from_slice(&b[9..41]);
+        Ok((version, channel, c, n, nonce))
+    }
+
+    /// Decodes a whole HELLO.
+    pub fn decode(b: &[u8]) -> Result<Hello, WireError> {
+        let (version, channel, c, n, nonce) = Hello::decode_fixed(b)?;
+        let rest = &b[HELLO_FIXED_BYTES..];
+        if rest.len() != c + n {
+            return Err(WireError::Truncated("hello names"));
+        }
+        let (cluster, node_id) = rest.split_at(c);
+        check_name(cluster)?;
+        check_name(node_id)?;
+        Ok(Hello {
+            version,
+            channel,
+            cluster: String::from_utf8_lossy(cluster).into_owned(),
+            node_id: String::from_utf8_lossy(node_id).into_owned(),
+            nonce,
+        })
+    }
+}
+
+/// Why a server refuses a HELLO or a proof.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    Accepted = 0,
+    Version = 1,
+    Cluster = 2,
+    Proof = 3,
+    Malformed = 4,
+}
+
+impl Refusal {
+    pub fn from_u8(v: u8) -> Refusal {
+        match v {
+            0 => Refusal::Accepted,
+            1 => Refusal::Version,
+            2 => Refusal::Cluster,
+            3 => Refusal::Proof,
+            _ => Refusal::Malformed,
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Refusal::Accepted => "accepted",
+            Refusal::Version => "protocol version not supported",
+            Refusal::Cluster => "another cluster",
+            Refusal::Proof => "cluster secret proof refused",
+            Refusal::Malformed => "malformed handshake",
+        }
+    }
+}
+
+/// The server's answer to HELLO.
+///
+/// ```text
+/// 0   4  magic "TRPC"
+/// 4   2  protocol version, u16 LE
+/// 6   1  status (Refusal; 0 accepted, anything else ends the connection)
+/// 7   1  server node id length n (0..=63; 0 when refused)
+/// 8   32 server nonce
+/// 40  32 server proof (zero when refused)
+/// 72  n  server node id
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Challenge {
+    pub version: u16,
+    pub status: Refusal,
+    pub node_id: String,
+    pub nonce: Nonce,
+    pub proof: Proof,
+}
+
+impl Challenge {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(CHALLENGE_FIXED_BYTES + self.node_id.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.push(self.status as u8);
+        out.push(self.node_id.len() as u8);
+        out.extend_from_slice(&self.nonce);
+        out.extend_from_slice(&self.proof);
+        out.extend_from_slice(self.node_id.as_bytes());
+        out
+    }
+
+    /// Decodes the fixed part; returns it with the node id left empty and
+    /// the length of the node id that follows.
+    pub fn decode_fixed(b: &[u8]) -> Result<(Challenge, usize), WireError> {
+        if b.len() < CHALLENGE_FIXED_BYTES {
+            return Err(WireError::Truncated("challenge"));
+        }
+        if b[0..4] != MAGIC {
+            return Err(WireError::Magic);
+        }
+        let n = b[7] as usize;
+        if n > NAME_MAX_BYTES {
+            return Err(WireError::Invalid("name length"));
+        }
+        let mut nonce = [0u8; NONCE_BYTES];
+        nonce.copy_from_slice(&b[8..40]);
+        let mut proof = [0u8; PROOF_BYTES];
+        proof.copy_from_slice(&b[40..72]);
+        Ok((
+            Challenge {
+                version: u16::from_le_bytes([b[4], b[5]]),
+                status: Refusal::from_u8(b[6]),
+                node_id: String::new(),
+                nonce,
+                proof,
+            },
+            n,
+        ))
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Challenge, WireError> {
+        let (mut c, n) = Challenge::decode_fixed(b)?;
+        let rest = &b[CHALLENGE_FIXED_BYTES..];
+        if rest.len() != n {
+            return Err(WireError::Truncated("challenge node id"));
+        }
+        if c.status == Refusal::Accepted {
+            check_name(rest)?;
+        }
+        c.node_id = String::from_utf8_lossy(rest).into_owned();
+        Ok(c)
+    }
+}
+
+/// Which side a proof speaks for: the two proofs of one handshake differ, so
+/// neither can be reflected back as the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Server,
+}
+
+/// What both proofs of one connection cover: both names, both nonces.
+pub struct Transcript<'a> {
+    pub cluster: &'a str,
+    pub client_id: &'a str,
+    pub server_id: &'a str,
+    pub client_nonce: &'a Nonce,
+    pub server_nonce: &'a Nonce,
+}
+
+fn transcript_mac(side: Side, secret: &[u8], t: &Transcript<'_>) -> hmac::Hmac<Sha256> {
+    let mut m = hmac::Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+    m.update(match side {
+        Side::Client => b"tarn-rpc-v1 client\0",
+        Side::Server => b"tarn-rpc-v1 server\0",
+    });
+    // Names are length-limited and NUL-free, so NUL separators are unambiguous.
+    for part in [t.cluster, t.client_id, t.server_id] {
+        m.update(part.as_bytes());
+        m.update(&[0]);
+    }
+    m.update(t.client_nonce);
+    m.update(t.server_nonce);
+    m
+}
+
+/// `HMAC-SHA256(secret, "tarn-rpc-v1 <side>\0" ‖ cluster\0 ‖ client id\0 ‖
+/// server id\0 ‖ client nonce ‖ server nonce)`.
+pub fn proof(side: Side, secret: &[u8], t: &Transcript<'_>) -> Proof {
+    transcript_mac(side, secret, t)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Checks a proof in constant time.
+pub fn verify(side: Side, secret: &[u8], t: &Transcript<'_>, proof: &Proof) -> bool {
+    transcript_mac(side, secret, t).verify_slice(proof).is_ok()
+}
+
+/// A fresh random nonce.
+pub fn nonce() -> Nonce {
+    let mut n = [0u8; NONCE_BYTES];
+    // The OS random source failing is not something to limp on with.
+    getrandom::fill(&mut n).expect("the OS random number source");
+    n
+}
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Opens a call: the operation, the sender's map epoch and deadline.
+    Request = 1,
+    /// The call's result (its body, if flagged, follows as data frames).
+    Response = 2,
+    /// A piece of a request or response body.
+    Data = 3,
+    /// Ends a body.
+    End = 4,
+    /// The call failed: an error code and a UTF-8 message.
+    Error = 5,
+}
+
+impl Kind {
+    pub fn from_u8(v: u8) -> Option<Kind> {
+        match v {
+            1 => Some(Kind::Request),
+            2 => Some(Kind::Response),
+            3 => Some(Kind::Data),
+            4 => Some(Kind::End),
+            5 => Some(Kind::Error),
+            _ => None,
+        }
+    }
+}
+
+/// Request/response flag: a body of data frames and an end frame follows.
+pub const FLAG_BODY: u8 = 1;
+const FLAGS_KNOWN: u8 = FLAG_BODY;
+
+/// A frame header.
+///
+/// ```text
+/// 0   1  kind (Kind)
+/// 1   1  flags (bit 0: a body follows; other bits 0)
+/// 2   2  operation, u16 LE (requests; the other kinds echo it)
+/// 4   4  payload length, u32 LE
+/// 8   8  call id, u64 LE (responses echo the request's)
+/// 16  8  map epoch, u64 LE (requests: the sender's; errors: the receiver's)
+/// 24  4  requests: deadline in ms, u32 LE; errors: error code; else 0
+/// 28  4  CRC32C of bytes [0, 28) followed by the payload
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub flags: u8,
+    pub op: u16,
+    pub len: u32,
+    pub call: u64,
+    pub epoch: u64,
+    /// Deadline (ms) of a request, code of an error.
+    pub aux: u32,
+    pub crc: u32,
+}
+
+impl Header {
+    pub fn new(kind: Kind, op: u16, call: u64, epoch: u64, aux: u32) -> Header {
+        Header {
+            kind,
+            flags: 0,
+            op,
+            len: 0,
+            call,
+            epoch,
+            aux,
+            crc: 0,
+        }
+    }
+
+    pub fn with_body(mut self, body: bool) -> Header {
+        if body {
+            self.flags |= FLAG_BODY;
+        }
+        self
+    }
+
+    pub fn has_body(&self) -> bool {
+        self.flags & FLAG_BODY != 0
+    }
+
+    /// Encodes with the length and CRC of `payload`.
+    pub fn encode(&self, payload: &[u8]) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0] = self.kind as u8;
+        b[1] = self.flags;
+        b[2..4].copy_from_slice(&self.op.to_le_bytes());
+        b[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        b[8..16].copy_from_slice(&self.call.to_le_bytes());
+        b[16..24].copy_from_slice(&self.epoch.to_le_bytes());
+        b[24..28].copy_from_slice(&self.aux.to_le_bytes());
+        let crc = frame_crc(&b[..28], payload);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a header (the payload's CRC is checked once it
+    /// has arrived, with `check_payload`).
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header, WireError> {
+        let kind = Kind::from_u8(b[0]).ok_or(WireError::Invalid("frame kind"))?;
+        let flags = b[1];
+        if flags & !FLAGS_KNOWN != 0 {
+            return Err(WireError::Invalid("frame flags"));
+        }
+        if flags & FLAG_BODY != 0 && !matches!(kind, Kind::Request | Kind::Response) {
+            return Err(WireError::Invalid(
+                "body flag on a frame that cannot open a body",
+            ));
+        }
+        let len = u32::from_le_bytes(b[4..8].try_into().expect("4"));
+        let max = match kind {
+            Kind::Data => DATA_MAX_BYTES,
+            _ => MESSAGE_MAX_BYTES,
+        };
+        if len > max {
+            return Err(WireError::TooLarge {
+                what: "frame",
+                len,
+                max,
+            });
+        }
+        Ok(Header {
+            kind,
+            flags,
+            op: u16::from_le_bytes([b[2], b[3]]),
+            len,
+            call: u64::from_le_bytes(b[8..16].try_into().expect("8")),
+            epoch: u64::from_le_bytes(b[16..24].try_into().expect("8")),
+            aux: u32::from_le_bytes(b[24..28].try_into().expect("4")),
+            crc: u32::from_le_bytes(b[28..32].try_into().expect("4")),
+        })
+    }
+
+    /// Checks the CRC over the header's first 28 bytes and the payload.
+    pub fn check_payload(&self, payload: &[u8]) -> Result<(), WireError> {
+        if payload.len() != self.len as usize {
+            return Err(WireError::Truncated("payload"));
+        }
+        // Decoding is lossless for a valid header: re-encoding gives the
+        // bytes that came, so this is the CRC of what was sent.
+        let b = self.encode(payload);
+        if u32::from_le_bytes(b[28..32].try_into().expect("4")) != self.crc {
+            return Err(WireError::Checksum);
+        }
+        Ok(())
+    }
+}
+
+fn frame_crc(head: &[u8], payload: &[u8]) -> u32 {
+    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    d.update(head);
+    d.update(payload);
+    d.finalize() as u32
+}
+
+/// Why a call failed, as carried by an error frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The frame or its payload did not decode; the connection is closed.
+    Protocol = 1,
+    /// The request's epoch is older than the receiver's map: refresh the map.
+    StaleEpoch = 2,
+    /// The request's epoch is newer than the receiver's map: it reloads; retry.
+    EpochAhead = 3,
+    /// The deadline passed before the receiver finished.
+    Deadline = 4,
+    /// The receiver does not know the operation.
+    UnknownOp = 5,
+    /// The receiver is shutting down or not ready.
+    Unavailable = 6,
+    /// The operation failed; its payload says why (operation-specific).
+    Failed = 7,
+}
+
+impl ErrorCode {
+    pub fn from_u32(v: u32) -> Option<ErrorCode> {
+        Some(match v {
+            1 => ErrorCode::Protocol,
+            2 => ErrorCode::StaleEpoch,
+            3 => ErrorCode::EpochAhead,
+            4 => ErrorCode::Deadline,
+            5 => ErrorCode::UnknownOp,
+            6 => ErrorCode::Unavailable,
+            7 => ErrorCode::Failed,
+            _ => return None,
+        })
+    }
+}
+
+/// Operation numbers. New operations get new numbers; a number is never
+/// reused for another meaning.
+pub mod op {
+    /// Echoes its payload: liveness and round-trip checks.
+    pub const PING: u16 = 1;
+}
+
+/// Field encoding of message payloads: little-endian integers, byte strings
+/// and UTF-8 strings prefixed by their u32 length.
+#[derive(Default)]
+pub struct Enc {
+    pub buf: Vec<u8>,
+}
+
+impl Enc {
+    pub fn new() -> Enc {
+        Enc::default()
+    }
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u32(v.len() as u32);
+        self.buf.extend_from_slice(v);
+        self
+    }
+    pub fn str(&mut self, v: &str) -> &mut Self {
+        self.bytes(v.as_bytes())
+    }
+    pub fn fixed(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
+        self
+    }
+    pub fn finish(self) -> Vec<u8> {
+        self.buf
+    }
+}
+
+/// Reads what `Enc` wrote; every read checks the bytes are there.
+pub struct Dec<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Dec<'a> {
+    pub fn new(b: &'a [u8]) -> Dec<'a> {
+        Dec { b }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if self.b.len() < n {
+            return Err(WireError::Truncated("message field"));
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    pub fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
+    }
+    pub fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    pub fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    pub fn bytes(&mut self) -> Result<&'a [u8], WireError> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    pub fn str(&mut self) -> Result<&'a str, WireError> {
+        std::str::from_utf8(self.bytes()?).map_err(|_| WireError::Invalid("UTF-8 field"))
+    }
+    pub fn fixed<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        Ok(self.take(N)?.try_into().expect("N"))
+    }
+    /// The message must end here: trailing bytes are an error.
+    pub fn end(&self) -> Result<(), WireError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::Invalid("trailing bytes in message"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn kind() -> impl Strategy<Value = Kind> {
+        prop_oneof![
+            Just(Kind::Request),
+            Just(Kind::Response),
+            Just(Kind::Data),
+            Just(Kind::End),
+            Just(Kind::Error)
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn header_round_trips(kind in kind(), body in any::<bool>(), op in any::<u16>(),
+                              call in any::<u64>(), epoch in any::<u64>(), aux in any::<u32>(),
+                              payload in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let body = body && matches!(kind, Kind::Request | Kind::Response);
+            let h = Header::new(kind, op, call, epoch, aux).with_body(body);
+            let b = h.encode(&payload);
+            let d = Header::decode(&b).unwrap();
+            prop_assert_eq!(d.kind, kind);
+            prop_assert_eq!(d.has_body(), body);
+            prop_assert_eq!((d.op, d.call, d.epoch, d.aux), (op, call, epoch, aux));
+            prop_assert_eq!(d.len as usize, payload.len());
+            prop_assert!(d.check_payload(&payload).is_ok());
+        }
+
+        /// Any single bit flipped in header or payload is caught: by the
+        /// header's validation or by the CRC.
+        #[test]
+        fn a_flipped_bit_is_caught(payload in proptest::collection::vec(any::<u8>(), 1..200),
+                                   bit in 0usize..(32 + 200) * 8) {
+            let h = Header::new(Kind::Request, op::PING, 7, 3, 1000);
+            let mut frame = h.encode(&payload).to_vec();
+            frame.extend_from_slice(&payload);
+            let bit = bit % (frame.len() * 8);
+            frame[bit / 8] ^= 1 << (bit % 8);
+            let head: [u8; HEADER_BYTES] = frame[..HEADER_BYTES].try_into().unwrap();
+            match Header::decode(&head) {
+                Err(_) => {}
+                Ok(d) => prop_assert!(d.check_payload(&frame[HEADER_BYTES..]).is_err()),
+            }
+        }
+
+        #[test]
+        fn header_decode_never_panics(b in proptest::array::uniform32(any::<u8>())) {
+            if let Ok(h) = Header::decode(&b) {
+                let max = if h.kind == Kind::Data { DATA_MAX_BYTES } else { MESSAGE_MAX_BYTES };
+                prop_assert!(h.len <= max);
+            }
+        }
+
+        #[test]
+        fn hello_round_trips(cluster in "[a-z0-9-]{1,63}", node in "[a-zA-Z0-9_.-]{1,63}",
+                             bulk in any::<bool>(), nonce in proptest::array::uniform32(any::<u8>())) {
+            let h = Hello {
+                version: PROTOCOL_VERSION,
+                channel: if bulk { Channel::Bulk } else { Channel::Control },
+                cluster, node_id: node, nonce,
+            };
+            prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn handshake_decoders_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = Hello::decode(&b);
+            let _ = Challenge::decode(&b);
+        }
+
+        #[test]
+        fn fields_round_trip(a in any::<u8>(), b in any::<u16>(), c in any::<u32>(), d in any::<u64>(),
+                             s in ".{0,40}", v in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut e = Enc::new();
+            e.u8(a).u16(b).u32(c).u64(d).str(&s).bytes(&v).fixed(&[9; 4]);
+            let buf = e.finish();
+            let mut r = Dec::new(&buf);
+            prop_assert_eq!(r.u8().unwrap(), a);
+            prop_assert_eq!(r.u16().unwrap(), b);
+            prop_assert_eq!(r.u32().unwrap(), c);
+            prop_assert_eq!(r.u64().unwrap(), d);
+            prop_assert_eq!(r.str().unwrap(), s.as_str());
+            prop_assert_eq!(r.bytes().unwrap(), &v[..]);
+            prop_assert_eq!(r.fixed::<4>().unwrap(), [9; 4]);
+            prop_assert!(r.end().is_ok());
+            // Every truncation fails cleanly.
+            for cut in 0..buf.len() {
+                let mut r = Dec::new(&buf[..cut]);
+                let all = (|| -> Result<(), WireError> {
+                    r.u8()?; r.u16()?; r.u32()?; r.u64()?; r.str()?; r.bytes()?; r.fixed::<4>()?; Ok(())
+                })();
+                prop_assert!(all.is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn challenge_round_trips() {
+        let c = Challenge {
+            version: PROTOCOL_VERSION,
+            status: Refusal::Accepted,
+            node_id: "n2".into(),
+            nonce: [4; 32],
+            proof: [5; 32],
+        };
+        assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_any_allocation() {
+        let mut b = Header::new(Kind::Response, op::PING, 1, 1, 0).encode(&[]);
+        b[4..8].copy_from_slice(&(MESSAGE_MAX_BYTES + 1).to_le_bytes());
+        assert!(matches!(
+            Header::decode(&b),
+            Err(WireError::TooLarge { .. })
+        ));
+        let mut b = Header::new(Kind::Data, op::PING, 1, 1, 0).encode(&[]);
+        b[4..8].copy_from_slice(&(DATA_MAX_BYTES + 1).to_le_bytes());
+        assert!(matches!(
+            Header::decode(&b),
+            Err(WireError::TooLarge { .. })
+        ));
+        b[4..8].copy_from_slice(&DATA_MAX_BYTES.to_le_bytes());
+        assert!(Header::decode(&b).is_ok());
+    }
+
+    #[test]
+    fn proofs_bind_side_names_and_nonces() {
+        let (cn, sn) = ([1u8; 32], [2u8; 32]);
+        let t = Transcript {
+            cluster: "c",
+            client_id: "a",
+            server_id: "b",
+            client_nonce: &cn,
+            server_nonce: &sn,
+        };
+        let p = proof(Side::Client, b"secret", &t);
+        assert!(verify(Side::Client, b"secret", &t, &p));
+        assert!(!verify(Side::Server, b"secret", &t, &p), "reflected");
+        assert!(!verify(Side::Client, b"secreT", &t, &p), "other secret");
+        let swapped = Transcript {
+            client_id: "b",
+            server_id: "a",
+            ..t
+        };
+        assert!(!verify(Side::Client, b"secret", &swapped, &p));
+        let other_nonce = Transcript {
+            server_nonce: &cn,
+            ..t
+        };
+        assert!(!verify(Side::Client, b"secret", &other_nonce, &p));
+    }
+}
