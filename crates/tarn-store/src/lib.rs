@@ -11,6 +11,7 @@ pub mod checksum;
 pub mod codec;
 pub mod config;
 pub mod drive;
+pub mod drive_io;
 pub mod error;
 pub mod format;
 pub mod lock;

@@ -8,16 +8,16 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use futures::Stream;
-use tarn_io::file::run_blocking;
 use tarn_io::PooledBuf;
 use tokio::sync::mpsc;
 
 use super::{validate_key, Store};
 use crate::checksum::crc32c;
 use crate::codec::{codec_for, StripeGeometry};
+use crate::drive_io::ShardSource;
 use crate::error::StoreError;
 use crate::format::{Layout, PartMeta, Storage, VersionMeta};
-use crate::shard::{ShardError, ShardReader};
+use crate::shard::ShardError;
 use crate::types::{ByteRange, ObjectInfo, ReadConditions};
 
 /// A GET's data goes to the HTTP layer in pieces of this size, each its own
@@ -232,14 +232,16 @@ impl Store {
             let Some(db) = self.slot(set, pos).db() else {
                 continue;
             };
-            let (b, k, vid, mt) = (
-                bucket.to_string(),
-                key.to_string(),
-                v.version_id,
-                v.mod_time_ns,
-            );
-            match run_blocking(move || Ok(db.inline_data(&b, &k, &vid, mt))).await {
-                Ok(Ok(Some(data))) if crc32c(&data) == want && data.len() as u64 == v.size => {
+            let read = db
+                .inline_data(
+                    bucket.to_string(),
+                    key.to_string(),
+                    v.version_id,
+                    v.mod_time_ns,
+                )
+                .await;
+            match read {
+                Ok(Some(data)) if crc32c(&data) == want && data.len() as u64 == v.size => {
                     if bad {
                         self.queue_heal(bucket, key);
                     }
@@ -395,7 +397,7 @@ pub(crate) struct PartReader {
     layout: Layout,
     set: usize,
     data_id: crate::format::Id128,
-    readers: Vec<Option<ShardReader>>,
+    readers: Vec<Option<Box<dyn ShardSource>>>,
     /// Shards known bad (missing, short, corrupt); never read again.
     bad: Vec<bool>,
     opened: Vec<bool>,
@@ -446,13 +448,13 @@ impl PartReader {
         let (first, last) = (self.first, self.last);
         let opens = shards.iter().map(|&i| {
             let slot = store.slot(self.set, self.layout.distribution[i] as usize);
-            let online = slot.online();
-            let path = slot.paths.shard(&self.data_id);
+            let drive = slot.writer();
+            let data_id = self.data_id;
             async move {
-                if !online {
+                let Some(drive) = drive else {
                     return (i, Err(ShardError::Missing));
-                }
-                let mut r = match ShardReader::open(&path, geometry).await {
+                };
+                let mut r = match drive.open_shard(data_id, geometry).await {
                     Ok(r) => r,
                     Err(e) => return (i, Err(e)),
                 };
@@ -543,15 +545,26 @@ impl PartReader {
             for &i in &want {
                 self.bufs[i].as_mut().expect("buffer").ensure_capacity(sl);
             }
-            let reads = want.iter().map(|&i| {
-                let reader = self.readers[i].as_ref().expect("opened");
-                let mut pooled = self.bufs[i].take().expect("buffer");
-                async move {
-                    let (res, buf) = reader.read_block(j, pooled.take()).await;
-                    pooled.restore(buf);
-                    (i, res, pooled)
-                }
-            });
+            let mut taken: Vec<Option<PooledBuf>> = (0..n)
+                .map(|i| {
+                    want.contains(&i)
+                        .then(|| self.bufs[i].take().expect("buffer"))
+                })
+                .collect();
+            let reads = self
+                .readers
+                .iter_mut()
+                .zip(taken.iter_mut())
+                .enumerate()
+                .filter_map(|(i, (reader, pooled))| {
+                    let mut pooled = pooled.take()?;
+                    let reader = reader.as_mut().expect("opened");
+                    Some(async move {
+                        let (res, buf) = reader.read_block(j, pooled.take()).await;
+                        pooled.restore(buf);
+                        (i, res, pooled)
+                    })
+                });
             let mut failed = false;
             for (i, res, pooled) in futures::future::join_all(reads).await {
                 self.bufs[i] = Some(pooled);

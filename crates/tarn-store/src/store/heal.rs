@@ -6,16 +6,19 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tarn_io::file::{rename_durable, run_blocking};
+use std::sync::Arc;
+
+use tarn_io::file::run_blocking;
 
 use super::get::PartReader;
 use super::Store;
 use crate::checksum::crc32c;
 use crate::codec::{codec_for, StripeGeometry};
 use crate::drive::ObjectWrite;
+use crate::drive_io::ShardPlace;
 use crate::error::StoreError;
 use crate::format::{new_id, Layout, PartMeta, Storage};
-use crate::shard::{shard_file_len, ShardReader, ShardWriter};
+use crate::shard::shard_file_len;
 use crate::types::HealReport;
 
 /// Age before an unreferenced shard file counts as an orphan. Shards are renamed
@@ -48,19 +51,17 @@ impl Store {
             .map(|(n, r)| (n.clone(), r.clone()))
             .collect();
         for d in self.drives.iter().filter_map(|d| d.writer()) {
-            let buckets = buckets.clone();
-            let healed = run_blocking(move || {
-                let have: Vec<(String, crate::format::BucketRecord)> =
-                    d.buckets().map_err(std::io::Error::other)?;
+            let healed = async {
+                let have = d.buckets().await?;
                 let mut n = 0;
                 for (name, rec) in &buckets {
                     if !have.iter().any(|(h, r)| h == name && r == rec) {
-                        d.put_bucket(name, rec).map_err(std::io::Error::other)?;
+                        d.put_bucket(name.clone(), rec.clone()).await?;
                         n += 1;
                     }
                 }
-                Ok(n)
-            })
+                Ok::<_, StoreError>(n)
+            }
             .await;
             match healed {
                 Ok(n) => report.buckets_healed += n,
@@ -73,17 +74,16 @@ impl Store {
         }
         for (bucket, _) in &buckets {
             for set in 0..self.sets.len() {
-                let dbs: Vec<_> = (0..self.set_size(set))
+                let drives: Vec<_> = (0..self.set_size(set))
                     .filter_map(|p| self.slot(set, p).writer())
                     .collect();
-                let b = bucket.clone();
-                let keys = run_blocking(move || {
+                let keys = async {
                     let mut all = std::collections::BTreeSet::new();
-                    for db in dbs {
-                        all.extend(db.all_object_keys(&b).map_err(std::io::Error::other)?);
+                    for d in drives {
+                        all.extend(d.all_object_keys(bucket.clone()).await?);
                     }
-                    Ok(all)
-                })
+                    Ok::<_, StoreError>(all)
+                }
                 .await;
                 let keys = match keys {
                     Ok(k) => k,
@@ -169,23 +169,26 @@ impl Store {
                 tracing::warn!(drive = %members[0].1.root.display(), "orphan sweep skipped: the drive's index was salvaged; remove .tarn/meta.corrupt to sweep");
                 continue;
             }
+            // Union of references across the set: a file is an orphan only if
+            // no drive of its set knows it. A drive whose metadata cannot be
+            // read fully stops the sweep of this set.
+            let mut referenced = std::collections::HashSet::new();
+            for (d, _) in &members {
+                let Some(d) = d else { continue };
+                referenced.extend(d.referenced_data_ids().await?);
+            }
+            // This node sweeps its own drives (other nodes sweep theirs,
+            // with the same union).
+            let dirs: Vec<std::path::PathBuf> = members
+                .iter()
+                .filter_map(|(d, _)| Some(d.as_ref()?.as_local()?.paths.data_dir()))
+                .collect();
             let inflight = self.inflight_data.clone();
             removed += run_blocking(move || {
-                // Union of references across the set: a file is an orphan only if
-                // no drive of its set knows it. A drive whose metadata cannot be
-                // read fully stops the sweep of this set.
-                let mut referenced = std::collections::HashSet::new();
-                for (db, _) in &members {
-                    let Some(db) = db else { continue };
-                    referenced.extend(db.referenced_data_ids().map_err(std::io::Error::other)?);
-                }
                 let now = std::time::SystemTime::now();
                 let mut n = 0u64;
-                for (db, paths) in &members {
-                    if db.is_none() {
-                        continue;
-                    }
-                    for sub in std::fs::read_dir(paths.data_dir())?.flatten() {
+                for dir in &dirs {
+                    for sub in std::fs::read_dir(dir)?.flatten() {
                         let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
                         for f in files.flatten() {
                             let name = f.file_name();
@@ -243,14 +246,14 @@ impl Store {
                     let Some(db) = self.slot(set, pos).db() else {
                         continue;
                     };
-                    let (b, k, vid, mt) = (
-                        bucket.to_string(),
-                        key.to_string(),
-                        v.version_id,
-                        v.mod_time_ns,
-                    );
-                    if let Ok(Ok(Some(d))) =
-                        run_blocking(move || Ok(db.inline_data(&b, &k, &vid, mt))).await
+                    if let Ok(Some(d)) = db
+                        .inline_data(
+                            bucket.to_string(),
+                            key.to_string(),
+                            v.version_id,
+                            v.mod_time_ns,
+                        )
+                        .await
                     {
                         if crc32c(&d) == want {
                             good = Some(d);
@@ -273,10 +276,10 @@ impl Store {
             // Which inline copies this drive lacks or holds corrupt.
             let mut missing_inline = Vec::new();
             for (vid, mt, data, want) in &inline_copies {
-                let (b, k, vid2, mt2, db2) =
-                    (bucket.to_string(), key.to_string(), *vid, *mt, db.clone());
-                let have = run_blocking(move || Ok(db2.inline_data(&b, &k, &vid2, mt2))).await;
-                let ok = matches!(&have, Ok(Ok(Some(d))) if crc32c(d) == *want);
+                let have = db
+                    .inline_data(bucket.to_string(), key.to_string(), *vid, *mt)
+                    .await;
+                let ok = matches!(&have, Ok(Some(d)) if crc32c(d) == *want);
                 if !ok {
                     missing_inline.push((*vid, *mt, data.clone()));
                 }
@@ -289,8 +292,8 @@ impl Store {
                 inline_put: missing_inline,
                 ..Default::default()
             };
-            let (b, k) = (bucket.to_string(), key.to_string());
-            match run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
+            match db
+                .write_object(bucket.to_string(), key.to_string(), Arc::new(w))
                 .await
             {
                 Ok(()) => report.metadata_rewritten += 1,
@@ -332,11 +335,10 @@ impl Store {
         let g = StripeGeometry::new(part.size, layout.stripe_size_bytes, layout.data_shards);
         let mut bad = Vec::new();
         for (shard, &pos) in layout.distribution.iter().enumerate() {
-            let slot = self.slot(set, pos as usize);
-            if !slot.online() {
+            let Some(drive) = self.slot(set, pos as usize).writer() else {
                 continue;
-            }
-            let ok = match ShardReader::open(&slot.paths.shard(&part.data_id), g).await {
+            };
+            let ok = match drive.open_shard(part.data_id, g).await {
                 Ok(mut r) => r.verify_all(shard as u8).await.is_ok(),
                 Err(_) => false,
             };
@@ -379,10 +381,14 @@ impl Store {
         let mut writers = Vec::new();
         for &shard in &bad {
             let slot = self.slot(set, layout.distribution[shard] as usize);
-            writers.push((
-                shard,
-                ShardWriter::create(&slot.paths.tmp_shard(&tmp_id), shard as u8).await?,
-            ));
+            let drive = slot.writer().ok_or_else(|| StoreError::Drive {
+                drive: slot.paths.root.display().to_string(),
+                reason: "went offline during heal".into(),
+            })?;
+            let w = drive
+                .create_shard(tmp_id, shard as u8, ShardPlace::Tmp)
+                .await?;
+            writers.push((shard, drive, w));
         }
         let count = g.stripe_count();
         if count > 0 {
@@ -413,7 +419,7 @@ impl Store {
                         .reconstruct(&present, &mut wanted)
                         .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
                 }
-                for ((_, w), out) in writers.iter_mut().zip(outs.iter_mut()) {
+                for ((_, _, w), out) in writers.iter_mut().zip(outs.iter_mut()) {
                     let buf = std::mem::replace(out, tarn_io::AlignedBuf::with_capacity(0));
                     let (res, buf) = w.write_block(buf).await;
                     *out = buf;
@@ -422,14 +428,10 @@ impl Store {
             }
         }
         let mut rebuilt = 0;
-        for (shard, w) in writers {
+        for (shard, drive, w) in writers {
             w.finish().await?;
-            let p = self
-                .slot(set, layout.distribution[shard] as usize)
-                .paths
-                .clone();
-            rename_durable(p.tmp_shard(&tmp_id), p.shard(&part.data_id)).await?;
-            tracing::info!(drive = %p.root.display(), part = part.number, shard, "shard rebuilt");
+            drive.commit_shard(tmp_id, part.data_id).await?;
+            tracing::info!(drive = %drive.name(), part = part.number, shard, "shard rebuilt");
             self.slot(set, layout.distribution[shard] as usize)
                 .consumed(shard_bytes);
             rebuilt += 1;

@@ -8,6 +8,7 @@ use tarn_io::file::run_blocking;
 
 use super::{resolve, version_to_string, Store};
 use crate::drive::DriveDb;
+use crate::drive_io::Drive;
 use crate::error::StoreError;
 use crate::format::ObjectRecord;
 use crate::types::{ListPage, ListParams, VersionListPage, VersionListParams};
@@ -54,21 +55,116 @@ impl Cursor {
 type DriveRecords = Vec<Result<Option<ObjectRecord>, StoreError>>;
 
 struct SetDrives {
-    dbs: Vec<Arc<DriveDb>>,
+    dbs: Vec<Arc<dyn Drive>>,
     quorum: usize,
 }
 
-/// One drive's lazy cursor and its next entry.
+/// Entries a drive of another node sends per page: a listing page's worth
+/// (S3's 1000 keys) in one call. A re-seek past a common prefix starts small
+/// and doubles, so skipping prefixes does not fetch pages only to drop them.
+const REMOTE_PAGE_MAX: usize = 1024;
+const REMOTE_PAGE_FIRST: usize = 16;
+
+/// Where a drive's entries come from.
+enum Source {
+    /// This node's drive: a lazy cursor over its index (the walk runs on a
+    /// blocking thread).
+    Local {
+        db: Arc<DriveDb>,
+        cursor: crate::drive::ObjectCursor,
+    },
+    /// Another node's: pages fetched over RPC.
+    Remote {
+        drive: Arc<dyn Drive>,
+        page: std::collections::VecDeque<(String, Vec<u8>)>,
+        /// Where the next page starts (inclusive); None when there is none.
+        from: Option<Option<Vec<u8>>>,
+        size: usize,
+    },
+}
+
+/// One drive's entries and its next one.
 struct Head {
     set: usize,
-    db: Arc<DriveDb>,
-    cursor: crate::drive::ObjectCursor,
+    source: Source,
     next: Option<(String, Vec<u8>)>,
 }
 
 impl Head {
-    fn advance(&mut self) -> Result<(), StoreError> {
-        self.next = self.cursor.next().transpose()?;
+    fn new(
+        set: usize,
+        drive: &Arc<dyn Drive>,
+        bucket: &str,
+        prefix: &str,
+        from: Option<&[u8]>,
+    ) -> Head {
+        let source = match drive.as_local() {
+            Some(l) => Source::Local {
+                db: l.db.clone(),
+                cursor: l.db.object_cursor(bucket, prefix, from),
+            },
+            None => Source::Remote {
+                drive: drive.clone(),
+                page: Default::default(),
+                from: Some(from.map(<[u8]>::to_vec)),
+                size: REMOTE_PAGE_MAX,
+            },
+        };
+        Head {
+            set,
+            source,
+            next: None,
+        }
+    }
+
+    /// Starts again at key bytes `from`.
+    fn seek(&mut self, bucket: &str, prefix: &str, from: Option<&[u8]>) {
+        match &mut self.source {
+            Source::Local { db, cursor } => *cursor = db.object_cursor(bucket, prefix, from),
+            Source::Remote {
+                page,
+                from: next,
+                size,
+                ..
+            } => {
+                page.clear();
+                *next = Some(from.map(<[u8]>::to_vec));
+                *size = REMOTE_PAGE_FIRST;
+            }
+        }
+    }
+
+    async fn advance(&mut self, bucket: &str, prefix: &str) -> Result<(), StoreError> {
+        self.next = match &mut self.source {
+            Source::Local { cursor, .. } => cursor.next().transpose()?,
+            Source::Remote {
+                drive,
+                page,
+                from,
+                size,
+            } => {
+                if page.is_empty() {
+                    if let Some(start) = from.take() {
+                        // Called on the runtime, where its connections live;
+                        // this walk runs on a blocking thread.
+                        let (d, b, p, limit) =
+                            (drive.clone(), bucket.to_string(), prefix.to_string(), *size);
+                        let got = tokio::runtime::Handle::current()
+                            .spawn(async move { d.list_page(b, p, start, limit).await })
+                            .await
+                            .map_err(|e| StoreError::Io(std::io::Error::other(e)))??;
+                        if got.len() == *size {
+                            let mut after = got.last().expect("full page").0.as_bytes().to_vec();
+                            after.push(0);
+                            *from = Some(Some(after));
+                        }
+                        *size = (*size * 2).min(REMOTE_PAGE_MAX);
+                        page.extend(got);
+                    }
+                }
+                page.pop_front()
+            }
+        };
         Ok(())
     }
 }
@@ -77,8 +173,8 @@ impl Head {
 /// after `start`, in key order: a k-way merge of one lazy cursor per online
 /// drive. Skipping a common prefix re-seeks only the cursors inside it, so a
 /// page costs O(page × drives) reads whatever the bucket holds. Runs on a
-/// blocking thread.
-fn walk(
+/// blocking thread (`futures::executor::block_on`).
+async fn walk(
     sets: &[SetDrives],
     bucket: &str,
     prefix: &str,
@@ -103,13 +199,8 @@ fn walk(
     let mut heads = Vec::new();
     for (s, set) in sets.iter().enumerate() {
         for db in &set.dbs {
-            let mut h = Head {
-                set: s,
-                db: db.clone(),
-                cursor: db.object_cursor(bucket, prefix, lower.as_deref()),
-                next: None,
-            };
-            h.advance()?;
+            let mut h = Head::new(s, db, bucket, prefix, lower.as_deref());
+            h.advance(bucket, prefix).await?;
             heads.push(h);
         }
     }
@@ -134,7 +225,7 @@ fn walk(
                         what: e.to_string(),
                     }
                 }));
-                h.advance()?;
+                h.advance(bucket, prefix).await?;
             }
         }
         match visit(&key, resolve(&recs, sets[set].quorum)) {
@@ -147,8 +238,8 @@ fn walk(
                         .as_ref()
                         .is_some_and(|(k, _)| k.starts_with(p.as_str()))
                     {
-                        h.cursor = h.db.object_cursor(bucket, prefix, past.as_deref());
-                        h.advance()?;
+                        h.seek(bucket, prefix, past.as_deref());
+                        h.advance(bucket, prefix).await?;
                     }
                 }
             }
@@ -206,7 +297,7 @@ impl Store {
             if max == 0 {
                 return Ok(Ok(page));
             }
-            let res = walk(
+            let res = futures::executor::block_on(walk(
                 &sets,
                 &bucket,
                 &p.prefix,
@@ -238,7 +329,7 @@ impl Store {
                         }
                     }
                 },
-            );
+            ));
             Ok(res.map(|_| page))
         })
         .await??;
@@ -273,7 +364,7 @@ impl Store {
                 _ => (None, None),
             };
             let mut emitted = 0usize;
-            let res = walk(
+            let res = futures::executor::block_on(walk(
                 &sets,
                 &bucket,
                 &p.prefix,
@@ -330,7 +421,7 @@ impl Store {
                     }
                     Step::Next
                 },
-            );
+            ));
             Ok(res.map(|_| page))
         })
         .await??;

@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 
 use crate::config::{default_parity_shards, default_set_drive_count, StoreConfig};
 use crate::drive::{self, DriveDb, DrivePaths, DriveProbe, ObjectWrite};
+use crate::drive_io::{Drive, LocalDrive};
 use crate::error::StoreError;
 use crate::format::{
     id_from_hex, id_to_hex, new_id, BucketRecord, CodecId, DriveFormat, Durability, Id128, Layout,
@@ -80,7 +81,8 @@ fn fs_space(path: &std::path::Path) -> Option<(u64, u64)> {
 
 /// Whether a drive is in use, and why not.
 struct SlotState {
-    db: Option<Arc<DriveDb>>,
+    /// The drive while in use.
+    db: Option<Arc<dyn Drive>>,
     reason: Option<String>,
     /// Taken out while running (an I/O error): probed until it works again.
     faulty: bool,
@@ -104,7 +106,7 @@ impl DriveSlot {
         rebuilding: Option<u64>,
     ) -> DriveSlot {
         let (db, reason) = match opened {
-            Ok(db) => (Some(Arc::new(db)), None),
+            Ok(db) => (Some(local_drive(db, &paths)), None),
             Err(r) => (None, Some(r)),
         };
         DriveSlot {
@@ -156,16 +158,16 @@ impl DriveSlot {
         sp.free = sp.free.saturating_sub(bytes);
     }
 
-    /// The drive's metadata index for reads: while the drive is in use and
-    /// its index is complete (not rebuilding).
-    pub fn db(&self) -> Option<Arc<DriveDb>> {
+    /// The drive for metadata reads: while it is in use and its index is
+    /// complete (not rebuilding).
+    pub fn db(&self) -> Option<Arc<dyn Drive>> {
         let st = self.state.read().expect("drive state");
         st.db.clone().filter(|_| st.rebuilding.is_none())
     }
 
-    /// The drive's metadata index for writes: while the drive is in use,
+    /// The drive for writes (and its shard files): while it is in use,
     /// rebuilding or not.
-    pub fn writer(&self) -> Option<Arc<DriveDb>> {
+    pub fn writer(&self) -> Option<Arc<dyn Drive>> {
         self.state.read().expect("drive state").db.clone()
     }
 
@@ -191,6 +193,11 @@ impl DriveSlot {
     fn faulty(&self) -> bool {
         self.state.read().expect("drive state").faulty
     }
+}
+
+/// A drive of this node as the engine reaches it.
+fn local_drive(db: DriveDb, paths: &DrivePaths) -> Arc<dyn Drive> {
+    Arc::new(LocalDrive::new(Arc::new(db), paths.clone()))
 }
 
 /// Whether an error is ENOSPC: an `io::Error` anywhere in its source chain
@@ -698,7 +705,8 @@ impl Store {
         let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
         let mut answered = 0;
         for d in drives.iter().filter_map(|d| d.db()) {
-            if let Ok(list) = d.buckets() {
+            let Some(local) = d.as_local() else { continue };
+            if let Ok(list) = local.db.buckets() {
                 answered += 1;
                 for (name, rec) in list {
                     let e = seen.entry(name).or_insert((rec.clone(), 0));
@@ -1025,7 +1033,7 @@ impl Store {
                             *slot.lock.lock().expect("drive lock") = lock;
                         }
                     }
-                    st.db = Some(Arc::new(db));
+                    st.db = Some(local_drive(db, &slot.paths));
                     st.faulty = false;
                     st.reindex = false;
                     st.reason = None;
@@ -1259,7 +1267,7 @@ impl Store {
     pub(crate) fn writers<'a>(
         &'a self,
         slots: impl Iterator<Item = &'a DriveSlot>,
-    ) -> Vec<(&'a DriveSlot, Arc<DriveDb>)> {
+    ) -> Vec<(&'a DriveSlot, Arc<dyn Drive>)> {
         slots.filter_map(|s| s.writer().map(|db| (s, db))).collect()
     }
 
@@ -1268,8 +1276,8 @@ impl Store {
     pub(crate) fn count_index_writes(
         &self,
         what: &str,
-        targets: &[(&DriveSlot, Arc<DriveDb>)],
-        results: &[std::io::Result<()>],
+        targets: &[(&DriveSlot, Arc<dyn Drive>)],
+        results: &[Result<(), StoreError>],
     ) -> usize {
         for ((slot, _), r) in targets.iter().zip(results) {
             if let Err(e) = r {
@@ -1288,15 +1296,9 @@ impl Store {
         let total = self.drives.len();
         let quorum = total / 2 + 1;
         let targets = self.writers(self.drives.iter());
-        let futs = targets.iter().map(|(_, db)| {
-            let (name, rec, db) = (name.to_string(), rec.clone(), db.clone());
-            run_blocking(move || {
-                match &rec {
-                    Some(r) => db.put_bucket(&name, r),
-                    None => db.delete_bucket(&name),
-                }
-                .map_err(std::io::Error::other)
-            })
+        let futs = targets.iter().map(|(_, d)| match &rec {
+            Some(r) => d.put_bucket(name.to_string(), r.clone()),
+            None => d.delete_bucket(name.to_string()),
         });
         let results = futures::future::join_all(futs).await;
         let ok = self.count_index_writes("metadata write", &targets, &results);
@@ -1394,21 +1396,19 @@ impl Store {
     /// Whether any drive holds an object of `name` (or, with `uploads`, a
     /// multipart upload in progress).
     async fn bucket_has_entries(&self, name: &str, uploads: bool) -> Result<bool, StoreError> {
-        let name_owned = name.to_string();
-        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
-        let has = run_blocking(move || {
-            for db in dbs {
-                if db
-                    .bucket_has_entries(&name_owned, uploads)
-                    .map_err(std::io::Error::other)?
-                {
-                    return Ok(true);
-                }
-            }
-            Ok(false)
-        })
-        .await?;
-        Ok(has)
+        let drives: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
+        let answers = futures::future::join_all(
+            drives
+                .iter()
+                .map(|d| d.bucket_has_entries(name.to_string(), uploads)),
+        )
+        .await;
+        // Any drive holding an entry is enough; otherwise every drive must
+        // have answered.
+        if answers.iter().any(|a| matches!(a, Ok(true))) {
+            return Ok(true);
+        }
+        answers.into_iter().try_fold(false, |_, a| a)
     }
 
     pub fn head_bucket(&self, name: &str) -> Result<BucketInfo, StoreError> {
@@ -1474,46 +1474,23 @@ impl Store {
         bucket: &str,
         key: &str,
     ) -> Vec<Result<Option<ObjectRecord>, StoreError>> {
-        // One blocking task reads every drive of the set: the records are small
-        // and usually cached, so one thread hand-off beats one per drive.
-        let dbs: Vec<Option<Arc<DriveDb>>> = (0..self.set_size(set))
+        let drives: Vec<Option<Arc<dyn Drive>>> = (0..self.set_size(set))
             .map(|pos| self.slot(set, pos).db())
             .collect();
-        let n = dbs.len();
-        let read_from: Vec<bool> = dbs.iter().map(Option::is_some).collect();
         let (b, k) = (bucket.to_string(), key.to_string());
-        let read = run_blocking(move || {
-            Ok(dbs
-                .into_iter()
-                .map(|db| match db {
-                    Some(db) => db.object(&b, &k),
-                    None => Err(StoreError::Drive {
-                        drive: String::new(),
-                        reason: "offline".into(),
-                    }),
-                })
-                .collect::<Vec<_>>())
-        })
+        let records = per_drive(
+            &drives,
+            move |db| db.object(&b, &k),
+            |d| d.object(bucket.to_string(), key.to_string()),
+        )
         .await;
-        match read {
-            Ok(records) => {
-                // Errors of the drives read, not the "offline" of the others.
-                for (pos, r) in records.iter().enumerate() {
-                    if let (true, Err(e)) = (read_from[pos], r) {
-                        self.index_read_failed(self.slot(set, pos), e);
-                    }
-                }
-                records
+        // Errors of the drives read, not the "offline" of the others.
+        for (pos, r) in records.iter().enumerate() {
+            if let (Some(_), Err(e)) = (&drives[pos], r) {
+                self.index_read_failed(self.slot(set, pos), e);
             }
-            Err(e) => (0..n)
-                .map(|_| {
-                    Err(StoreError::Drive {
-                        drive: String::new(),
-                        reason: e.to_string(),
-                    })
-                })
-                .collect(),
         }
+        records
     }
 
     /// The versions of bucket/key that a read quorum agrees on, and whether any
@@ -1554,10 +1531,9 @@ impl Store {
     ) -> Result<usize, StoreError> {
         let w = Arc::new(w);
         let targets = self.writers((0..self.set_size(set)).map(|pos| self.slot(set, pos)));
-        let futs = targets.iter().map(|(_, db)| {
-            let (b, k, w, db) = (bucket.to_string(), key.to_string(), w.clone(), db.clone());
-            run_blocking(move || db.write_object(&b, &k, &w).map_err(std::io::Error::other))
-        });
+        let futs = targets
+            .iter()
+            .map(|(_, d)| d.write_object(bucket.to_string(), key.to_string(), w.clone()));
         let results = futures::future::join_all(futs).await;
         let ok = self.count_index_writes("metadata write", &targets, &results);
         let quorum = self.meta_write_quorum(self.set_size(set));
@@ -1675,18 +1651,21 @@ impl Store {
         if data_ids.is_empty() {
             return;
         }
-        let paths: Vec<PathBuf> = (0..self.set_size(set))
-            .filter(|&pos| self.slot(set, pos).online())
-            .flat_map(|pos| {
-                let p = self.slot(set, pos).paths.clone();
-                data_ids
-                    .iter()
-                    .map(move |id| p.shard(id))
-                    .collect::<Vec<_>>()
-            })
+        let drives: Vec<Arc<dyn Drive>> = (0..self.set_size(set))
+            .filter_map(|pos| self.slot(set, pos).writer())
             .collect();
-        let _ = run_blocking(move || {
-            for p in paths {
+        // This node's drives on one blocking thread; others' concurrently.
+        let local: Vec<PathBuf> = drives
+            .iter()
+            .filter_map(|d| d.as_local())
+            .flat_map(|l| data_ids.iter().map(|id| l.paths.shard(id)))
+            .collect();
+        let remote = drives
+            .iter()
+            .filter(|d| d.as_local().is_none())
+            .map(|d| d.remove_shards(data_ids.clone()));
+        let local = run_blocking(move || {
+            for p in local {
                 if let Err(e) = std::fs::remove_file(&p) {
                     if e.kind() != std::io::ErrorKind::NotFound {
                         tracing::warn!(path = %p.display(), error = %e, "could not remove shard file");
@@ -1694,8 +1673,8 @@ impl Store {
                 }
             }
             Ok(())
-        })
-        .await;
+        });
+        let _ = futures::join!(local, futures::future::join_all(remote));
     }
 
     // ---------------------------------------------------------------------
@@ -1952,15 +1931,12 @@ impl Store {
         for (set, items) in per_set.into_iter().enumerate() {
             let items = Arc::new(items);
             for chunk_start in (0..items.len()).step_by(50_000) {
+                let end = (chunk_start + 50_000).min(items.len());
                 let futs = (0..self.set_size(set))
                     .filter_map(|p| self.slot(set, p).writer())
-                    .map(|db| {
+                    .map(|d| {
                         let (b, items) = (bucket.to_string(), items.clone());
-                        run_blocking(move || {
-                            let end = (chunk_start + 50_000).min(items.len());
-                            db.write_objects_bulk(&b, &items[chunk_start..end])
-                                .map_err(std::io::Error::other)
-                        })
+                        async move { d.write_objects_bulk(b, items, chunk_start..end).await }
                     });
                 for r in futures::future::join_all(futs).await {
                     r?;
@@ -1969,6 +1945,68 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// One index call on each drive in use (None: not in use, answered as
+/// offline). The records are small and usually cached, so the drives of
+/// this node are all read on one blocking thread (one hand-off beats one per
+/// drive); drives of other nodes are called concurrently.
+pub(crate) async fn per_drive<T: Send + 'static>(
+    drives: &[Option<Arc<dyn Drive>>],
+    local: impl Fn(&DriveDb) -> Result<T, StoreError> + Send + 'static,
+    remote: impl for<'a> Fn(&'a dyn Drive) -> crate::drive_io::BoxFuture<'a, Result<T, StoreError>>,
+) -> Vec<Result<T, StoreError>> {
+    let offline = || StoreError::Drive {
+        drive: String::new(),
+        reason: "offline".into(),
+    };
+    let mut out: Vec<Result<T, StoreError>> = drives.iter().map(|_| Err(offline())).collect();
+    let locals: Vec<(usize, Arc<DriveDb>)> = drives
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| Some((i, d.as_ref()?.as_local()?.db.clone())))
+        .collect();
+    let local_positions: Vec<usize> = locals.iter().map(|(i, _)| *i).collect();
+    let local_reads = async move {
+        if locals.is_empty() {
+            return Ok(Vec::new());
+        }
+        run_blocking(move || {
+            Ok(locals
+                .into_iter()
+                .map(|(i, db)| (i, local(&db)))
+                .collect::<Vec<_>>())
+        })
+        .await
+    };
+    let remote_reads = futures::future::join_all(drives.iter().enumerate().filter_map(|(i, d)| {
+        let d = d.as_ref()?;
+        if d.as_local().is_some() {
+            return None;
+        }
+        let f = remote(&**d);
+        Some(async move { (i, f.await) })
+    }));
+    let (local_results, remote_results) = futures::join!(local_reads, remote_reads);
+    match local_results {
+        Ok(v) => {
+            for (i, r) in v {
+                out[i] = r;
+            }
+        }
+        Err(e) => {
+            for i in local_positions {
+                out[i] = Err(StoreError::Drive {
+                    drive: String::new(),
+                    reason: e.to_string(),
+                });
+            }
+        }
+    }
+    for (i, r) in remote_results {
+        out[i] = r;
+    }
+    out
 }
 
 pub(crate) fn data_ids_of(versions: &[VersionMeta]) -> Vec<Id128> {

@@ -6,8 +6,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::drive_io::Drive;
 use md5::{Digest, Md5};
-use tarn_io::file::run_blocking;
 
 use super::put::{single_etag, BodyReader};
 use super::{now_ns, validate_key, Store};
@@ -54,10 +54,9 @@ impl Store {
             layout,
         };
         let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
-        let futs = targets.iter().map(|(_, db)| {
-            let (b, k, r, db) = (bucket.to_string(), key.to_string(), rec.clone(), db.clone());
-            run_blocking(move || db.put_upload(&b, &k, &r).map_err(std::io::Error::other))
-        });
+        let futs = targets
+            .iter()
+            .map(|(_, d)| d.put_upload(bucket.to_string(), key.to_string(), rec.clone()));
         let results = futures::future::join_all(futs).await;
         let ok = self.count_index_writes("metadata write", &targets, &results);
         let quorum = self.meta_write_quorum(self.set_size(set));
@@ -81,14 +80,14 @@ impl Store {
     ) -> Result<UploadRecord, StoreError> {
         let futs = (0..self.set_size(set))
             .filter_map(|p| self.slot(set, p).db())
-            .map(|db| {
-                let (b, k, id) = (bucket.to_string(), key.to_string(), *upload_id);
-                run_blocking(move || Ok(db.upload(&b, &k, &id)))
+            .map(|d| async move {
+                d.upload(bucket.to_string(), key.to_string(), *upload_id)
+                    .await
             });
         let mut found = 0;
         let mut rec = None;
         for r in futures::future::join_all(futs).await {
-            if let Ok(Ok(Some(u))) = r {
+            if let Ok(Some(u)) = r {
                 found += 1;
                 rec = Some(u);
             }
@@ -107,7 +106,7 @@ impl Store {
         &self,
         set: usize,
         bucket: &str,
-        targets: &[(&super::DriveSlot, Arc<crate::drive::DriveDb>)],
+        targets: &[(&super::DriveSlot, Arc<dyn Drive>)],
     ) -> Result<u64, StoreError> {
         let sources: Vec<_> = (0..self.set_size(set))
             .filter_map(|p| self.slot(set, p).db())
@@ -127,19 +126,15 @@ impl Store {
             };
             let parts: Vec<UploadPartRecord> =
                 self.upload_parts(set, &id).await?.into_values().collect();
-            let futs = targets.iter().map(|(_, db)| {
-                let (b, k, rec, parts, db) = (
-                    bucket.to_string(),
-                    key.clone(),
-                    rec.clone(),
-                    parts.clone(),
-                    db.clone(),
-                );
-                run_blocking(move || {
-                    db.put_upload(&b, &k, &rec)
-                        .and_then(|_| parts.iter().try_for_each(|p| db.put_part(&id, p)))
-                        .map_err(std::io::Error::other)
-                })
+            let futs = targets.iter().map(|(_, d)| {
+                let (rec, parts, key) = (rec.clone(), parts.clone(), key.clone());
+                async move {
+                    d.put_upload(bucket.to_string(), key, rec).await?;
+                    for p in parts {
+                        d.put_part(id, p).await?;
+                    }
+                    Ok(())
+                }
             });
             let results = futures::future::join_all(futs).await;
             if self.count_index_writes("upload heal", targets, &results) < targets.len() {
@@ -160,17 +155,9 @@ impl Store {
     ) -> Result<BTreeMap<u32, UploadPartRecord>, StoreError> {
         let futs = (0..self.set_size(set))
             .filter_map(|p| self.slot(set, p).db())
-            .map(|db| {
-                let id = *upload_id;
-                run_blocking(move || Ok(db.parts(&id)))
-            });
+            .map(|d| async move { d.parts(*upload_id).await });
         let mut counts: Vec<(UploadPartRecord, usize)> = Vec::new();
-        for parts in futures::future::join_all(futs)
-            .await
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
+        for parts in futures::future::join_all(futs).await.into_iter().flatten() {
             for p in parts {
                 match counts
                     .iter_mut()
@@ -272,10 +259,7 @@ impl Store {
             self.upload(set, bucket, key, &id).await?;
             let previous = self.upload_parts(set, &id).await?.remove(&number);
             let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
-            let futs = targets.iter().map(|(_, db)| {
-                let (r, db) = (rec.clone(), db.clone());
-                run_blocking(move || db.put_part(&id, &r).map_err(std::io::Error::other))
-            });
+            let futs = targets.iter().map(|(_, d)| d.put_part(id, rec.clone()));
             let results = futures::future::join_all(futs).await;
             let ok = self.count_index_writes("metadata write", &targets, &results);
             let quorum = self.meta_write_quorum(self.set_size(set));
@@ -356,17 +340,8 @@ impl Store {
         let parts = self.upload_parts(set, &id).await?;
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
-        let futs = targets.iter().map(|(_, db)| {
-            let (b, k, n, db) = (
-                bucket.to_string(),
-                key.to_string(),
-                numbers.clone(),
-                db.clone(),
-            );
-            run_blocking(move || {
-                db.delete_upload(&b, &k, &id, &n)
-                    .map_err(std::io::Error::other)
-            })
+        let futs = targets.iter().map(|(_, d)| {
+            d.delete_upload(bucket.to_string(), key.to_string(), id, numbers.clone())
         });
         let results = futures::future::join_all(futs).await;
         let ok = self.count_index_writes("metadata write", &targets, &results);
@@ -502,21 +477,17 @@ impl Store {
         max: usize,
     ) -> Result<(Vec<UploadInfo>, Vec<String>, bool), StoreError> {
         self.bucket_record(bucket)?;
-        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
-        let (b, p) = (bucket.to_string(), prefix.to_string());
-        let all = run_blocking(move || {
-            let mut seen: BTreeMap<(String, u64, String), ()> = BTreeMap::new();
-            for db in dbs {
-                for (key, rec) in db
-                    .scan_uploads(&b, &p, 100_000)
-                    .map_err(std::io::Error::other)?
-                {
-                    seen.insert((key, rec.initiated_ns, id_to_hex(&rec.upload_id)), ());
-                }
+        let drives: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
+        let mut seen: BTreeMap<(String, u64, String), ()> = BTreeMap::new();
+        for d in drives {
+            for (key, rec) in d
+                .scan_uploads(bucket.to_string(), prefix.to_string(), 100_000)
+                .await?
+            {
+                seen.insert((key, rec.initiated_ns, id_to_hex(&rec.upload_id)), ());
             }
-            Ok(seen.into_keys().collect::<Vec<_>>())
-        })
-        .await?;
+        }
+        let all: Vec<_> = seen.into_keys().collect();
         let mut out: Vec<UploadInfo> = Vec::new();
         let mut prefixes: Vec<String> = Vec::new();
         let mut truncated = false;
@@ -639,23 +610,18 @@ fn object_checksum(
 /// The multipart uploads in progress of `bucket` on `dbs` (keys and upload
 /// ids, each once).
 pub(crate) async fn bucket_uploads(
-    dbs: Vec<Arc<crate::drive::DriveDb>>,
+    drives: Vec<Arc<dyn Drive>>,
     bucket: &str,
 ) -> Result<std::collections::BTreeSet<(String, Id128)>, StoreError> {
-    let b = bucket.to_string();
-    let all = run_blocking(move || {
-        let mut all = std::collections::BTreeSet::new();
-        for db in dbs {
-            for (key, rec) in db
-                .scan_uploads(&b, "", usize::MAX)
-                .map_err(std::io::Error::other)?
-            {
-                all.insert((key, rec.upload_id));
-            }
+    let mut all = std::collections::BTreeSet::new();
+    for d in drives {
+        for (key, rec) in d
+            .scan_uploads(bucket.to_string(), String::new(), usize::MAX)
+            .await?
+        {
+            all.insert((key, rec.upload_id));
         }
-        Ok(all)
-    })
-    .await?;
+    }
     Ok(all)
 }
 

@@ -4,7 +4,6 @@
 use bytes::Bytes;
 use futures::StreamExt;
 use md5::{Digest, Md5};
-use tarn_io::file::{run_blocking, sync_dir_async};
 use tarn_io::PooledBuf;
 
 use super::{data_ids_of, validate_key, Store, NULL_VERSION};
@@ -12,9 +11,9 @@ use crate::checksum::crc32c;
 use crate::codec::{codec_for, StripeGeometry};
 use crate::config::EtagMode;
 use crate::drive::ObjectWrite;
+use crate::drive_io::{ShardPlace, ShardSink};
 use crate::error::StoreError;
 use crate::format::{new_id, Id128, Layout, PartMeta, Storage, VersionMeta, Versioning};
-use crate::shard::ShardWriter;
 use crate::types::{ObjectBody, ObjectInfo, PutOptions};
 
 /// Reads a body while hashing it for the ETag.
@@ -183,13 +182,13 @@ impl Store {
         let quorum = Self::data_write_quorum(layout);
         let codec = codec_for(layout.codec, k, layout.parity_shards as usize);
 
-        let mut writers: Vec<Option<ShardWriter>> = Vec::with_capacity(n);
+        let mut writers: Vec<Option<Box<dyn ShardSink>>> = Vec::with_capacity(n);
         for (shard, &pos) in layout.distribution.iter().enumerate() {
             let slot = self.slot(set, pos as usize);
-            if !slot.online() {
+            let Some(drive) = slot.writer() else {
                 writers.push(None);
                 continue;
-            }
+            };
             // Room for a stripe's worth beyond the reserve (the same test
             // `/admin/drives` reports "full" by).
             if !slot.has_room(stripe as u64, self.cfg.drive_reserve_bytes) {
@@ -197,7 +196,10 @@ impl Store {
                 writers.push(None);
                 continue;
             }
-            match ShardWriter::create(&slot.paths.shard(&data_id), shard as u8).await {
+            match drive
+                .create_shard(data_id, shard as u8, ShardPlace::Final)
+                .await
+            {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
                     tracing::error!(drive = %slot.paths.root.display(), %error, "cannot create shard file");
@@ -271,16 +273,9 @@ impl Store {
         // nothing refers to them until the metadata commits, and the orphan
         // sweep never touches a data id that is still being written.
         let finishing = writers.iter_mut().zip(&slots).map(|(w, slot)| {
-            let dir = slot
-                .paths
-                .shard(&data_id)
-                .parent()
-                .map(std::path::Path::to_path_buf);
             async move {
                 let Some(writer) = w.take() else { return false };
-                let Some(dir) = dir else { return false };
-                let (file, entry) = futures::join!(writer.finish(), sync_dir_async(&dir));
-                match file.and(entry) {
+                match writer.finish().await {
                     Ok(()) => true,
                     Err(error) => {
                         tracing::error!(drive = %slot.paths.root.display(), %error, "finishing shard file failed");
@@ -311,7 +306,7 @@ impl Store {
         chunks: &[Bytes],
         len: usize,
         shard_bufs: &mut [PooledBuf],
-        writers: &mut [Option<ShardWriter>],
+        writers: &mut [Option<Box<dyn ShardSink>>],
         slots: &[&super::DriveSlot],
         codec: &dyn crate::codec::Codec,
         k: usize,
@@ -379,19 +374,12 @@ impl Store {
     }
 
     async fn remove_tmp_and_data(&self, set: usize, layout: &Layout, data_id: Id128) {
-        let paths: Vec<_> = layout
+        let drives: Vec<_> = layout
             .distribution
             .iter()
-            .map(|&pos| self.slot(set, pos as usize).paths.clone())
+            .filter_map(|&pos| self.slot(set, pos as usize).writer())
             .collect();
-        let _ = run_blocking(move || {
-            for p in paths {
-                let _ = std::fs::remove_file(p.tmp_shard(&data_id));
-                let _ = std::fs::remove_file(p.shard(&data_id));
-            }
-            Ok(())
-        })
-        .await;
+        futures::future::join_all(drives.iter().map(|d| d.remove_shards(vec![data_id]))).await;
     }
 
     /// PUT: stores the body as a new version of bucket/key.
@@ -587,7 +575,7 @@ pub fn etag_matches(condition: &str, etag: &str) -> bool {
         .any(|c| c == "*" || c == etag)
 }
 
-fn check_alive(writers: &[Option<ShardWriter>], quorum: usize) -> Result<(), StoreError> {
+fn check_alive<W>(writers: &[Option<W>], quorum: usize) -> Result<(), StoreError> {
     let alive = writers.iter().filter(|w| w.is_some()).count();
     if alive < quorum {
         return Err(StoreError::QuorumLost {
