@@ -9,4 +9,5 @@ pub mod keys;
 pub mod map;
 pub mod membership;
 pub mod placement;
+pub mod remote;
 pub mod rpc;

@@ -524,6 +524,271 @@ impl ErrorCode {
 pub mod op {
     /// Echoes its payload: liveness and round-trip checks.
     pub const PING: u16 = 1;
+
+    // Calls on one drive of the receiving node (`drive`): every request
+    // starts with the drive's 16-byte id. Lists come back as a response
+    // body of data frames, each a run of encoded items.
+    pub const DRIVE_BUCKETS: u16 = 10;
+    pub const DRIVE_PUT_BUCKET: u16 = 11;
+    pub const DRIVE_DELETE_BUCKET: u16 = 12;
+    pub const DRIVE_BUCKET_HAS_ENTRIES: u16 = 13;
+    pub const DRIVE_OBJECT: u16 = 20;
+    pub const DRIVE_WRITE_OBJECT: u16 = 21;
+    pub const DRIVE_WRITE_OBJECTS_BULK: u16 = 22;
+    pub const DRIVE_INLINE_DATA: u16 = 23;
+    pub const DRIVE_LIST_PAGE: u16 = 24;
+    pub const DRIVE_ALL_OBJECT_KEYS: u16 = 25;
+    pub const DRIVE_PUT_UPLOAD: u16 = 30;
+    pub const DRIVE_UPLOAD: u16 = 31;
+    pub const DRIVE_DELETE_UPLOAD: u16 = 32;
+    pub const DRIVE_SCAN_UPLOADS: u16 = 33;
+    pub const DRIVE_PUT_PART: u16 = 34;
+    pub const DRIVE_PARTS: u16 = 35;
+    pub const DRIVE_REFERENCED_DATA_IDS: u16 = 36;
+    /// A shard file: the request body is its blocks, one per data frame.
+    pub const SHARD_WRITE: u16 = 40;
+    pub const SHARD_COMMIT: u16 = 41;
+    /// Opens a shard file and checks its length.
+    pub const SHARD_OPEN: u16 = 42;
+    /// Verified blocks `first..=last` as a response body, one per data frame.
+    pub const SHARD_READ: u16 = 43;
+    pub const SHARD_VERIFY: u16 = 44;
+    pub const SHARD_REMOVE: u16 = 45;
+}
+
+/// Messages of the drive operations.
+pub mod drive {
+    use super::{Dec, Enc, WireError};
+    use tarn_store::drive::{BulkItem, ObjectWrite};
+    use tarn_store::format::ObjectRecord;
+    use tarn_store::shard::ShardError;
+    use tarn_store::StoreError;
+
+    /// Largest data frame of a list response body: items are packed into
+    /// runs up to this size (an item larger than it gets a frame alone).
+    pub const LIST_FRAME_BYTES: usize = 1 << 20;
+
+    pub fn object_write(e: &mut Enc, w: &ObjectWrite) {
+        match &w.record {
+            Some(r) => e.u8(1).bytes(&r.encode()),
+            None => e.u8(0),
+        };
+        e.u32(w.inline_put.len() as u32);
+        for (vid, mt, data) in &w.inline_put {
+            e.fixed(vid).u64(*mt).bytes(data);
+        }
+        e.u32(w.inline_delete.len() as u32);
+        for (vid, mt) in &w.inline_delete {
+            e.fixed(vid).u64(*mt);
+        }
+        match &w.upload_delete {
+            Some((id, parts)) => {
+                e.u8(1).fixed(id).u32(parts.len() as u32);
+                for n in parts {
+                    e.u32(*n);
+                }
+            }
+            None => {
+                e.u8(0);
+            }
+        }
+    }
+
+    /// A count read from the wire, bounded by what the message can hold
+    /// (each item takes at least `min_item_bytes`), so a forged count
+    /// allocates nothing.
+    pub fn count(d: &mut Dec<'_>, min_item_bytes: usize) -> Result<usize, WireError> {
+        let n = d.u32()? as usize;
+        if n.saturating_mul(min_item_bytes.max(1)) > d.remaining() {
+            return Err(WireError::Invalid("item count beyond the message"));
+        }
+        Ok(n)
+    }
+
+    pub fn decode_object_write(d: &mut Dec<'_>) -> Result<ObjectWrite, WireError> {
+        let record = match d.u8()? {
+            0 => None,
+            1 => Some(
+                ObjectRecord::decode(d.bytes()?)
+                    .map_err(|_| WireError::Invalid("object record"))?,
+            ),
+            _ => return Err(WireError::Invalid("record flag")),
+        };
+        let mut w = ObjectWrite {
+            record,
+            ..Default::default()
+        };
+        for _ in 0..count(d, 28)? {
+            w.inline_put
+                .push((d.fixed::<16>()?, d.u64()?, d.bytes()?.to_vec()));
+        }
+        for _ in 0..count(d, 24)? {
+            w.inline_delete.push((d.fixed::<16>()?, d.u64()?));
+        }
+        w.upload_delete = match d.u8()? {
+            0 => None,
+            1 => {
+                let id = d.fixed::<16>()?;
+                let mut parts = Vec::new();
+                for _ in 0..count(d, 4)? {
+                    parts.push(d.u32()?);
+                }
+                Some((id, parts))
+            }
+            _ => return Err(WireError::Invalid("upload flag")),
+        };
+        Ok(w)
+    }
+
+    pub fn bulk_item(e: &mut Enc, (key, record, inline): &BulkItem) {
+        e.str(key).bytes(record);
+        match inline {
+            Some((vid, mt, data)) => e.u8(1).fixed(vid).u64(*mt).bytes(data),
+            None => e.u8(0),
+        };
+    }
+
+    pub fn decode_bulk_item(d: &mut Dec<'_>) -> Result<BulkItem, WireError> {
+        let key = d.str()?.to_string();
+        let record = d.bytes()?.to_vec();
+        let inline = match d.u8()? {
+            0 => None,
+            1 => Some((d.fixed::<16>()?, d.u64()?, d.bytes()?.to_vec())),
+            _ => return Err(WireError::Invalid("inline flag")),
+        };
+        Ok((key, record, inline))
+    }
+
+    /// Why a drive operation failed, carried as the message of an error
+    /// frame (code 7): `tarn-drive-error/1|<tag>|<a>|<b>|<text>`, so that
+    /// the caller decides as it would on a local drive (no space left,
+    /// a damaged index, a missing or corrupt shard).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Failure {
+        /// The drive is not in service on its node (or not readable yet).
+        Offline(String),
+        IndexCorrupt(String),
+        CorruptMetadata(String),
+        /// An I/O error and its OS error code (0: none).
+        Io(i32, String),
+        ShardMissing,
+        ShardLength(u64, u64),
+        ShardCorrupt(u64),
+        ShardFooter(String),
+        Other(String),
+    }
+
+    const PREFIX: &str = "tarn-drive-error/1|";
+
+    impl Failure {
+        pub fn to_message(&self) -> String {
+            let (tag, a, b, text): (&str, u64, u64, &str) = match self {
+                Failure::Offline(t) => ("offline", 0, 0, t),
+                Failure::IndexCorrupt(t) => ("index-corrupt", 0, 0, t),
+                Failure::CorruptMetadata(t) => ("corrupt-metadata", 0, 0, t),
+                Failure::Io(errno, t) => ("io", *errno as u32 as u64, 0, t),
+                Failure::ShardMissing => ("shard-missing", 0, 0, ""),
+                Failure::ShardLength(x, y) => ("shard-length", *x, *y, ""),
+                Failure::ShardCorrupt(j) => ("shard-corrupt", *j, 0, ""),
+                Failure::ShardFooter(t) => ("shard-footer", 0, 0, t),
+                Failure::Other(t) => ("other", 0, 0, t),
+            };
+            format!("{PREFIX}{tag}|{a}|{b}|{text}")
+        }
+
+        /// Reads a failure message; any other text is `Other`.
+        pub fn from_message(m: &str) -> Failure {
+            let parsed = (|| {
+                let rest = m.strip_prefix(PREFIX)?;
+                let mut it = rest.splitn(4, '|');
+                let (tag, a, b, text) = (it.next()?, it.next()?, it.next()?, it.next()?);
+                let (a, b): (u64, u64) = (a.parse().ok()?, b.parse().ok()?);
+                let t = text.to_string();
+                Some(match tag {
+                    "offline" => Failure::Offline(t),
+                    "index-corrupt" => Failure::IndexCorrupt(t),
+                    "corrupt-metadata" => Failure::CorruptMetadata(t),
+                    "io" => Failure::Io(a as u32 as i32, t),
+                    "shard-missing" => Failure::ShardMissing,
+                    "shard-length" => Failure::ShardLength(a, b),
+                    "shard-corrupt" => Failure::ShardCorrupt(a),
+                    "shard-footer" => Failure::ShardFooter(t),
+                    _ => Failure::Other(t),
+                })
+            })();
+            parsed.unwrap_or_else(|| Failure::Other(m.to_string()))
+        }
+
+        pub fn of_store(e: &StoreError) -> Failure {
+            match e {
+                StoreError::IndexCorrupt { reason, .. } => Failure::IndexCorrupt(reason.clone()),
+                StoreError::CorruptMetadata { what, .. } => Failure::CorruptMetadata(what.clone()),
+                StoreError::Io(io) => Failure::of_io(io),
+                other => {
+                    // ENOSPC inside a text-only error stays recognisable.
+                    let t = other.to_string();
+                    if t.contains("os error 28") {
+                        Failure::Io(28, t)
+                    } else {
+                        Failure::Other(t)
+                    }
+                }
+            }
+        }
+
+        pub fn of_io(e: &std::io::Error) -> Failure {
+            Failure::Io(e.raw_os_error().unwrap_or(0), e.to_string())
+        }
+
+        pub fn of_shard(e: &ShardError) -> Failure {
+            match e {
+                ShardError::Missing => Failure::ShardMissing,
+                ShardError::WrongLength { expected, actual } => {
+                    Failure::ShardLength(*expected, *actual)
+                }
+                ShardError::Corrupt { block } => Failure::ShardCorrupt(*block),
+                ShardError::BadFooter(t) => Failure::ShardFooter(t.to_string()),
+                ShardError::Io(io) => Failure::of_io(io),
+            }
+        }
+
+        pub fn into_store(self, drive: &str) -> StoreError {
+            let drive = drive.to_string();
+            match self {
+                Failure::IndexCorrupt(reason) => StoreError::IndexCorrupt { drive, reason },
+                Failure::CorruptMetadata(what) => StoreError::CorruptMetadata { drive, what },
+                Failure::Io(..) => StoreError::Io(self.into_io()),
+                Failure::Offline(reason) => StoreError::Drive { drive, reason },
+                other => StoreError::Drive {
+                    drive,
+                    reason: format!("{other:?}"),
+                },
+            }
+        }
+
+        pub fn into_io(self) -> std::io::Error {
+            match self {
+                Failure::Io(errno, _) if errno != 0 => std::io::Error::from_raw_os_error(errno),
+                Failure::Io(_, t) | Failure::Other(t) | Failure::Offline(t) => {
+                    std::io::Error::other(t)
+                }
+                other => std::io::Error::other(format!("{other:?}")),
+            }
+        }
+
+        pub fn into_shard(self) -> ShardError {
+            match self {
+                Failure::ShardMissing | Failure::Offline(_) => ShardError::Missing,
+                Failure::ShardLength(expected, actual) => {
+                    ShardError::WrongLength { expected, actual }
+                }
+                Failure::ShardCorrupt(block) => ShardError::Corrupt { block },
+                // The footer reason is a fixed text on the sending side.
+                Failure::ShardFooter(_) => ShardError::BadFooter("reported by the drive's node"),
+                other => ShardError::Io(other.into_io()),
+            }
+        }
+    }
 }
 
 /// Field encoding of message payloads: little-endian integers, byte strings
@@ -608,6 +873,10 @@ impl<'a> Dec<'a> {
     }
     pub fn fixed<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
         Ok(self.take(N)?.try_into().expect("N"))
+    }
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.b.len()
     }
     /// The message must end here: trailing bytes are an error.
     pub fn end(&self) -> Result<(), WireError> {
