@@ -29,6 +29,7 @@ pub const CONTROL_DEADLINE: Duration = Duration::from_secs(10);
 pub const BULK_DEADLINE: Duration = Duration::from_secs(600);
 
 /// A drive of another node.
+#[derive(Clone)]
 pub struct RemoteDrive {
     client: Arc<RpcClient>,
     address: String,
@@ -482,14 +483,7 @@ impl Drive for RemoteDrive {
                 .await
                 .map_err(Failure::into_shard)?;
             Ok(Box::new(RemoteShardSource {
-                drive: RemoteDrive {
-                    client: self.client.clone(),
-                    address: self.address.clone(),
-                    node_id: self.node_id.clone(),
-                    drive_id: self.drive_id,
-                    epoch: self.epoch.clone(),
-                    name: self.name.clone(),
-                },
+                drive: self.clone(),
                 data_id,
                 geometry,
                 last: 0,
@@ -516,13 +510,19 @@ fn geometry_enc(e: &mut Enc, g: &StripeGeometry) {
     e.u64(g.part_size).u64(g.stripe_size).u64(g.data_shards);
 }
 
+/// The largest part a shard request may describe: far above any object
+/// (S3 allows 5 TiB), low enough that no length or count derived from it
+/// overflows, so a forged geometry is refused before any arithmetic on it.
+const PART_SIZE_MAX_BYTES: u64 = 1 << 50;
+
 fn geometry_dec(d: &mut Dec<'_>) -> Result<StripeGeometry, crate::rpc::wire::WireError> {
     let g = StripeGeometry {
         part_size: d.u64()?,
         stripe_size: d.u64()?,
         data_shards: d.u64()?,
     };
-    let bad = g.data_shards == 0
+    let bad = g.part_size > PART_SIZE_MAX_BYTES
+        || g.data_shards == 0
         || g.data_shards > 255
         || g.stripe_size == 0
         || g.stripe_size > tarn_store::format::STRIPE_SIZE_MAX_BYTES as u64;
@@ -619,13 +619,10 @@ impl ShardSource for RemoteShardSource {
                 }
             }
             let (call, next) = self.stream.as_mut().expect("started");
-            let mut data = Vec::new();
-            let r = call.next_data(&mut data).await;
+            let r = call.next_data(&mut buf).await;
             let want = self.geometry.shard_len(j) as usize;
             let r = match r {
-                Ok(true) if data.len() == want => {
-                    buf.clear();
-                    buf.extend_from_slice(&data);
+                Ok(true) if buf.len() == want => {
                     *next += 1;
                     Ok(())
                 }
@@ -927,14 +924,8 @@ impl<P: DriveProvider> Handler for DriveService<P> {
                     .create_shard(data_id, shard_index, place)
                     .await
                     .map_err(io)?;
-                let mut frame = Vec::new();
                 let mut block = AlignedBuf::with_capacity(0);
-                while call.next_data(&mut frame).await? {
-                    block.clear();
-                    if block.capacity() < frame.len() {
-                        block = AlignedBuf::with_capacity(frame.len());
-                    }
-                    block.extend_from_slice(&frame);
+                while call.next_data(&mut block).await? {
                     let (r, b) = sink.write_block(block).await;
                     block = b;
                     r.map_err(io)?;

@@ -431,3 +431,18 @@ fn failures_keep_their_kind_across_the_wire() {
 fn libc_enospc() -> i32 {
     28
 }
+
+#[tokio::test]
+async fn a_forged_geometry_is_refused_and_the_node_serves_on() {
+    // A part size whose shard file length would overflow: refused when
+    // the request is decoded, before any length is computed from it.
+    let dir = tempfile::tempdir().unwrap();
+    let (remote, _) = serve_drive(dir.path(), false).await;
+    let forged = StripeGeometry {
+        part_size: u64::MAX,
+        stripe_size: 4096,
+        data_shards: 1,
+    };
+    assert!(remote.open_shard(new_id(), forged).await.is_err());
+    assert!(remote.buckets().await.unwrap().is_empty());
+}

@@ -11,7 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{timeout_at, Instant};
 
 use super::wire::{Channel, ErrorCode, Header, Kind};
-use super::{client_handshake, Conn, Identity, RpcError, HANDSHAKE_TIMEOUT};
+use super::{client_handshake, BodyBuf, Conn, Identity, RpcError, HANDSHAKE_TIMEOUT};
 
 /// How many connections one core keeps at most to one peer, per channel: a
 /// call beyond that waits (within its deadline) for one to come free.
@@ -136,7 +136,16 @@ impl RpcClient {
             .await
             .map_err(|_| self.deadline())?
             .expect("pool semaphores are never closed");
-        let idle = pool.idle.lock().expect("rpc idle").pop();
+        // An idle connection with something to read has been closed by its
+        // peer (a restart, an idle timeout): it is dropped, not reused.
+        let idle = loop {
+            let Some(mut c) = pool.idle.lock().expect("rpc idle").pop() else {
+                break None;
+            };
+            if !c.has_pending_input() {
+                break Some(c);
+            }
+        };
         let (conn, reused) = match idle {
             Some(c) if expect.is_none_or(|id| id == c.peer_id) => (c, true),
             _ => (
@@ -382,7 +391,7 @@ impl Call {
 
     /// The next piece of the response body, read into `buf` (resized to
     /// it); false at the body's end, whose payload is then in `buf`.
-    pub async fn next_data(&mut self, buf: &mut Vec<u8>) -> Result<bool, RpcError> {
+    pub async fn next_data(&mut self, buf: &mut impl BodyBuf) -> Result<bool, RpcError> {
         if self.state != State::ReadingBody {
             return Err(RpcError::Protocol("no response body open".into()));
         }
@@ -433,13 +442,12 @@ async fn read_body_frame(
     c: &mut Conn,
     call_id: u64,
     op: u16,
-    buf: &mut Vec<u8>,
+    buf: &mut impl BodyBuf,
 ) -> Result<bool, RpcError> {
     let h = next_frame(c, call_id, op).await?;
     match h.kind {
         Kind::Data | Kind::End => {
-            buf.resize(h.len as usize, 0);
-            c.read_payload_into(&h, buf).await?;
+            c.read_payload_into(&h, buf.frame(h.len as usize)).await?;
             Ok(h.kind == Kind::Data)
         }
         Kind::Error => Err(error_frame(c, &h).await),

@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::server::{serve_connection, Handler, HandlerError, ServerCall, ServerStats};
 use super::wire::{self, op, Channel};
-use super::{client_handshake, Identity};
+use super::{client_handshake, BoxStream, Identity};
 
 /// The epoch the fuzzed server is at.
 pub const FUZZ_EPOCH: u64 = 5;
@@ -73,33 +73,54 @@ pub fn identity(node: &str) -> Identity {
     Identity::new("fuzz", node, b"fuzz-cluster-secret-0123456789").expect("identity")
 }
 
+/// Runs a real server connection against a client that (after a real
+/// handshake, with `authenticate`) sends `data` and closes its side; returns
+/// everything the server sent after the handshake.
+async fn exchange(data: &[u8], authenticate: bool) -> Vec<u8> {
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    let server = async {
+        serve_connection(
+            Box::new(theirs),
+            "fuzz",
+            &identity("server"),
+            &EchoHandler,
+            &ServerStats::default(),
+        )
+        .await
+    };
+    let client = async {
+        let mut io: BoxStream = Box::new(ours);
+        if authenticate {
+            let conn = client_handshake(
+                io,
+                &identity("client"),
+                Channel::Control,
+                "fuzz",
+                Some("server"),
+            )
+            .await
+            .expect("handshake with the right secret");
+            io = Box::new(conn.into_stream());
+        }
+        let _ = io.write_all(data).await;
+        let _ = io.shutdown().await;
+        let mut sink = Vec::new();
+        let _ = io.read_to_end(&mut sink).await;
+        sink
+    };
+    let (_, answer) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(server, client)
+    })
+    .await
+    .expect("the server ends when the input does");
+    answer
+}
+
 /// Arbitrary bytes as the first bytes of a connection: the server must
 /// refuse (no forged proof passes) without panicking.
 pub fn handshake(data: &[u8]) {
     block_on(async {
-        let (mut ours, theirs) = tokio::io::duplex(1 << 16);
-        let server = async {
-            serve_connection(
-                Box::new(theirs),
-                "fuzz",
-                &identity("server"),
-                &EchoHandler,
-                &ServerStats::default(),
-            )
-            .await
-        };
-        let client = async {
-            let _ = ours.write_all(data).await;
-            let _ = ours.shutdown().await;
-            let mut sink = Vec::new();
-            let _ = ours.read_to_end(&mut sink).await;
-            sink
-        };
-        let (_, answer) = tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::join!(server, client)
-        })
-        .await
-        .expect("the server ends when the input does");
+        let answer = exchange(data, false).await;
         // Whatever came back is a challenge or a refusal, never a response frame.
         if answer.len() >= wire::CHALLENGE_FIXED_BYTES {
             assert_eq!(&answer[..4], &wire::MAGIC);
@@ -111,40 +132,7 @@ pub fn handshake(data: &[u8]) {
 /// or closes, never panics, and never runs past the input.
 pub fn frames(data: &[u8]) {
     block_on(async {
-        let (ours, theirs) = tokio::io::duplex(1 << 16);
-        let stats = ServerStats::default();
-        let server = async {
-            serve_connection(
-                Box::new(theirs),
-                "fuzz",
-                &identity("server"),
-                &EchoHandler,
-                &stats,
-            )
-            .await
-        };
-        let client = async {
-            let conn = client_handshake(
-                Box::new(ours),
-                &identity("client"),
-                Channel::Control,
-                "fuzz",
-                Some("server"),
-            )
-            .await
-            .expect("handshake with the right secret");
-            let mut io = conn.into_stream();
-            let _ = io.write_all(data).await;
-            let _ = io.shutdown().await;
-            let mut sink = Vec::new();
-            let _ = io.read_to_end(&mut sink).await;
-            sink
-        };
-        let (_, answer) = tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::join!(server, client)
-        })
-        .await
-        .expect("the server ends when the input does");
+        let answer = exchange(data, true).await;
         // Every answer is a sequence of well-formed frames.
         let mut rest = &answer[..];
         while rest.len() >= wire::HEADER_BYTES {

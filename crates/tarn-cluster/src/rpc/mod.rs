@@ -70,10 +70,12 @@ impl RpcError {
     /// Whether the call may have left the connection mid-frame: it is then
     /// closed, never reused.
     pub(crate) fn poisons_connection(&self) -> bool {
-        !matches!(
-            self,
-            RpcError::StaleEpoch { .. } | RpcError::EpochAhead { .. } | RpcError::Remote { .. }
-        )
+        match self {
+            RpcError::StaleEpoch { .. } | RpcError::EpochAhead { .. } => false,
+            // The peer closes the connection after a protocol error.
+            RpcError::Remote { code, .. } => *code == wire::ErrorCode::Protocol,
+            _ => true,
+        }
     }
 }
 
@@ -123,6 +125,32 @@ impl Identity {
             node_id: node_id.to_string(),
             secret: secret.into(),
         })
+    }
+}
+
+/// A buffer a body's data frame is received into: straight into the
+/// caller's memory (an aligned shard buffer on the data path), never copied
+/// through another buffer first.
+pub trait BodyBuf {
+    /// Makes the buffer `len` bytes long (their contents to be overwritten)
+    /// and returns them.
+    fn frame(&mut self, len: usize) -> &mut [u8];
+}
+
+impl BodyBuf for Vec<u8> {
+    fn frame(&mut self, len: usize) -> &mut [u8] {
+        self.resize(len, 0);
+        &mut self[..]
+    }
+}
+
+impl BodyBuf for tarn_io::AlignedBuf {
+    fn frame(&mut self, len: usize) -> &mut [u8] {
+        if self.capacity() < len {
+            *self = tarn_io::AlignedBuf::with_capacity(len);
+        }
+        self.set_len(len);
+        &mut self[..]
     }
 }
 

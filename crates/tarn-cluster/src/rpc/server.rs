@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::wire::{ErrorCode, Header, Kind};
-use super::{server_handshake, BoxStream, Conn, Identity, RpcError, HANDSHAKE_TIMEOUT};
+use super::{server_handshake, BodyBuf, BoxStream, Conn, Identity, RpcError, HANDSHAKE_TIMEOUT};
 
 /// An authenticated connection with no call for this long is closed (pools
 /// reconnect on demand).
@@ -108,7 +108,7 @@ impl ServerCall<'_> {
 
     /// The next piece of the request body, read into `buf` (resized to it);
     /// false at its end, whose payload is then in `buf`.
-    pub async fn next_data(&mut self, buf: &mut Vec<u8>) -> Result<bool, RpcError> {
+    pub async fn next_data(&mut self, buf: &mut impl BodyBuf) -> Result<bool, RpcError> {
         if self.body != Body::Open {
             return Err(RpcError::Protocol("no request body open".into()));
         }
@@ -121,8 +121,8 @@ impl ServerCall<'_> {
         }
         match h.kind {
             Kind::Data | Kind::End => {
-                buf.resize(h.len as usize, 0);
-                timeout(FRAME_READ_MAX, self.conn.read_payload_into(&h, buf))
+                let frame = buf.frame(h.len as usize);
+                timeout(FRAME_READ_MAX, self.conn.read_payload_into(&h, frame))
                     .await
                     .map_err(|_| RpcError::Deadline)??;
                 if h.kind == Kind::End {
