@@ -6,6 +6,7 @@
 //! Every call has a deadline and tries the endpoints in turn until one
 //! answers; an etcd that answers with an error is not retried elsewhere.
 
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,6 +25,10 @@ pub enum EtcdError {
         status: u16,
         message: String,
     },
+    /// A watch started from a revision etcd has compacted away (the oldest
+    /// it keeps is given): read everything again and watch from there.
+    #[error("etcd compacted the revisions a watch needed (kept from {0})")]
+    Compacted(i64),
     /// An answer this client cannot read.
     #[error("etcd answered {call} with something unreadable: {reason}")]
     Protocol { call: String, reason: String },
@@ -289,6 +294,172 @@ impl Etcd {
             // Already expired: what revoking wanted.
             Err(EtcdError::Refused { message, .. }) if message.contains("not found") => Ok(()),
             Err(e) => Err(e),
+        }
+    }
+}
+
+/// What happened to one key (`Watch::next`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Put(KeyValue),
+    /// The key, and the revision of its deletion.
+    Delete(String, i64),
+}
+
+/// A watch of every key under a prefix, from a revision on: changes in the
+/// order etcd made them, read from one streaming response.
+pub struct Watch {
+    body: hyper::body::Incoming,
+    pending: Vec<u8>,
+    driver: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.driver.abort();
+    }
+}
+
+/// Watch messages longer than this are refused (a runaway stream).
+const WATCH_MESSAGE_MAX: usize = 64 << 20;
+
+impl Watch {
+    /// The next batch of changes. `Err` ends the watch: the stream broke,
+    /// or the revision it started from was compacted away
+    /// (`EtcdError::Compacted`): the caller reads everything again and
+    /// watches from that read.
+    pub async fn next(&mut self) -> Result<Vec<Event>, EtcdError> {
+        use hyper::body::Body;
+        loop {
+            if let Some(nl) = self.pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.pending.drain(..=nl).collect();
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                let v: Value = serde_json::from_slice(&line)
+                    .map_err(|e| Etcd::protocol("watch", e.to_string()))?;
+                let Some(result) = v.get("result") else {
+                    let message = v["error"]["message"].as_str().unwrap_or("").to_string();
+                    return Err(EtcdError::Refused {
+                        call: "watch".into(),
+                        status: 200,
+                        message,
+                    });
+                };
+                let compacted = int(&result["compact_revision"]);
+                if compacted > 0 {
+                    return Err(EtcdError::Compacted(compacted));
+                }
+                if result.get("canceled").and_then(Value::as_bool) == Some(true) {
+                    return Err(Etcd::protocol("watch", "canceled by etcd"));
+                }
+                let Some(list) = result.get("events").and_then(Value::as_array) else {
+                    continue;
+                };
+                let mut events = Vec::with_capacity(list.len());
+                for ev in list {
+                    let kv = Etcd::kvs("watch", &json!({ "kvs": [ev["kv"].clone()] }))?
+                        .pop()
+                        .ok_or_else(|| Etcd::protocol("watch", "an event without a key"))?;
+                    events.push(match ev.get("type").and_then(Value::as_str) {
+                        Some("DELETE") => Event::Delete(kv.key, kv.mod_revision),
+                        _ => Event::Put(kv),
+                    });
+                }
+                if !events.is_empty() {
+                    return Ok(events);
+                }
+                continue;
+            }
+            if self.pending.len() > WATCH_MESSAGE_MAX {
+                return Err(Etcd::protocol("watch", "a message over 64 MiB"));
+            }
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut self.body).poll_frame(cx)).await;
+            match frame {
+                None => return Err(Etcd::protocol("watch", "the stream ended")),
+                Some(Err(e)) => return Err(Etcd::protocol("watch", e.to_string())),
+                Some(Ok(f)) => {
+                    if let Ok(data) = f.into_data() {
+                        self.pending.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Etcd {
+    /// Watches every key under `prefix` from `revision` on (one after a
+    /// full read's revision, so that nothing is missed between the two).
+    pub async fn watch_prefix(&self, prefix: &str, revision: i64) -> Result<Watch, EtcdError> {
+        let body = Bytes::from(
+            serde_json::to_vec(&json!({
+                "create_request": {
+                    "key": b64(prefix.as_bytes()),
+                    "range_end": b64(&prefix_end(prefix.as_bytes())),
+                    "start_revision": revision.to_string(),
+                }
+            }))
+            .expect("json"),
+        );
+        let mut reasons = Vec::new();
+        for ep in &self.endpoints {
+            match tokio::time::timeout(self.timeout, open_stream(ep, "/v3/watch", body.clone()))
+                .await
+            {
+                Ok(Ok((200, body, driver))) => {
+                    return Ok(Watch {
+                        body,
+                        pending: Vec::new(),
+                        driver,
+                    })
+                }
+                Ok(Ok((status, _, driver))) => {
+                    driver.abort();
+                    return Err(EtcdError::Refused {
+                        call: "watch".into(),
+                        status,
+                        message: String::new(),
+                    });
+                }
+                Ok(Err(e)) => reasons.push(format!("{ep}: {e}")),
+                Err(_) => reasons.push(format!("{ep}: no answer in {:?}", self.timeout)),
+            }
+        }
+        Err(EtcdError::Unreachable {
+            endpoints: self.endpoints(),
+            reason: reasons.join("; "),
+        })
+    }
+}
+
+/// A POST whose response streams: (status, its body, the connection's task).
+async fn open_stream(
+    hostport: &str,
+    path: &str,
+    body: Bytes,
+) -> Result<(u16, hyper::body::Incoming, tokio::task::JoinHandle<()>), String> {
+    let stream = tokio::net::TcpStream::connect(hostport)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let req = http::Request::post(path)
+        .header(http::header::HOST, hostport)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(|e| format!("request: {e}"))?;
+    match sender.send_request(req).await {
+        Ok(resp) => Ok((resp.status().as_u16(), resp.into_body(), driver)),
+        Err(e) => {
+            driver.abort();
+            Err(format!("send: {e}"))
         }
     }
 }

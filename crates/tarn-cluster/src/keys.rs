@@ -9,10 +9,10 @@
 //! maps/<epoch>      earlier maps, the most recent few kept
 //! leader/<role>     the elected holder of a background role; the key's
 //!                   create revision is its fencing token
+//! buckets/<name>    a bucket's record (format.md's bucket record bytes)
+//! sys/<key>         a system document (users and their keys, buckets'
+//!                   owners, ACLs and policies: JSON, as on one node)
 //! ```
-//!
-//! Buckets with their configuration, and users, keys and policies, join
-//! this layout (a new layout version) when the cluster serves S3.
 
 /// The layout these functions build.
 pub const LAYOUT_VERSION: &str = "1";
@@ -63,6 +63,22 @@ impl Keys {
 
     pub fn old_map(&self, epoch: u64) -> String {
         format!("{}maps/{epoch:020}", self.root)
+    }
+
+    pub fn buckets(&self) -> String {
+        format!("{}buckets/", self.root)
+    }
+
+    pub fn bucket(&self, name: &str) -> String {
+        format!("{}buckets/{name}", self.root)
+    }
+
+    pub fn docs(&self) -> String {
+        format!("{}sys/", self.root)
+    }
+
+    pub fn doc(&self, key: &str) -> String {
+        format!("{}sys/{key}", self.root)
     }
 
     pub fn leader(&self, role: &str) -> String {

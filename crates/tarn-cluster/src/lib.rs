@@ -4,10 +4,12 @@
 //! (`map`) names pools of erasure sets whose drives `placement` spreads so that
 //! no node holds more than m shards of any set.
 
+pub mod catalog;
 pub mod etcd;
 pub mod keys;
 pub mod map;
 pub mod membership;
+pub mod node;
 pub mod placement;
 pub mod remote;
 pub mod rpc;

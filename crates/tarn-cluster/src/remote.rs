@@ -11,7 +11,9 @@ use std::time::Duration;
 use tarn_io::AlignedBuf;
 use tarn_store::codec::StripeGeometry;
 use tarn_store::drive::{BulkItem, ObjectWrite};
-use tarn_store::drive_io::{BoxFuture, Drive, ListEntries, ShardPlace, ShardSink, ShardSource};
+use tarn_store::drive_io::{
+    BoxFuture, Drive, DriveState, ListEntries, ShardPlace, ShardSink, ShardSource,
+};
 use tarn_store::format::{
     id_to_hex, BucketRecord, Id128, ObjectRecord, UploadPartRecord, UploadRecord,
 };
@@ -24,7 +26,7 @@ use crate::rpc::wire::{op, Channel, Dec, Enc, ErrorCode};
 use crate::rpc::{Call, RpcClient, RpcError};
 
 /// Deadline of a metadata call on another node's drive.
-pub const CONTROL_DEADLINE: Duration = Duration::from_secs(10);
+pub const CONTROL_DEADLINE: Duration = Duration::from_secs(3);
 /// Deadline of a shard stream (a whole shard file written or read).
 pub const BULK_DEADLINE: Duration = Duration::from_secs(600);
 
@@ -163,6 +165,18 @@ fn decode_record<T, E: std::fmt::Display>(
 impl Drive for RemoteDrive {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn state(&self) -> BoxFuture<'_, Result<DriveState, StoreError>> {
+        Box::pin(async move {
+            let answer = self.meta(op::DRIVE_STATE, self.request().finish()).await?;
+            match answer.as_slice() {
+                [0] => Ok(DriveState::Offline),
+                [1] => Ok(DriveState::Rebuilding),
+                [2] => Ok(DriveState::Ready),
+                _ => Err(self.malformed("a drive state that is not 0, 1 or 2")),
+            }
+        })
     }
 
     fn buckets(&self) -> BoxFuture<'_, Result<Vec<(String, BucketRecord)>, StoreError>> {
@@ -661,6 +675,11 @@ pub trait DriveProvider: Send + Sync + 'static {
     fn for_read(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>>;
     /// The drive for writes and shard files: in service.
     fn for_write(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>>;
+    /// Waits (briefly) until the node's drives can be asked: a node that
+    /// found the cluster map a moment after its peers is opening them.
+    fn ready(&self) -> impl std::future::Future<Output = ()> + Send {
+        async {}
+    }
 }
 
 /// Serves this node's drives over RPC.
@@ -698,10 +717,25 @@ impl<P: DriveProvider> Handler for DriveService<P> {
         self.provider.epoch()
     }
 
+    async fn ready(&self) {
+        self.provider.ready().await
+    }
+
     async fn handle(&self, call: &mut ServerCall<'_>) -> Result<(), HandlerError> {
         let payload = std::mem::take(&mut call.payload);
         let mut d = Dec::new(&payload);
         let id: Id128 = d.fixed()?;
+        if call.op == op::DRIVE_STATE {
+            d.end()?;
+            let state = if self.provider.for_read(&id).is_some() {
+                2
+            } else if self.provider.for_write(&id).is_some() {
+                1
+            } else {
+                0
+            };
+            return Ok(call.reply(&[state]).await?);
+        }
         let reads = matches!(
             call.op,
             op::DRIVE_BUCKETS

@@ -446,8 +446,39 @@ impl Access {
     /// Reads every bucket's settings (after the users: policies name them).
     pub async fn load(&self) -> Result<(), crate::iam::IamError> {
         self.iam.load().await?;
+        self.read_all(false).await
+    }
+
+    /// Reads the users and every bucket's settings again: another node of a
+    /// cluster changed them.
+    pub async fn reload(&self) -> Result<(), crate::iam::IamError> {
+        self.iam.reload().await?;
+        self.read_all(true).await
+    }
+
+    /// A bucket another node made a moment ago, not seen here yet: its
+    /// record and settings are read from the catalog. Whether it exists.
+    pub async fn refresh_bucket(&self, name: &str) -> bool {
+        if !self.store.refresh_bucket(name).await {
+            return false;
+        }
+        if self
+            .buckets
+            .read()
+            .expect("access table")
+            .contains_key(name)
+        {
+            return true;
+        }
+        if let Err(error) = self.reload().await {
+            tracing::warn!(bucket = %name, %error, "cannot read the settings of a new bucket");
+        }
+        true
+    }
+
+    async fn read_all(&self, again: bool) -> Result<(), crate::iam::IamError> {
         let _g = self.changes.lock().await;
-        if self.loaded.load(Ordering::Acquire) {
+        if self.loaded.load(Ordering::Acquire) && !again {
             return Ok(());
         }
         let mut map = HashMap::new();
@@ -869,6 +900,15 @@ pub struct Checker(pub Arc<Access>);
 impl S3Access for Checker {
     async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
         let peer = cx.extensions_mut().get::<ClientAddr>().map(|c| c.0);
+        // In a cluster a bucket made through another node a moment ago may
+        // not have reached this node's view yet: the catalog is asked.
+        if let S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } = cx.s3_path() {
+            if self.0.store.catalog().is_some() && self.0.store.bucket_created_ns(bucket).is_none()
+            {
+                let bucket = bucket.to_string();
+                self.0.refresh_bucket(&bucket).await;
+            }
+        }
         let permit = self.0.authorize(&AccessRequest {
             access_key: cx.credentials().map(|c| c.access_key.as_str()),
             op: cx.s3_op().name(),

@@ -169,8 +169,17 @@ impl Iam {
     /// Reads every user from the store (creating the system bucket on first
     /// use); done once, at start, before or while serving.
     pub async fn load(&self) -> Result<(), IamError> {
+        self.read_all(false).await
+    }
+
+    /// Reads every user again: another node of a cluster changed them.
+    pub async fn reload(&self) -> Result<(), IamError> {
+        self.read_all(true).await
+    }
+
+    async fn read_all(&self, again: bool) -> Result<(), IamError> {
         let _g = self.changes.lock().await;
-        if self.is_loaded() {
+        if self.is_loaded() && !again {
             return Ok(());
         }
         self.store.ensure_system_bucket().await?;

@@ -1,6 +1,7 @@
-//! Small JSON documents in the engine's system bucket (users, buckets'
-//! access settings): written through the object engine with its quorum and
-//! healing, never reachable over S3.
+//! Small JSON documents (users, buckets' access settings): on one node in
+//! the engine's system bucket, written through the object engine with its
+//! quorum and healing, never reachable over S3; in a cluster in the store's
+//! catalog (etcd), where every node reads the same.
 
 use std::sync::Arc;
 
@@ -10,6 +11,12 @@ use tarn_store::{ListParams, ObjectBody, PutOptions, Store, StoreError, SYSTEM_B
 
 /// The bytes of one document.
 pub async fn read(store: &Arc<Store>, key: &str) -> Result<Vec<u8>, StoreError> {
+    if let Some(c) = store.catalog() {
+        return c.doc(key).await?.ok_or_else(|| StoreError::NoSuchKey {
+            bucket: SYSTEM_BUCKET.into(),
+            key: key.into(),
+        });
+    }
     let got = store
         .get_object_if(SYSTEM_BUCKET, key, None, None, None, &Default::default())
         .await?;
@@ -23,6 +30,9 @@ pub async fn read(store: &Arc<Store>, key: &str) -> Result<Vec<u8>, StoreError> 
 
 pub async fn write<T: Serialize>(store: &Arc<Store>, key: &str, doc: &T) -> Result<(), StoreError> {
     let json = serde_json::to_vec(doc).expect("a system document serializes");
+    if let Some(c) = store.catalog() {
+        return c.put_doc(key, json).await;
+    }
     store
         .put_object(
             SYSTEM_BUCKET,
@@ -38,12 +48,18 @@ pub async fn write<T: Serialize>(store: &Arc<Store>, key: &str, doc: &T) -> Resu
 }
 
 pub async fn delete(store: &Arc<Store>, key: &str) -> Result<(), StoreError> {
+    if let Some(c) = store.catalog() {
+        return c.delete_doc(key).await;
+    }
     store.delete_object(SYSTEM_BUCKET, key, None).await?;
     Ok(())
 }
 
 /// The keys of every document under `prefix`.
 pub async fn list(store: &Arc<Store>, prefix: &str) -> Result<Vec<String>, StoreError> {
+    if let Some(c) = store.catalog() {
+        return c.doc_keys(prefix).await;
+    }
     let mut keys = Vec::new();
     let mut after = None;
     loop {

@@ -40,6 +40,18 @@ pub enum ShardPlace {
 /// Object entries of a bucket in key order: (key, encoded record).
 pub type ListEntries = Vec<(String, Vec<u8>)>;
 
+/// A drive as its own node sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriveState {
+    /// Not in service: it takes nothing and serves nothing.
+    Offline,
+    /// In service, its index being rebuilt: it takes writes and serves its
+    /// shard files, but answers no metadata reads.
+    Rebuilding,
+    /// In service with a complete index.
+    Ready,
+}
+
 /// One drive, wherever it is.
 pub trait Drive: Send + Sync {
     /// Names the drive in logs: its path, or node and path.
@@ -49,6 +61,12 @@ pub trait Drive: Send + Sync {
     /// local drives on one blocking thread.
     fn as_local(&self) -> Option<&LocalDrive> {
         None
+    }
+
+    /// How its node sees it (a drive of this node: in service, as the
+    /// engine holds it only while it is).
+    fn state(&self) -> BoxFuture<'_, Result<DriveState, StoreError>> {
+        Box::pin(async { Ok(DriveState::Ready) })
     }
 
     fn buckets(&self) -> BoxFuture<'_, Result<Vec<(String, BucketRecord)>, StoreError>>;

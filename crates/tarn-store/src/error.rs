@@ -46,6 +46,9 @@ pub enum StoreError {
     InvalidRange,
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The cluster's catalog (etcd) could not be reached or refused.
+    #[error("cluster catalog unavailable: {0}")]
+    Catalog(String),
     /// A request that is well-formed but cannot be served as asked (S3's
     /// InvalidRequest), e.g. a part without the checksum its upload requires.
     #[error("{0}")]

@@ -7,6 +7,7 @@
 //! into calls here), and must never block a runtime thread. It may call only
 //! `tarn-io` among Tarn crates.
 
+pub mod catalog;
 pub mod checksum;
 pub mod codec;
 pub mod config;
@@ -24,6 +25,7 @@ pub use error::StoreError;
 pub use format::{Durability, Versioning};
 pub use store::get::GetResult;
 pub use store::{
-    parse_version, validate_bucket_name, ObjectStream, Store, KEY_MAX_BYTES, SYSTEM_BUCKET,
+    claim_drive, parse_version, validate_bucket_name, ClusterDrive, ClusterLayout, ObjectStream,
+    Store, KEY_MAX_BYTES, SYSTEM_BUCKET,
 };
 pub use types::*;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use tarn_cluster::node::Node;
 use tarn_s3::iam::{Iam, IamError};
 use tarn_store::Store;
 use tokio::net::TcpListener;
@@ -108,19 +109,116 @@ async fn users(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body>
     r.unwrap_or_else(iam_error)
 }
 
+fn authorized(req: &http::Request<Incoming>, token: &str) -> bool {
+    req.headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
+}
+
+/// `GET /admin/cluster/status` and `POST /admin/cluster/init?data_shards=K&parity_shards=M`.
+async fn cluster(
+    method: &str,
+    path: &str,
+    query: Option<&str>,
+    node: Option<&Node>,
+) -> http::Response<s3s::Body> {
+    let Some(node) = node else {
+        return json(
+            400,
+            serde_json::json!({ "error": "this server is not part of a cluster (start it with --cluster, --etcd, --node-id and --advertise)" }),
+        );
+    };
+    match (method, path) {
+        ("GET", "/admin/cluster/status") => match node.status().await {
+            Ok(v) => json(200, v),
+            Err(e) => json(503, serde_json::json!({ "error": e })),
+        },
+        ("POST", "/admin/cluster/init") => {
+            let arg = |name: &str| -> Option<usize> {
+                query?
+                    .split('&')
+                    .filter_map(|kv| kv.split_once('='))
+                    .find(|(k, _)| *k == name)
+                    .and_then(|(_, v)| v.parse().ok())
+            };
+            let (Some(k), Some(m)) = (arg("data_shards"), arg("parity_shards")) else {
+                return json(
+                    400,
+                    serde_json::json!({ "error": "give data_shards and parity_shards" }),
+                );
+            };
+            match node.init(k, m).await {
+                Ok(map) => json(
+                    200,
+                    serde_json::json!({
+                        "epoch": map.epoch,
+                        "deployment_id": map.deployment_id,
+                        "pools": map.pools,
+                    }),
+                ),
+                Err(e) => json(409, serde_json::json!({ "error": e })),
+            }
+        }
+        _ => text(404, "text/plain", "not found\n".into()),
+    }
+}
+
+/// The admin port of a cluster node before the cluster is formed: health,
+/// and the cluster commands (`cluster init` is what forms it).
+pub async fn serve_forming(
+    listener: TcpListener,
+    node: Arc<Node>,
+    token: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    let token = Arc::new(token);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let (node, token) = (node.clone(), token.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+                        let (node, token) = (node.clone(), token.clone());
+                        async move {
+                            let ok = authorized(&req, &token);
+                            let (method, path) = (req.method().as_str(), req.uri().path());
+                            let r = match (method, path) {
+                                ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
+                                ("GET", "/health/ready") => text(503, "text/plain", "not ready: waiting for the cluster to be formed (cluster init)\n".into()),
+                                (_, p) if p.starts_with("/admin/") && !ok => {
+                                    text(401, "text/plain", "missing or wrong bearer token\n".into())
+                                }
+                                (m, p) if p.starts_with("/admin/cluster/") => {
+                                    cluster(m, p, req.uri().query(), Some(&node)).await
+                                }
+                                _ => text(503, "text/plain", "not serving yet: waiting for the cluster to be formed\n".into()),
+                            };
+                            Ok::<_, Infallible>(r)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
 async fn handle(
     req: http::Request<Incoming>,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
     token: Arc<String>,
     iam: Arc<Iam>,
+    node: Option<Arc<Node>>,
 ) -> Result<http::Response<s3s::Body>, Infallible> {
-    let authorized = req
-        .headers()
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
+    let authorized = authorized(&req, &token);
     let r = match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
         ("GET", "/health/ready") => {
@@ -165,6 +263,9 @@ async fn handle(
             text(401, "text/plain", "missing or wrong bearer token\n".into())
         }
         (m, p) if p == "/admin/users" || p.starts_with("/admin/users/") => users(m, p, &iam).await,
+        (m, p) if p.starts_with("/admin/cluster/") => {
+            cluster(m, p, req.uri().query(), node.as_deref()).await
+        }
         ("POST", "/admin/heal") => {
             let r = store.heal_all().await;
             text(
@@ -216,6 +317,7 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     token: String,
     iam: Arc<Iam>,
+    node: Option<Arc<Node>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
@@ -227,9 +329,9 @@ pub async fn serve(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let (store, metrics, token, iam) = (store.clone(), metrics.clone(), token.clone(), iam.clone());
+                let (store, metrics, token, iam, node) = (store.clone(), metrics.clone(), token.clone(), iam.clone(), node.clone());
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone(), iam.clone()));
+                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone(), iam.clone(), node.clone()));
                     let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

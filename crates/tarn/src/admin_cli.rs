@@ -28,6 +28,26 @@ enum AdminCommand {
     /// Users and their access keys.
     #[command(subcommand)]
     User(UserCommand),
+    /// The cluster this server is a node of.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+}
+
+#[derive(clap::Subcommand)]
+enum ClusterCommand {
+    /// Form the cluster: one pool of erasure sets over the registered
+    /// nodes' drives, no node holding more than M shards of any set.
+    Init {
+        #[arg(long)]
+        data_shards: usize,
+        #[arg(long)]
+        parity_shards: usize,
+    },
+    /// Nodes, drives, sets, the map's epoch and who is live.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(clap::Subcommand)]
@@ -90,6 +110,32 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        AdminCommand::Cluster(ClusterCommand::Init {
+            data_shards,
+            parity_shards,
+        }) => {
+            let v = call(
+                "POST",
+                &format!(
+                    "/admin/cluster/init?data_shards={data_shards}&parity_shards={parity_shards}"
+                ),
+            )?;
+            let sets = v["pools"][0]["sets"].as_array().map_or(0, Vec::len);
+            println!(
+                "cluster formed: epoch {}, {sets} erasure set(s) of {data_shards}+{parity_shards}",
+                v["epoch"]
+            );
+            Ok(())
+        }
+        AdminCommand::Cluster(ClusterCommand::Status { json }) => {
+            let v = call("GET", "/admin/cluster/status")?;
+            if json {
+                println!("{v}");
+                return Ok(());
+            }
+            print_status(&v);
+            Ok(())
+        }
         AdminCommand::User(UserCommand::Remove { name }) => {
             call("DELETE", &format!("/admin/users/{name}"))?;
             println!("removed user {name}");
@@ -99,6 +145,74 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
             call("DELETE", &format!("/admin/users/{name}/keys/{access_key}"))?;
             println!("removed access key {access_key} of user {name}");
             Ok(())
+        }
+    }
+}
+
+fn print_status(v: &serde_json::Value) {
+    let s = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
+    println!(
+        "cluster {}  epoch {}  {}",
+        s(&v["cluster"]),
+        v["epoch"],
+        if v["formed"].as_bool() == Some(true) {
+            "formed"
+        } else {
+            "not formed yet (cluster init)"
+        }
+    );
+    println!("nodes:");
+    for n in v["nodes"].as_array().into_iter().flatten() {
+        println!(
+            "  {:<16} {:<6} {:<8} rpc {}  s3 {}  {} drive(s)",
+            s(&n["id"]),
+            if n["live"].as_bool() == Some(true) {
+                "live"
+            } else {
+                "DOWN"
+            },
+            s(&n["state"]),
+            s(&n["address"]),
+            s(&n["s3"]),
+            n["drives"].as_array().map_or(0, Vec::len)
+        );
+    }
+    for p in v["pools"].as_array().into_iter().flatten() {
+        println!(
+            "pool {} ({}): {}+{}",
+            p["id"],
+            s(&p["state"]),
+            p["data_shards"],
+            p["parity_shards"]
+        );
+        for (i, set) in p["sets"].as_array().into_iter().flatten().enumerate() {
+            let drives: Vec<String> = set
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|d| {
+                    format!(
+                        "{}/{}",
+                        s(&d["node"]),
+                        &s(&d["drive"])[..8.min(s(&d["drive"]).len())]
+                    )
+                })
+                .collect();
+            println!("  set {i}: {}", drives.join(" "));
+        }
+    }
+    let view = v["drives_seen_from_here"].as_array();
+    if let Some(view) = view.filter(|v| !v.is_empty()) {
+        println!("drives as node {} sees them:", s(&v["node"]));
+        for d in view {
+            let state = if d["online"].as_bool() != Some(true) {
+                "offline"
+            } else if d["rebuilding"].as_bool() == Some(true) {
+                "rebuilding"
+            } else {
+                "online"
+            };
+            println!("  set {}  {:<10} {}", d["set"], state, s(&d["drive"]));
         }
     }
 }

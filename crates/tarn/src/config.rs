@@ -39,6 +39,21 @@ pub struct FileConfig {
     /// connection is reset.
     pub response_send_idle_timeout_secs: Option<u64>,
     pub kv: Option<KvFileConfig>,
+    pub cluster: Option<ClusterFileConfig>,
+}
+
+/// `[cluster]`: join a cluster (flags and environment take precedence).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFileConfig {
+    pub name: Option<String>,
+    pub etcd: Option<String>,
+    pub node_id: Option<String>,
+    pub advertise: Option<String>,
+    /// The cluster secret, when TARN_CLUSTER_SECRET is not set.
+    pub secret: Option<String>,
+    pub zone: Option<String>,
+    pub no_drives: Option<bool>,
 }
 
 /// `[kv]`: the KV-cache store (off unless `enabled` or `--kv`).

@@ -134,6 +134,22 @@ struct ServerArgs {
     /// Largest KV value (default 4MiB).
     #[arg(long)]
     kv_value_max: Option<String>,
+    /// Join the cluster of this name (with --etcd, --node-id, --advertise;
+    /// the cluster secret comes from TARN_CLUSTER_SECRET or the config).
+    #[arg(long, env = "TARN_CLUSTER")]
+    cluster: Option<String>,
+    /// etcd endpoints, comma-separated http://HOST:PORT.
+    #[arg(long, env = "TARN_ETCD")]
+    etcd: Option<String>,
+    /// This node's id in the cluster (a-z, 0-9, '-').
+    #[arg(long, env = "TARN_NODE_ID")]
+    node_id: Option<String>,
+    /// HOST:PORT where the other nodes reach this node (its RPC listener).
+    #[arg(long, env = "TARN_ADVERTISE")]
+    advertise: Option<String>,
+    /// A gateway: serves S3 for the cluster and stores nothing.
+    #[arg(long)]
+    no_drives: bool,
 }
 
 fn store_config(
@@ -454,7 +470,18 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             bail!("empty drive path");
         }
     }
-    let store = Store::open(cfg).context("opening the object engine")?;
+    let cluster = cluster_settings(&args, &file, &cfg.drives, listen, admin_listen)?;
+    let (store, node, admin_bound) = match cluster {
+        None => (
+            Store::open(cfg).context("opening the object engine")?,
+            None,
+            None,
+        ),
+        Some(nc) => {
+            let (store, node, admin) = join_cluster(nc, cfg, admin_listen, &secret)?;
+            (store, Some(node), Some(admin))
+        }
+    };
     for d in store.drive_status().iter().filter(|d| !d.online) {
         eprintln!(
             "warning: drive {} is offline: {}",
@@ -482,6 +509,18 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     };
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
     let permissions = load_permissions(&store, &access, &secret, io_uring)?;
+    if let Some(node) = &node {
+        // Users, keys and buckets' settings changed through another node.
+        let p = permissions.clone();
+        node.on_docs_changed(Box::new(move || {
+            let p = p.clone();
+            tokio::spawn(async move {
+                if let Err(error) = p.reload().await {
+                    tracing::warn!(%error, "cannot read users and permissions again");
+                }
+            });
+        }));
+    }
     let iam = permissions.iam.clone();
     let s3 = tarn_s3::build_service(store.clone(), permissions, &settings);
     println!(
@@ -549,6 +588,8 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         iam,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
+        admin_bound,
+        cluster: node.clone(),
         body_idle_timeout: idle_secs(
             file.request_body_idle_timeout_secs,
             server::BODY_IDLE_TIMEOUT_DEFAULT,
@@ -564,7 +605,132 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     if let Some((_, kv_server)) = kv {
         kv_server.stop();
     }
+    if let Some(node) = node {
+        node.stop();
+    }
     result
+}
+
+/// The cluster this server joins, from flags, environment and the config
+/// file; None for a single node (no --etcd). Half a cluster configuration
+/// is an error, never a single node that ignored it.
+fn cluster_settings(
+    args: &ServerArgs,
+    file: &FileConfig,
+    drives: &[PathBuf],
+    listen: std::net::SocketAddr,
+    admin_listen: std::net::SocketAddr,
+) -> anyhow::Result<Option<tarn_cluster::node::NodeConfig>> {
+    let f = file.cluster.as_ref();
+    let name = args.cluster.clone().or(f.and_then(|c| c.name.clone()));
+    let etcd = args.etcd.clone().or(f.and_then(|c| c.etcd.clone()));
+    let node_id = args.node_id.clone().or(f.and_then(|c| c.node_id.clone()));
+    let advertise = args
+        .advertise
+        .clone()
+        .or(f.and_then(|c| c.advertise.clone()));
+    let no_drives = args.no_drives || f.and_then(|c| c.no_drives).unwrap_or(false);
+    let (name, etcd) = match (name, etcd) {
+        (None, None) => {
+            if node_id.is_some() || advertise.is_some() || no_drives {
+                bail!("--node-id, --advertise and --no-drives are for a cluster: give --cluster and --etcd too");
+            }
+            return Ok(None);
+        }
+        (Some(n), Some(e)) => (n, e),
+        (Some(_), None) => bail!("--cluster needs --etcd (the cluster's etcd endpoints)"),
+        (None, Some(_)) => bail!("--etcd needs --cluster (the cluster's name)"),
+    };
+    let Some(node_id) = node_id else {
+        bail!("a cluster node needs --node-id");
+    };
+    if args.set_drive_count.is_some()
+        || args.data_shards.is_some()
+        || args.parity_shards.is_some()
+        || file.erasure.is_some()
+    {
+        bail!("a cluster's erasure layout is its map's (tarn admin … cluster init --data-shards K --parity-shards M), not a node's flags");
+    }
+    let Some(advertise) = advertise else {
+        bail!("a cluster node needs --advertise HOST:PORT (where the other nodes reach it)");
+    };
+    let secret = match std::env::var("TARN_CLUSTER_SECRET") {
+        Ok(s) if !s.is_empty() => s,
+        _ => match f.and_then(|c| c.secret.clone()) {
+            Some(s) => s,
+            None => bail!("a cluster node needs the cluster secret: set TARN_CLUSTER_SECRET (or cluster.secret in the config file); there is no default"),
+        },
+    };
+    if no_drives && !args.drives.is_empty() {
+        bail!("--no-drives and --drive contradict each other");
+    }
+    let drives = if no_drives {
+        Vec::new()
+    } else {
+        drives.to_vec()
+    };
+    Ok(Some(tarn_cluster::node::NodeConfig {
+        cluster: name,
+        etcd,
+        node_id,
+        advertise,
+        secret: secret.into_bytes(),
+        drives,
+        s3_url: format!("http://{listen}"),
+        admin_url: format!("http://{admin_listen}"),
+        zone: f.and_then(|c| c.zone.clone()),
+    }))
+}
+
+/// Joins the cluster: the node registers and serves its drives, waits
+/// (its admin port up, for `cluster init`) until the cluster is formed,
+/// then opens the engine over the cluster map's sets.
+fn join_cluster(
+    nc: tarn_cluster::node::NodeConfig,
+    cfg: StoreConfig,
+    admin_listen: std::net::SocketAddr,
+    token: &str,
+) -> anyhow::Result<(
+    Arc<Store>,
+    Arc<tarn_cluster::node::Node>,
+    std::net::TcpListener,
+)> {
+    let node = tarn_cluster::node::Node::start(nc).map_err(anyhow::Error::msg)?;
+    let admin = std::net::TcpListener::bind(admin_listen)
+        .with_context(|| format!("binding admin {admin_listen}"))?;
+    admin.set_nonblocking(true)?;
+    println!(
+        "Cluster {}: node {} (RPC {}), admin endpoint http://{}",
+        node.cfg.cluster,
+        node.cfg.node_id,
+        node.cfg.advertise,
+        admin.local_addr()?
+    );
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let forming = {
+        let (listener, node, token) = (admin.try_clone()?, node.clone(), token.to_string());
+        std::thread::Builder::new()
+            .name("tarn-forming".into())
+            .spawn(move || -> anyhow::Result<()> {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                rt.block_on(async move {
+                    let listener = tokio::net::TcpListener::from_std(listener)?;
+                    admin::serve_forming(listener, node, token, stop_rx).await;
+                    Ok(())
+                })
+            })?
+    };
+    let map = node.wait_for_map();
+    let _ = stop_tx.send(true);
+    let _ = forming.join();
+    let map = map.map_err(anyhow::Error::msg)?;
+    let store = node
+        .open_store(cfg, map)
+        .map_err(anyhow::Error::msg)
+        .context("opening the object engine over the cluster map")?;
+    Ok((store, node, admin))
 }
 
 /// The users and the buckets' permissions, read from the drives before

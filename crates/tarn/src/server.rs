@@ -53,6 +53,11 @@ pub struct ServerSettings {
     /// A response the client reads nothing of for this long is aborted
     /// (the connection reset).
     pub send_idle_timeout: Duration,
+    /// The admin listener when already bound (a cluster node serves its
+    /// admin port while it waits for the cluster to be formed).
+    pub admin_bound: Option<std::net::TcpListener>,
+    /// This server as a node of a cluster.
+    pub cluster: Option<Arc<tarn_cluster::node::Node>>,
 }
 
 /// Defaults of the two (docs/configuration.md).
@@ -485,7 +490,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
 }
 
 /// Runs the server until SIGTERM/SIGINT. Blocks the calling thread.
-pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow::Result<()> {
+pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
     if !settings.kv.is_empty() {
         let _ = metrics.kv.set(settings.kv.clone());
@@ -500,8 +505,11 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
     for _ in 1..settings.cores {
         listeners.push(bind_reuseport(addr)?);
     }
-    let admin = std::net::TcpListener::bind(settings.admin_listen)
-        .with_context(|| format!("binding admin {}", settings.admin_listen))?;
+    let admin = match settings.admin_bound.take() {
+        Some(bound) => bound,
+        None => std::net::TcpListener::bind(settings.admin_listen)
+            .with_context(|| format!("binding admin {}", settings.admin_listen))?,
+    };
     admin.set_nonblocking(true)?;
     let admin_addr = admin.local_addr()?;
 
@@ -534,6 +542,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
             metrics.clone(),
             settings.admin_token.clone(),
             settings.iam.clone(),
+            settings.cluster.clone(),
         );
         let scan = settings.scan_interval;
         threads.push(
@@ -544,6 +553,9 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
                     rt.block_on(async move {
                         if core == 0 {
                             store.spawn_background(scan);
+                            if let Some(node) = &admin_ctx.3 {
+                                node.spawn_watch();
+                            }
                             tokio::spawn(trim_memory());
                         }
                         if let Some(admin) = admin {
@@ -554,6 +566,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, settings: ServerSettings) -> anyhow
                                 admin_ctx.0,
                                 admin_ctx.1,
                                 admin_ctx.2,
+                                admin_ctx.3,
                                 stop.clone(),
                             ));
                         }

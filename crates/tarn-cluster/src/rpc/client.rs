@@ -261,6 +261,10 @@ enum State {
     Done,
 }
 
+/// The longest one step of a call (a frame sent, an answer or a body frame
+/// awaited) may take.
+pub const STEP_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// One call on one connection. Every step ends by the call's deadline; a
 /// call that fails mid-stream closes its connection, one that ends cleanly
 /// gives it back to the pool (`finish`).
@@ -285,6 +289,14 @@ impl Call {
 
     pub fn deadline(&self) -> Instant {
         self.deadline
+    }
+
+    /// When the step under way must have ended: the call's deadline, or
+    /// `STEP_MAX` from now if sooner. A peer that stops making progress (a
+    /// paused process, a cut link) fails the call within seconds, whatever
+    /// time a long transfer was given in all.
+    fn step_deadline(&self) -> Instant {
+        self.deadline.min(Instant::now() + STEP_MAX)
     }
 
     /// The connection of a call still open.
@@ -327,7 +339,7 @@ impl Call {
             .as_millis()
             .clamp(1, u32::MAX as u128) as u32;
         let h = Header::new(Kind::Request, op, self.call_id, epoch, left_ms).with_body(body);
-        let deadline = self.deadline;
+        let deadline = self.step_deadline();
         let c = self.conn()?;
         let r = timeout_at(deadline, c.write_frame(h, payload)).await;
         self.settle(r.map(|w| w.map_err(RpcError::from)))?;
@@ -346,7 +358,7 @@ impl Call {
             return Err(RpcError::Protocol("no request body open".into()));
         }
         let h = Header::new(Kind::Data, self.op, self.call_id, 0, 0);
-        let (deadline, call_id, op) = (self.deadline, self.call_id, self.op);
+        let (deadline, call_id, op) = (self.step_deadline(), self.call_id, self.op);
         let c = self.conn()?;
         if c.has_pending_input() {
             let e = match timeout_at(deadline, early_answer(c, call_id, op)).await {
@@ -368,7 +380,7 @@ impl Call {
             return Err(RpcError::Protocol("no request body open".into()));
         }
         let h = Header::new(Kind::End, self.op, self.call_id, 0, 0);
-        let deadline = self.deadline;
+        let deadline = self.step_deadline();
         let c = self.conn()?;
         let r = timeout_at(deadline, c.write_frame(h, payload)).await;
         self.settle(r.map(|w| w.map_err(RpcError::from)))?;
@@ -381,7 +393,7 @@ impl Call {
         if self.state != State::AwaitResponse {
             return Err(RpcError::Protocol("no response awaited".into()));
         }
-        let (deadline, call_id, op) = (self.deadline, self.call_id, self.op);
+        let (deadline, call_id, op) = (self.step_deadline(), self.call_id, self.op);
         let c = self.conn()?;
         let r = timeout_at(deadline, read_response(c, call_id, op)).await;
         let r = self.settle(r)?;
@@ -395,7 +407,7 @@ impl Call {
         if self.state != State::ReadingBody {
             return Err(RpcError::Protocol("no response body open".into()));
         }
-        let (deadline, call_id, op) = (self.deadline, self.call_id, self.op);
+        let (deadline, call_id, op) = (self.step_deadline(), self.call_id, self.op);
         let c = self.conn()?;
         let r = timeout_at(deadline, read_body_frame(c, call_id, op, buf)).await;
         let more = self.settle(r)?;

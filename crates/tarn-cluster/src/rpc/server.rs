@@ -31,6 +31,12 @@ pub trait Handler: Send + Sync + 'static {
     /// A request carried a newer epoch than ours: reload the map.
     fn epoch_ahead(&self, _epoch: u64) {}
 
+    /// Waits (briefly) before a request's epoch is judged: a node opening
+    /// its map a moment after its peers answers them once it has.
+    fn ready(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
     /// Serves one call: reads its request body if it has one, and replies
     /// (`reply`, or `reply_body` then data and `end_body`).
     fn handle(
@@ -283,6 +289,7 @@ pub async fn serve_connection<H: Handler>(
             }
         };
         stats.calls.fetch_add(1, Ordering::Relaxed);
+        handler.ready().await;
         let mine = handler.epoch();
         let refusal = if h.epoch < mine {
             stats.stale_epochs.fetch_add(1, Ordering::Relaxed);

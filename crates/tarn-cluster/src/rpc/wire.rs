@@ -532,6 +532,8 @@ pub mod op {
     pub const DRIVE_PUT_BUCKET: u16 = 11;
     pub const DRIVE_DELETE_BUCKET: u16 = 12;
     pub const DRIVE_BUCKET_HAS_ENTRIES: u16 = 13;
+    /// Whether the drive is in service on its node, and its index complete.
+    pub const DRIVE_STATE: u16 = 14;
     pub const DRIVE_OBJECT: u16 = 20;
     pub const DRIVE_WRITE_OBJECT: u16 = 21;
     pub const DRIVE_WRITE_OBJECTS_BULK: u16 = 22;

@@ -160,6 +160,7 @@ impl Store {
             // the records it lost are nobody's, and kept for the operator
             // until the set-aside index is removed.
             if members.len() == 1
+                && !self.slot(set, 0).is_remote()
                 && members[0]
                     .1
                     .root
@@ -358,7 +359,7 @@ impl Store {
             let slot = self.slot(set, layout.distribution[shard] as usize);
             let room = slot.has_room(shard_bytes, self.cfg.drive_reserve_bytes);
             if !room {
-                tracing::warn!(drive = %slot.paths.root.display(), part = part.number, shard, "shard not rebuilt: the drive is below its free-space reserve");
+                tracing::warn!(drive = %slot.name, part = part.number, shard, "shard not rebuilt: the drive is below its free-space reserve");
             }
             room
         });
@@ -382,7 +383,7 @@ impl Store {
         for &shard in &bad {
             let slot = self.slot(set, layout.distribution[shard] as usize);
             let drive = slot.writer().ok_or_else(|| StoreError::Drive {
-                drive: slot.paths.root.display().to_string(),
+                drive: slot.name.clone(),
                 reason: "went offline during heal".into(),
             })?;
             let w = drive

@@ -22,9 +22,10 @@ use tarn_io::file::run_blocking;
 use tarn_io::BufferPool;
 use tokio::sync::mpsc;
 
+use crate::catalog::Catalog;
 use crate::config::{default_parity_shards, default_set_drive_count, StoreConfig};
 use crate::drive::{self, DriveDb, DrivePaths, DriveProbe, ObjectWrite};
-use crate::drive_io::{Drive, LocalDrive};
+use crate::drive_io::{Drive, DriveState, LocalDrive};
 use crate::error::StoreError;
 use crate::format::{
     id_from_hex, id_to_hex, new_id, BucketRecord, CodecId, DriveFormat, Durability, Id128, Layout,
@@ -46,7 +47,13 @@ pub(crate) struct DriveSlot {
     /// Held for the store's life: one process per drive (taken again when a
     /// wiped drive rejoins).
     pub lock: Mutex<Option<drive::DriveLock>>,
+    /// Where a drive of this node is (unused for a drive of another node).
     pub paths: DrivePaths,
+    /// Names the drive in logs and status: its path, or its node and id.
+    pub name: String,
+    /// A drive of another node: the engine reaches it over RPC, and its node
+    /// looks after its files (probes, locks, free space, rebuild markers).
+    remote: Option<Arc<dyn Drive>>,
     state: std::sync::RwLock<SlotState>,
     pub set_index: usize,
     /// Where the drive belongs (deployment, set, position): a drive rejoins
@@ -111,7 +118,9 @@ impl DriveSlot {
         };
         DriveSlot {
             lock: Mutex::new(lock),
+            name: paths.root.display().to_string(),
             paths,
+            remote: None,
             state: std::sync::RwLock::new(SlotState {
                 db,
                 reason,
@@ -125,11 +134,43 @@ impl DriveSlot {
         }
     }
 
+    /// A drive of another node, in use from the start: calls that fail take
+    /// it out, and it is tried again every few seconds (`watch_drives`).
+    fn remote(drive: Arc<dyn Drive>, set_index: usize, expected: DriveFormat) -> DriveSlot {
+        DriveSlot {
+            lock: Mutex::new(None),
+            paths: DrivePaths {
+                root: PathBuf::new(),
+            },
+            name: drive.name().to_string(),
+            remote: Some(drive.clone()),
+            state: std::sync::RwLock::new(SlotState {
+                db: Some(drive),
+                reason: None,
+                faulty: false,
+                rebuilding: None,
+                reindex: false,
+            }),
+            set_index,
+            expected,
+            space: Mutex::new(Space::default()),
+        }
+    }
+
+    pub fn is_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
     /// Whether the drive can take `need` more bytes of shard data and keep
     /// its reserve (`reserve`: None for the default, 2% of the drive, at
-    /// most 1 GiB).
+    /// most 1 GiB). A drive of another node is full only after a write to it
+    /// failed for lack of space, until the next reading (its node keeps its
+    /// reserve).
     pub fn has_room(&self, need: u64, reserve: Option<u64>) -> bool {
         let mut sp = self.space.lock().expect("drive space");
+        if self.remote.is_some() {
+            return sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) || sp.free > 0;
+        }
         if sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) {
             match fs_space(&self.paths.root) {
                 Some((free, total)) => {
@@ -443,6 +484,9 @@ pub struct Store {
     sets: Vec<Vec<usize>>,
     data_shards: usize,
     parity_shards: usize,
+    /// Where a cluster keeps bucket records and system documents (etcd);
+    /// None on a single node (the drives keep them).
+    catalog: Option<Arc<dyn Catalog>>,
     buckets: RwLock<BTreeMap<String, BucketRecord>>,
     locks: LockTable,
     pool: BufferPool,
@@ -512,6 +556,140 @@ pub fn validate_key(key: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// A drive slot of this node from the verdict on its directory: its tmp
+/// directory cleaned and written to, its index opened (set aside and
+/// rebuilt when damaged), and whether it starts rebuilding. Counts
+/// rebuilds and indexes set aside in `counts`.
+#[allow(clippy::too_many_arguments)]
+fn open_slot(
+    lock: Option<drive::DriveLock>,
+    paths: DrivePaths,
+    set_index: usize,
+    want: DriveFormat,
+    verdict: Result<(), String>,
+    set_size: usize,
+    joined_empty: bool,
+    counts: (&mut u64, &mut u64),
+) -> DriveSlot {
+    let (rebuilds, set_aside_at_start) = counts;
+    let path = paths.root.clone();
+    let opened = verdict.and_then(|_| {
+        clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
+        probe_writable(&paths.tmp_dir()).map_err(|e| format!("drive is not writable: {e}"))?;
+        open_index(&path, false, set_size == 1)
+    });
+    if matches!(&opened, Ok((_, true))) {
+        *set_aside_at_start += 1;
+    }
+    let rebuilding = match &opened {
+        // Alone in its set: the salvage of its index was its rebuild.
+        Ok(_) if set_size == 1 => {
+            if let Err(error) = drive::clear_rebuilding(&path) {
+                tracing::warn!(drive = %path.display(), %error, "cannot remove the rebuild marker");
+            }
+            None
+        }
+        Ok((_, set_aside)) if *set_aside || joined_empty || drive::rebuild_pending(&path) => {
+            *rebuilds += 1;
+            Some(*rebuilds)
+        }
+        _ => None,
+    };
+    if let Err(reason) = &opened {
+        tracing::error!(drive = %path.display(), %reason, "drive offline");
+    }
+    let opened = opened.map(|(db, _)| db);
+    DriveSlot::new(lock, paths, set_index, want, opened, rebuilding)
+}
+
+/// Whether an erasure layout of `data`+`parity` fits sets of `set_size`
+/// drives, and the stripe size is one the engine takes.
+fn check_geometry(
+    cfg: &StoreConfig,
+    data: usize,
+    parity: usize,
+    set_size: usize,
+) -> Result<(), StoreError> {
+    if data == 0 || data + parity > set_size || data + parity > 255 {
+        return Err(StoreError::Config(format!(
+            "erasure layout {data}+{parity} does not fit sets of {set_size} drives"
+        )));
+    }
+    if parity > 0 && data > 1 && !reed_solomon_simd::ReedSolomonEncoder::supports(data, parity) {
+        return Err(StoreError::Config(format!(
+            "erasure layout {data}+{parity} is not supported by the codec"
+        )));
+    }
+    if cfg.stripe_size_bytes < 4096
+        || !cfg.stripe_size_bytes.is_multiple_of(4096)
+        || cfg.stripe_size_bytes > crate::format::STRIPE_SIZE_MAX_BYTES as usize
+    {
+        return Err(StoreError::Config(
+            "stripe size must be a multiple of 4 KiB between 4 KiB and 64 MiB".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A drive of this node as it serves it to the others: (for metadata reads,
+/// for writes and shard files), each None while the drive is not fit for it.
+pub type ServedDrive = (Option<Arc<dyn Drive>>, Option<Arc<dyn Drive>>);
+
+/// A cluster node's engine: the sets of the cluster map, in shard position
+/// order, each drive this node's own or another node's (`Store::open_cluster`).
+pub struct ClusterLayout {
+    /// The cluster's deployment id (its map's): this node's drives are
+    /// formatted with it.
+    pub deployment_id: Id128,
+    pub data_shards: usize,
+    pub parity_shards: usize,
+    pub sets: Vec<Vec<ClusterDrive>>,
+    /// Bucket records as the catalog has them (read with the map), and the
+    /// catalog that keeps them and the system documents.
+    pub buckets: BTreeMap<String, BucketRecord>,
+    pub catalog: Arc<dyn Catalog>,
+}
+
+pub enum ClusterDrive {
+    /// A drive of this node and the id it registered with.
+    Local { path: PathBuf, drive_id: Id128 },
+    /// A drive of another node.
+    Remote(Arc<dyn Drive>),
+}
+
+/// The format a drive of this node had before the cluster map placed it: a
+/// drive id registered with the cluster, no deployment, no place yet.
+pub fn is_unplaced(f: &DriveFormat) -> bool {
+    f.deployment_id == [0u8; 16] && f.set_count == 0
+}
+
+/// Formats an empty (or missing) drive directory for a cluster node before
+/// the cluster map places it, or reads the id of one formatted before: the
+/// drive id the node registers. A drive of another deployment (a single
+/// node's, another cluster's) is refused when the engine opens
+/// (`open_cluster`), where the cluster's deployment id is known.
+pub fn claim_drive(path: &std::path::Path) -> Result<Id128, StoreError> {
+    let config = |m: String| StoreError::Config(format!("drive {}: {m}", path.display()));
+    match drive::probe(path) {
+        DriveProbe::Formatted(f) => Ok(f.drive_id),
+        DriveProbe::Unusable(reason) => Err(config(reason)),
+        DriveProbe::Missing | DriveProbe::Empty => {
+            std::fs::create_dir_all(path)
+                .map_err(|e| config(format!("cannot create the directory: {e}")))?;
+            let f = DriveFormat {
+                deployment_id: [0u8; 16],
+                drive_id: new_id(),
+                set_count: 0,
+                set_drive_count: 0,
+                set_index: 0,
+                drive_index: 0,
+            };
+            drive::format_drive(path, &f)?;
+            Ok(f.drive_id)
+        }
+    }
+}
+
 impl Store {
     /// Opens (or creates, on first start) the engine over the configured drives.
     /// Blocking: call before the runtimes start or from a blocking thread.
@@ -532,25 +710,7 @@ impl Store {
             .parity_shards
             .unwrap_or_else(|| default_parity_shards(set_size));
         let data = cfg.data_shards.unwrap_or(set_size.saturating_sub(parity));
-        if data == 0 || data + parity > set_size || data + parity > 255 {
-            return Err(StoreError::Config(format!(
-                "erasure layout {data}+{parity} does not fit sets of {set_size} drives"
-            )));
-        }
-        if parity > 0 && data > 1 && !reed_solomon_simd::ReedSolomonEncoder::supports(data, parity)
-        {
-            return Err(StoreError::Config(format!(
-                "erasure layout {data}+{parity} is not supported by the codec"
-            )));
-        }
-        if cfg.stripe_size_bytes < 4096
-            || !cfg.stripe_size_bytes.is_multiple_of(4096)
-            || cfg.stripe_size_bytes > crate::format::STRIPE_SIZE_MAX_BYTES as usize
-        {
-            return Err(StoreError::Config(
-                "stripe size must be a multiple of 4 KiB between 4 KiB and 64 MiB".into(),
-            ));
-        }
+        check_geometry(&cfg, data, parity, set_size)?;
         let set_count = n / set_size;
 
         // One process per drive: every drive's lock first, before anything is
@@ -649,57 +809,20 @@ impl Store {
                     }
                 }
             };
-            let opened = verdict.and_then(|_| {
-                clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
-                probe_writable(&paths.tmp_dir())
-                    .map_err(|e| format!("drive is not writable: {e}"))?;
-                open_index(path, false, set_size == 1)
-            });
-            let lock = locks[i].take();
-            if matches!(&opened, Ok((_, true))) {
-                set_aside_at_start += 1;
-            }
-            let rebuilding = match &opened {
-                // Alone in its set: the salvage of its index was its rebuild.
-                Ok(_) if set_size == 1 => {
-                    if let Err(error) = drive::clear_rebuilding(path) {
-                        tracing::warn!(drive = %path.display(), %error, "cannot remove the rebuild marker");
-                    }
-                    None
-                }
-                Ok((_, set_aside))
-                    if *set_aside || joined_empty || drive::rebuild_pending(path) =>
-                {
-                    rebuilds += 1;
-                    Some(rebuilds)
-                }
-                _ => None,
-            };
-            if let Err(reason) = &opened {
-                tracing::error!(drive = %path.display(), %reason, "drive offline");
-            }
-            let opened = opened.map(|(db, _)| db);
-            drives.push(DriveSlot::new(
-                lock, paths, set_index, want, opened, rebuilding,
+            drives.push(open_slot(
+                locks[i].take(),
+                paths,
+                set_index,
+                want,
+                verdict,
+                set_size,
+                joined_empty,
+                (&mut rebuilds, &mut set_aside_at_start),
             ));
         }
         let sets: Vec<Vec<usize>> = (0..set_count)
             .map(|s| (s * set_size..(s + 1) * set_size).collect())
             .collect();
-        for (s, members) in sets.iter().enumerate() {
-            let online = members.iter().filter(|&&d| drives[d].online()).count();
-            if online < set_size / 2 + 1 {
-                tracing::error!(
-                    set = s,
-                    online,
-                    needed = set_size / 2 + 1,
-                    "erasure set has lost write quorum"
-                );
-            } else if online < set_size {
-                tracing::warn!(set = s, online, total = set_size, "erasure set is degraded");
-            }
-        }
-
         // Buckets: the union over drives, each present on a majority of those
         // that answered (a torn create or delete resolves here).
         let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
@@ -724,6 +847,148 @@ impl Store {
             .map(|(n, (r, _))| (n, r))
             .collect();
 
+        Ok(Store::assemble(
+            cfg,
+            deployment_id,
+            drives,
+            sets,
+            (data, parity),
+            buckets,
+            (rebuilds, set_aside_at_start),
+            None,
+        ))
+    }
+
+    /// Opens the engine of a cluster node over the sets of the cluster map:
+    /// this node's drives formatted for their place in it (a drive claimed
+    /// before the map placed it takes its place now; an empty one joins and
+    /// is healed), the other nodes' drives reached through `Drive`. Bucket
+    /// records and system documents are the catalog's. Blocking, like
+    /// `open`.
+    pub fn open_cluster(cfg: StoreConfig, layout: ClusterLayout) -> Result<Arc<Store>, StoreError> {
+        let (data, parity) = (layout.data_shards, layout.parity_shards);
+        let set_count = layout.sets.len();
+        let set_size = layout.sets.first().map_or(0, Vec::len);
+        if set_count == 0 || layout.sets.iter().any(|s| s.len() != set_size) {
+            return Err(StoreError::Config(
+                "the cluster map has no sets, or sets of different sizes".into(),
+            ));
+        }
+        check_geometry(&cfg, data, parity, set_size)?;
+        let deployment_id = layout.deployment_id;
+        let mut drives = Vec::with_capacity(set_count * set_size);
+        let (mut rebuilds, mut set_aside_at_start) = (0u64, 0u64);
+        for (set_index, set) in layout.sets.into_iter().enumerate() {
+            for (drive_index, place) in set.into_iter().enumerate() {
+                let mut want = DriveFormat {
+                    deployment_id,
+                    drive_id: [0u8; 16],
+                    set_count: set_count as u32,
+                    set_drive_count: set_size as u32,
+                    set_index: set_index as u32,
+                    drive_index: drive_index as u32,
+                };
+                let (path, drive_id) = match place {
+                    ClusterDrive::Remote(d) => {
+                        drives.push(DriveSlot::remote(d, set_index, want));
+                        continue;
+                    }
+                    ClusterDrive::Local { path, drive_id } => (path, drive_id),
+                };
+                want.drive_id = drive_id;
+                let lock = drive::lock(&path)?;
+                let mut joined_empty = false;
+                let verdict: Result<(), String> = match drive::probe(&path) {
+                    DriveProbe::Missing => Err("drive directory is missing; not re-creating it (mount the drive or replace it with an empty directory)".into()),
+                    DriveProbe::Unusable(reason) => Err(reason),
+                    DriveProbe::Empty => {
+                        // Wiped since it registered: it joins and is healed.
+                        tracing::warn!(drive = %path.display(), "empty drive joins the cluster; it will be healed");
+                        joined_empty = true;
+                        drive::format_drive(&path, &want)
+                            .and_then(|_| drive::mark_rebuilding(&path))
+                            .map_err(|e| e.to_string())
+                    }
+                    DriveProbe::Formatted(f) if f.drive_id != drive_id => Err(format!(
+                        "drive {} was expected here, drive {} is mounted",
+                        id_to_hex(&drive_id),
+                        id_to_hex(&f.drive_id)
+                    )),
+                    DriveProbe::Formatted(f) if is_unplaced(&f) => {
+                        drive::format_drive(&path, &want).map_err(|e| e.to_string())
+                    }
+                    DriveProbe::Formatted(f) if f.deployment_id != deployment_id => {
+                        Err("drive belongs to another deployment".into())
+                    }
+                    DriveProbe::Formatted(f) if belongs_here(&f, &want) => Ok(()),
+                    DriveProbe::Formatted(f) => Err(format!(
+                        "drive was formatted for set {} position {} of {} sets of {}; the cluster map places it at set {set_index} position {drive_index}",
+                        f.set_index, f.drive_index, f.set_count, f.set_drive_count
+                    )),
+                };
+                let lock = match (lock, &verdict) {
+                    // Formatted just now: locked now.
+                    (None, Ok(())) => drive::lock(&path)?,
+                    (lock, _) => lock,
+                };
+                drives.push(open_slot(
+                    lock,
+                    DrivePaths { root: path },
+                    set_index,
+                    want,
+                    verdict,
+                    set_size,
+                    joined_empty,
+                    (&mut rebuilds, &mut set_aside_at_start),
+                ));
+            }
+        }
+        let sets: Vec<Vec<usize>> = (0..set_count)
+            .map(|s| (s * set_size..(s + 1) * set_size).collect())
+            .collect();
+        Ok(Store::assemble(
+            cfg,
+            deployment_id,
+            drives,
+            sets,
+            (data, parity),
+            layout.buckets,
+            (rebuilds, set_aside_at_start),
+            Some(layout.catalog),
+        ))
+    }
+
+    /// The engine over opened drive slots (`open`, `open_cluster`).
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        cfg: StoreConfig,
+        deployment_id: Id128,
+        drives: Vec<DriveSlot>,
+        sets: Vec<Vec<usize>>,
+        (data, parity): (usize, usize),
+        buckets: BTreeMap<String, BucketRecord>,
+        (rebuilds, set_aside_at_start): (u64, u64),
+        catalog: Option<Arc<dyn Catalog>>,
+    ) -> Arc<Store> {
+        for (s, members) in sets.iter().enumerate() {
+            let online = members.iter().filter(|&&d| drives[d].online()).count();
+            if online < members.len() / 2 + 1 {
+                tracing::error!(
+                    set = s,
+                    online,
+                    needed = members.len() / 2 + 1,
+                    "erasure set has lost write quorum"
+                );
+            } else if online < members.len() {
+                tracing::warn!(
+                    set = s,
+                    online,
+                    total = members.len(),
+                    "erasure set is degraded"
+                );
+            }
+        }
+
         let hash_seed = u64::from_le_bytes(deployment_id[..8].try_into().expect("8 bytes"));
         let (heal_tx, heal_rx) = mpsc::channel(HEAL_QUEUE_MAX);
         let pool = BufferPool::new(
@@ -731,13 +996,14 @@ impl Store {
             cfg.stripe_size_bytes,
             cfg.buffers_per_core.max(8),
         );
-        Ok(Arc::new(Store {
+        Arc::new(Store {
             deployment_id,
             hash_seed,
             drives,
             sets,
             data_shards: data,
             parity_shards: parity,
+            catalog,
             buckets: RwLock::new(buckets),
             locks: LockTable::new(hash_seed),
             pool,
@@ -753,7 +1019,7 @@ impl Store {
             inflight_data: Arc::default(),
             pins: Mutex::default(),
             cfg,
-        }))
+        })
     }
 
     pub fn config(&self) -> &StoreConfig {
@@ -774,7 +1040,7 @@ impl Store {
             .iter()
             .enumerate()
             .map(|(i, d)| DriveStatus {
-                path: d.paths.root.display().to_string(),
+                path: d.name.clone(),
                 set_index: d.set_index,
                 online: d.online(),
                 faulty: d.faulty(),
@@ -912,7 +1178,7 @@ impl Store {
         // metadata (DELETEs free space), and takes no new data while it is
         // below its reserve.
         if no_space(error) {
-            tracing::warn!(drive = %slot.paths.root.display(), %what, "drive full: no space left");
+            tracing::warn!(drive = %slot.name, %what, "drive full: no space left");
             slot.mark_full();
             return;
         }
@@ -960,10 +1226,10 @@ impl Store {
         }
         let reason = format!("{what}: {error}");
         if reindex {
-            tracing::error!(drive = %slot.paths.root.display(), %reason, "metadata index corrupt: drive taken out; its index is set aside and rebuilt");
+            tracing::error!(drive = %slot.name, %reason, "metadata index corrupt: drive taken out; its index is set aside and rebuilt");
             self.stats.index_corruptions.fetch_add(1, Ordering::Relaxed);
         } else {
-            tracing::error!(drive = %slot.paths.root.display(), %reason, "drive faulty: taken out until it works again");
+            tracing::error!(drive = %slot.name, %reason, "drive faulty: taken out until it works again");
         }
         st.db = None;
         st.faulty = true;
@@ -978,6 +1244,10 @@ impl Store {
     async fn watch_drives(self: &Arc<Self>) {
         for i in 0..self.drives.len() {
             let slot = &self.drives[i];
+            if let Some(remote) = &slot.remote {
+                self.watch_remote(slot, remote).await;
+                continue;
+            }
             if slot.online() {
                 let (root, expected) = (slot.paths.root.clone(), slot.expected.clone());
                 let verdict = run_blocking(move || {
@@ -1042,7 +1312,7 @@ impl Store {
                     st.rebuilding = Some(self.rebuild_seq.fetch_add(1, Ordering::SeqCst) + 1);
                     drop(st);
                     self.stats.drive_rejoins.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(drive = %slot.paths.root.display(), wiped, "drive works again: back in service; healing");
+                    tracing::warn!(drive = %slot.name, wiped, "drive works again: back in service; healing");
                     self.heal_rebuilding(true);
                 }
                 Err(reason) if st.faulty => {
@@ -1053,6 +1323,35 @@ impl Store {
             }
         }
         self.heal_rebuilding(false);
+    }
+
+    /// A drive of another node taken out after a failed call (its node away,
+    /// or the drive out of service there) is asked again; once it answers it
+    /// is back in use, first as rebuilding: it missed the writes this node
+    /// made meanwhile, so it answers metadata reads again once healed.
+    async fn watch_remote(self: &Arc<Self>, slot: &DriveSlot, remote: &Arc<dyn Drive>) {
+        if slot.online() {
+            return;
+        }
+        let answer = remote.state().await;
+        let mut st = slot.state.write().expect("drive state");
+        match answer {
+            Ok(DriveState::Ready | DriveState::Rebuilding) if st.db.is_none() => {
+                st.db = Some(remote.clone());
+                st.faulty = false;
+                st.reason = None;
+                st.rebuilding = Some(self.rebuild_seq.fetch_add(1, Ordering::SeqCst) + 1);
+                drop(st);
+                self.stats.drive_rejoins.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(drive = %slot.name, "drive of another node answers again: back in service; healing");
+                self.heal_rebuilding(true);
+            }
+            Ok(DriveState::Offline) => {
+                st.reason = Some("out of service on its node".into());
+            }
+            Ok(_) => {}
+            Err(e) => st.reason = Some(format!("unreachable: {e}")),
+        }
     }
 
     /// Starts a heal for drives that are rebuilding, unless one runs: right
@@ -1095,18 +1394,20 @@ impl Store {
             return;
         }
         if sources < needed {
-            tracing::warn!(drive = %slot.paths.root.display(), sources, needed, "index not rebuilt: too few drives of its set to heal from");
+            tracing::warn!(drive = %slot.name, sources, needed, "index not rebuilt: too few drives of its set to heal from");
             return;
         }
-        if let Err(error) = drive::clear_rebuilding(&slot.paths.root) {
+        if slot.is_remote() {
+            // Its own node keeps the marker: this node's view ends here.
+        } else if let Err(error) = drive::clear_rebuilding(&slot.paths.root) {
             // Still rebuilding after a restart: harmless, healed again.
-            tracing::warn!(drive = %slot.paths.root.display(), %error, "cannot remove the rebuild marker");
+            tracing::warn!(drive = %slot.name, %error, "cannot remove the rebuild marker");
         }
         st.rebuilding = None;
         st.reason = None;
         drop(st);
         self.stats.index_rebuilds.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(drive = %slot.paths.root.display(), "index filled by heal: the drive serves reads again");
+        tracing::warn!(drive = %slot.name, "index filled by heal: the drive serves reads again");
     }
 
     /// The other drives of drive `i`'s set with a complete index, and how
@@ -1124,6 +1425,16 @@ impl Store {
             self.meta_read_quorum(members.len())
         };
         (sources, needed)
+    }
+
+    /// A drive of this node by its id, as the node serves it to the others:
+    /// (for metadata reads: in use with a complete index; for writes and
+    /// shard files: in use). None when no drive of this node has that id.
+    pub fn local_drive(&self, id: &Id128) -> Option<ServedDrive> {
+        self.drives
+            .iter()
+            .find(|d| !d.is_remote() && d.expected.drive_id == *id)
+            .map(|d| (d.db(), d.writer()))
     }
 
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
@@ -1281,7 +1592,7 @@ impl Store {
     ) -> usize {
         for ((slot, _), r) in targets.iter().zip(results) {
             if let Err(e) = r {
-                tracing::error!(drive = %slot.paths.root.display(), error = %e, "{what} failed on a drive");
+                tracing::error!(drive = %slot.name, error = %e, "{what} failed on a drive");
                 self.index_write_failed(slot, what, e);
             }
         }
@@ -1310,6 +1621,68 @@ impl Store {
             });
         }
         Ok(())
+    }
+
+    /// Bucket records on the drives: the record itself on one node, where
+    /// the drives are what keeps it (a quorum of them must take it); a copy
+    /// in a cluster, whose catalog keeps it (drives that miss it get it
+    /// from heal).
+    async fn write_bucket_records(
+        &self,
+        name: &str,
+        rec: Option<BucketRecord>,
+    ) -> Result<(), StoreError> {
+        let r = self.write_bucket_everywhere(name, rec).await;
+        match r {
+            Err(error) if self.catalog.is_some() => {
+                tracing::warn!(bucket = %name, %error, "bucket record not on every drive yet; heal completes it");
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// Where this store keeps bucket records and system documents, in a
+    /// cluster.
+    pub fn catalog(&self) -> Option<&Arc<dyn Catalog>> {
+        self.catalog.as_ref()
+    }
+
+    /// A change of a bucket's record made elsewhere (another node, seen by
+    /// the catalog's watch): None when the bucket is gone.
+    pub fn apply_bucket(&self, name: &str, rec: Option<BucketRecord>) {
+        let mut buckets = self.buckets.write().expect("buckets lock");
+        match rec {
+            Some(r) => buckets.insert(name.to_string(), r),
+            None => buckets.remove(name),
+        };
+    }
+
+    /// Every bucket record at once, from the catalog's full read.
+    pub fn replace_buckets(&self, all: BTreeMap<String, BucketRecord>) {
+        *self.buckets.write().expect("buckets lock") = all;
+    }
+
+    /// A bucket this node does not know may have been made on another node
+    /// a moment ago: the catalog is asked (cluster only). Whether it exists.
+    pub async fn refresh_bucket(&self, name: &str) -> bool {
+        if self.bucket_created_ns(name).is_some() {
+            return true;
+        }
+        let Some(catalog) = &self.catalog else {
+            return false;
+        };
+        match catalog.bucket(name).await {
+            Ok(Some(rec)) => {
+                self.apply_bucket(name, Some(rec));
+                true
+            }
+            Ok(None) => false,
+            Err(error) => {
+                tracing::warn!(bucket = %name, %error, "cannot ask the catalog for a bucket");
+                false
+            }
+        }
     }
 
     pub async fn create_bucket(
@@ -1356,8 +1729,16 @@ impl Store {
             durability,
             versioning: Versioning::Unversioned,
         };
-        self.write_bucket_everywhere(name, Some(rec.clone()))
-            .await?;
+        if let Some(catalog) = &self.catalog {
+            if !catalog.create_bucket(name, &rec).await? {
+                // Another node made it first: known here from now on.
+                if let Some(theirs) = catalog.bucket(name).await? {
+                    self.apply_bucket(name, Some(theirs));
+                }
+                return Err(StoreError::BucketExists(name.to_string()));
+            }
+        }
+        self.write_bucket_records(name, Some(rec.clone())).await?;
         self.buckets
             .write()
             .expect("buckets lock")
@@ -1388,7 +1769,10 @@ impl Store {
         if self.bucket_has_entries(name, true).await? {
             return Err(StoreError::BucketNotEmpty(name.to_string()));
         }
-        self.write_bucket_everywhere(name, None).await?;
+        if let Some(catalog) = &self.catalog {
+            catalog.delete_bucket(name).await?;
+        }
+        self.write_bucket_records(name, None).await?;
         self.buckets.write().expect("buckets lock").remove(name);
         Ok(())
     }
@@ -1454,8 +1838,10 @@ impl Store {
         } else {
             Versioning::Suspended
         };
-        self.write_bucket_everywhere(name, Some(rec.clone()))
-            .await?;
+        if let Some(catalog) = &self.catalog {
+            catalog.put_bucket(name, &rec).await?;
+        }
+        self.write_bucket_records(name, Some(rec.clone())).await?;
         self.buckets
             .write()
             .expect("buckets lock")

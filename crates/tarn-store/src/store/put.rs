@@ -192,7 +192,7 @@ impl Store {
             // Room for a stripe's worth beyond the reserve (the same test
             // `/admin/drives` reports "full" by).
             if !slot.has_room(stripe as u64, self.cfg.drive_reserve_bytes) {
-                tracing::warn!(drive = %slot.paths.root.display(), "drive full (below its reserve): no new data on it");
+                tracing::warn!(drive = %slot.name, "drive full (below its reserve): no new data on it");
                 writers.push(None);
                 continue;
             }
@@ -202,7 +202,7 @@ impl Store {
             {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
-                    tracing::error!(drive = %slot.paths.root.display(), %error, "cannot create shard file");
+                    tracing::error!(drive = %slot.name, %error, "cannot create shard file");
                     self.drive_failed(slot, "creating a shard file", &error);
                     writers.push(None);
                 }
@@ -272,16 +272,14 @@ impl Store {
         // parallel, concurrently on every drive. Shards are written in place:
         // nothing refers to them until the metadata commits, and the orphan
         // sweep never touches a data id that is still being written.
-        let finishing = writers.iter_mut().zip(&slots).map(|(w, slot)| {
-            async move {
-                let Some(writer) = w.take() else { return false };
-                match writer.finish().await {
-                    Ok(()) => true,
-                    Err(error) => {
-                        tracing::error!(drive = %slot.paths.root.display(), %error, "finishing shard file failed");
-                        self.drive_failed(slot, "finishing a shard file", &error);
-                        false
-                    }
+        let finishing = writers.iter_mut().zip(&slots).map(|(w, slot)| async move {
+            let Some(writer) = w.take() else { return false };
+            match writer.finish().await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::error!(drive = %slot.name, %error, "finishing shard file failed");
+                    self.drive_failed(slot, "finishing a shard file", &error);
+                    false
                 }
             }
         });
@@ -356,7 +354,7 @@ impl Store {
             .map(|((w, pooled), slot)| async move {
                 let Some(writer) = w.as_mut() else { return };
                 if !slot.has_room(sl as u64, self.cfg.drive_reserve_bytes) {
-                    tracing::warn!(drive = %slot.paths.root.display(), "drive full (below its reserve): no new data on it");
+                    tracing::warn!(drive = %slot.name, "drive full (below its reserve): no new data on it");
                     *w = None;
                     return;
                 }
@@ -364,7 +362,7 @@ impl Store {
                 slot.consumed(sl as u64);
                 pooled.restore(buf);
                 if let Err(error) = res {
-                    tracing::error!(drive = %slot.paths.root.display(), %error, "shard write failed; continuing without this drive");
+                    tracing::error!(drive = %slot.name, %error, "shard write failed; continuing without this drive");
                     self.drive_failed(slot, "writing a shard", &error);
                     *w = None;
                 }

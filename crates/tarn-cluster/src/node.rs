@@ -1,0 +1,675 @@
+//! One node of a cluster: it claims its drives, records itself in etcd
+//! (`nodes/<id>`, permanent) and holds its membership (`members/<id>`, on a
+//! lease), serves its drives to the other nodes over RPC, waits for the
+//! cluster map (`cluster init`), then opens the engine over the map's sets
+//! and follows etcd's changes to buckets and system documents with a watch.
+//!
+//! The data path never waits on etcd: the engine serves with the map it
+//! opened with, bucket records and documents as last seen; a watch that
+//! breaks (etcd away) is started again from a full read once etcd answers.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::Duration;
+
+use serde_json::json;
+use tarn_store::drive_io::Drive;
+use tarn_store::format::{id_from_hex, id_to_hex, new_id, Id128};
+use tarn_store::{ClusterDrive, ClusterLayout, Store, StoreConfig};
+
+use crate::catalog::{decode_bucket, EtcdCatalog};
+use crate::etcd::{Etcd, EtcdError, Event};
+use crate::keys::{valid_name, Keys, LAYOUT_VERSION};
+use crate::map::{self, ClusterMap, Member, NodeRecord, NodeState, FORMAT};
+use crate::membership::Membership;
+use crate::remote::{DriveProvider, DriveService, RemoteDrive};
+use crate::rpc::client::ClientLimits;
+use crate::rpc::server::{serve, ServerStats};
+use crate::rpc::{Identity, RpcClient};
+
+/// Seconds of a member's lease.
+pub const MEMBER_TTL_SECS: i64 = 6;
+/// Deadline of one etcd call.
+const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often a node without a map (or a broken watch) asks etcd again.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// What a node is told at start (`tarn server --cluster …`).
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub cluster: String,
+    /// Comma-separated `http://host:port` etcd endpoints.
+    pub etcd: String,
+    pub node_id: String,
+    /// `host:port` where the other nodes reach this node's RPC.
+    pub advertise: String,
+    pub secret: Vec<u8>,
+    /// This node's drives (none for a gateway, `--no-drives`).
+    pub drives: Vec<PathBuf>,
+    /// Its S3 and admin endpoints, recorded for tools.
+    pub s3_url: String,
+    pub admin_url: String,
+    pub zone: Option<String>,
+}
+
+/// A running node.
+pub struct Node {
+    pub cfg: NodeConfig,
+    pub etcd: Etcd,
+    pub keys: Keys,
+    identity: Identity,
+    /// This node's drives: id and directory.
+    drives: Vec<(Id128, PathBuf)>,
+    epoch: Arc<AtomicU64>,
+    map: RwLock<Option<ClusterMap>>,
+    store: OnceLock<Arc<Store>>,
+    client: Arc<RpcClient>,
+    membership: Mutex<Option<Membership>>,
+    pub rpc_stats: Arc<ServerStats>,
+    /// Called after system documents changed on another node (users,
+    /// keys, buckets' settings): the S3 layer reads them again.
+    docs_changed: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    /// Set once the engine is open.
+    opened: tokio::sync::watch::Sender<bool>,
+    rpc_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    started: AtomicBool,
+}
+
+/// Serves this node's drives from the engine once it is open.
+struct Provider(Arc<Node>);
+
+impl DriveProvider for Provider {
+    fn epoch(&self) -> u64 {
+        self.0.epoch.load(Ordering::Acquire)
+    }
+
+    fn for_read(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>> {
+        self.0.store.get()?.local_drive(drive_id)?.0
+    }
+
+    fn for_write(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>> {
+        self.0.store.get()?.local_drive(drive_id)?.1
+    }
+
+    async fn ready(&self) {
+        if self.0.store.get().is_some() {
+            return;
+        }
+        let mut opened = self.0.opened.subscribe();
+        let _ = tokio::time::timeout(OPENING_WAIT, opened.wait_for(|o| *o)).await;
+    }
+}
+
+/// How long a call from a peer waits for this node's engine to open.
+const OPENING_WAIT: Duration = Duration::from_secs(2);
+
+fn etcd_err(e: EtcdError) -> String {
+    e.to_string()
+}
+
+impl Node {
+    /// Claims the drives, checks the etcd layout, records the node and
+    /// starts its membership and its RPC listener (on threads of its own).
+    /// Blocking.
+    pub fn start(cfg: NodeConfig) -> Result<Arc<Node>, String> {
+        valid_name("node", &cfg.node_id)?;
+        let keys = Keys::new(&cfg.cluster)?;
+        if cfg.secret.len() < 16 {
+            return Err("the cluster secret must be at least 16 bytes".into());
+        }
+        let identity = Identity::new(&cfg.cluster, &cfg.node_id, &cfg.secret)?;
+        let etcd = Etcd::new(&cfg.etcd, ETCD_TIMEOUT)?;
+        let mut drives = Vec::new();
+        for path in &cfg.drives {
+            let id = tarn_store::claim_drive(path).map_err(|e| e.to_string())?;
+            drives.push((id, path.clone()));
+        }
+        let client = Arc::new(RpcClient::new(identity.clone(), ClientLimits::default()));
+        let (stop, _) = tokio::sync::watch::channel(false);
+        let node = Arc::new(Node {
+            etcd,
+            keys,
+            identity,
+            drives,
+            epoch: Arc::new(AtomicU64::new(0)),
+            map: RwLock::new(None),
+            store: OnceLock::new(),
+            client,
+            membership: Mutex::new(None),
+            rpc_stats: Arc::default(),
+            docs_changed: OnceLock::new(),
+            stop,
+            opened: tokio::sync::watch::channel(false).0,
+            rpc_threads: Mutex::default(),
+            started: AtomicBool::new(false),
+            cfg,
+        });
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        rt.block_on(node.register())?;
+        node.start_rpc()?;
+        let member = Member {
+            format: FORMAT,
+            address: node.cfg.advertise.clone(),
+            incarnation: u64::from_le_bytes(new_id()[..8].try_into().expect("8 bytes")),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        };
+        let m = Membership::start(
+            node.etcd.clone(),
+            node.keys.member(&node.cfg.node_id),
+            serde_json::to_vec(&member).expect("json"),
+            MEMBER_TTL_SECS,
+        )
+        .map_err(|e| format!("membership thread: {e}"))?;
+        *node.membership.lock().expect("membership") = Some(m);
+        node.started.store(true, Ordering::Release);
+        Ok(node)
+    }
+
+    /// The layout version, then this node's permanent record.
+    async fn register(&self) -> Result<(), String> {
+        let layout = self.keys.layout();
+        let (kv, _) = self.etcd.get(&layout).await.map_err(etcd_err)?;
+        match kv {
+            Some(kv) if kv.value == LAYOUT_VERSION.as_bytes() => {}
+            Some(kv) => {
+                return Err(format!(
+                "etcd holds cluster {} in layout {:?}; this binary reads layout {LAYOUT_VERSION}",
+                self.cfg.cluster,
+                String::from_utf8_lossy(&kv.value)
+            ))
+            }
+            None => {
+                self.etcd
+                    .compare_and_swap(&layout, 0, LAYOUT_VERSION.as_bytes(), None)
+                    .await
+                    .map_err(etcd_err)?;
+            }
+        }
+        let key = self.keys.node(&self.cfg.node_id);
+        let (old, _) = self.etcd.get(&key).await.map_err(etcd_err)?;
+        let mut ids: Vec<String> = self.drives.iter().map(|(id, _)| id_to_hex(id)).collect();
+        let state = match old {
+            Some(kv) => {
+                let old: NodeRecord = map::decode("node record", &kv.value)?;
+                // Drives the map already places stay recorded even when
+                // missing now: the map names them.
+                for d in old.drives {
+                    if !ids.contains(&d) && self.map_names(&d).await {
+                        ids.push(d);
+                    }
+                }
+                old.state
+            }
+            None => NodeState::Active,
+        };
+        let rec = NodeRecord {
+            format: FORMAT,
+            id: self.cfg.node_id.clone(),
+            address: self.cfg.advertise.clone(),
+            s3: self.cfg.s3_url.clone(),
+            admin: self.cfg.admin_url.clone(),
+            drives: ids,
+            zone: self.cfg.zone.clone(),
+            state,
+        };
+        self.etcd
+            .put(&key, &serde_json::to_vec(&rec).expect("json"), None)
+            .await
+            .map_err(etcd_err)?;
+        Ok(())
+    }
+
+    async fn map_names(&self, drive: &str) -> bool {
+        match self.read_map().await {
+            Ok(Some((m, _))) => m.drives().any(|(_, _, _, d)| d.drive == drive),
+            _ => false,
+        }
+    }
+
+    /// The cluster map and its etcd revision, if the cluster was formed.
+    pub async fn read_map(&self) -> Result<Option<(ClusterMap, i64)>, String> {
+        let (kv, _) = self.etcd.get(&self.keys.map()).await.map_err(etcd_err)?;
+        match kv {
+            None => Ok(None),
+            Some(kv) => {
+                let m: ClusterMap = map::decode("cluster map", &kv.value)?;
+                if m.cluster != self.cfg.cluster {
+                    return Err(format!("the map in etcd is of cluster {:?}", m.cluster));
+                }
+                Ok(Some((m, kv.mod_revision)))
+            }
+        }
+    }
+
+    /// The RPC listener on a thread of its own with a small runtime: other
+    /// nodes reach this node's drives even while its S3 runtimes are busy.
+    fn start_rpc(self: &Arc<Self>) -> Result<(), String> {
+        let addr: std::net::SocketAddr = self
+            .cfg
+            .advertise
+            .parse()
+            .map_err(|e| format!("--advertise {:?}: {e}", self.cfg.advertise))?;
+        let std_listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| format!("cannot listen for RPC on {addr}: {e}"))?;
+        std_listener
+            .set_nonblocking(true)
+            .map_err(|e| e.to_string())?;
+        // A few threads, each with its own runtime, accepting on the same
+        // socket: a call waits on no other thread's work.
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+            .clamp(2, 4);
+        let service = Arc::new(DriveService {
+            provider: Provider(self.clone()),
+        });
+        let mut handles = Vec::new();
+        for t in 0..threads {
+            let listener = std_listener.try_clone().map_err(|e| e.to_string())?;
+            let (node, service, stop) = (self.clone(), service.clone(), self.stop.subscribe());
+            let h = std::thread::Builder::new()
+                .name(format!("tarn-rpc-{t}"))
+                .spawn(move || {
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(error) => {
+                            tracing::error!(%error, "no runtime for the RPC listener");
+                            return;
+                        }
+                    };
+                    rt.block_on(async move {
+                        let listener = match tokio::net::TcpListener::from_std(listener) {
+                            Ok(l) => l,
+                            Err(error) => {
+                                tracing::error!(%error, "RPC listener");
+                                return;
+                            }
+                        };
+                        serve(
+                            listener,
+                            node.identity.clone(),
+                            service,
+                            node.rpc_stats.clone(),
+                            stop,
+                        )
+                        .await;
+                    });
+                })
+                .map_err(|e| e.to_string())?;
+            handles.push(h);
+        }
+        self.rpc_threads
+            .lock()
+            .expect("rpc threads")
+            .extend(handles);
+        Ok(())
+    }
+
+    /// Waits until the cluster is formed (its map is in etcd). Blocking.
+    pub fn wait_for_map(&self) -> Result<ClusterMap, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut told = false;
+        loop {
+            match rt.block_on(self.read_map()) {
+                Ok(Some((m, _))) => return Ok(m),
+                Ok(None) if !told => {
+                    tracing::info!(cluster = %self.cfg.cluster, "waiting for the cluster to be formed (tarn admin … cluster init)");
+                    told = true;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot read the cluster map yet"),
+            }
+            std::thread::sleep(RETRY);
+        }
+    }
+
+    /// Opens the engine over the map's sets. Blocking.
+    pub fn open_store(
+        self: &Arc<Self>,
+        cfg: StoreConfig,
+        m: ClusterMap,
+    ) -> Result<Arc<Store>, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let (nodes, buckets) = rt.block_on(async {
+            let (nodes, _) = self
+                .etcd
+                .get_prefix(&self.keys.nodes())
+                .await
+                .map_err(etcd_err)?;
+            let (kvs, _) = self
+                .etcd
+                .get_prefix(&self.keys.buckets())
+                .await
+                .map_err(etcd_err)?;
+            Ok::<_, String>((nodes, kvs))
+        })?;
+        let mut addresses = HashMap::new();
+        for kv in nodes {
+            let rec: NodeRecord = map::decode("node record", &kv.value)?;
+            addresses.insert(rec.id.clone(), rec.address.clone());
+        }
+        let mut records = BTreeMap::new();
+        for kv in buckets {
+            let name = kv
+                .key
+                .strip_prefix(&self.keys.buckets())
+                .unwrap_or_default()
+                .to_string();
+            records.insert(
+                name,
+                decode_bucket(&kv.key, &kv.value).map_err(|e| e.to_string())?,
+            );
+        }
+        let pool = m
+            .pools
+            .first()
+            .ok_or("the cluster map has no pool")?
+            .clone();
+        if m.pools.len() > 1 {
+            return Err("the cluster map has several pools; this version serves one".into());
+        }
+        self.epoch.store(m.epoch, Ordering::Release);
+        let mut sets = Vec::new();
+        for set in &pool.sets {
+            let mut drives = Vec::new();
+            for d in set {
+                let id = id_from_hex(&d.drive)
+                    .ok_or_else(|| format!("the map names drive {:?}", d.drive))?;
+                if d.node == self.cfg.node_id {
+                    let path = self
+                        .drives
+                        .iter()
+                        .find(|(i, _)| *i == id)
+                        .map(|(_, p)| p.clone())
+                        .ok_or_else(|| {
+                            format!(
+                                "the cluster map places drive {} on this node, which has no such drive (give its --drive)",
+                                d.drive
+                            )
+                        })?;
+                    drives.push(ClusterDrive::Local { path, drive_id: id });
+                } else {
+                    let address = addresses
+                        .get(&d.node)
+                        .ok_or_else(|| format!("the map names node {} without a record", d.node))?;
+                    drives.push(ClusterDrive::Remote(Arc::new(RemoteDrive::new(
+                        self.client.clone(),
+                        address,
+                        &d.node,
+                        id,
+                        self.epoch.clone(),
+                    ))));
+                }
+            }
+            sets.push(drives);
+        }
+        let deployment_id = id_from_hex(&m.deployment_id)
+            .ok_or_else(|| format!("the map's deployment id {:?}", m.deployment_id))?;
+        let layout = ClusterLayout {
+            deployment_id,
+            data_shards: pool.data_shards as usize,
+            parity_shards: pool.parity_shards as usize,
+            sets,
+            buckets: records,
+            catalog: Arc::new(EtcdCatalog::new(self.etcd.clone(), self.keys.clone())),
+        };
+        let store = Store::open_cluster(cfg, layout).map_err(|e| e.to_string())?;
+        *self.map.write().expect("map") = Some(m);
+        let _ = self.store.set(store.clone());
+        self.opened.send_replace(true);
+        Ok(store)
+    }
+
+    /// Called after another node changed system documents.
+    pub fn on_docs_changed(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.docs_changed.set(f);
+    }
+
+    /// Follows etcd's changes to bucket records, documents and the map on
+    /// the current runtime until the node stops.
+    pub fn spawn_watch(self: &Arc<Self>) {
+        let node = self.clone();
+        let mut stop = self.stop.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    r = node.watch_once() => {
+                        if let Err(error) = r {
+                            tracing::warn!(%error, "etcd watch ended; serving with what was last seen, watching again");
+                        }
+                    }
+                    _ = stop.changed() => return,
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+        });
+    }
+
+    /// One full read, then a watch from the revision after it.
+    async fn watch_once(&self) -> Result<(), String> {
+        let Some(store) = self.store.get() else {
+            return Ok(());
+        };
+        let (kvs, revision) = self
+            .etcd
+            .get_prefix(&self.keys.buckets())
+            .await
+            .map_err(etcd_err)?;
+        let mut all = BTreeMap::new();
+        for kv in kvs {
+            let name = kv.key[self.keys.buckets().len()..].to_string();
+            all.insert(
+                name,
+                decode_bucket(&kv.key, &kv.value).map_err(|e| e.to_string())?,
+            );
+        }
+        store.replace_buckets(all);
+        self.docs_were_changed();
+        let mut watch = self
+            .etcd
+            .watch_prefix(self.keys.root(), revision + 1)
+            .await
+            .map_err(etcd_err)?;
+        loop {
+            let events = watch.next().await.map_err(etcd_err)?;
+            let mut docs = false;
+            for ev in events {
+                let key = match &ev {
+                    Event::Put(kv) => kv.key.clone(),
+                    Event::Delete(k, _) => k.clone(),
+                };
+                if let Some(name) = key.strip_prefix(&self.keys.buckets()) {
+                    match &ev {
+                        Event::Put(kv) => match decode_bucket(&kv.key, &kv.value) {
+                            Ok(rec) => store.apply_bucket(name, Some(rec)),
+                            Err(e) => {
+                                tracing::error!(error = %e, "unreadable bucket record in etcd")
+                            }
+                        },
+                        Event::Delete(..) => store.apply_bucket(name, None),
+                    }
+                } else if key.starts_with(&self.keys.docs()) {
+                    docs = true;
+                } else if key == self.keys.map() {
+                    if let Event::Put(kv) = &ev {
+                        self.map_changed(&kv.value);
+                    }
+                }
+            }
+            if docs {
+                self.docs_were_changed();
+            }
+        }
+    }
+
+    fn docs_were_changed(&self) {
+        if let Some(f) = self.docs_changed.get() {
+            f();
+        }
+    }
+
+    /// A new map: this version serves the pool it opened with; a change of
+    /// sets needs a restart (issue 15 brings expansion without one).
+    fn map_changed(&self, bytes: &[u8]) {
+        let Ok(m) = map::decode::<ClusterMap>("cluster map", bytes) else {
+            tracing::error!("unreadable cluster map in etcd");
+            return;
+        };
+        let mut cur = self.map.write().expect("map");
+        let same_sets = cur.as_ref().is_some_and(|c| c.pools == m.pools);
+        if !same_sets {
+            tracing::error!(
+                epoch = m.epoch,
+                "the cluster map's sets changed: restart this node to serve them"
+            );
+            return;
+        }
+        self.epoch.store(m.epoch, Ordering::Release);
+        *cur = Some(m);
+    }
+
+    /// Forms the cluster: one pool of k+m sets over the registered nodes'
+    /// drives, written only if no map exists yet.
+    pub async fn init(&self, data: usize, parity: usize) -> Result<ClusterMap, String> {
+        if self.read_map().await?.is_some() {
+            return Err(format!("cluster {} is already formed", self.cfg.cluster));
+        }
+        let (kvs, _) = self
+            .etcd
+            .get_prefix(&self.keys.nodes())
+            .await
+            .map_err(etcd_err)?;
+        let nodes = kvs
+            .iter()
+            .map(|kv| map::decode::<NodeRecord>("node record", &kv.value))
+            .collect::<Result<Vec<_>, _>>()?;
+        if nodes.is_empty() {
+            return Err("no nodes are registered".into());
+        }
+        let m = ClusterMap::initial(
+            &self.cfg.cluster,
+            &id_to_hex(&new_id()),
+            &nodes,
+            data,
+            parity,
+        )
+        .map_err(|e| e.0)?;
+        let won = self
+            .etcd
+            .compare_and_swap(
+                &self.keys.map(),
+                0,
+                &serde_json::to_vec(&m).expect("json"),
+                None,
+            )
+            .await
+            .map_err(etcd_err)?;
+        if !won {
+            return Err(format!(
+                "cluster {} was formed meanwhile by another request",
+                self.cfg.cluster
+            ));
+        }
+        Ok(m)
+    }
+
+    /// What `cluster status` shows: nodes with their liveness, the map, and
+    /// this node's view of every drive.
+    pub async fn status(&self) -> Result<serde_json::Value, String> {
+        let (nodes, _) = self
+            .etcd
+            .get_prefix(&self.keys.nodes())
+            .await
+            .map_err(etcd_err)?;
+        let (members, _) = self
+            .etcd
+            .get_prefix(&self.keys.members())
+            .await
+            .map_err(etcd_err)?;
+        let live: Vec<String> = members
+            .iter()
+            .map(|kv| kv.key[self.keys.members().len()..].to_string())
+            .collect();
+        let map = self.read_map().await?.map(|(m, _)| m);
+        let mut out_nodes = Vec::new();
+        for kv in nodes {
+            let rec: NodeRecord = map::decode("node record", &kv.value)?;
+            out_nodes.push(json!({
+                "id": rec.id,
+                "address": rec.address,
+                "s3": rec.s3,
+                "admin": rec.admin,
+                "state": rec.state,
+                "zone": rec.zone,
+                "live": live.contains(&rec.id),
+                "drives": rec.drives,
+            }));
+        }
+        let view: Vec<serde_json::Value> = match self.store.get() {
+            Some(store) => store
+                .drive_status()
+                .into_iter()
+                .map(|d| {
+                    json!({
+                        "drive": d.path,
+                        "set": d.set_index,
+                        "online": d.online,
+                        "rebuilding": d.rebuilding,
+                        "reason": d.reason,
+                    })
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok(json!({
+            "cluster": self.cfg.cluster,
+            "node": self.cfg.node_id,
+            "formed": map.is_some(),
+            "epoch": map.as_ref().map_or(0, |m| m.epoch),
+            "deployment_id": map.as_ref().map(|m| m.deployment_id.clone()),
+            "pools": map.as_ref().map(|m| serde_json::to_value(&m.pools).expect("json")),
+            "nodes": out_nodes,
+            "live": live,
+            "drives_seen_from_here": view,
+        }))
+    }
+
+    /// Whether this node holds its membership now.
+    pub fn is_member(&self) -> bool {
+        self.membership
+            .lock()
+            .expect("membership")
+            .as_ref()
+            .is_some_and(Membership::is_member)
+    }
+
+    /// Ends the membership (revoked: peers see the node gone at once) and
+    /// the RPC listener.
+    pub fn stop(&self) {
+        if !self.started.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let _ = self.stop.send(true);
+        if let Some(m) = self.membership.lock().expect("membership").take() {
+            m.stop();
+        }
+        for t in std::mem::take(&mut *self.rpc_threads.lock().expect("rpc threads")) {
+            let _ = t.join();
+        }
+    }
+}

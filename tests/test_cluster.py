@@ -1,0 +1,369 @@
+"""A real cluster: etcd (Debian's etcd-server) on a free loopback port and
+four `tarn` nodes on 127.0.0.1-127.0.0.4, each with two drives, formed with
+`tarn admin cluster init`, driven by boto3 and the aws CLI through different
+nodes. Every process is stopped by its PID."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from conftest import data
+from tarnproc import ACCESS_KEY, BIN, SECRET_KEY
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+SECRET = "cluster-secret-for-tests-0123456789"
+
+
+def free_port(ip):
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    def __init__(self, root):
+        self.root = root
+        self.port = free_port("127.0.0.1")
+        self.peer = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self):
+        self.log = open(os.path.join(self.root, "etcd.log"), "a")
+        self.proc = subprocess.Popen(
+            [ETCD, "--data-dir", os.path.join(self.root, "etcd"),
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-cluster", f"default=http://127.0.0.1:{self.peer}"],
+            stdout=self.log, stderr=self.log)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("etcd did not start")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+        self.log.close()
+
+
+class Node:
+    def __init__(self, root, i, etcd_url, drives=2):
+        self.i = i
+        self.ip = f"127.0.0.{i}"
+        self.root = os.path.join(root, f"n{i}")
+        os.makedirs(self.root, exist_ok=True)
+        self.s3_port = free_port(self.ip)
+        self.admin_port = free_port(self.ip)
+        self.rpc_port = free_port(self.ip)
+        self.endpoint = f"http://{self.ip}:{self.s3_port}"
+        self.admin = f"http://{self.ip}:{self.admin_port}"
+        self.args = [BIN, "server", "--cluster", "test", "--etcd", etcd_url, "--node-id", f"n{i}",
+                     "--advertise", f"{self.ip}:{self.rpc_port}",
+                     "--listen", f"{self.ip}:{self.s3_port}", "--admin-listen", f"{self.ip}:{self.admin_port}",
+                     "--cores", "1"]
+        for d in range(drives):
+            self.args += ["--drive", os.path.join(self.root, f"d{d}")]
+        self.logs = []
+        self.start()
+
+    def start(self):
+        env = dict(os.environ, TARN_ACCESS_KEY=ACCESS_KEY, TARN_SECRET_KEY=SECRET_KEY,
+                   TARN_CLUSTER_SECRET=SECRET, TARN_LOG="info", NO_COLOR="1")
+        path = os.path.join(self.root, f"server-{len(self.logs)}.log")
+        self.logs.append(path)
+        self.log = open(path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     cwd=self.root, env=env)
+        line = self.proc.stdout.readline()
+        if not line.startswith("Cluster "):
+            raise RuntimeError(f"node {self.i}: {line!r} {open(path).read()}")
+
+    def wait_serving(self):
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("S3 endpoint:"):
+                return
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.i} exited: {open(self.logs[-1]).read()}")
+        raise RuntimeError(f"node {self.i} did not start serving")
+
+    def client(self, **cfg):
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                                          connect_timeout=5, read_timeout=30, **cfg))
+
+    def admin_cmd(self, *args, check=True):
+        r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", SECRET_KEY, *args],
+                           capture_output=True, text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError(f"tarn admin {args}: {r.stderr}")
+        return r
+
+    def signal(self, sig):
+        os.kill(self.proc.pid, sig)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def errors(self):
+        out = []
+        for p in self.logs:
+            out += [line for line in open(p) if " ERROR " in line]
+        return out
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    etcd = Etcd(str(tmp_path))
+    nodes = []
+    try:
+        nodes = [Node(str(tmp_path), i, etcd.url) for i in range(1, 5)]
+        # Impossible: sets of 8 with at most one shard per node on 4 nodes.
+        r = nodes[0].admin_cmd("cluster", "init", "--data-shards", "7", "--parity-shards", "1", check=False)
+        assert r.returncode != 0 and "node" in r.stderr, r.stderr
+        out = nodes[1].admin_cmd("cluster", "init", "--data-shards", "2", "--parity-shards", "2").stdout
+        assert "cluster formed: epoch 1" in out, out
+        r = nodes[2].admin_cmd("cluster", "init", "--data-shards", "2", "--parity-shards", "2", check=False)
+        assert r.returncode != 0 and "already formed" in r.stderr, r.stderr
+        for n in nodes:
+            n.wait_serving()
+        yield etcd, nodes
+    finally:
+        for n in nodes:
+            n.stop()
+        etcd.stop()
+
+
+def status(node):
+    return json.loads(node.admin_cmd("cluster", "status", "--json").stdout)
+
+
+def test_cluster_status_and_placement(cluster):
+    _, nodes = cluster
+    st = status(nodes[3])
+    assert st["formed"] and st["epoch"] == 1
+    assert sorted(st["live"]) == ["n1", "n2", "n3", "n4"]
+    assert {n["id"] for n in st["nodes"]} == {"n1", "n2", "n3", "n4"}
+    sets = st["pools"][0]["sets"]
+    assert len(sets) == 2
+    for s in sets:
+        per_node = {}
+        for d in s:
+            per_node[d["node"]] = per_node.get(d["node"], 0) + 1
+        assert max(per_node.values()) <= 2
+    assert all(d["online"] for d in st["drives_seen_from_here"])
+    text = nodes[0].admin_cmd("cluster", "status").stdout
+    assert "n4" in text and "live" in text and "2+2" in text
+    for n in nodes:
+        assert not n.errors(), n.errors()
+
+
+def test_cluster_round_trips_through_every_node(cluster, tmp_path):
+    _, nodes = cluster
+    c = [n.client() for n in nodes]
+    c[0].create_bucket(Bucket="models")
+    # A bucket made through node 1 is there at once on every other node.
+    for x in c[1:]:
+        x.head_bucket(Bucket="models")
+    sizes = [0, 1, 4096, (1 << 20) + 1, 8 << 20, 100 << 20]
+    for j, size in enumerate(sizes):
+        body = data(size, size)
+        c[j % 4].put_object(Bucket="models", Key=f"obj/{size}", Body=body)
+        for k in range(4):
+            if k != j % 4:
+                got = c[k].get_object(Bucket="models", Key=f"obj/{size}")["Body"].read()
+                assert got == body, (size, k)
+    # Multipart: started on node 1, parts through nodes 2 and 3, completed on 4.
+    up = c[0].create_multipart_upload(Bucket="models", Key="mp")["UploadId"]
+    parts = []
+    p1, p2 = data("p1", 5 << 20), data("p2", 3 << 20)
+    for n, (cl, body) in enumerate([(c[1], p1), (c[2], p2)], start=1):
+        e = cl.upload_part(Bucket="models", Key="mp", UploadId=up, PartNumber=n, Body=body)["ETag"]
+        parts.append({"PartNumber": n, "ETag": e})
+    c[3].complete_multipart_upload(Bucket="models", Key="mp", UploadId=up, MultipartUpload={"Parts": parts})
+    assert c[0].get_object(Bucket="models", Key="mp")["Body"].read() == p1 + p2
+    # Listing merged across sets and nodes, with a delimiter.
+    want = sorted([f"obj/{s}" for s in sizes] + ["mp"])
+    for cl in c:
+        got = [o["Key"] for o in cl.list_objects_v2(Bucket="models")["Contents"]]
+        assert got == want
+        top = cl.list_objects_v2(Bucket="models", Delimiter="/")
+        assert [p["Prefix"] for p in top["CommonPrefixes"]] == ["obj/"]
+    # Deleted through node 3: gone on every node at once.
+    c[2].delete_object(Bucket="models", Key="obj/1")
+    for cl in c:
+        with pytest.raises(cl.exceptions.NoSuchKey):
+            cl.get_object(Bucket="models", Key="obj/1")
+    # The aws CLI through node 4.
+    src = tmp_path / "cli.bin"
+    src.write_bytes(data("cli", 3 << 20))
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+               AWS_DEFAULT_REGION="us-east-1")
+    aws = os.path.join(os.path.dirname(os.path.realpath(__import__("sys").executable)), "aws")
+    subprocess.run([aws, "--endpoint-url", nodes[3].endpoint, "s3", "cp", str(src), "s3://models/cli.bin"],
+                   check=True, env=env, capture_output=True)
+    assert c[1].get_object(Bucket="models", Key="cli.bin")["Body"].read() == src.read_bytes()
+    for n in nodes:
+        assert not n.errors(), n.errors()
+
+
+def test_cluster_concurrent_clients(cluster):
+    _, nodes = cluster
+    nodes[0].client().create_bucket(Bucket="many")
+    failures = []
+
+    def worker(w):
+        try:
+            put = nodes[w % 4].client()
+            get = nodes[(w + 1) % 4].client()
+            for j in range(4):
+                body = data((w, j), 1000 + w * 5000 + j)
+                put.put_object(Bucket="many", Key=f"w{w}/{j}", Body=body)
+                assert get.get_object(Bucket="many", Key=f"w{w}/{j}")["Body"].read() == body
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{w}: {e!r}")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    keys = []
+    for page in nodes[2].client().get_paginator("list_objects_v2").paginate(Bucket="many"):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    assert len(keys) == 32 * 4
+    for n in nodes:
+        assert not n.errors(), n.errors()
+
+
+def write_load(nodes, bucket, stop, acked, failed):
+    """Writers through the given nodes until `stop`; what was acknowledged."""
+    def worker(w):
+        cl = nodes[w % len(nodes)].client()
+        j = 0
+        while not stop.is_set():
+            key = f"w{w}/{j}"
+            body = data(key, 50_000 + 7919 * (j % 40))
+            try:
+                cl.put_object(Bucket=bucket, Key=key, Body=body)
+                acked[key] = body
+            except Exception as e:  # noqa: BLE001
+                failed.append(repr(e))
+            j += 1
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def check_readable(nodes, bucket, acked):
+    """Every acknowledged object reads back whole through every given node;
+    the listing equals what is readable."""
+    cl = nodes[0].client()
+    listed = set()
+    for page in cl.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        listed |= {o["Key"] for o in page.get("Contents", [])}
+    assert set(acked) <= listed
+    for key in listed:
+        body = cl.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if key in acked:
+            assert body == acked[key], key
+        else:
+            # Written but not acknowledged (in flight at the kill): whole.
+            assert body == data(key, len(body)), key
+    for n in nodes[1:]:
+        c = n.client()
+        for key in list(acked)[::7]:
+            assert c.get_object(Bucket=bucket, Key=key)["Body"].read() == acked[key]
+
+
+FAULT_ERRORS = re.compile(r"drive faulty|failed on a drive|shard write failed|cannot create shard|"
+                          r"finishing shard|lost write quorum|heal")
+
+
+def test_cluster_node_killed_during_writes(cluster):
+    _, nodes = cluster
+    nodes[0].client().create_bucket(Bucket="load")
+    stop, acked, failed = threading.Event(), {}, []
+    threads = write_load(nodes[:3], "load", stop, acked, failed)
+    time.sleep(2)
+    nodes[3].signal(signal.SIGKILL)
+    nodes[3].proc.wait()
+    time.sleep(4)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert len(acked) > 20
+    check_readable(nodes[:3], "load", acked)
+    for n in nodes[:3]:
+        assert not [e for e in n.errors() if not FAULT_ERRORS.search(e)]
+
+
+def test_cluster_node_paused(cluster):
+    _, nodes = cluster
+    nodes[0].client().create_bucket(Bucket="paused")
+    stop, acked, failed = threading.Event(), {}, []
+    threads = write_load(nodes[:3], "paused", stop, acked, failed)
+    time.sleep(1)
+    nodes[3].signal(signal.SIGSTOP)
+    # The others route around it: writes go on (the clients' read timeout,
+    # 30 s, bounds any request that would hang on the paused node).
+    n_before = len(acked)
+    time.sleep(12)
+    assert len(acked) > n_before + 10, (n_before, len(acked), failed[:3])
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not failed, failed[:3]
+    check_readable(nodes[:3], "paused", acked)
+    nodes[3].signal(signal.SIGCONT)
+    check_readable([nodes[3]], "paused", acked)
+
+
+def test_cluster_serves_while_etcd_is_stopped(cluster):
+    etcd, nodes = cluster
+    c = [n.client() for n in nodes]
+    c[0].create_bucket(Bucket="noetcd")
+    etcd.proc.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(8):
+            body = data(("e", i), 100_000 + i)
+            c[i % 4].put_object(Bucket="noetcd", Key=f"k{i}", Body=body)
+            assert c[(i + 1) % 4].get_object(Bucket="noetcd", Key=f"k{i}")["Body"].read() == body
+        assert len(c[2].list_objects_v2(Bucket="noetcd")["Contents"]) == 8
+        # What needs etcd fails clearly, not silently.
+        with pytest.raises(Exception) as e:
+            c[1].create_bucket(Bucket="needs-etcd")
+        assert "503" in str(e.value) or "ServiceUnavailable" in str(e.value)
+    finally:
+        etcd.proc.send_signal(signal.SIGCONT)
+    c[1].create_bucket(Bucket="after-etcd")
+    c[2].head_bucket(Bucket="after-etcd")
