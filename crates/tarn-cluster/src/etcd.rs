@@ -466,35 +466,10 @@ async fn open_stream(
 
 /// One POST on a fresh connection: (status, body).
 async fn post(hostport: &str, path: &str, body: Bytes) -> Result<(u16, Bytes), String> {
-    let stream = tokio::net::TcpStream::connect(hostport)
-        .await
-        .map_err(|e| format!("connect: {e}"))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-    let driver = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let req = http::Request::post(path)
-        .header(http::header::HOST, hostport)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
-        .map_err(|e| format!("request: {e}"))?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("send: {e}"))?;
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("read: {e}"))?
-        .to_bytes();
+    let (status, body, driver) = open_stream(hostport, path, body).await?;
+    let bytes = body.collect().await.map_err(|e| format!("read: {e}"));
     driver.abort();
-    Ok((status, bytes))
+    Ok((status, bytes?.to_bytes()))
 }
 
 #[cfg(test)]

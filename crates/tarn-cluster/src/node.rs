@@ -199,8 +199,12 @@ impl Node {
                 let old: NodeRecord = map::decode("node record", &kv.value)?;
                 // Drives the map already places stay recorded even when
                 // missing now: the map names them.
+                let placed: Vec<String> = match self.read_map().await {
+                    Ok(Some((m, _))) => m.drives().map(|(_, _, _, d)| d.drive.clone()).collect(),
+                    _ => Vec::new(),
+                };
                 for d in old.drives {
-                    if !ids.contains(&d) && self.map_names(&d).await {
+                    if !ids.contains(&d) && placed.contains(&d) {
                         ids.push(d);
                     }
                 }
@@ -223,13 +227,6 @@ impl Node {
             .await
             .map_err(etcd_err)?;
         Ok(())
-    }
-
-    async fn map_names(&self, drive: &str) -> bool {
-        match self.read_map().await {
-            Ok(Some((m, _))) => m.drives().any(|(_, _, _, d)| d.drive == drive),
-            _ => false,
-        }
     }
 
     /// The cluster map and its etcd revision, if the cluster was formed.
@@ -363,18 +360,7 @@ impl Node {
             let rec: NodeRecord = map::decode("node record", &kv.value)?;
             addresses.insert(rec.id.clone(), rec.address.clone());
         }
-        let mut records = BTreeMap::new();
-        for kv in buckets {
-            let name = kv
-                .key
-                .strip_prefix(&self.keys.buckets())
-                .unwrap_or_default()
-                .to_string();
-            records.insert(
-                name,
-                decode_bucket(&kv.key, &kv.value).map_err(|e| e.to_string())?,
-            );
-        }
+        let records = self.bucket_records(buckets)?;
         let pool = m
             .pools
             .first()
@@ -435,6 +421,23 @@ impl Node {
         Ok(store)
     }
 
+    /// Bucket records from a read of `buckets/`, by name.
+    fn bucket_records(
+        &self,
+        kvs: Vec<crate::etcd::KeyValue>,
+    ) -> Result<BTreeMap<String, tarn_store::format::BucketRecord>, String> {
+        let root = self.keys.buckets();
+        let mut out = BTreeMap::new();
+        for kv in kvs {
+            let Some(name) = kv.key.strip_prefix(&root) else {
+                continue;
+            };
+            let rec = decode_bucket(&kv.key, &kv.value).map_err(|e| e.to_string())?;
+            out.insert(name.to_string(), rec);
+        }
+        Ok(out)
+    }
+
     /// Called after another node changed system documents.
     pub fn on_docs_changed(&self, f: Box<dyn Fn() + Send + Sync>) {
         let _ = self.docs_changed.set(f);
@@ -470,14 +473,7 @@ impl Node {
             .get_prefix(&self.keys.buckets())
             .await
             .map_err(etcd_err)?;
-        let mut all = BTreeMap::new();
-        for kv in kvs {
-            let name = kv.key[self.keys.buckets().len()..].to_string();
-            all.insert(
-                name,
-                decode_bucket(&kv.key, &kv.value).map_err(|e| e.to_string())?,
-            );
-        }
+        let all = self.bucket_records(kvs)?;
         store.replace_buckets(all);
         self.docs_were_changed();
         let mut watch = self
@@ -561,6 +557,8 @@ impl Node {
         if nodes.is_empty() {
             return Err("no nodes are registered".into());
         }
+        // A map the engine cannot open would stop every node: refused here.
+        tarn_store::check_erasure(data, parity, data + parity).map_err(|e| e.to_string())?;
         let m = ClusterMap::initial(
             &self.cfg.cluster,
             &id_to_hex(&new_id()),
@@ -603,7 +601,11 @@ impl Node {
             .map_err(etcd_err)?;
         let live: Vec<String> = members
             .iter()
-            .map(|kv| kv.key[self.keys.members().len()..].to_string())
+            .filter_map(|kv| {
+                kv.key
+                    .strip_prefix(&self.keys.members())
+                    .map(str::to_string)
+            })
             .collect();
         let map = self.read_map().await?.map(|(m, _)| m);
         let mut out_nodes = Vec::new();

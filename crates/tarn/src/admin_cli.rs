@@ -191,11 +191,8 @@ fn print_status(v: &serde_json::Value) {
                 .into_iter()
                 .flatten()
                 .map(|d| {
-                    format!(
-                        "{}/{}",
-                        s(&d["node"]),
-                        &s(&d["drive"])[..8.min(s(&d["drive"]).len())]
-                    )
+                    let drive: String = s(&d["drive"]).chars().take(8).collect();
+                    format!("{}/{drive}", s(&d["node"]))
                 })
                 .collect();
             println!("  set {i}: {}", drives.join(" "));

@@ -603,13 +603,28 @@ fn open_slot(
 }
 
 /// Whether an erasure layout of `data`+`parity` fits sets of `set_size`
-/// drives, and the stripe size is one the engine takes.
+/// drives (`check_erasure`), and the stripe size is one the engine takes.
 fn check_geometry(
     cfg: &StoreConfig,
     data: usize,
     parity: usize,
     set_size: usize,
 ) -> Result<(), StoreError> {
+    check_erasure(data, parity, set_size)?;
+    if cfg.stripe_size_bytes < 4096
+        || !cfg.stripe_size_bytes.is_multiple_of(4096)
+        || cfg.stripe_size_bytes > crate::format::STRIPE_SIZE_MAX_BYTES as usize
+    {
+        return Err(StoreError::Config(
+            "stripe size must be a multiple of 4 KiB between 4 KiB and 64 MiB".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the engine can code `data`+`parity` over sets of `set_size`
+/// drives (a cluster checks this before it writes a map).
+pub fn check_erasure(data: usize, parity: usize, set_size: usize) -> Result<(), StoreError> {
     if data == 0 || data + parity > set_size || data + parity > 255 {
         return Err(StoreError::Config(format!(
             "erasure layout {data}+{parity} does not fit sets of {set_size} drives"
@@ -619,14 +634,6 @@ fn check_geometry(
         return Err(StoreError::Config(format!(
             "erasure layout {data}+{parity} is not supported by the codec"
         )));
-    }
-    if cfg.stripe_size_bytes < 4096
-        || !cfg.stripe_size_bytes.is_multiple_of(4096)
-        || cfg.stripe_size_bytes > crate::format::STRIPE_SIZE_MAX_BYTES as usize
-    {
-        return Err(StoreError::Config(
-            "stripe size must be a multiple of 4 KiB between 4 KiB and 64 MiB".into(),
-        ));
     }
     Ok(())
 }
@@ -820,9 +827,6 @@ impl Store {
                 (&mut rebuilds, &mut set_aside_at_start),
             ));
         }
-        let sets: Vec<Vec<usize>> = (0..set_count)
-            .map(|s| (s * set_size..(s + 1) * set_size).collect())
-            .collect();
         // Buckets: the union over drives, each present on a majority of those
         // that answered (a torn create or delete resolves here).
         let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
@@ -851,7 +855,7 @@ impl Store {
             cfg,
             deployment_id,
             drives,
-            sets,
+            set_size,
             (data, parity),
             buckets,
             (rebuilds, set_aside_at_start),
@@ -943,14 +947,11 @@ impl Store {
                 ));
             }
         }
-        let sets: Vec<Vec<usize>> = (0..set_count)
-            .map(|s| (s * set_size..(s + 1) * set_size).collect())
-            .collect();
         Ok(Store::assemble(
             cfg,
             deployment_id,
             drives,
-            sets,
+            set_size,
             (data, parity),
             layout.buckets,
             (rebuilds, set_aside_at_start),
@@ -964,12 +965,16 @@ impl Store {
         cfg: StoreConfig,
         deployment_id: Id128,
         drives: Vec<DriveSlot>,
-        sets: Vec<Vec<usize>>,
+        set_size: usize,
         (data, parity): (usize, usize),
         buckets: BTreeMap<String, BucketRecord>,
         (rebuilds, set_aside_at_start): (u64, u64),
         catalog: Option<Arc<dyn Catalog>>,
     ) -> Arc<Store> {
+        // Consecutive slots form a set, in shard position order.
+        let sets: Vec<Vec<usize>> = (0..drives.len() / set_size)
+            .map(|s| (s * set_size..(s + 1) * set_size).collect())
+            .collect();
         for (s, members) in sets.iter().enumerate() {
             let online = members.iter().filter(|&&d| drives[d].online()).count();
             if online < members.len() / 2 + 1 {
