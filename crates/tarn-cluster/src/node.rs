@@ -17,6 +17,7 @@ use std::time::Duration;
 use serde_json::json;
 use tarn_store::drive_io::Drive;
 use tarn_store::format::{id_from_hex, id_to_hex, new_id, Id128};
+use tarn_store::lock::LeaseTable;
 use tarn_store::{ClusterDrive, ClusterLayout, Store, StoreConfig};
 
 use crate::catalog::{decode_bucket, EtcdCatalog};
@@ -92,6 +93,10 @@ impl DriveProvider for Provider {
 
     fn for_write(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>> {
         self.0.store.get()?.local_drive(drive_id)?.1
+    }
+
+    fn leases(&self, drive_id: &Id128) -> Option<Arc<LeaseTable>> {
+        self.0.store.get()?.local_leases(drive_id)
     }
 
     async fn ready(&self) {

@@ -17,6 +17,7 @@ use tarn_store::drive_io::{
 use tarn_store::format::{
     id_to_hex, BucketRecord, Id128, ObjectRecord, UploadPartRecord, UploadRecord,
 };
+use tarn_store::lock::{LeaseCall, LeaseTable};
 use tarn_store::shard::ShardError;
 use tarn_store::StoreError;
 
@@ -518,6 +519,15 @@ impl Drive for RemoteDrive {
             }
         })
     }
+
+    fn lease(&self, call: LeaseCall) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let mut e = self.request();
+        dw::lease_call(&mut e, &call);
+        Box::pin(async move {
+            let a = self.meta(op::DRIVE_LEASE, e.finish()).await?;
+            self.flag(&a)
+        })
+    }
 }
 
 fn geometry_enc(e: &mut Enc, g: &StripeGeometry) {
@@ -675,6 +685,9 @@ pub trait DriveProvider: Send + Sync + 'static {
     fn for_read(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>>;
     /// The drive for writes and shard files: in service.
     fn for_write(&self, drive_id: &Id128) -> Option<Arc<dyn Drive>>;
+    /// The drive's lease table, in service or not (None: no such drive
+    /// here).
+    fn leases(&self, drive_id: &Id128) -> Option<Arc<LeaseTable>>;
     /// Waits (briefly) until the node's drives can be asked: a node that
     /// found the cluster map a moment after its peers is opening them.
     fn ready(&self) -> impl std::future::Future<Output = ()> + Send {
@@ -735,6 +748,20 @@ impl<P: DriveProvider> Handler for DriveService<P> {
                 0
             };
             return Ok(call.reply(&[state]).await?);
+        }
+        if call.op == op::DRIVE_LEASE {
+            let lease = dw::decode_lease_call(&mut d)?;
+            let Some(table) = self.provider.leases(&id) else {
+                return Err(failed(Failure::Offline(format!(
+                    "drive {} is not a drive of this node",
+                    id_to_hex(&id)
+                ))));
+            };
+            let granted = table
+                .call(lease)
+                .await
+                .map_err(|e| failed(Failure::of_store(&e)))?;
+            return Ok(call.reply(&[granted as u8]).await?);
         }
         let reads = matches!(
             call.op,

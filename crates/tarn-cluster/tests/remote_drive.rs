@@ -17,6 +17,7 @@ use tarn_store::format::{
     new_id, BucketRecord, DriveFormat, Id128, Layout, ObjectRecord, Storage, UploadPartRecord,
     VersionMeta,
 };
+use tarn_store::lock::{LeaseCall, LeaseTable, LockMode};
 use tarn_store::shard::ShardError;
 use tarn_store::{Durability, StoreError, Versioning};
 
@@ -63,6 +64,9 @@ impl DriveProvider for One {
     }
     fn for_write(&self, id: &Id128) -> Option<Arc<dyn Drive>> {
         (*id == self.id && !self.offline).then(|| self.drive.clone() as Arc<dyn Drive>)
+    }
+    fn leases(&self, id: &Id128) -> Option<Arc<LeaseTable>> {
+        (*id == self.id).then(|| self.drive.leases().clone())
     }
 }
 
@@ -395,6 +399,60 @@ async fn a_drive_out_of_service_or_a_node_away_is_an_error_of_that_drive() {
         gone.buckets().await,
         Err(StoreError::Drive { .. })
     ));
+}
+
+/// Locks and pins through RPC land in the drive's own lease table: a lock
+/// taken by another node excludes this node's, a drive out of service still
+/// votes, and data a remote reader pinned stays until it releases.
+#[tokio::test]
+async fn lease_calls_reach_the_drive_s_own_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let (remote, local) = serve_drive(dir.path(), false).await;
+    let acquire = |owner: u8, mode| LeaseCall::Acquire {
+        owner: [owner; 16],
+        items: vec![(42, mode)],
+        ttl_ms: 10_000,
+    };
+    assert!(remote.lease(acquire(1, LockMode::Write)).await.unwrap());
+    assert!(!local.lease(acquire(2, LockMode::Read)).await.unwrap());
+    assert!(remote
+        .lease(LeaseCall::Release { owner: [1; 16] })
+        .await
+        .unwrap());
+    assert!(local.lease(acquire(2, LockMode::Read)).await.unwrap());
+    assert!(!remote.lease(acquire(3, LockMode::Write)).await.unwrap());
+    // A call the table refuses is an error, not a refusal.
+    assert!(remote
+        .lease(LeaseCall::Refresh {
+            owner: [2; 16],
+            ttl_ms: 0
+        })
+        .await
+        .is_err());
+
+    let id = new_id();
+    let path = local.paths.shard(&id);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, b"x").unwrap();
+    assert!(remote
+        .lease(LeaseCall::Pin {
+            owner: [4; 16],
+            data_ids: vec![id],
+            ttl_ms: 10_000
+        })
+        .await
+        .unwrap());
+    local.remove_shards(vec![id]).await;
+    assert!(path.exists());
+    remote
+        .lease(LeaseCall::Release { owner: [4; 16] })
+        .await
+        .unwrap();
+    assert!(!path.exists());
+
+    let dir = tempfile::tempdir().unwrap();
+    let (offline, _) = serve_drive(dir.path(), true).await;
+    assert!(offline.lease(acquire(5, LockMode::Write)).await.unwrap());
 }
 
 #[test]

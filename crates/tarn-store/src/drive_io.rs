@@ -24,6 +24,7 @@ use crate::codec::StripeGeometry;
 use crate::drive::{BulkItem, DriveDb, DrivePaths, ObjectWrite};
 use crate::error::StoreError;
 use crate::format::{BucketRecord, Id128, ObjectRecord, UploadPartRecord, UploadRecord};
+use crate::lock::{LeaseCall, LeaseTable};
 use crate::shard::{ShardError, ShardReader, ShardWriter};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -167,6 +168,10 @@ pub trait Drive: Send + Sync {
     /// Removes shard files, in place and in tmp (best effort: what is left
     /// is an orphan the sweep collects).
     fn remove_shards(&self, data_ids: Vec<Id128>) -> BoxFuture<'_, ()>;
+
+    /// A call on the drive's lease table: its vote in locks across nodes,
+    /// and pins of the shard data readers stream (`lock::LeaseCall`).
+    fn lease(&self, call: LeaseCall) -> BoxFuture<'_, Result<bool, StoreError>>;
 }
 
 /// A shard file being written, block by block.
@@ -197,12 +202,31 @@ pub struct LocalDrive {
     pub db: Arc<DriveDb>,
     pub paths: DrivePaths,
     name: String,
+    leases: Arc<LeaseTable>,
 }
 
 impl LocalDrive {
+    /// A drive with a lease table of its own.
     pub fn new(db: Arc<DriveDb>, paths: DrivePaths) -> LocalDrive {
+        let leases = Arc::new(LeaseTable::new(paths.clone()));
+        LocalDrive::with_leases(db, paths, leases)
+    }
+
+    /// A drive whose lease table outlives it (the engine's drive slot keeps
+    /// it while the drive leaves and rejoins).
+    pub fn with_leases(db: Arc<DriveDb>, paths: DrivePaths, leases: Arc<LeaseTable>) -> LocalDrive {
         let name = paths.root.display().to_string();
-        LocalDrive { db, paths, name }
+        LocalDrive {
+            db,
+            paths,
+            name,
+            leases,
+        }
+    }
+
+    /// Its locks and pins as every node asks for them.
+    pub fn leases(&self) -> &Arc<LeaseTable> {
+        &self.leases
     }
 
     /// Runs an index call on a blocking thread.
@@ -401,22 +425,11 @@ impl Drive for LocalDrive {
     }
 
     fn remove_shards(&self, data_ids: Vec<Id128>) -> BoxFuture<'_, ()> {
-        let paths = self.paths.clone();
-        Box::pin(async move {
-            let _ = run_blocking(move || {
-                for id in &data_ids {
-                    for p in [paths.shard(id), paths.tmp_shard(id)] {
-                        if let Err(e) = std::fs::remove_file(&p) {
-                            if e.kind() != io::ErrorKind::NotFound {
-                                tracing::warn!(path = %p.display(), error = %e, "could not remove shard file");
-                            }
-                        }
-                    }
-                }
-                Ok(())
-            })
-            .await;
-        })
+        Box::pin(self.leases.remove_unpinned(data_ids))
+    }
+
+    fn lease(&self, call: LeaseCall) -> BoxFuture<'_, Result<bool, StoreError>> {
+        Box::pin(self.leases.call(call))
     }
 }
 

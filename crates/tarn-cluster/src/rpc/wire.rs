@@ -534,6 +534,8 @@ pub mod op {
     pub const DRIVE_BUCKET_HAS_ENTRIES: u16 = 13;
     /// Whether the drive is in service on its node, and its index complete.
     pub const DRIVE_STATE: u16 = 14;
+    /// A call on a drive's lease table: locks and pins across nodes.
+    pub const DRIVE_LEASE: u16 = 15;
     pub const DRIVE_OBJECT: u16 = 20;
     pub const DRIVE_WRITE_OBJECT: u16 = 21;
     pub const DRIVE_WRITE_OBJECTS_BULK: u16 = 22;
@@ -563,6 +565,7 @@ pub mod drive {
     use super::{Dec, Enc, WireError};
     use tarn_store::drive::{BulkItem, ObjectWrite};
     use tarn_store::format::ObjectRecord;
+    use tarn_store::lock::{LeaseCall, LockMode, LEASE_ITEMS_MAX, LEASE_PINS_MAX};
     use tarn_store::shard::ShardError;
     use tarn_store::StoreError;
 
@@ -599,6 +602,97 @@ pub mod drive {
     /// A count read from the wire, bounded by what the message can hold
     /// (each item takes at least `min_item_bytes`), so a forged count
     /// allocates nothing.
+    /// A call on a drive's lease table (after the drive id): its kind (1
+    /// acquire, 2 refresh, 3 pin, 4 release), the owner, then per kind the
+    /// time to live and the lock items (resource u64, mode 0 read / 1
+    /// write) or the pinned data ids.
+    pub fn lease_call(e: &mut Enc, call: &LeaseCall) {
+        match call {
+            LeaseCall::Acquire {
+                owner,
+                items,
+                ttl_ms,
+            } => {
+                e.u8(1).fixed(owner).u32(*ttl_ms).u32(items.len() as u32);
+                for (r, m) in items {
+                    e.u64(*r).u8(match m {
+                        LockMode::Read => 0,
+                        LockMode::Write => 1,
+                    });
+                }
+            }
+            LeaseCall::Refresh { owner, ttl_ms } => {
+                e.u8(2).fixed(owner).u32(*ttl_ms);
+            }
+            LeaseCall::Pin {
+                owner,
+                data_ids,
+                ttl_ms,
+            } => {
+                e.u8(3).fixed(owner).u32(*ttl_ms).u32(data_ids.len() as u32);
+                for id in data_ids {
+                    e.fixed(id);
+                }
+            }
+            LeaseCall::Release { owner } => {
+                e.u8(4).fixed(owner);
+            }
+        }
+    }
+
+    pub fn decode_lease_call(d: &mut Dec<'_>) -> Result<LeaseCall, WireError> {
+        let kind = d.u8()?;
+        let owner = d.fixed::<16>()?;
+        let call = match kind {
+            1 => {
+                let ttl_ms = d.u32()?;
+                let n = count(d, 9)?;
+                if n > LEASE_ITEMS_MAX {
+                    return Err(WireError::Invalid("too many lock items"));
+                }
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let r = d.u64()?;
+                    let m = match d.u8()? {
+                        0 => LockMode::Read,
+                        1 => LockMode::Write,
+                        _ => return Err(WireError::Invalid("lock mode")),
+                    };
+                    items.push((r, m));
+                }
+                LeaseCall::Acquire {
+                    owner,
+                    items,
+                    ttl_ms,
+                }
+            }
+            2 => LeaseCall::Refresh {
+                owner,
+                ttl_ms: d.u32()?,
+            },
+            3 => {
+                let ttl_ms = d.u32()?;
+                let n = count(d, 16)?;
+                if n > LEASE_PINS_MAX {
+                    return Err(WireError::Invalid("too many pinned data ids"));
+                }
+                let mut data_ids = Vec::with_capacity(n);
+                for _ in 0..n {
+                    data_ids.push(d.fixed::<16>()?);
+                }
+                LeaseCall::Pin {
+                    owner,
+                    data_ids,
+                    ttl_ms,
+                }
+            }
+            4 => LeaseCall::Release { owner },
+            _ => return Err(WireError::Invalid("lease call kind")),
+        };
+        d.end()?;
+        Ok(call)
+    }
+
     pub fn count(d: &mut Dec<'_>, min_item_bytes: usize) -> Result<usize, WireError> {
         let n = d.u32()? as usize;
         if n.saturating_mul(min_item_bytes.max(1)) > d.remaining() {
@@ -955,6 +1049,37 @@ mod tests {
                 cluster, node_id: node, nonce,
             };
             prop_assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn lease_calls_round_trip(kind in 0u8..4, owner in proptest::array::uniform16(any::<u8>()),
+                                  ttl_ms in any::<u32>(),
+                                  items in proptest::collection::vec((any::<u64>(), any::<bool>()), 1..16),
+                                  pins in proptest::collection::vec(proptest::array::uniform16(any::<u8>()), 0..40)) {
+            use tarn_store::lock::{LeaseCall, LockMode};
+            let call = match kind {
+                0 => LeaseCall::Acquire {
+                    owner,
+                    items: items.iter().map(|&(r, w)| (r, if w { LockMode::Write } else { LockMode::Read })).collect(),
+                    ttl_ms,
+                },
+                1 => LeaseCall::Refresh { owner, ttl_ms },
+                2 => LeaseCall::Pin { owner, data_ids: pins, ttl_ms },
+                _ => LeaseCall::Release { owner },
+            };
+            let mut e = Enc::new();
+            drive::lease_call(&mut e, &call);
+            let buf = e.finish();
+            prop_assert_eq!(drive::decode_lease_call(&mut Dec::new(&buf)).unwrap(), call);
+            // Every shorter message is refused, not misread.
+            for cut in 0..buf.len() {
+                prop_assert!(drive::decode_lease_call(&mut Dec::new(&buf[..cut])).is_err());
+            }
+        }
+
+        #[test]
+        fn lease_call_decoder_never_panics(b in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = drive::decode_lease_call(&mut Dec::new(&b));
         }
 
         #[test]

@@ -124,7 +124,7 @@ impl Store {
         self.bucket_record(bucket)?;
         validate_key(key)?;
         let set = self.set_for(bucket, key);
-        let guard = self.locks.read(bucket, key).await;
+        let mut guard = self.lock_read(set, bucket, key).await?;
         let (rec, diverged) = self.resolved(set, bucket, key).await?;
         if diverged {
             self.queue_heal(bucket, key);
@@ -150,7 +150,8 @@ impl Store {
         // the lock is released before streaming: a slow reader never holds up
         // a writer's commit, and the writer defers deleting the shards the
         // reader still uses until it unpins.
-        let pin = self.pin_data(set, v);
+        let mut pin = self.pin_data(set, v);
+        pin.lease = guard.pin(self, set, pin.ids.clone()).await;
         let stream = self
             .stream_version(set, bucket, key, v.clone(), start, end, pin)
             .await?;

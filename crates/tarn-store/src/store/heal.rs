@@ -219,7 +219,7 @@ impl Store {
     pub async fn heal_object(&self, bucket: &str, key: &str) -> Result<HealReport, StoreError> {
         let mut report = HealReport::default();
         let set = self.set_for(bucket, key);
-        let _g = self.locks.write(bucket, key).await;
+        let _g = self.lock_write(set, bucket, key).await?;
         let records = self.read_records(set, bucket, key).await;
         let quorum = self.meta_read_quorum(self.set_size(set));
         let answered = records

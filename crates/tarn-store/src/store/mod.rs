@@ -9,6 +9,7 @@
 pub mod get;
 mod heal;
 mod list;
+mod locking;
 mod multipart;
 pub(crate) mod put;
 
@@ -31,7 +32,7 @@ use crate::format::{
     id_from_hex, id_to_hex, new_id, BucketRecord, CodecId, DriveFormat, Durability, Id128, Layout,
     ObjectRecord, Storage, VersionMeta, Versioning,
 };
-use crate::lock::LockTable;
+use crate::lock::{LeaseTable, LockTable};
 use crate::types::{BucketInfo, DriveStatus, ObjectInfo, PartSummary};
 
 pub use get::ObjectStream;
@@ -61,6 +62,9 @@ pub(crate) struct DriveSlot {
     pub expected: DriveFormat,
     /// Its filesystem's free space, looked at most once a second.
     space: Mutex<Space>,
+    /// A drive of this node: its locks and pins as every node asks for them
+    /// (kept while the drive leaves and rejoins).
+    leases: Option<Arc<LeaseTable>>,
 }
 
 #[derive(Default)]
@@ -112,11 +116,13 @@ impl DriveSlot {
         opened: Result<DriveDb, String>,
         rebuilding: Option<u64>,
     ) -> DriveSlot {
+        let leases = Arc::new(LeaseTable::new(paths.clone()));
         let (db, reason) = match opened {
-            Ok(db) => (Some(local_drive(db, &paths)), None),
+            Ok(db) => (Some(local_drive(db, &paths, &leases)), None),
             Err(r) => (None, Some(r)),
         };
         DriveSlot {
+            leases: Some(leases),
             lock: Mutex::new(lock),
             name: paths.root.display().to_string(),
             paths,
@@ -154,6 +160,7 @@ impl DriveSlot {
             set_index,
             expected,
             space: Mutex::new(Space::default()),
+            leases: None,
         }
     }
 
@@ -237,8 +244,12 @@ impl DriveSlot {
 }
 
 /// A drive of this node as the engine reaches it.
-fn local_drive(db: DriveDb, paths: &DrivePaths) -> Arc<dyn Drive> {
-    Arc::new(LocalDrive::new(Arc::new(db), paths.clone()))
+fn local_drive(db: DriveDb, paths: &DrivePaths, leases: &Arc<LeaseTable>) -> Arc<dyn Drive> {
+    Arc::new(LocalDrive::with_leases(
+        Arc::new(db),
+        paths.clone(),
+        leases.clone(),
+    ))
 }
 
 /// Whether an error is ENOSPC: an `io::Error` anywhere in its source chain
@@ -436,11 +447,13 @@ pub(crate) struct PinState {
     retired_in_set: Option<usize>,
 }
 
-/// A reader's hold on the data ids of the version it streams.
+/// A reader's hold on the data ids of the version it streams: in this
+/// process, and, in a cluster, on the drives of other nodes.
 pub(crate) struct PinGuard {
     store: Option<Arc<Store>>,
     set: usize,
-    ids: Vec<Id128>,
+    pub(crate) ids: Vec<Id128>,
+    pub(crate) lease: Option<locking::Lease>,
 }
 
 impl Drop for PinGuard {
@@ -489,6 +502,9 @@ pub struct Store {
     catalog: Option<Arc<dyn Catalog>>,
     buckets: RwLock<BTreeMap<String, BucketRecord>>,
     locks: LockTable,
+    /// Other nodes reach drives of this engine's sets (or this node reaches
+    /// theirs): keys are locked on the drives too (`locking`).
+    distributed: bool,
     pool: BufferPool,
     heal_tx: mpsc::Sender<HealTask>,
     heal_rx: Mutex<Option<mpsc::Receiver<HealTask>>>,
@@ -1001,9 +1017,11 @@ impl Store {
             cfg.stripe_size_bytes,
             cfg.buffers_per_core.max(8),
         );
+        let distributed = drives.iter().any(|d| d.is_remote());
         Arc::new(Store {
             deployment_id,
             hash_seed,
+            distributed,
             drives,
             sets,
             data_shards: data,
@@ -1247,6 +1265,11 @@ impl Store {
     /// unmounted) or is another drive's is taken out; one taken out while
     /// running that works again rejoins (and is healed).
     async fn watch_drives(self: &Arc<Self>) {
+        for slot in &self.drives {
+            if let Some(leases) = &slot.leases {
+                leases.expire().await;
+            }
+        }
         for i in 0..self.drives.len() {
             let slot = &self.drives[i];
             if let Some(remote) = &slot.remote {
@@ -1308,7 +1331,13 @@ impl Store {
                             *slot.lock.lock().expect("drive lock") = lock;
                         }
                     }
-                    st.db = Some(local_drive(db, &slot.paths));
+                    st.db = Some(local_drive(
+                        db,
+                        &slot.paths,
+                        slot.leases
+                            .as_ref()
+                            .expect("a local drive has a lease table"),
+                    ));
                     st.faulty = false;
                     st.reindex = false;
                     st.reason = None;
@@ -1442,6 +1471,16 @@ impl Store {
             .map(|d| (d.db(), d.writer()))
     }
 
+    /// The lease table of a drive of this node by its id, as the node
+    /// serves it to the others: whether or not the drive is in use (its
+    /// votes and pins are kept in memory).
+    pub fn local_leases(&self, id: &Id128) -> Option<Arc<LeaseTable>> {
+        self.drives
+            .iter()
+            .find(|d| !d.is_remote() && d.expected.drive_id == *id)
+            .and_then(|d| d.leases.clone())
+    }
+
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
         &self.drives[self.sets[set][position]]
     }
@@ -1483,6 +1522,7 @@ impl Store {
             store: Some(self.clone()),
             set,
             ids,
+            lease: None,
         }
     }
 
@@ -1768,8 +1808,9 @@ impl Store {
         }
         // Aborts take their keys' locks, so the bucket's (a lock stripe
         // they may share) is taken only now; an object or upload that
-        // arrived meanwhile keeps the bucket.
-        let _g = self.locks.write(name, "").await;
+        // arrived meanwhile keeps the bucket. Writers anywhere hold the
+        // bucket for reading until their commit is written.
+        let _g = self.lock_bucket(name).await?;
         self.bucket_record(name)?;
         if self.bucket_has_entries(name, true).await? {
             return Err(StoreError::BucketNotEmpty(name.to_string()));
@@ -2099,7 +2140,7 @@ impl Store {
                 None => None,
             };
         let set = self.set_for(bucket, key);
-        let _g = self.locks.write(bucket, key).await;
+        let _g = self.lock_write(set, bucket, key).await?;
         let (mut rec, _) = self.resolved(set, bucket, key).await?;
         if let Some(condition) = if_match {
             let (v, _) = self.select_version(&rec, bucket, key, version)?;
@@ -2247,7 +2288,7 @@ impl Store {
         self.bucket_record(bucket)?;
         validate_key(key)?;
         let set = self.set_for(bucket, key);
-        let _g = self.locks.write(bucket, key).await;
+        let _g = self.lock_write(set, bucket, key).await?;
         let (mut rec, _) = self.resolved(set, bucket, key).await?;
         let (v, _) = self.select_version(&rec, bucket, key, version)?;
         if v.delete_marker {

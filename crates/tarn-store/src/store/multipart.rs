@@ -118,7 +118,7 @@ impl Store {
                 continue;
             }
             // Not while it completes or aborts.
-            let _g = self.locks.write(bucket, &key).await;
+            let _g = self.lock_write(set, bucket, &key).await?;
             let rec = match self.upload(set, bucket, &key, &id).await {
                 Ok(r) => r,
                 Err(StoreError::NoSuchUpload(_)) => continue,
@@ -335,7 +335,7 @@ impl Store {
         self.bucket_record(bucket)?;
         let id = parse_upload_id(upload_id)?;
         let set = self.set_for(bucket, key);
-        let _g = self.locks.write(bucket, key).await;
+        let _g = self.lock_write(set, bucket, key).await?;
         self.upload(set, bucket, key, &id).await?;
         let parts = self.upload_parts(set, &id).await?;
         let numbers: Vec<u32> = parts.keys().copied().collect();

@@ -513,7 +513,7 @@ impl Store {
         opts: &PutOptions,
         upload_delete: Option<(Id128, Vec<u32>)>,
     ) -> Result<ObjectInfo, StoreError> {
-        let _g = self.locks.write(bucket, key).await;
+        let _g = self.lock_write(set, bucket, key).await?;
         // The bucket may have been deleted while the body streamed.
         self.bucket_record(bucket)?;
         let (mut rec, _) = self.resolved(set, bucket, key).await?;

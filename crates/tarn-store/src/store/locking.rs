@@ -1,0 +1,331 @@
+//! The engine's locks on a key or a bucket: this process's lock table and,
+//! when other nodes reach the same drives, a quorum of the lease tables of
+//! the set's drives (`lock::LeaseTable`), so that a writer on one node and a
+//! writer or reader on another exclude each other as two tasks of one
+//! process do.
+//!
+//! A writer holds its key for writing and its bucket for reading on a
+//! metadata write quorum of the set's drives; a reader holds the key for
+//! reading on enough drives that every write quorum meets them; a bucket's
+//! deletion holds the bucket for writing on a write quorum of every set.
+//! Each acquire is all or nothing on a drive and never waits there: a
+//! caller that misses its quorum releases what it got and tries again after
+//! a random pause (no deadlock, whatever the order of callers). Holdings
+//! lapse after `LEASE_TTL_MS` unless refreshed, so a node that dies holding
+//! locks or pins blocks no one for longer.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+
+use super::Store;
+use crate::drive_io::Drive;
+use crate::error::StoreError;
+use crate::format::{new_id, Id128};
+use crate::lock::{resource, KeyGuard, LeaseCall, LeaseTable, LockMode};
+
+/// Time to live of a holding on another drive, and how often a holder
+/// extends it.
+const LEASE_TTL_MS: u32 = 15_000;
+const LEASE_REFRESH: Duration = Duration::from_secs(5);
+/// How long a lock is tried before the request fails with SlowDown: longer
+/// than a lease lives, so the locks of a node that died are gone first.
+const LOCK_WAIT: Duration = Duration::from_secs(30);
+const LOCK_BACKOFF_MAX: Duration = Duration::from_millis(50);
+/// How long a reader waits for the pins of slow drives once a read
+/// quorum of them answered (the others are still pinned when they answer).
+const PIN_GRACE: Duration = Duration::from_millis(200);
+
+/// One drive's vote: its lease table, on this node or over RPC.
+#[derive(Clone)]
+enum Voter {
+    Local(Arc<LeaseTable>),
+    Remote(Arc<dyn Drive>),
+}
+
+impl Voter {
+    async fn call(&self, call: LeaseCall) -> Result<bool, StoreError> {
+        match self {
+            Voter::Local(t) => t.call(call).await,
+            Voter::Remote(d) => d.lease(call).await,
+        }
+    }
+}
+
+/// A holding on other nodes' drives: released when dropped, refreshed
+/// while it lives.
+pub(crate) struct Lease {
+    owner: Id128,
+    voters: Vec<Voter>,
+    refresher: tokio::task::AbortHandle,
+}
+
+impl Lease {
+    fn new(owner: Id128, voters: Vec<Voter>) -> Lease {
+        let held = voters.clone();
+        let refresher = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(LEASE_REFRESH).await;
+                let calls = held.iter().map(|v| {
+                    v.call(LeaseCall::Refresh {
+                        owner,
+                        ttl_ms: LEASE_TTL_MS,
+                    })
+                });
+                futures::future::join_all(calls).await;
+            }
+        })
+        .abort_handle();
+        Lease {
+            owner,
+            voters,
+            refresher,
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.refresher.abort();
+        release(self.owner, std::mem::take(&mut self.voters));
+    }
+}
+
+/// Releases a holding in the background (without a runtime it lapses).
+fn release(owner: Id128, voters: Vec<Voter>) {
+    if voters.is_empty() {
+        return;
+    }
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            let calls = voters.iter().map(|v| v.call(LeaseCall::Release { owner }));
+            futures::future::join_all(calls).await;
+        });
+    }
+}
+
+/// A key (or bucket) held by this process and, in a cluster, on its set's
+/// drives.
+pub(crate) struct KeyLock {
+    _local: KeyGuard,
+    lease: Option<Lease>,
+}
+
+impl KeyLock {
+    /// Turns a reader's hold on other nodes' drives into pins of the data
+    /// it will stream, on every drive of the set this node reaches: no
+    /// writer anywhere removes that data until the returned lease is
+    /// dropped. This process's own hold stays until `self` is dropped. On
+    /// one node, or for data kept inline (read under the lock), there is
+    /// nothing to do (`Store::pin_data` covers this process).
+    pub(crate) async fn pin(
+        &mut self,
+        store: &Store,
+        set: usize,
+        data_ids: Vec<Id128>,
+    ) -> Option<Lease> {
+        if data_ids.is_empty() {
+            return None;
+        }
+        let lease = self.lease.take()?;
+        let voters = store.voters(set);
+        let owner = lease.owner;
+        // The pin ends this owner's lock on the drives that granted it; on
+        // the others it is new. The lock's lease must not release it.
+        let mut lease = lease;
+        lease.voters.clear();
+        drop(lease);
+        let mut pending: FuturesUnordered<_> = voters
+            .iter()
+            .map(|v| {
+                let (v, data_ids) = (v.clone(), data_ids.clone());
+                tokio::spawn(async move {
+                    v.call(LeaseCall::Pin {
+                        owner,
+                        data_ids,
+                        ttl_ms: LEASE_TTL_MS,
+                    })
+                    .await
+                })
+            })
+            .collect();
+        let quorum = store.meta_read_quorum(store.set_size(set));
+        let mut answered = 0;
+        while answered < quorum {
+            if pending.next().await.is_none() {
+                break;
+            }
+            answered += 1;
+        }
+        let _ = tokio::time::timeout(PIN_GRACE, async { while pending.next().await.is_some() {} })
+            .await;
+        Some(Lease::new(owner, voters))
+    }
+}
+
+impl Store {
+    /// The lease tables of a set's drives this node can reach now.
+    fn voters(&self, set: usize) -> Vec<Voter> {
+        (0..self.set_size(set))
+            .filter_map(|p| {
+                let slot = self.slot(set, p);
+                match &slot.leases {
+                    Some(t) => Some(Voter::Local(t.clone())),
+                    None => slot.writer().map(Voter::Remote),
+                }
+            })
+            .collect()
+    }
+
+    /// Holds a key to change it: its metadata, versions, uploads.
+    pub(crate) async fn lock_write(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+    ) -> Result<KeyLock, StoreError> {
+        let local = self.locks.write(bucket, key).await;
+        let items = [
+            (resource(self.hash_seed, bucket, key), LockMode::Write),
+            (resource(self.hash_seed, bucket, ""), LockMode::Read),
+        ];
+        let quorum = self.meta_write_quorum(self.set_size(set));
+        self.hold_key(local, set, &items, quorum).await
+    }
+
+    /// Holds a key to read its metadata and pin its data.
+    pub(crate) async fn lock_read(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+    ) -> Result<KeyLock, StoreError> {
+        let local = self.locks.read(bucket, key).await;
+        let items = [(resource(self.hash_seed, bucket, key), LockMode::Read)];
+        let quorum = self.meta_read_quorum(self.set_size(set));
+        self.hold_key(local, set, &items, quorum).await
+    }
+
+    /// Adds the hold on the set's drives to this process's, in a cluster.
+    async fn hold_key(
+        &self,
+        local: KeyGuard,
+        set: usize,
+        items: &[(u64, LockMode)],
+        quorum: usize,
+    ) -> Result<KeyLock, StoreError> {
+        let lease = if self.distributed {
+            Some(self.acquire(set, items.to_vec(), quorum).await?)
+        } else {
+            None
+        };
+        Ok(KeyLock {
+            _local: local,
+            lease,
+        })
+    }
+
+    /// Holds a bucket against every writer of its objects (to delete it).
+    pub(crate) async fn lock_bucket(&self, name: &str) -> Result<Vec<KeyLock>, StoreError> {
+        let local = self.locks.write(name, "").await;
+        let mut locks = Vec::new();
+        if self.distributed {
+            for set in 0..self.sets.len() {
+                let items = vec![(resource(self.hash_seed, name, ""), LockMode::Write)];
+                let quorum = self.meta_write_quorum(self.set_size(set));
+                let lease = self.acquire(set, items, quorum).await?;
+                locks.push(lease);
+            }
+        }
+        let mut out = vec![KeyLock {
+            _local: local,
+            lease: None,
+        }];
+        out.extend(locks.into_iter().map(|lease| KeyLock {
+            _local: KeyGuard::None,
+            lease: Some(lease),
+        }));
+        Ok(out)
+    }
+
+    /// Takes `items` on at least `quorum` of a set's drives, trying again
+    /// while other holders are in the way.
+    async fn acquire(
+        &self,
+        set: usize,
+        items: Vec<(u64, LockMode)>,
+        quorum: usize,
+    ) -> Result<Lease, StoreError> {
+        let deadline = Instant::now() + LOCK_WAIT;
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            let voters = self.voters(set);
+            if voters.len() < quorum {
+                return Err(StoreError::QuorumLost {
+                    what: "lock",
+                    needed: quorum,
+                    available: voters.len(),
+                });
+            }
+            let owner = new_id();
+            let mut pending: FuturesUnordered<_> = voters
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let (v, items) = (v.clone(), items.clone());
+                    tokio::spawn(async move {
+                        let r = v
+                            .call(LeaseCall::Acquire {
+                                owner,
+                                items,
+                                ttl_ms: LEASE_TTL_MS,
+                            })
+                            .await;
+                        (i, r)
+                    })
+                })
+                .collect();
+            let (mut granted, mut busy, mut failed) = (Vec::new(), 0, 0);
+            while granted.len() < quorum && voters.len() - busy - failed >= quorum {
+                match pending.next().await {
+                    Some(Ok((i, Ok(true)))) => granted.push(voters[i].clone()),
+                    Some(Ok((_, Ok(false)))) => busy += 1,
+                    Some(_) => failed += 1,
+                    None => break,
+                }
+            }
+            // Whatever the drives still answering grant is released as it
+            // comes.
+            if !pending.is_empty() {
+                let voters = voters.clone();
+                tokio::spawn(async move {
+                    while let Some(r) = pending.next().await {
+                        if let Ok((i, Ok(true))) = r {
+                            let _ = voters[i].call(LeaseCall::Release { owner }).await;
+                        }
+                    }
+                });
+            }
+            if granted.len() >= quorum {
+                return Ok(Lease::new(owner, granted));
+            }
+            release(owner, granted);
+            if voters.len() - failed < quorum {
+                return Err(StoreError::QuorumLost {
+                    what: "lock",
+                    needed: quorum,
+                    available: voters.len() - failed,
+                });
+            }
+            if Instant::now() + backoff > deadline {
+                return Err(StoreError::SlowDown(
+                    "the key is held by other writers; try again".into(),
+                ));
+            }
+            let jitter = u64::from(new_id()[0]) * backoff.as_micros() as u64 / 255;
+            tokio::time::sleep(backoff / 2 + Duration::from_micros(jitter / 2)).await;
+            backoff = (backoff * 2).min(LOCK_BACKOFF_MAX);
+        }
+    }
+}
