@@ -10,7 +10,9 @@
 //! deletion holds the bucket for writing on a write quorum of every set.
 //! Each acquire is all or nothing on a drive and never waits there: a
 //! caller that misses its quorum releases what it got and tries again after
-//! a random pause (no deadlock, whatever the order of callers). Holdings
+//! a random pause (no deadlock, whatever the order of callers). A caller
+//! asks just a quorum first, its own node's drives among them, and the
+//! others only when one is busy, fails or is slow to answer. Holdings
 //! lapse after `LEASE_TTL_MS` unless refreshed, so a node that dies holding
 //! locks or pins blocks no one for longer.
 
@@ -33,6 +35,9 @@ const LEASE_REFRESH: Duration = Duration::from_secs(5);
 /// than a lease lives, so the locks of a node that died are gone first.
 const LOCK_WAIT: Duration = Duration::from_secs(30);
 const LOCK_BACKOFF_MAX: Duration = Duration::from_millis(50);
+/// How long a lock waits for the quorum it asked first before it asks the
+/// set's other drives too (a paused node costs a lock this much, once).
+const LOCK_HEDGE: Duration = Duration::from_millis(25);
 /// How long a reader waits for the pins of slow drives once a read
 /// quorum of them answered (the others are still pinned when they answer).
 const PIN_GRACE: Duration = Duration::from_millis(200);
@@ -269,30 +274,52 @@ impl Store {
                 });
             }
             let owner = new_id();
-            let mut pending: FuturesUnordered<_> = voters
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    let (v, items) = (v.clone(), items.clone());
-                    tokio::spawn(async move {
-                        let r = v
-                            .call(LeaseCall::Acquire {
-                                owner,
-                                items,
-                                ttl_ms: LEASE_TTL_MS,
-                            })
-                            .await;
-                        (i, r)
-                    })
+            // This node's drives first (no round trip), then the others from
+            // a random place: a quorum is asked first, the rest only for a
+            // voter that is busy, fails, or has not answered in time.
+            let (mut order, mut others): (Vec<usize>, Vec<usize>) =
+                (0..voters.len()).partition(|&i| matches!(voters[i], Voter::Local(_)));
+            if !others.is_empty() {
+                let at = owner[0] as usize % others.len();
+                others.rotate_left(at);
+            }
+            order.extend(others);
+            let launch = |i: usize| {
+                let (v, items) = (voters[i].clone(), items.clone());
+                tokio::spawn(async move {
+                    let r = v
+                        .call(LeaseCall::Acquire {
+                            owner,
+                            items,
+                            ttl_ms: LEASE_TTL_MS,
+                        })
+                        .await;
+                    (i, r)
                 })
-                .collect();
+            };
+            let mut pending = FuturesUnordered::new();
+            let mut asked = 0;
+            let hedge = tokio::time::sleep(LOCK_HEDGE);
+            tokio::pin!(hedge);
             let (mut granted, mut busy, mut failed) = (Vec::new(), 0, 0);
             while granted.len() < quorum && voters.len() - busy - failed >= quorum {
-                match pending.next().await {
-                    Some(Ok((i, Ok(true)))) => granted.push(voters[i].clone()),
-                    Some(Ok((_, Ok(false)))) => busy += 1,
-                    Some(_) => failed += 1,
-                    None => break,
+                while granted.len() + pending.len() < quorum && asked < order.len() {
+                    pending.push(launch(order[asked]));
+                    asked += 1;
+                }
+                tokio::select! {
+                    r = pending.next() => match r {
+                        Some(Ok((i, Ok(true)))) => granted.push(voters[i].clone()),
+                        Some(Ok((_, Ok(false)))) => busy += 1,
+                        Some(_) => failed += 1,
+                        None => break,
+                    },
+                    () = &mut hedge, if asked < order.len() => {
+                        while asked < order.len() {
+                            pending.push(launch(order[asked]));
+                            asked += 1;
+                        }
+                    }
                 }
             }
             // Whatever the drives still answering grant is released as it
