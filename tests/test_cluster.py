@@ -452,6 +452,26 @@ def test_cluster_node_killed_during_writes(cluster):
         t.join()
     assert len(acked) > 20
     check_readable(nodes[:3], "load", acked)
+    # With the node still down: multipart across the others, copy, delete.
+    up_node, done_node = nodes[1].client(), nodes[2].client()
+    part = 5 << 20
+    body = data("mp-down", 2 * part + 777)
+    up = up_node.create_multipart_upload(Bucket="load", Key="mp-down")
+    parts = []
+    for i in range(3):
+        c = [up_node, done_node, nodes[0].client()][i]
+        r = c.upload_part(Bucket="load", Key="mp-down", UploadId=up["UploadId"], PartNumber=i + 1,
+                          Body=body[i * part:(i + 1) * part])
+        parts.append({"PartNumber": i + 1, "ETag": r["ETag"]})
+    done_node.complete_multipart_upload(Bucket="load", Key="mp-down", UploadId=up["UploadId"],
+                                        MultipartUpload={"Parts": parts})
+    assert nodes[0].client().get_object(Bucket="load", Key="mp-down")["Body"].read() == body
+    done_node.copy_object(Bucket="load", Key="mp-copy", CopySource={"Bucket": "load", "Key": "mp-down"})
+    assert up_node.get_object(Bucket="load", Key="mp-copy")["Body"].read() == body
+    up_node.delete_object(Bucket="load", Key="mp-copy")
+    listed = {o["Key"] for p in nodes[0].client().get_paginator("list_objects_v2").paginate(Bucket="load")
+              for o in p.get("Contents", [])}
+    assert "mp-down" in listed and "mp-copy" not in listed
     for n in nodes[:3]:
         assert not [e for e in n.errors() if not FAULT_ERRORS.search(e)]
 
