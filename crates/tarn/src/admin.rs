@@ -174,6 +174,7 @@ pub async fn serve_forming(
     mut stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
+    let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -182,7 +183,7 @@ pub async fn serve_forming(
                     continue;
                 };
                 let (node, token) = (node.clone(), token.clone());
-                tokio::spawn(async move {
+                conns.spawn(async move {
                     let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
                         let (node, token) = (node.clone(), token.clone());
                         async move {
@@ -202,13 +203,30 @@ pub async fn serve_forming(
                             Ok::<_, Infallible>(r)
                         }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                    // One request per connection: when the map arrives,
+                    // what was accepted is answered, and nothing waits on an
+                    // idle keep-alive connection.
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(false)
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
                 });
             }
-            _ = stop.changed() => return,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = stop.changed() => break,
         }
     }
+    // The runtime ends with this function: finish the answers in progress
+    // (an init that arrives as the map does gets "already formed", not a
+    // cut connection).
+    let _ = tokio::time::timeout(FORMING_DRAIN, async {
+        while conns.join_next().await.is_some() {}
+    })
+    .await;
 }
+
+/// How long the forming admin server finishes its answers after the map.
+const FORMING_DRAIN: Duration = Duration::from_secs(5);
 
 async fn handle(
     req: http::Request<Incoming>,

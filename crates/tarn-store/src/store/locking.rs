@@ -118,8 +118,8 @@ pub(crate) struct KeyLock {
 }
 
 impl KeyLock {
-    /// Turns a reader's hold on other nodes' drives into pins of the data
-    /// it will stream, on every drive of the set this node reaches: no
+    /// Pins the data a reader will stream on every drive of the set this
+    /// node reaches, then releases its lock on the drives: no
     /// writer anywhere removes that data until the returned lease is
     /// dropped. This process's own hold stays until `self` is dropped. On
     /// one node, or for data kept inline (read under the lock), there is
@@ -133,14 +133,13 @@ impl KeyLock {
         if data_ids.is_empty() {
             return None;
         }
-        let lease = self.lease.take()?;
+        // The lock is released only once the pins are in place, so no writer
+        // retires the data in between. The pins have an owner of their own:
+        // a late grant of the lock's owner on a drive asked last is released
+        // when it comes, and must not take a pin with it.
+        let lock = self.lease.take()?;
         let voters = store.voters(set);
-        let owner = lease.owner;
-        // The pin ends this owner's lock on the drives that granted it; on
-        // the others it is new. The lock's lease must not release it.
-        let mut lease = lease;
-        lease.voters.clear();
-        drop(lease);
+        let owner = new_id();
         let mut pending: FuturesUnordered<_> = voters
             .iter()
             .map(|v| {
@@ -165,6 +164,7 @@ impl KeyLock {
         }
         let _ = tokio::time::timeout(PIN_GRACE, async { while pending.next().await.is_some() {} })
             .await;
+        drop(lock);
         Some(Lease::new(owner, voters))
     }
 }
