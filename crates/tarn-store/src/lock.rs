@@ -34,8 +34,6 @@ pub struct LockTable {
 pub enum KeyGuard {
     Read(#[allow(dead_code)] OwnedRwLockReadGuard<()>),
     Write(#[allow(dead_code)] OwnedRwLockWriteGuard<()>),
-    /// Nothing held in this process (a hold on other nodes' drives only).
-    None,
 }
 
 impl LockTable {
@@ -150,6 +148,9 @@ struct Leases {
     pins: HashMap<Id128, usize>,
     /// Data whose removal waits for its last pin.
     deferred: HashSet<Id128>,
+    /// No holding lapses before this, so a call before it skips the scan
+    /// for lapsed holdings.
+    earliest_lapse: Option<Instant>,
 }
 
 /// The locks and pins of one drive of this node, as every node asks for
@@ -241,7 +242,7 @@ impl LeaseTable {
                             LockMode::Write => res.writer = Some(owner),
                         }
                     }
-                    l.holdings.insert(
+                    l.hold(
                         owner,
                         Holding {
                             expires: now + ttl,
@@ -256,9 +257,10 @@ impl LeaseTable {
             }
             LeaseCall::Refresh { owner, ttl_ms } => {
                 let ttl = ttl(ttl_ms)?;
-                match l.holdings.get_mut(&owner) {
-                    Some(h) => {
+                match l.holdings.remove(&owner) {
+                    Some(mut h) => {
                         h.expires = now + ttl;
+                        l.hold(owner, h);
                         true
                     }
                     None => false,
@@ -280,7 +282,7 @@ impl LeaseTable {
                 for id in &data_ids {
                     *l.pins.entry(*id).or_default() += 1;
                 }
-                l.holdings.insert(
+                l.hold(
                     owner,
                     Holding {
                         expires: now + ttl,
@@ -305,6 +307,11 @@ impl LeaseTable {
 }
 
 impl Leases {
+    fn hold(&mut self, owner: Id128, h: Holding) {
+        self.earliest_lapse = Some(self.earliest_lapse.map_or(h.expires, |e| e.min(h.expires)));
+        self.holdings.insert(owner, h);
+    }
+
     fn free_for(&self, resource: u64, mode: LockMode) -> bool {
         match self.resources.get(&resource) {
             None => true,
@@ -344,13 +351,18 @@ impl Leases {
     }
 
     fn expire(&mut self, now: Instant) -> Vec<Id128> {
+        if self.earliest_lapse.is_none_or(|e| now < e) {
+            return Vec::new();
+        }
         let lapsed: Vec<Id128> = self
             .holdings
             .iter()
             .filter(|(_, h)| h.expires <= now)
             .map(|(o, _)| *o)
             .collect();
-        lapsed.iter().flat_map(|o| self.end(o)).collect()
+        let freed = lapsed.iter().flat_map(|o| self.end(o)).collect();
+        self.earliest_lapse = self.holdings.values().map(|h| h.expires).min();
+        freed
     }
 }
 
@@ -454,6 +466,30 @@ mod tests {
             now + ms(200)
         ));
         assert_eq!(t.held(), 1);
+    }
+
+    /// A refresh may shorten a holding: it lapses at the new time, not at
+    /// the first one.
+    #[test]
+    fn a_shortened_holding_lapses_on_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = table(dir.path());
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        assert!(at(&t, acquire(1, &[(7, LockMode::Write)], 10_000), now));
+        assert!(at(
+            &t,
+            LeaseCall::Refresh {
+                owner: [1; 16],
+                ttl_ms: 10
+            },
+            now
+        ));
+        assert!(at(
+            &t,
+            acquire(2, &[(7, LockMode::Write)], 100),
+            now + ms(11)
+        ));
     }
 
     #[test]

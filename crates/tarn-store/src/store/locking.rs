@@ -117,6 +117,13 @@ pub(crate) struct KeyLock {
     lease: Option<Lease>,
 }
 
+/// A bucket held against every writer of its objects: by this process
+/// and, in a cluster, on a write quorum of every set's drives.
+pub(crate) struct BucketLock {
+    _local: KeyGuard,
+    _leases: Vec<Lease>,
+}
+
 impl KeyLock {
     /// Pins the data a reader will stream on every drive of the set this
     /// node reaches, then releases its lock on the drives: no
@@ -232,26 +239,20 @@ impl Store {
     }
 
     /// Holds a bucket against every writer of its objects (to delete it).
-    pub(crate) async fn lock_bucket(&self, name: &str) -> Result<Vec<KeyLock>, StoreError> {
+    pub(crate) async fn lock_bucket(&self, name: &str) -> Result<BucketLock, StoreError> {
         let local = self.locks.write(name, "").await;
-        let mut locks = Vec::new();
+        let mut leases = Vec::new();
         if self.distributed {
             for set in 0..self.sets.len() {
                 let items = vec![(resource(self.hash_seed, name, ""), LockMode::Write)];
                 let quorum = self.meta_write_quorum(self.set_size(set));
-                let lease = self.acquire(set, items, quorum).await?;
-                locks.push(lease);
+                leases.push(self.acquire(set, items, quorum).await?);
             }
         }
-        let mut out = vec![KeyLock {
+        Ok(BucketLock {
             _local: local,
-            lease: None,
-        }];
-        out.extend(locks.into_iter().map(|lease| KeyLock {
-            _local: KeyGuard::None,
-            lease: Some(lease),
-        }));
-        Ok(out)
+            _leases: leases,
+        })
     }
 
     /// Takes `items` on at least `quorum` of a set's drives, trying again

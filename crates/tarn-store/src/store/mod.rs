@@ -1465,20 +1465,20 @@ impl Store {
     /// (for metadata reads: in use with a complete index; for writes and
     /// shard files: in use). None when no drive of this node has that id.
     pub fn local_drive(&self, id: &Id128) -> Option<ServedDrive> {
+        self.local_slot(id).map(|d| (d.db(), d.writer()))
+    }
+
+    fn local_slot(&self, id: &Id128) -> Option<&DriveSlot> {
         self.drives
             .iter()
             .find(|d| !d.is_remote() && d.expected.drive_id == *id)
-            .map(|d| (d.db(), d.writer()))
     }
 
     /// The lease table of a drive of this node by its id, as the node
     /// serves it to the others: whether or not the drive is in use (its
     /// votes and pins are kept in memory).
     pub fn local_leases(&self, id: &Id128) -> Option<Arc<LeaseTable>> {
-        self.drives
-            .iter()
-            .find(|d| !d.is_remote() && d.expected.drive_id == *id)
-            .and_then(|d| d.leases.clone())
+        self.local_slot(id).and_then(|d| d.leases.clone())
     }
 
     pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
