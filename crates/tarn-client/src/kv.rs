@@ -713,7 +713,11 @@ unsafe impl Send for PutWindow {}
 unsafe impl Sync for PutWindow {}
 
 impl PutWindow {
-    fn create(len: usize) -> io::Result<PutWindow> {
+    /// A window of `len` bytes whose first `populate` bytes of each half
+    /// (where `put` places its requests) are allocated and mapped now, so
+    /// that puts of values up to that size never page-fault: the connect
+    /// pays for it once instead of the first puts one fault per 4 KiB.
+    fn create(len: usize, populate: usize) -> io::Result<PutWindow> {
         let len = len.next_multiple_of(4096);
         // SAFETY: plain syscalls; the descriptor is owned at once.
         let fd = unsafe {
@@ -751,11 +755,24 @@ impl PutWindow {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(PutWindow {
+        let window = PutWindow {
             fd,
             base: p.cast(),
             len,
-        })
+        };
+        let half = window.half();
+        for start in [0, half] {
+            let n = populate.min(half).next_multiple_of(4096).min(len - start);
+            // SAFETY: advice on a range of our own mapping. An old kernel
+            // without MADV_POPULATE_WRITE faults the pages in on first use.
+            unsafe { libc::madvise(window.base.add(start).cast(), n, libc::MADV_POPULATE_WRITE) };
+        }
+        Ok(window)
+    }
+
+    /// Where the second half of the window starts (see `ShmTransport::put`).
+    fn half(&self) -> usize {
+        (self.len / 2) / WINDOW_ALIGN * WINDOW_ALIGN
     }
 
     /// # Safety
@@ -839,7 +856,7 @@ impl ShmTransport {
     /// window goes alone, through the whole window.
     async fn put(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         let mut out = Vec::with_capacity(items.len());
-        let half = (self.window.len / 2) / WINDOW_ALIGN * WINDOW_ALIGN;
+        let half = self.window.half();
         let chunk = half.min(PUT_PIPELINE_BYTES);
         let mut pending: Option<(u64, usize)> = None;
         let mut region = 0;
@@ -929,6 +946,9 @@ impl ShmTransport {
 /// Most bytes of one PUT_SHM request when a put is split to overlap the
 /// client's and the daemon's copies.
 const PUT_PIPELINE_BYTES: usize = 1 << 20;
+/// Most bytes of each half of the put window populated at connect (values
+/// up to this size never fault; larger ones fault once, on first use).
+const PUT_POPULATE_MAX_BYTES: usize = 4 << 20;
 
 /// A way to reach the KV server. Every transport speaks the same protocol
 /// (`tarn_kv::proto`); they differ in how values move: inside the frames
@@ -1443,7 +1463,10 @@ async fn connect_shm(
     // The put window goes to the daemon with AUTH; the arena (and the
     // mailbox) come back with the reply.
     let value_max = usize::try_from(tcp_hello.value_max_bytes).unwrap_or(usize::MAX);
-    let window = PutWindow::create(opts.put_window_bytes.max(value_max))?;
+    let window = PutWindow::create(
+        opts.put_window_bytes.max(value_max),
+        value_max.clamp(PUT_PIPELINE_BYTES, PUT_POPULATE_MAX_BYTES),
+    )?;
     let client_nonce = auth::nonce();
     begin_frame(&mut out, Op::Auth as u16, 2);
     auth_request(creds, &hello.nonce, &client_nonce, AUTH_WINDOW).encode(&mut out);

@@ -1,5 +1,16 @@
 //! The KV engine: a hash index over a RAM tier (slab classes in the shared
-//! arena, SIEVE eviction per class) and an optional NVMe tier (disk.rs).
+//! arena, SIEVE eviction per class, pages moving between classes by age)
+//! and an optional NVMe tier (disk.rs).
+//!
+//! Memory goes where it is needed. A class that needs a slot and has none
+//! free either evicts its own SIEVE victim or takes a whole page from
+//! another class, whichever holds older data: every slot carries the time
+//! it was last stored or read, every page the newest of its slots, and the
+//! page another class has used least recently is compared with the victim.
+//! So a store of any mix of sizes keeps the most recently used blocks of
+//! every size. (It used to cap a class at a "fair share" of pages, and a
+//! class at its share evicted its own new blocks while other classes kept
+//! old ones.)
 //!
 //! All bookkeeping sits behind one lock whose critical sections never wait
 //! for I/O: lookups, slot allocation and eviction. Bulk bytes move outside it
@@ -15,7 +26,7 @@ use std::time::Instant;
 
 use tarn_io::AlignedBuf;
 
-use crate::arena::{Arena, Geometry};
+use crate::arena::{Arena, Geometry, HugePages};
 use crate::disk::{self, DiskLoc, DiskTier, RecordKind, RecordSource};
 use crate::proto::{crc32c, Digest, GetEntry, Status};
 use crate::KvError;
@@ -52,6 +63,8 @@ pub struct KvConfig {
     pub disk_bytes: u64,
     /// Segment file size (rounded up to fit two write buffers).
     pub segment_bytes: u64,
+    /// Whether the RAM tier's arena is on huge pages.
+    pub huge_pages: HugePages,
 }
 
 impl Default for KvConfig {
@@ -62,6 +75,7 @@ impl Default for KvConfig {
             disk_dir: None,
             disk_bytes: 64 << 30,
             segment_bytes: 256 << 20,
+            huge_pages: HugePages::Auto,
         }
     }
 }
@@ -148,6 +162,8 @@ struct SlotMeta {
     state: SlotState,
     visited: bool,
     readers: u16,
+    /// When the block was last stored or read (the engine's clock).
+    stamp: u64,
     /// Toward the head (newer).
     prev: u32,
     /// Toward the tail (older).
@@ -162,6 +178,7 @@ const EMPTY_SLOT: SlotMeta = SlotMeta {
     state: SlotState::Free,
     visited: false,
     readers: 0,
+    stamp: 0,
     prev: NO_SLOT,
     next: NO_SLOT,
 };
@@ -169,6 +186,30 @@ const EMPTY_SLOT: SlotMeta = SlotMeta {
 struct Page {
     class: Option<usize>,
     slots: Vec<SlotMeta>,
+    /// Slots taken from the class's free list and not given back.
+    used: u32,
+    /// Slots that cannot be evicted whatever their age: reserved, dying,
+    /// or being read. A page with any cannot move to another class.
+    busy: u32,
+    /// The newest stamp of its slots since it was last empty.
+    newest: u64,
+}
+
+impl Page {
+    /// How old the page's data is, for moving it to another class: an empty
+    /// page costs nothing to move, so it is the oldest of all. None: it
+    /// cannot move now.
+    fn age_key(&self) -> Option<u64> {
+        match (self.busy, self.used) {
+            (0, 0) => Some(0),
+            (0, _) => Some(self.newest),
+            _ => None,
+        }
+    }
+}
+
+fn slot_busy(m: &SlotMeta) -> bool {
+    matches!(m.state, SlotState::Reserved { .. } | SlotState::Dying) || m.readers > 0
 }
 
 /// A slab class with its SIEVE queue of live slots (head newest).
@@ -176,10 +217,56 @@ struct Class {
     size: usize,
     free: Vec<u32>,
     pages: usize,
+    /// Its pages, in no order.
+    page_ids: Vec<usize>,
+    /// The page of this class that could move with the oldest data, and its
+    /// age key: exact when Some, recomputed when None.
+    oldest: Option<(usize, u64)>,
     head: u32,
     tail: u32,
     hand: u32,
     live: usize,
+    live_bytes: u64,
+    stats: ClassStats,
+}
+
+/// Counters of one slab class: where its memory went and why blocks left.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ClassStats {
+    /// Pages this class took from the unused pool or from other classes.
+    pub pages_in: u64,
+    /// Pages other classes took from this one.
+    pub pages_out: u64,
+    /// Blocks evicted to make room in this class (its SIEVE victim).
+    pub evicted_room: u64,
+    /// Blocks evicted because their page moved to another class.
+    pub evicted_page_moved: u64,
+}
+
+/// One slab class as `stats` and `/metrics` show it.
+#[derive(Debug, Clone)]
+pub struct ClassReport {
+    pub slot_bytes: u64,
+    pub pages: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub counters: ClassStats,
+}
+
+impl ClassReport {
+    /// Its figures by the names `stats` (`class.SIZE.NAME`) and `/metrics`
+    /// (`counter="NAME"`) give them.
+    pub fn named(&self) -> [(&'static str, u64); 7] {
+        [
+            ("pages", self.pages),
+            ("blocks", self.blocks),
+            ("bytes", self.bytes),
+            ("pages_in", self.counters.pages_in),
+            ("pages_out", self.counters.pages_out),
+            ("evicted_room", self.counters.evicted_room),
+            ("evicted_page_moved", self.counters.evicted_page_moved),
+        ]
+    }
 }
 
 /// Counters per namespace: hit rates that can be explained.
@@ -228,6 +315,8 @@ struct State {
     stats: GlobalStats,
     reservation_seq: u32,
     ram_live_bytes: u64,
+    /// Advances on every store and read of a RAM block: the stamps' clock.
+    clock: u64,
 }
 
 /// Where a GET's bytes come from, decided under the lock.
@@ -335,7 +424,10 @@ impl Engine {
         }
         let page_count = page_count.min(PAGES_MAX);
         let geometry = Geometry::new(page_size, page_count, SLOT_MIN_BYTES);
-        let arena = Arena::create(geometry).map_err(|e| KvError::Io("creating the arena", e))?;
+        let arena = Arena::create(geometry, config.huge_pages)
+            .map_err(|e| KvError::Io("creating the arena", e))?;
+        let pages = arena.pages_report(config.huge_pages);
+        tracing::info!(bytes = arena.len(), "KV arena on {pages}");
         let mut seed = [0u8; 8];
         getrandom::fill(&mut seed).map_err(|e| KvError::Config(e.to_string()))?;
         let expected_blocks = (config.memory_bytes / (64 << 10)) as usize;
@@ -355,16 +447,23 @@ impl Engine {
                     size: *s,
                     free: Vec::new(),
                     pages: 0,
+                    page_ids: Vec::new(),
+                    oldest: None,
                     head: NO_SLOT,
                     tail: NO_SLOT,
                     hand: NO_SLOT,
                     live: 0,
+                    live_bytes: 0,
+                    stats: ClassStats::default(),
                 })
                 .collect(),
             pages: (0..page_count)
                 .map(|_| Page {
                     class: None,
                     slots: Vec::new(),
+                    used: 0,
+                    busy: 0,
+                    newest: 0,
                 })
                 .collect(),
             free_pages: (0..page_count).rev().collect(),
@@ -372,6 +471,7 @@ impl Engine {
             stats: GlobalStats::default(),
             reservation_seq: 0,
             ram_live_bytes: 0,
+            clock: 0,
         };
         let engine = Arc::new(Engine {
             arena,
@@ -725,9 +825,10 @@ impl Engine {
             .ok_or(Status::NoSpace)?;
         st.reservation_seq = st.reservation_seq.wrapping_add(1);
         let seq = st.reservation_seq;
-        let meta = st.meta_mut(slot);
-        meta.key = key;
-        meta.state = SlotState::Reserved { conn, seq, len };
+        st.with_slot(slot, |m| {
+            m.key = key;
+            m.state = SlotState::Reserved { conn, seq, len };
+        });
         let token = ((slot as u64) << 32) | seq as u64;
         Ok((token, st.slot_offset(&self.arena, slot)))
     }
@@ -800,6 +901,7 @@ impl Engine {
                 Some(e) => {
                     if e.ram != NO_SLOT {
                         st.meta_mut(e.ram).visited = true;
+                        st.stamp(e.ram);
                     }
                     out.push(Status::Ok);
                 }
@@ -935,6 +1037,11 @@ impl Engine {
             ("pages_stolen".into(), g.pages_stolen),
             ("value_max_bytes".into(), self.config.value_max_bytes),
         ];
+        for c in st.class_reports() {
+            for (what, val) in c.named() {
+                v.push((format!("class.{}.{what}", c.slot_bytes), val));
+            }
+        }
         if let Some(d) = &st.disk {
             v.push(("disk_used_bytes".into(), d.used_bytes()));
             v.push(("disk_capacity_bytes".into(), d.capacity_bytes()));
@@ -964,6 +1071,12 @@ impl Engine {
         v
     }
 
+    /// The slab classes that ever held a page: occupancy, page moves and
+    /// evictions by reason.
+    pub fn class_reports(&self) -> Vec<ClassReport> {
+        self.lock().class_reports()
+    }
+
     /// Counts bytes served and misses for lack of room (server bookkeeping).
     pub fn count_read(&self, namespace: u32, bytes: u64, no_space_misses: u64) {
         let mut st = self.lock();
@@ -974,6 +1087,20 @@ impl Engine {
 }
 
 impl State {
+    fn class_reports(&self) -> Vec<ClassReport> {
+        self.classes
+            .iter()
+            .filter(|c| c.stats.pages_in > 0)
+            .map(|c| ClassReport {
+                slot_bytes: c.size as u64,
+                pages: c.pages as u64,
+                blocks: c.live as u64,
+                bytes: c.live_bytes,
+                counters: c.stats,
+            })
+            .collect()
+    }
+
     fn intern(&mut self, name: &[u8]) -> Result<u32, ()> {
         if let Some(id) = self.ns_ids.get(name) {
             return Ok(*id);
@@ -1024,11 +1151,13 @@ impl State {
 
     fn ram_ref(&mut self, arena: &Arena, slot: u32, e: &Entry, hold: bool) -> RamRef {
         let gi = State::generation_index(arena, slot);
-        let meta = self.meta_mut(slot);
-        meta.visited = true;
-        if hold {
-            meta.readers += 1;
-        }
+        self.with_slot(slot, |m| {
+            m.visited = true;
+            if hold {
+                m.readers += 1;
+            }
+        });
+        self.stamp(slot);
         RamRef {
             slot,
             generation_index: gi as u32,
@@ -1062,39 +1191,143 @@ impl State {
         p.class = Some(class);
         p.slots.clear();
         p.slots.resize(n, EMPTY_SLOT);
+        p.used = 0;
+        p.busy = 0;
+        p.newest = 0;
         let c = &mut self.classes[class];
         c.pages += 1;
+        c.page_ids.push(page);
+        c.stats.pages_in += 1;
         c.free.reserve(n);
         c.free.extend((0..n).rev().map(|i| slot_id(page, i)));
+        self.page_changed(page);
     }
 
-    /// A free slot of `class`: from the free list, an unused page, SIEVE
-    /// eviction within the class, or a page taken from a larger class.
+    /// Changes a slot's metadata, keeping its page's count of busy slots.
+    fn with_slot(&mut self, slot: u32, f: impl FnOnce(&mut SlotMeta)) {
+        let (p, i) = slot_parts(slot);
+        let m = &mut self.pages[p].slots[i];
+        let before = slot_busy(m);
+        f(m);
+        let after = slot_busy(m);
+        if before != after {
+            let page = &mut self.pages[p];
+            if after {
+                page.busy += 1;
+            } else {
+                page.busy -= 1;
+            }
+            self.page_changed(p);
+        }
+    }
+
+    /// Marks a slot as stored or read now.
+    fn stamp(&mut self, slot: u32) {
+        self.clock += 1;
+        let now = self.clock;
+        let (p, i) = slot_parts(slot);
+        self.pages[p].slots[i].stamp = now;
+        self.pages[p].newest = now;
+        self.page_changed(p);
+    }
+
+    /// Keeps its class's `oldest` exact after a page's age key changed:
+    /// a page that became older than the cached one replaces it; the
+    /// cached page growing newer or unable to move clears it.
+    fn page_changed(&mut self, page: usize) {
+        let Some(class) = self.pages[page].class else {
+            return;
+        };
+        let key = self.pages[page].age_key();
+        let c = &mut self.classes[class];
+        match (c.oldest, key) {
+            (Some((p, n)), Some(k)) if p == page => {
+                c.oldest = (k <= n).then_some((page, k));
+            }
+            (Some((p, _)), None) if p == page => c.oldest = None,
+            (Some((_, n)), Some(k)) if k < n => c.oldest = Some((page, k)),
+            _ => {}
+        }
+    }
+
+    /// The page of `class` that could move with the oldest data.
+    fn class_oldest(&mut self, class: usize) -> Option<(usize, u64)> {
+        if let Some(o) = self.classes[class].oldest {
+            return Some(o);
+        }
+        let best = self.classes[class]
+            .page_ids
+            .iter()
+            .filter_map(|p| self.pages[*p].age_key().map(|k| (*p, k)))
+            .min_by_key(|(_, k)| *k);
+        self.classes[class].oldest = best;
+        best
+    }
+
+    /// The page of any class but `class` that could move with the oldest data.
+    fn oldest_elsewhere(&mut self, class: usize) -> Option<(usize, u64)> {
+        let mut best: Option<(usize, u64)> = None;
+        for k in 0..self.classes.len() {
+            if k == class || self.classes[k].pages == 0 {
+                continue;
+            }
+            if let Some(o) = self.class_oldest(k) {
+                if best.is_none_or(|b| o.1 < b.1) {
+                    best = Some(o);
+                }
+            }
+        }
+        best
+    }
+
+    /// Takes a slot off its class's free list.
+    fn take_free(&mut self, class: usize) -> Option<u32> {
+        let s = self.classes[class].free.pop()?;
+        let p = slot_parts(s).0;
+        self.pages[p].used += 1;
+        self.page_changed(p);
+        Some(s)
+    }
+
+    /// A free slot of `class`: from the free list, an unused page, or by
+    /// evicting the older of two: this class's SIEVE victim, or the page
+    /// of another class used least recently (which then joins this class).
     fn alloc(&mut self, arena: &Arena, class: usize, now_ms: u64) -> Option<u32> {
-        if let Some(s) = self.classes[class].free.pop() {
+        if let Some(s) = self.take_free(class) {
             return Some(s);
         }
         if let Some(p) = self.free_pages.pop() {
             self.assign_page(p, class, arena);
-            return self.classes[class].free.pop();
+            return self.take_free(class);
         }
-        // A page another class holds but does not use costs no eviction.
-        if self.steal_page(arena, class, now_ms, true) {
-            return self.classes[class].free.pop();
+        // A few tries: a page found holding a pinned block is skipped.
+        for _ in 0..8 {
+            let victim = self.sieve_victim(class, now_ms);
+            let page = self.oldest_elsewhere(class);
+            let take_page = match (victim, page) {
+                (_, None) => false,
+                (None, Some(_)) => true,
+                (Some(v), Some((_, age))) => age < self.meta(v).stamp,
+            };
+            if !take_page {
+                let v = victim?;
+                self.evict(arena, v);
+                self.classes[class].stats.evicted_room += 1;
+                return Some(v);
+            }
+            let (page, _) = page.expect("chosen");
+            if self.move_page(arena, page, class, now_ms) {
+                return self.take_free(class);
+            }
+            // A pinned block keeps its page where it is; count it as in use.
+            self.clock += 1;
+            self.pages[page].newest = self.clock;
+            self.page_changed(page);
         }
-        let active = self.classes.iter().filter(|c| c.pages > 0).count()
-            + (self.classes[class].pages == 0) as usize;
-        let fair = (self.pages.len() / active.max(1)).max(1);
-        if self.classes[class].pages < fair && self.steal_page(arena, class, now_ms, false) {
-            return self.classes[class].free.pop();
-        }
-        if let Some(s) = self.sieve_evict(arena, class, now_ms) {
-            return Some(s);
-        }
-        if self.steal_page(arena, class, now_ms, false) {
-            return self.classes[class].free.pop();
-        }
-        None
+        let v = self.sieve_victim(class, now_ms)?;
+        self.evict(arena, v);
+        self.classes[class].stats.evicted_room += 1;
+        Some(v)
     }
 
     fn evictable(&self, slot: u32, now_ms: u64) -> bool {
@@ -1105,8 +1338,9 @@ impl State {
     }
 
     /// SIEVE: the hand walks from the tail toward the head, clearing visited
-    /// bits, and evicts the first unvisited block nobody holds.
-    fn sieve_evict(&mut self, arena: &Arena, class: usize, now_ms: u64) -> Option<u32> {
+    /// bits, and stops at the first unvisited block nobody holds: the
+    /// class's victim, left under the hand for `evict`.
+    fn sieve_victim(&mut self, class: usize, now_ms: u64) -> Option<u32> {
         let c = &self.classes[class];
         let mut node = if c.hand != NO_SLOT { c.hand } else { c.tail };
         // Two passes clear every visited bit; anything left is held or pinned.
@@ -1121,8 +1355,7 @@ impl State {
             if self.meta(node).visited {
                 self.meta_mut(node).visited = false;
             } else if self.evictable(node, now_ms) {
-                self.classes[class].hand = prev;
-                self.evict(arena, node);
+                self.classes[class].hand = node;
                 return Some(node);
             }
             node = prev;
@@ -1131,44 +1364,42 @@ impl State {
         None
     }
 
-    /// Frees a whole page of another class (the one with the most pages that
-    /// has a page nobody holds) for `class`.
-    fn steal_page(&mut self, arena: &Arena, class: usize, now_ms: u64, unused_only: bool) -> bool {
-        let mut order: Vec<usize> = (0..self.classes.len())
-            .filter(|k| *k != class && self.classes[*k].pages > 0)
-            .collect();
-        order.sort_by_key(|k| std::cmp::Reverse(self.classes[*k].pages));
-        for victim in order {
-            let candidate = (0..self.pages.len()).find(|p| {
-                self.pages[*p].class == Some(victim)
-                    && self.pages[*p]
-                        .slots
-                        .iter()
-                        .enumerate()
-                        .all(|(i, m)| match m.state {
-                            SlotState::Free => true,
-                            SlotState::Live => {
-                                !unused_only && self.evictable(slot_id(*p, i), now_ms)
-                            }
-                            _ => false,
-                        })
-            });
-            let Some(page) = candidate else { continue };
-            for i in 0..self.pages[page].slots.len() {
-                if self.pages[page].slots[i].state == SlotState::Live {
-                    let s = slot_id(page, i);
-                    self.evict(arena, s);
-                    arena.bump_generation(State::generation_index(arena, s));
-                }
-            }
-            let vc = &mut self.classes[victim];
-            vc.free.retain(|s| slot_parts(*s).0 != page);
-            vc.pages -= 1;
-            self.stats.pages_stolen += 1;
-            self.assign_page(page, class, arena);
-            return true;
+    /// Moves `page` from its class to `class`, evicting its blocks; false
+    /// (nothing changed) when one of them is pinned.
+    fn move_page(&mut self, arena: &Arena, page: usize, class: usize, now_ms: u64) -> bool {
+        let victim = self.pages[page].class.expect("a page of a class");
+        let movable = self.pages[page].busy == 0
+            && self.pages[page]
+                .slots
+                .iter()
+                .enumerate()
+                .all(|(i, m)| match m.state {
+                    SlotState::Free => true,
+                    SlotState::Live => self.evictable(slot_id(page, i), now_ms),
+                    _ => false,
+                });
+        if !movable {
+            return false;
         }
-        false
+        let mut evicted = 0;
+        for i in 0..self.pages[page].slots.len() {
+            if self.pages[page].slots[i].state == SlotState::Live {
+                self.evict(arena, slot_id(page, i));
+                evicted += 1;
+            }
+        }
+        let vc = &mut self.classes[victim];
+        vc.free.retain(|s| slot_parts(*s).0 != page);
+        vc.pages -= 1;
+        vc.page_ids.retain(|p| *p != page);
+        if vc.oldest.is_some_and(|(p, _)| p == page) {
+            vc.oldest = None;
+        }
+        vc.stats.pages_out += 1;
+        vc.stats.evicted_page_moved += evicted;
+        self.stats.pages_stolen += 1;
+        self.assign_page(page, class, arena);
+        true
     }
 
     /// Takes a live slot out of RAM: its block moves to the NVMe tier (unless
@@ -1176,10 +1407,12 @@ impl State {
     /// the caller reuses it.
     fn evict(&mut self, arena: &Arena, slot: u32) {
         let key = self.meta(slot).key;
+        let class = self.slot_class(slot);
         self.list_remove(slot);
         let offset = self.slot_offset(arena, slot);
         if let Some(mut e) = self.index.get(&key).copied() {
             self.ram_live_bytes -= e.len;
+            self.classes[class].live_bytes -= e.len;
             e.ram = NO_SLOT;
             if e.disk.is_none() {
                 // SAFETY: a live slot holds e.len committed bytes; under the lock
@@ -1199,9 +1432,10 @@ impl State {
             }
         }
         arena.bump_generation(State::generation_index(arena, slot));
-        let m = self.meta_mut(slot);
-        m.state = SlotState::Free;
-        m.visited = false;
+        self.with_slot(slot, |m| {
+            m.state = SlotState::Free;
+            m.visited = false;
+        });
     }
 
     /// Appends a record to the NVMe tier, rolling segments as needed.
@@ -1317,10 +1551,12 @@ impl State {
         };
         self.ns_stats[key.namespace as usize].blocks -= 1;
         if e.ram != NO_SLOT {
+            let class = self.slot_class(e.ram);
             self.list_remove(e.ram);
             self.ram_live_bytes -= e.len;
+            self.classes[class].live_bytes -= e.len;
             if self.meta(e.ram).readers > 0 {
-                self.meta_mut(e.ram).state = SlotState::Dying;
+                self.with_slot(e.ram, |m| m.state = SlotState::Dying);
             } else {
                 self.free_slot(arena, e.ram);
             }
@@ -1332,8 +1568,8 @@ impl State {
     }
 
     fn release_read(&mut self, arena: &Arena, slot: u32) {
-        let m = self.meta_mut(slot);
-        m.readers = m.readers.saturating_sub(1);
+        self.with_slot(slot, |m| m.readers = m.readers.saturating_sub(1));
+        let m = self.meta(slot);
         if m.readers == 0 && m.state == SlotState::Dying {
             self.free_slot(arena, slot);
         }
@@ -1352,19 +1588,31 @@ impl State {
     fn free_slot(&mut self, arena: &Arena, slot: u32) {
         arena.bump_generation(State::generation_index(arena, slot));
         let class = self.slot_class(slot);
-        let m = self.meta_mut(slot);
-        m.state = SlotState::Free;
-        m.visited = false;
-        m.readers = 0;
+        self.with_slot(slot, |m| {
+            m.state = SlotState::Free;
+            m.visited = false;
+            m.readers = 0;
+        });
         self.classes[class].free.push(slot);
+        let p = slot_parts(slot).0;
+        let page = &mut self.pages[p];
+        page.used -= 1;
+        if page.used == 0 {
+            page.newest = 0;
+        }
+        self.page_changed(p);
     }
 
     fn make_live(&mut self, slot: u32, key: Key, len: u64) {
-        let m = self.meta_mut(slot);
-        m.key = key;
-        m.state = SlotState::Live;
-        m.visited = false;
+        self.with_slot(slot, |m| {
+            m.key = key;
+            m.state = SlotState::Live;
+            m.visited = false;
+        });
+        self.stamp(slot);
         self.ram_live_bytes += len;
+        let class = self.slot_class(slot);
+        self.classes[class].live_bytes += len;
         self.list_push_head(slot);
     }
 
@@ -1430,5 +1678,243 @@ mod tests {
             .all(|w| w[0] < w[1] && (w[1] as f64) <= w[0] as f64 * 1.25 + 4096.0));
         assert!(s.iter().all(|x| x % 4096 == 0));
         assert_eq!(class_sizes(100), vec![4096]);
+    }
+}
+
+#[cfg(test)]
+mod mixed_history {
+    //! Issue 19: after a long mix of sizes, gets, puts and pins had filled
+    //! the RAM tier, a store of new blocks of one size kept only the last
+    //! few: that size's class was held to a "fair share" of pages and
+    //! evicted its own new blocks while other classes kept old ones.
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    fn digest(tag: u64, i: u64) -> Digest {
+        let mut d = [0u8; 32];
+        d[..8].copy_from_slice(&tag.to_le_bytes());
+        d[8..16].copy_from_slice(&i.to_le_bytes());
+        d
+    }
+
+    fn put(e: &Engine, ns: u32, d: &Digest, len: usize) -> Status {
+        let (token, off) = match e.reserve(1, ns, d, len as u64) {
+            Ok(r) => r,
+            Err(s) => return s,
+        };
+        let v = vec![d[8] ^ d[0]; len];
+        // SAFETY: the reservation's range, ours until commit.
+        unsafe { e.arena().slice_mut(off, len) }.copy_from_slice(&v);
+        e.commit(1, token, crc32c(&v), true)
+    }
+
+    /// RAM: the block is in the RAM tier (not only on disk, not gone).
+    fn in_ram(e: &Engine, ns: u32, d: &Digest) -> bool {
+        let mut out = Vec::new();
+        e.plan_reads(
+            ns,
+            &[GetEntry {
+                digest: *d,
+                offset: 0,
+                length: 0,
+            }],
+            false,
+            &mut out,
+        );
+        matches!(out[0], ReadPlan::Ram(_))
+    }
+
+    fn stat(e: &Engine, name: &str) -> u64 {
+        e.stats(None)
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .unwrap_or_else(|| panic!("no stat {name}"))
+    }
+
+    fn config(disk: Option<&std::path::Path>) -> KvConfig {
+        KvConfig {
+            memory_bytes: 128 << 20,
+            value_max_bytes: 4 << 20,
+            disk_dir: disk.map(|d| d.to_path_buf()),
+            disk_bytes: 256 << 20,
+            segment_bytes: 32 << 20,
+            huge_pages: HugePages::Auto,
+        }
+    }
+
+    /// Sizes an LMCache and `tarn bench kv` mix produces: whole blocks of
+    /// two sizes, partial last chunks, small metadata values.
+    const SIZES: [usize; 9] = [
+        4 << 10,
+        16 << 10,
+        60 << 10,
+        100 << 10,
+        256 << 10,
+        300 << 10,
+        1 << 20,
+        2 << 20,
+        3 << 20,
+    ];
+
+    /// Replays a mixed history until well past full.
+    fn replay(e: &Engine, ns: u32, rng: &mut Rng) {
+        let mut stored: Vec<(u64, usize)> = Vec::new();
+        let mut pins: Vec<Key> = Vec::new();
+        let mut out = Vec::new();
+        let mut i = 0u64;
+        let written_target = 6 * e.config().memory_bytes;
+        let mut written = 0u64;
+        while written < written_target {
+            let roll = rng.below(100);
+            if roll < 45 || stored.is_empty() {
+                let len = SIZES[rng.below(SIZES.len() as u64) as usize];
+                let d = digest(1, i);
+                if put(e, ns, &d, len) == Status::Ok {
+                    stored.push((i, len));
+                    written += len as u64;
+                }
+                i += 1;
+            } else if roll < 90 {
+                let (j, _) = stored[rng.below(stored.len() as u64) as usize];
+                let entries: Vec<GetEntry> = (0..4)
+                    .map(|k| GetEntry {
+                        digest: digest(1, j.saturating_sub(k)),
+                        offset: 0,
+                        length: 0,
+                    })
+                    .collect();
+                e.plan_reads(ns, &entries, false, &mut Vec::new());
+            } else if roll < 95 {
+                let (j, _) = stored[rng.below(stored.len() as u64) as usize];
+                if pins.len() < 8 {
+                    e.pin(ns, &[digest(1, j)], 60_000, &mut out, &mut pins);
+                }
+            } else if roll < 98 {
+                if let Some(k) = pins.pop() {
+                    e.unpin(ns, &[k.digest], &mut out, &mut vec![k]);
+                }
+            } else {
+                let (j, _) = stored.swap_remove(rng.below(stored.len() as u64) as usize);
+                e.delete(ns, &[digest(1, j)], &mut out);
+            }
+        }
+        for k in pins {
+            e.unpin(ns, &[k.digest], &mut out, &mut vec![k]);
+        }
+    }
+
+    fn new_blocks_stay(disk: Option<&std::path::Path>, seed: u64) {
+        let e = Engine::open(config(disk)).unwrap();
+        let ns = e.namespace(b"mixed").unwrap();
+        let mut rng = Rng(seed);
+        replay(&e, ns, &mut rng);
+        assert!(
+            stat(&e, "evicted_dropped") + stat(&e, "evicted_demoted") > 0,
+            "the history must fill the store"
+        );
+        // New blocks of two sizes, about a third of RAM: every one must be
+        // there, in RAM, right after.
+        for (tag, len, count) in [(2u64, 2 << 20, 20u64), (3, 256 << 10, 60)] {
+            let digests: Vec<Digest> = (0..count).map(|i| digest(tag, i)).collect();
+            for d in &digests {
+                assert_eq!(put(&e, ns, d, len), Status::Ok);
+            }
+            let kept = digests.iter().filter(|d| in_ram(&e, ns, d)).count();
+            assert_eq!(
+                kept,
+                count as usize,
+                "seed {seed}: of {count} new {len}-byte blocks only {kept} are in RAM: {:?}",
+                e.stats(None)
+            );
+        }
+    }
+
+    /// One size after another, reading the old ones or not: each new size
+    /// gets the memory of the old and keeps all of its blocks.
+    #[test]
+    fn simple_fills_keep_every_new_block() {
+        for read_old in [false, true] {
+            let e = Engine::open(config(None)).unwrap();
+            let ns = e.namespace(b"fills").unwrap();
+            for (tag, len) in [
+                (10u64, 256 << 10),
+                (11, 2 << 20),
+                (12, 60 << 10),
+                (13, 1 << 20),
+            ] {
+                // 3/4 of RAM each time.
+                let count = (96 << 20) / len as u64;
+                let digests: Vec<Digest> = (0..count).map(|i| digest(tag, i)).collect();
+                for d in &digests {
+                    assert_eq!(put(&e, ns, d, len), Status::Ok);
+                    if read_old {
+                        let old = digest(tag - 1, tag);
+                        in_ram(&e, ns, &old);
+                    }
+                }
+                let kept = digests.iter().filter(|d| in_ram(&e, ns, d)).count();
+                assert_eq!(kept, count as usize, "size {len}, read_old {read_old}");
+            }
+            let moved: u64 = e.class_reports().iter().map(|c| c.counters.pages_out).sum();
+            assert!(moved > 0, "pages must have moved between classes");
+            assert_eq!(moved, stat(&e, "pages_stolen"));
+        }
+    }
+
+    /// Blocks read over and over keep their pages while one-off blocks of
+    /// another size stream through (scan resistance across classes), and a
+    /// pinned block stays through everything.
+    #[test]
+    fn hot_and_pinned_blocks_survive_a_stream_of_another_size() {
+        let e = Engine::open(config(None)).unwrap();
+        let ns = e.namespace(b"hot").unwrap();
+        let hot: Vec<Digest> = (0..64).map(|i| digest(20, i)).collect();
+        for d in &hot {
+            assert_eq!(put(&e, ns, d, 256 << 10), Status::Ok);
+        }
+        let pinned = digest(21, 0);
+        assert_eq!(put(&e, ns, &pinned, 4 << 10), Status::Ok);
+        let (mut out, mut held) = (Vec::new(), Vec::new());
+        e.pin(ns, &[pinned], 600_000, &mut out, &mut held);
+        assert_eq!(out, vec![Status::Ok]);
+        // 2 MiB one-offs, 8x RAM, with the hot set read every 8 of them.
+        for i in 0..512u64 {
+            assert_eq!(put(&e, ns, &digest(22, i), 2 << 20), Status::Ok);
+            if i % 8 == 7 {
+                let missing = hot.iter().filter(|d| !in_ram(&e, ns, d)).count();
+                assert_eq!(missing, 0, "after {i} one-offs");
+            }
+        }
+        assert!(in_ram(&e, ns, &pinned), "a pinned block was evicted");
+        let reports = e.class_reports();
+        let big = reports.iter().find(|c| c.slot_bytes == 2 << 20).unwrap();
+        assert!(big.counters.evicted_room > 400, "{reports:?}");
+        assert!(big.bytes <= 128 << 20);
+    }
+
+    #[test]
+    fn a_full_store_keeps_new_blocks_after_a_mixed_history() {
+        for seed in [0x9e37_79b9_7f4a_7c15, 42, 7_777_777] {
+            new_blocks_stay(None, seed);
+        }
+    }
+
+    #[test]
+    fn a_full_store_keeps_new_blocks_after_a_mixed_history_with_nvme() {
+        let dir = tempfile::tempdir().unwrap();
+        new_blocks_stay(Some(dir.path()), 0x1234_5678_9abc_def1);
     }
 }

@@ -28,6 +28,7 @@ pub use auth::{Credentials, Grants, Tenant, Tenants};
 mod sync {
     pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 }
+pub use arena::HugePages;
 pub use engine::{Engine, KvConfig};
 pub use server::{Server, ServerOptions};
 

@@ -90,6 +90,7 @@ thread_local! {
 fn spin_until_any_readable(budget: Duration) {
     let start = std::time::Instant::now();
     let mut polled = start;
+    let mut backoff = mailbox::Backoff::default();
     SOCKETS.with(|s| {
         let mut fds = s.borrow_mut();
         MAILBOXES.with(|m| {
@@ -112,7 +113,7 @@ fn spin_until_any_readable(budget: Duration) {
                 if now.duration_since(start) >= budget {
                     return;
                 }
-                std::hint::spin_loop();
+                backoff.turn();
             }
         })
     });
@@ -121,6 +122,7 @@ fn spin_until_any_readable(budget: Duration) {
 /// Spins until `fd` is readable or the budget is spent.
 pub fn spin_until_readable(fd: i32, budget: Duration) {
     let start = std::time::Instant::now();
+    let mut backoff = mailbox::Backoff::default();
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN,
@@ -132,7 +134,7 @@ pub fn spin_until_readable(fd: i32, budget: Duration) {
         if n != 0 || start.elapsed() >= budget {
             return;
         }
-        std::hint::spin_loop();
+        backoff.turn();
     }
 }
 

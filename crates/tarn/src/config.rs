@@ -67,6 +67,8 @@ pub struct KvFileConfig {
     pub disk_size: Option<String>,
     pub value_max: Option<String>,
     pub segment_size: Option<String>,
+    /// "auto", "on" or "off": the RAM tier on 2 MiB huge pages.
+    pub huge_pages: Option<String>,
     pub shared_memory: Option<bool>,
     /// Seconds an authenticated connection may stay silent.
     pub idle_timeout_secs: Option<u64>,

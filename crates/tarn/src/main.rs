@@ -134,6 +134,10 @@ struct ServerArgs {
     /// Largest KV value (default 4MiB).
     #[arg(long)]
     kv_value_max: Option<String>,
+    /// KV RAM tier on 2 MiB huge pages: auto (when enough are reserved), on
+    /// (refuse to start without), off.
+    #[arg(long)]
+    kv_huge_pages: Option<String>,
     /// Join the cluster of this name (with --etcd, --node-id, --advertise;
     /// the cluster secret comes from TARN_CLUSTER_SECRET or the config).
     #[arg(long, env = "TARN_CLUSTER")]
@@ -249,6 +253,7 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
         || args.kv_listen.is_some()
         || args.kv_memory.is_some()
         || args.kv_disk.is_some()
+        || args.kv_huge_pages.is_some()
         || f.and_then(|k| k.enabled).unwrap_or(false);
     if !enabled {
         return Ok(None);
@@ -277,6 +282,13 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
     }
     if let Some(s) = f.and_then(|k| k.segment_size.as_deref()) {
         cfg.segment_bytes = parse_size(s)?;
+    }
+    if let Some(s) = args
+        .kv_huge_pages
+        .as_deref()
+        .or(f.and_then(|k| k.huge_pages.as_deref()))
+    {
+        cfg.huge_pages = s.parse().map_err(|e: String| anyhow::anyhow!(e))?;
     }
     cfg.disk_dir = args.kv_disk.clone().or(f.and_then(|k| k.disk.clone()));
     if let Some(dir) = &cfg.disk_dir {

@@ -278,7 +278,23 @@ pub fn operation(
 fn render_kv(out: &mut String, engines: &[(String, std::sync::Arc<tarn_kv::Engine>)]) {
     for (tenant, kv) in engines {
         for (name, v) in kv.stats(None) {
+            // Per-class figures are labels of their own metric below.
+            if name.starts_with("class.") {
+                continue;
+            }
             let _ = writeln!(out, "tarn_kv_{name}{{tenant=\"{tenant}\"}} {v}");
+        }
+    }
+    out.push_str("# HELP tarn_kv_class RAM tier slab classes: occupancy (pages, blocks, bytes), pages moved in and out, blocks evicted by reason (room: the class's own SIEVE victim; page_moved: their page went to another class).\n# TYPE tarn_kv_class gauge\n");
+    for (tenant, kv) in engines {
+        for c in kv.class_reports() {
+            for (what, v) in c.named() {
+                let _ = writeln!(
+                    out,
+                    "tarn_kv_class{{tenant=\"{tenant}\",slot_bytes=\"{}\",counter=\"{what}\"}} {v}",
+                    c.slot_bytes
+                );
+            }
         }
     }
     out.push_str("# HELP tarn_kv_namespace KV counters per namespace (gets, hits by tier, misses by reason, puts).\n# TYPE tarn_kv_namespace counter\n");
