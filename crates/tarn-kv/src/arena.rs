@@ -516,6 +516,38 @@ mod tests {
         ));
     }
 
+    /// `on` gets huge pages or a clear error naming the reservation, and
+    /// `off` never uses them, whatever the machine has reserved.
+    #[test]
+    fn huge_pages_on_or_a_clear_error() {
+        let g = Geometry::new(4 << 20, 2, 4096);
+        let needed = g.total_bytes().div_ceil(ARENA_DATA_ALIGN) as u64;
+        match Arena::create(g, HugePages::On) {
+            Ok(a) => {
+                assert!(a.huge_pages);
+                assert!(a
+                    .pages_report(HugePages::On)
+                    .starts_with("2 MiB huge pages"));
+            }
+            Err(e) => {
+                assert!(
+                    huge_pages_free().unwrap_or(0) < needed,
+                    "{needed} huge pages are free and `on` failed: {e}"
+                );
+                let msg = e.to_string();
+                assert!(msg.contains("vm.nr_hugepages"), "{msg}");
+                assert!(msg.contains(&format!("needs {needed} huge pages")), "{msg}");
+            }
+        }
+        let a = Arena::create(g, HugePages::Off).unwrap();
+        assert!(!a.huge_pages);
+        assert!(a
+            .pages_report(HugePages::Off)
+            .contains("--kv-huge-pages off"));
+        assert_eq!("auto".parse::<HugePages>(), Ok(HugePages::Auto));
+        assert!("yes".parse::<HugePages>().is_err());
+    }
+
     /// The forgery this seal stops (issue 12): a client took the arena's
     /// descriptor from the handshake, mapped it writable, rewrote another
     /// client's block and fixed its CRC up. Every way to write it must fail.

@@ -1846,8 +1846,9 @@ mod mixed_history {
     /// gets the memory of the old and keeps all of its blocks.
     #[test]
     fn simple_fills_keep_every_new_block() {
-        for read_old in [false, true] {
-            let e = Engine::open(config(None)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for (read_old, disk) in [(false, None), (true, None), (true, Some(dir.path()))] {
+            let e = Engine::open(config(disk)).unwrap();
             let ns = e.namespace(b"fills").unwrap();
             for (tag, len) in [
                 (10u64, 256 << 10),
@@ -1866,7 +1867,17 @@ mod mixed_history {
                     }
                 }
                 let kept = digests.iter().filter(|d| in_ram(&e, ns, d)).count();
-                assert_eq!(kept, count as usize, "size {len}, read_old {read_old}");
+                assert_eq!(
+                    kept, count as usize,
+                    "size {len}, read_old {read_old}, disk {disk:?}"
+                );
+            }
+            if disk.is_some() {
+                // What RAM gave up went to the NVMe tier, but for demotions
+                // that found the tier's write buffers all in flight (this
+                // loop outruns the flusher; evictions never wait for I/O).
+                assert!(stat(&e, "evicted_demoted") > 0);
+                assert_eq!(stat(&e, "evicted_dropped"), stat(&e, "demote_dropped"));
             }
             let moved: u64 = e.class_reports().iter().map(|c| c.counters.pages_out).sum();
             assert!(moved > 0, "pages must have moved between classes");
