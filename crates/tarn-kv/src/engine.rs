@@ -216,7 +216,6 @@ fn slot_busy(m: &SlotMeta) -> bool {
 struct Class {
     size: usize,
     free: Vec<u32>,
-    pages: usize,
     /// Its pages, in no order.
     page_ids: Vec<usize>,
     /// The page of this class that could move with the oldest data, and its
@@ -314,7 +313,6 @@ struct State {
     disk: Option<DiskTier>,
     stats: GlobalStats,
     reservation_seq: u32,
-    ram_live_bytes: u64,
     /// Advances on every store and read of a RAM block: the stamps' clock.
     clock: u64,
 }
@@ -446,7 +444,6 @@ impl Engine {
                 .map(|s| Class {
                     size: *s,
                     free: Vec::new(),
-                    pages: 0,
                     page_ids: Vec::new(),
                     oldest: None,
                     head: NO_SLOT,
@@ -470,7 +467,6 @@ impl Engine {
             disk: None,
             stats: GlobalStats::default(),
             reservation_seq: 0,
-            ram_live_bytes: 0,
             clock: 0,
         };
         let engine = Arc::new(Engine {
@@ -1017,7 +1013,10 @@ impl Engine {
         let mut v: Vec<(String, u64)> = vec![
             ("blocks".into(), st.index.len() as u64),
             ("ram_blocks".into(), ram_blocks),
-            ("ram_used_bytes".into(), st.ram_live_bytes),
+            (
+                "ram_used_bytes".into(),
+                st.classes.iter().map(|c| c.live_bytes).sum::<u64>(),
+            ),
             (
                 "ram_capacity_bytes".into(),
                 (self.arena.geometry.page_count * self.arena.geometry.page_size_bytes) as u64,
@@ -1093,7 +1092,7 @@ impl State {
             .filter(|c| c.stats.pages_in > 0)
             .map(|c| ClassReport {
                 slot_bytes: c.size as u64,
-                pages: c.pages as u64,
+                pages: c.page_ids.len() as u64,
                 blocks: c.live as u64,
                 bytes: c.live_bytes,
                 counters: c.stats,
@@ -1195,7 +1194,6 @@ impl State {
         p.busy = 0;
         p.newest = 0;
         let c = &mut self.classes[class];
-        c.pages += 1;
         c.page_ids.push(page);
         c.stats.pages_in += 1;
         c.free.reserve(n);
@@ -1268,7 +1266,7 @@ impl State {
     fn oldest_elsewhere(&mut self, class: usize) -> Option<(usize, u64)> {
         let mut best: Option<(usize, u64)> = None;
         for k in 0..self.classes.len() {
-            if k == class || self.classes[k].pages == 0 {
+            if k == class || self.classes[k].page_ids.is_empty() {
                 continue;
             }
             if let Some(o) = self.class_oldest(k) {
@@ -1300,34 +1298,33 @@ impl State {
             self.assign_page(p, class, arena);
             return self.take_free(class);
         }
-        // A few tries: a page found holding a pinned block is skipped.
-        for _ in 0..8 {
+        // A page found holding a pinned block stays; a few tries, then the
+        // class's own victim.
+        let mut tries = 0;
+        loop {
             let victim = self.sieve_victim(class, now_ms);
-            let page = self.oldest_elsewhere(class);
-            let take_page = match (victim, page) {
-                (_, None) => false,
-                (None, Some(_)) => true,
-                (Some(v), Some((_, age))) => age < self.meta(v).stamp,
-            };
-            if !take_page {
-                let v = victim?;
-                self.evict(arena, v);
-                self.classes[class].stats.evicted_room += 1;
-                return Some(v);
+            let elsewhere = self
+                .oldest_elsewhere(class)
+                .filter(|(_, age)| victim.is_none_or(|v| *age < self.meta(v).stamp));
+            match elsewhere {
+                Some((page, _)) if tries < 8 => {
+                    if self.move_page(arena, page, class, now_ms) {
+                        return self.take_free(class);
+                    }
+                    tries += 1;
+                    // A pinned block is in use: its page counts as used now.
+                    self.clock += 1;
+                    self.pages[page].newest = self.clock;
+                    self.page_changed(page);
+                }
+                _ => {
+                    let v = victim?;
+                    self.evict(arena, v);
+                    self.classes[class].stats.evicted_room += 1;
+                    return Some(v);
+                }
             }
-            let (page, _) = page.expect("chosen");
-            if self.move_page(arena, page, class, now_ms) {
-                return self.take_free(class);
-            }
-            // A pinned block keeps its page where it is; count it as in use.
-            self.clock += 1;
-            self.pages[page].newest = self.clock;
-            self.page_changed(page);
         }
-        let v = self.sieve_victim(class, now_ms)?;
-        self.evict(arena, v);
-        self.classes[class].stats.evicted_room += 1;
-        Some(v)
     }
 
     fn evictable(&self, slot: u32, now_ms: u64) -> bool {
@@ -1390,7 +1387,6 @@ impl State {
         }
         let vc = &mut self.classes[victim];
         vc.free.retain(|s| slot_parts(*s).0 != page);
-        vc.pages -= 1;
         vc.page_ids.retain(|p| *p != page);
         if vc.oldest.is_some_and(|(p, _)| p == page) {
             vc.oldest = None;
@@ -1411,7 +1407,6 @@ impl State {
         self.list_remove(slot);
         let offset = self.slot_offset(arena, slot);
         if let Some(mut e) = self.index.get(&key).copied() {
-            self.ram_live_bytes -= e.len;
             self.classes[class].live_bytes -= e.len;
             e.ram = NO_SLOT;
             if e.disk.is_none() {
@@ -1553,7 +1548,6 @@ impl State {
         if e.ram != NO_SLOT {
             let class = self.slot_class(e.ram);
             self.list_remove(e.ram);
-            self.ram_live_bytes -= e.len;
             self.classes[class].live_bytes -= e.len;
             if self.meta(e.ram).readers > 0 {
                 self.with_slot(e.ram, |m| m.state = SlotState::Dying);
@@ -1610,7 +1604,6 @@ impl State {
             m.visited = false;
         });
         self.stamp(slot);
-        self.ram_live_bytes += len;
         let class = self.slot_class(slot);
         self.classes[class].live_bytes += len;
         self.list_push_head(slot);
