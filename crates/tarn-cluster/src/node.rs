@@ -637,12 +637,30 @@ impl Node {
                         "set": d.set_index,
                         "online": d.online,
                         "rebuilding": d.rebuilding,
+                        "syncing": d.syncing,
                         "reason": d.reason,
                     })
                 })
                 .collect(),
             None => Vec::new(),
         };
+        let under = match self.store.get() {
+            Some(store) => Some(store.under_replicated().await),
+            None => None,
+        };
+        let suspects: Vec<serde_json::Value> = self
+            .client
+            .suspects()
+            .into_iter()
+            .map(|p| {
+                json!({
+                    "address": p.address,
+                    "node": p.node,
+                    "suspect_ms": p.since.elapsed().as_millis() as u64,
+                    "reason": p.reason,
+                })
+            })
+            .collect();
         Ok(json!({
             "cluster": self.cfg.cluster,
             "node": self.cfg.node_id,
@@ -653,6 +671,15 @@ impl Node {
             "nodes": out_nodes,
             "live": live,
             "drives_seen_from_here": view,
+            "suspect_peers": suspects,
+            // Objects some write missed on a drive of their set, not healed
+            // yet (the missed-write logs of every drive, each position's
+            // entries once).
+            "under_replicated": under.as_ref().map(|u| u.objects),
+            "missed_log": under.map(|u| json!({
+                "overflowed": u.overflowed,
+                "unanswered": u.unanswered,
+            })),
         }))
     }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tarn_io::AlignedBuf;
 use tarn_store::codec::StripeGeometry;
-use tarn_store::drive::{BulkItem, ObjectWrite};
+use tarn_store::drive::{BulkItem, MissedEntry, MissedPage, ObjectWrite};
 use tarn_store::drive_io::{
     BoxFuture, Drive, DriveState, ListEntries, ShardPlace, ShardSink, ShardSource,
 };
@@ -26,8 +26,15 @@ use crate::rpc::wire::drive::{self as dw, Failure};
 use crate::rpc::wire::{op, Channel, Dec, Enc, ErrorCode};
 use crate::rpc::{Call, RpcClient, RpcError};
 
-/// Deadline of a metadata call on another node's drive.
-pub const CONTROL_DEADLINE: Duration = Duration::from_secs(3);
+/// Deadline of a metadata call on another node's drive: one that misses it
+/// makes the node suspect (routed around at once, `rpc::client::Peer`).
+pub const CONTROL_DEADLINE: Duration = Duration::from_secs(1);
+/// Deadline of a call whose answer is a list (a page of keys, every key of
+/// a bucket): long in all, each frame within the control step limit.
+pub const SCAN_DEADLINE: Duration = Duration::from_secs(120);
+/// The most missed-write entries one page of the log carries.
+const MISSED_PAGE_MAX: usize = 10_000;
+
 /// Deadline of a shard stream (a whole shard file written or read).
 pub const BULK_DEADLINE: Duration = Duration::from_secs(600);
 
@@ -107,7 +114,7 @@ impl RemoteDrive {
     async fn list(&self, op: u16, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, StoreError> {
         let fail = |e: RpcError| self.failure(e).into_store(&self.name);
         let mut call = self
-            .open(Channel::Control, CONTROL_DEADLINE)
+            .open(Channel::Control, SCAN_DEADLINE)
             .await
             .map_err(fail)?;
         call.request(op, self.epoch.load(Ordering::Relaxed), &payload, false)
@@ -528,6 +535,82 @@ impl Drive for RemoteDrive {
             self.flag(&a)
         })
     }
+
+    fn log_missed(&self, entries: Arc<Vec<MissedEntry>>) -> BoxFuture<'_, Result<(), StoreError>> {
+        let mut e = self.request();
+        e.u32(entries.len() as u32);
+        for m in entries.iter() {
+            e.u8(m.position).str(&m.bucket).str(&m.key);
+        }
+        Box::pin(async move { self.meta(op::DRIVE_LOG_MISSED, e.finish()).await.map(drop) })
+    }
+
+    fn missed(
+        &self,
+        position: u8,
+        after: Option<Vec<u8>>,
+        max: usize,
+    ) -> BoxFuture<'_, Result<MissedPage, StoreError>> {
+        let mut e = self.request();
+        e.u8(position).u32(max.min(u32::MAX as usize) as u32);
+        match &after {
+            Some(a) => e.u8(1).bytes(a),
+            None => e.u8(0),
+        };
+        Box::pin(async move {
+            let runs = self.list(op::DRIVE_MISSED, e.finish()).await?;
+            let mut page = MissedPage::default();
+            // The first item is the header (overflow, more), then entries.
+            let mut first = true;
+            for run in &runs {
+                let mut d = Dec::new(run);
+                while d.remaining() > 0 {
+                    let r: Result<(), crate::rpc::wire::WireError> = (|| {
+                        if first {
+                            first = false;
+                            page.overflow = match d.u8()? {
+                                0 => None,
+                                _ => Some(d.u64()?),
+                            };
+                            page.more = d.u8()? != 0;
+                        } else {
+                            let (b, k, at) = (d.str()?.to_string(), d.str()?.to_string(), d.u64()?);
+                            page.entries.push((b, k, at));
+                        }
+                        Ok(())
+                    })();
+                    r.map_err(|e| self.malformed(e))?;
+                }
+            }
+            if first {
+                return Err(self.malformed("missed-write page without its header"));
+            }
+            Ok(page)
+        })
+    }
+
+    fn clear_missed(
+        &self,
+        position: u8,
+        done: Vec<(String, String, u64)>,
+        before: Option<u64>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let mut e = self.request();
+        e.u8(position);
+        match before {
+            Some(t) => e.u8(1).u64(t),
+            None => e.u8(0),
+        };
+        e.u32(done.len() as u32);
+        for (b, k, at) in &done {
+            e.str(b).str(k).u64(*at);
+        }
+        Box::pin(async move {
+            self.meta(op::DRIVE_CLEAR_MISSED, e.finish())
+                .await
+                .map(drop)
+        })
+    }
 }
 
 fn geometry_enc(e: &mut Enc, g: &StripeGeometry) {
@@ -896,6 +979,65 @@ impl<P: DriveProvider> Handler for DriveService<P> {
                     e.str(&k);
                 })
                 .await
+            }
+            op::DRIVE_LOG_MISSED => {
+                let mut entries = Vec::new();
+                for _ in 0..dw::count(&mut d, 3)? {
+                    entries.push(MissedEntry {
+                        position: d.u8()?,
+                        bucket: d.str()?.to_string(),
+                        key: d.str()?.to_string(),
+                    });
+                }
+                d.end()?;
+                drive.log_missed(Arc::new(entries)).await.map_err(store)?;
+                Ok(call.reply(&[]).await?)
+            }
+            op::DRIVE_MISSED => {
+                let position = d.u8()?;
+                let max = (d.u32()? as usize).min(MISSED_PAGE_MAX);
+                let after = match d.u8()? {
+                    0 => None,
+                    _ => Some(d.bytes()?.to_vec()),
+                };
+                d.end()?;
+                let page = drive.missed(position, after, max).await.map_err(store)?;
+                let mut header = Enc::new();
+                match page.overflow {
+                    Some(t) => header.u8(1).u64(t),
+                    None => header.u8(0),
+                };
+                header.u8(u8::from(page.more));
+                let items = std::iter::once(None)
+                    .chain(page.entries.into_iter().map(Some))
+                    .collect::<Vec<_>>();
+                let header = header.finish();
+                send_list(call, items, |e, item| match item {
+                    None => {
+                        e.fixed(&header);
+                    }
+                    Some((b, k, at)) => {
+                        e.str(&b).str(&k).u64(at);
+                    }
+                })
+                .await
+            }
+            op::DRIVE_CLEAR_MISSED => {
+                let position = d.u8()?;
+                let before = match d.u8()? {
+                    0 => None,
+                    _ => Some(d.u64()?),
+                };
+                let mut done = Vec::new();
+                for _ in 0..dw::count(&mut d, 10)? {
+                    done.push((d.str()?.to_string(), d.str()?.to_string(), d.u64()?));
+                }
+                d.end()?;
+                drive
+                    .clear_missed(position, done, before)
+                    .await
+                    .map_err(store)?;
+                Ok(call.reply(&[]).await?)
             }
             op::DRIVE_PUT_UPLOAD => {
                 let (bucket, key) = (d.str()?.to_string(), d.str()?.to_string());

@@ -307,6 +307,8 @@ async fn a_call_ends_at_its_deadline_and_the_pool_recovers() {
         .unwrap_err();
     assert!(matches!(e, RpcError::Deadline), "{e:?}");
     assert_eq!(c.stats.deadlines.load(Ordering::SeqCst), 1);
+    // The peer answered (its deadline error): it is not suspect.
+    assert!(!c.is_suspect(&n.address));
     // The timed-out connection was closed, not reused.
     assert_eq!(
         c.call(&n.address, None, op::PING, 1, b"x", T)
@@ -315,6 +317,104 @@ async fn a_call_ends_at_its_deadline_and_the_pool_recovers() {
         b"x"
     );
     assert_eq!(c.stats.connects.load(Ordering::SeqCst), 2);
+}
+
+/// A link between a client and a node that can stall: while `stalled`,
+/// nothing crosses it either way (a paused process, a cut cable), and the
+/// connections stay open.
+async fn stalling_link(to: String, stalled: Arc<std::sync::atomic::AtomicBool>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        loop {
+            let (a, _) = l.accept().await.unwrap();
+            let b = tokio::net::TcpStream::connect(&to).await.unwrap();
+            let (ar, aw) = a.into_split();
+            let (br, bw) = b.into_split();
+            for (mut r, mut w) in [
+                (
+                    Box::new(ar) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                    Box::new(bw) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+                ),
+                (Box::new(br), Box::new(aw)),
+            ] {
+                let stalled = stalled.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        while stalled.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        let n = match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        while stalled.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        if w.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        }
+    });
+    address
+}
+
+#[tokio::test]
+async fn a_silent_peer_is_suspect_at_once_and_probed_back() {
+    let n = start_node("b", SECRET, 1).await;
+    let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let address = stalling_link(n.address.clone(), stalled.clone()).await;
+    let c = client("a", SECRET);
+    c.call(&address, Some("b"), op::PING, 1, b"x", T)
+        .await
+        .unwrap();
+    stalled.store(true, Ordering::SeqCst);
+    // The call waits out one step (a second), whatever deadline it had.
+    let e = c
+        .call(&address, Some("b"), op::PING, 1, b"x", T)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RpcError::Deadline), "{e:?}");
+    assert!(c.is_suspect(&address));
+    let s = c.suspects();
+    assert_eq!(s.len(), 1);
+    assert_eq!(s[0].node.as_deref(), Some("b"));
+    // From now on calls fail at once, on either channel, with a clear error.
+    for channel in [Channel::Control, Channel::Bulk] {
+        let t = std::time::Instant::now();
+        let e = c.open(&address, Some("b"), channel, T).await.err().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(
+            matches!(&e, RpcError::Unreachable { reason, .. } if reason.contains("suspect")),
+            "{e:?}"
+        );
+    }
+    assert_eq!(c.stats.fast_failures.load(Ordering::SeqCst), 2);
+    // Still silent: probes keep failing, the peer stays suspect.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(c.is_suspect(&address));
+    // The link works again: a probe finds the peer and calls go through.
+    stalled.store(false, Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    while c.is_suspect(&address) {
+        assert!(t.elapsed() < Duration::from_secs(10), "never probed back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        c.call(&address, Some("b"), op::PING, 1, b"y", T)
+            .await
+            .unwrap(),
+        b"y"
+    );
+    assert_eq!(c.stats.suspected.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

@@ -180,7 +180,62 @@ pub struct DriveDb {
     inline: Keyspace,
     uploads: Keyspace,
     parts: Keyspace,
+    /// The missed-write log (`MissedEntry`): keys written while another
+    /// drive of the set could not take the write.
+    missed: Keyspace,
+    /// Entries per set position, counted when first needed (bounds the log:
+    /// past `MISSED_LOG_MAX_ENTRIES` the position's log overflows).
+    missed_counts: std::sync::Mutex<std::collections::HashMap<u8, u64>>,
+    /// Entries per position before the log overflows.
+    missed_limit: std::sync::atomic::AtomicU64,
     name: String,
+}
+
+/// How many missed-write entries a drive keeps for one set position; past
+/// this the position's log overflows (a marker), and the drive at that
+/// position is backfilled in full instead of replayed.
+pub const MISSED_LOG_MAX_ENTRIES: u64 = 1_000_000;
+
+/// A key whose write did not reach the drive at `position` of the set.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MissedEntry {
+    pub position: u8,
+    pub bucket: String,
+    pub key: String,
+}
+
+/// A page of one position's missed-write log on one drive.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MissedPage {
+    /// (bucket, key, when last missed in ns), in key order.
+    pub entries: Vec<(String, String, u64)>,
+    /// When the log overflowed (its first entry refused), if it did.
+    pub overflow: Option<u64>,
+    /// More entries follow the last one.
+    pub more: bool,
+}
+
+/// Key of a missed-write entry: position, then the object's key.
+fn missed_key(position: u8, bucket: &str, key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(1 + bucket.len() + 1 + key.len());
+    k.push(position);
+    k.extend_from_slice(&object_key(bucket, key));
+    k
+}
+
+/// Key of a position's overflow marker: no object key starts with 0xFF
+/// (bucket names are ASCII).
+fn overflow_key(position: u8) -> [u8; 2] {
+    [position, 0xFF]
+}
+
+/// The bucket and key of an object key (`object_key`).
+fn split_object_key(k: &[u8]) -> Option<(String, String)> {
+    let nul = k.iter().position(|&b| b == 0)?;
+    Some((
+        String::from_utf8(k[..nul].to_vec()).ok()?,
+        String::from_utf8(k[nul + 1..].to_vec()).ok()?,
+    ))
 }
 
 /// Key of an object: bucket, NUL, key. Bucket names cannot hold NUL, so the
@@ -260,6 +315,10 @@ pub struct ObjectWrite {
     pub inline_delete: Vec<(Id128, u64)>,
     /// Upload to retire in the same batch (completion).
     pub upload_delete: Option<(Id128, Vec<u32>)>,
+    /// Set positions this write does not reach (their drives out of
+    /// service, or missing this version's shards): recorded in the same
+    /// batch in the missed-write log.
+    pub missed: Vec<u8>,
 }
 
 /// Whether a metadata engine error says its files are damaged (checksums,
@@ -419,6 +478,9 @@ impl DriveDb {
             inline: ks("inline")?,
             uploads: ks("uploads")?,
             parts: ks("parts")?,
+            missed: ks("missed")?,
+            missed_counts: Default::default(),
+            missed_limit: std::sync::atomic::AtomicU64::new(MISSED_LOG_MAX_ENTRIES),
             db: db.clone(),
             name: name.clone(),
             group: GroupCommit::default(),
@@ -690,7 +752,172 @@ impl DriveDb {
                 batch.remove(&self.parts, part_key(upload_id, *n));
             }
         }
+        let now = crate::store::now_ns();
+        for &pos in &w.missed {
+            self.add_missed(&mut batch, pos, bucket, key, now)?;
+        }
         self.commit_durable(batch, "commit object")
+    }
+
+    /// Puts one missed-write entry into `batch`, or the position's overflow
+    /// marker once its log is full.
+    fn add_missed(
+        &self,
+        batch: &mut fjall::OwnedWriteBatch,
+        position: u8,
+        bucket: &str,
+        key: &str,
+        now: u64,
+    ) -> Result<(), StoreError> {
+        let limit = self.missed_limit.load(std::sync::atomic::Ordering::Relaxed);
+        let mut counts = self.missed_counts.lock().expect("missed counts");
+        let count = match counts.get(&position) {
+            Some(&n) => n,
+            None => {
+                let mut n = 0u64;
+                for kv in self.missed.prefix([position]) {
+                    kv.into_inner()
+                        .map_err(|e| self.fail("count missed writes", e))?;
+                    n += 1;
+                    if n > limit {
+                        break;
+                    }
+                }
+                counts.insert(position, n);
+                n
+            }
+        };
+        if count >= limit {
+            let marker = overflow_key(position);
+            let known = self
+                .missed
+                .get(marker)
+                .map_err(|e| self.fail("read the missed-write log", e))?
+                .is_some();
+            if !known {
+                batch.insert(&self.missed, marker, now.to_be_bytes());
+                counts.insert(position, count + 1);
+            }
+            return Ok(());
+        }
+        let k = missed_key(position, bucket, key);
+        let known = self
+            .missed
+            .contains_key(&k)
+            .map_err(|e| self.fail("read the missed-write log", e))?;
+        batch.insert(&self.missed, k, now.to_be_bytes());
+        if !known {
+            counts.insert(position, count + 1);
+        }
+        Ok(())
+    }
+
+    /// Sets how many entries a position's log keeps before it overflows.
+    pub fn set_missed_limit(&self, entries: u64) {
+        self.missed_limit
+            .store(entries, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Records durably that writes of these keys missed drives of the set.
+    pub fn log_missed(&self, entries: &[MissedEntry]) -> Result<(), StoreError> {
+        self.check_fault("log missed writes")?;
+        let mut batch = self.db.batch();
+        let now = crate::store::now_ns();
+        for e in entries {
+            self.add_missed(&mut batch, e.position, &e.bucket, &e.key, now)?;
+        }
+        self.commit_durable(batch, "log missed writes")
+    }
+
+    /// Up to `max` entries of `position`'s missed-write log after key bytes
+    /// `after` (exclusive; the raw object key), and its overflow marker.
+    pub fn missed(
+        &self,
+        position: u8,
+        after: Option<&[u8]>,
+        max: usize,
+    ) -> Result<MissedPage, StoreError> {
+        let fail = |e: fjall::Error| self.fail("read the missed-write log", e);
+        let mut page = MissedPage {
+            overflow: self
+                .missed
+                .get(overflow_key(position))
+                .map_err(fail)?
+                .and_then(|v| Some(u64::from_be_bytes(v.as_ref().try_into().ok()?))),
+            ..MissedPage::default()
+        };
+        let lo = match after {
+            Some(a) => {
+                let mut k = vec![position];
+                k.extend_from_slice(a);
+                k.push(0);
+                k
+            }
+            None => vec![position],
+        };
+        let hi = overflow_key(position).to_vec();
+        for kv in self.missed.range(lo..hi) {
+            let (k, v) = kv.into_inner().map_err(fail)?;
+            if page.entries.len() == max {
+                page.more = true;
+                break;
+            }
+            let Some((bucket, key)) = split_object_key(&k[1..]) else {
+                tracing::error!(drive = %self.name, "unreadable missed-write entry skipped");
+                continue;
+            };
+            let at = v.as_ref().try_into().map(u64::from_be_bytes).unwrap_or(0);
+            page.entries.push((bucket, key, at));
+        }
+        Ok(page)
+    }
+
+    /// Removes missed-write entries of `position` once their keys are
+    /// healed: each only if it was not logged again since (`at` as read);
+    /// with `before`, the overflow marker and every entry logged before
+    /// then (a full backfill that began at `before` covered them). Not made
+    /// durable at once: an entry that comes back after a crash is replayed
+    /// again, harmlessly.
+    pub fn clear_missed(
+        &self,
+        position: u8,
+        done: &[(String, String, u64)],
+        before: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let fail = |e: fjall::Error| self.fail("clear missed writes", e);
+        let mut batch = self.db.batch();
+        let mut removed = 0u64;
+        for (bucket, key, at) in done {
+            let k = missed_key(position, bucket, key);
+            let now = self.missed.get(&k).map_err(fail)?;
+            if now.is_some_and(|v| v.as_ref() == at.to_be_bytes()) {
+                batch.remove(&self.missed, k);
+                removed += 1;
+            }
+        }
+        if let Some(before) = before {
+            batch.remove(&self.missed, overflow_key(position));
+            for kv in self
+                .missed
+                .range(vec![position]..overflow_key(position).to_vec())
+            {
+                let (k, v) = kv.into_inner().map_err(fail)?;
+                let at = v.as_ref().try_into().map(u64::from_be_bytes).unwrap_or(0);
+                if at < before {
+                    batch.remove(&self.missed, k.to_vec());
+                    removed += 1;
+                }
+            }
+        }
+        batch.commit().map_err(fail)?;
+        let mut counts = self.missed_counts.lock().expect("missed counts");
+        if let Some(n) = counts.get_mut(&position) {
+            *n = n.saturating_sub(removed);
+        }
+        if before.is_some() {
+            counts.remove(&position);
+        }
+        Ok(())
     }
 
     /// Writes many object records (and inline bytes) in one batch and persists
@@ -923,6 +1150,64 @@ impl DrivePaths {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn entry(position: u8, key: &str) -> MissedEntry {
+        MissedEntry {
+            position,
+            bucket: "bkt".into(),
+            key: key.into(),
+        }
+    }
+
+    #[test]
+    fn the_missed_write_log_pages_clears_and_overflows() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        let db = DriveDb::open(dir.path()).unwrap();
+        db.set_missed_limit(5);
+        // With an object write, and on its own; a key logged twice is one
+        // entry.
+        let w = ObjectWrite {
+            missed: vec![1, 2],
+            ..Default::default()
+        };
+        db.write_object("bkt", "a", &w).unwrap();
+        db.log_missed(&[entry(1, "b"), entry(1, "c"), entry(1, "a")])
+            .unwrap();
+        let page = db.missed(1, None, 2).unwrap();
+        let keys: Vec<_> = page.entries.iter().map(|e| e.1.as_str()).collect();
+        assert_eq!(keys, ["a", "b"]);
+        assert!(page.more && page.overflow.is_none());
+        let rest = db.missed(1, Some(&object_key("bkt", "b")), 10).unwrap();
+        assert_eq!(rest.entries.len(), 1);
+        assert_eq!(rest.entries[0].1, "c");
+        assert!(!rest.more);
+        assert_eq!(db.missed(2, None, 10).unwrap().entries.len(), 1);
+        assert!(db.missed(3, None, 10).unwrap().entries.is_empty());
+        // Cleared only as read: an entry logged again since stays.
+        let all = db.missed(1, None, 10).unwrap().entries;
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        db.log_missed(&[entry(1, "c")]).unwrap();
+        db.clear_missed(1, &all, None).unwrap();
+        let left = db.missed(1, None, 10).unwrap().entries;
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].1, "c");
+        // Past the limit the position overflows: a marker, no more entries.
+        let many: Vec<_> = (0..10).map(|i| entry(4, &format!("k{i}"))).collect();
+        db.log_missed(&many).unwrap();
+        let p = db.missed(4, None, 100).unwrap();
+        assert_eq!(p.entries.len(), 5);
+        let at = p.overflow.expect("overflowed");
+        // A full heal begun after them clears the marker and the entries.
+        db.clear_missed(4, &[], Some(at + 1)).unwrap();
+        let p = db.missed(4, None, 100).unwrap();
+        assert!(p.entries.is_empty() && p.overflow.is_none());
+        // Kept across a reopen (durable).
+        drop(db);
+        let db = DriveDb::open(dir.path()).unwrap();
+        assert_eq!(db.missed(1, None, 10).unwrap().entries.len(), 1);
+        assert_eq!(db.missed(2, None, 10).unwrap().entries.len(), 1);
+    }
 
     #[test]
     fn a_damaged_index_is_told_from_a_failing_drive() {

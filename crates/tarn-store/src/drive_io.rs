@@ -21,7 +21,7 @@ use tarn_io::file::{rename_durable, run_blocking, sync_dir_async};
 use tarn_io::AlignedBuf;
 
 use crate::codec::StripeGeometry;
-use crate::drive::{BulkItem, DriveDb, DrivePaths, ObjectWrite};
+use crate::drive::{BulkItem, DriveDb, DrivePaths, MissedEntry, MissedPage, ObjectWrite};
 use crate::error::StoreError;
 use crate::format::{BucketRecord, Id128, ObjectRecord, UploadPartRecord, UploadRecord};
 use crate::lock::{LeaseCall, LeaseTable};
@@ -172,6 +172,22 @@ pub trait Drive: Send + Sync {
     /// A call on the drive's lease table: its vote in locks across nodes,
     /// and pins of the shard data readers stream (`lock::LeaseCall`).
     fn lease(&self, call: LeaseCall) -> BoxFuture<'_, Result<bool, StoreError>>;
+
+    /// The missed-write log (`DriveDb::log_missed`, `missed`,
+    /// `clear_missed`).
+    fn log_missed(&self, entries: Arc<Vec<MissedEntry>>) -> BoxFuture<'_, Result<(), StoreError>>;
+    fn missed(
+        &self,
+        position: u8,
+        after: Option<Vec<u8>>,
+        max: usize,
+    ) -> BoxFuture<'_, Result<MissedPage, StoreError>>;
+    fn clear_missed(
+        &self,
+        position: u8,
+        done: Vec<(String, String, u64)>,
+        before: Option<u64>,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
 }
 
 /// A shard file being written, block by block.
@@ -430,6 +446,28 @@ impl Drive for LocalDrive {
 
     fn lease(&self, call: LeaseCall) -> BoxFuture<'_, Result<bool, StoreError>> {
         Box::pin(self.leases.call(call))
+    }
+
+    fn log_missed(&self, entries: Arc<Vec<MissedEntry>>) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.index(move |db| db.log_missed(&entries))
+    }
+
+    fn missed(
+        &self,
+        position: u8,
+        after: Option<Vec<u8>>,
+        max: usize,
+    ) -> BoxFuture<'_, Result<MissedPage, StoreError>> {
+        self.index(move |db| db.missed(position, after.as_deref(), max))
+    }
+
+    fn clear_missed(
+        &self,
+        position: u8,
+        done: Vec<(String, String, u64)>,
+        before: Option<u64>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.index(move |db| db.clear_missed(position, &done, before))
     }
 }
 

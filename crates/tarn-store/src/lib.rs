@@ -26,6 +26,6 @@ pub use format::{Durability, Versioning};
 pub use store::get::GetResult;
 pub use store::{
     check_erasure, claim_drive, parse_version, validate_bucket_name, ClusterDrive, ClusterLayout,
-    ObjectStream, Store, KEY_MAX_BYTES, SYSTEM_BUCKET,
+    ObjectStream, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
 };
 pub use types::*;

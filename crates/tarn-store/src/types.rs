@@ -272,6 +272,9 @@ pub struct DriveStatus {
     /// In use, its index being rebuilt by heal: takes writes, answers no
     /// metadata reads yet.
     pub rebuilding: bool,
+    /// Back after an absence: takes writes, serves no metadata reads until
+    /// the writes it missed are replayed to it.
+    pub syncing: bool,
     pub reason: Option<String>,
 }
 

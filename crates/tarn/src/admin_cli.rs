@@ -206,11 +206,33 @@ fn print_status(v: &serde_json::Value) {
                 "offline"
             } else if d["rebuilding"].as_bool() == Some(true) {
                 "rebuilding"
+            } else if d["syncing"].as_bool() == Some(true) {
+                "syncing"
             } else {
                 "online"
             };
             println!("  set {}  {:<10} {}", d["set"], state, s(&d["drive"]));
         }
+    }
+    for p in v["suspect_peers"].as_array().into_iter().flatten() {
+        println!(
+            "peer {} ({}) suspect for {} ms: {}",
+            s(&p["node"]),
+            s(&p["address"]),
+            p["suspect_ms"],
+            s(&p["reason"])
+        );
+    }
+    if let Some(n) = v["under_replicated"].as_u64() {
+        let overflowed = v["missed_log"]["overflowed"].as_u64().unwrap_or(0);
+        println!(
+            "under-replicated objects: {n}{}",
+            if overflowed > 0 {
+                format!(" (and {overflowed} set position(s) whose missed-write log overflowed: healing in full)")
+            } else {
+                String::new()
+            }
+        );
     }
 }
 

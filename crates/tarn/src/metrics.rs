@@ -87,7 +87,7 @@ impl Metrics {
         drop(ops);
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 12] = [
+        let scalars: [(&str, &str, &str, u64); 15] = [
             (
                 "tarn_request_bytes_in_total",
                 "Declared request body bytes.",
@@ -131,6 +131,24 @@ impl Metrics {
                 load(&st.shards_reconstructed),
             ),
             (
+                "tarn_shard_reads_hedged_total",
+                "Shard reads given up for being late (another shard was read in their place).",
+                "counter",
+                load(&st.hedged_reads),
+            ),
+            (
+                "tarn_missed_writes_total",
+                "Drives object writes missed (recorded in the missed-write log before the write was acknowledged).",
+                "counter",
+                load(&st.missed_writes),
+            ),
+            (
+                "tarn_missed_writes_replayed_total",
+                "Keys replayed from the missed-write log to a drive of this node that was away.",
+                "counter",
+                load(&st.missed_replayed),
+            ),
+            (
                 "tarn_shards_rebuilt_total",
                 "Shard files rewritten by healing.",
                 "counter",
@@ -169,7 +187,7 @@ impl Metrics {
         }
         let drives = store.drive_status();
         type DriveGauge = (&'static str, &'static str, fn(&DriveStatus) -> bool);
-        let gauges: [DriveGauge; 2] = [
+        let gauges: [DriveGauge; 3] = [
             (
                 "tarn_drive_online",
                 "Whether a drive is in use (0: offline since start, or faulty).",
@@ -179,6 +197,11 @@ impl Metrics {
                 "tarn_drive_rebuilding",
                 "Whether a drive's index is being rebuilt by heal (it answers no metadata reads meanwhile).",
                 |d| d.rebuilding,
+            ),
+            (
+                "tarn_drive_syncing",
+                "Whether a drive back after an absence is being synced from the missed-write log (it answers no metadata reads meanwhile).",
+                |d| d.syncing,
             ),
         ];
         for (name, help, value) in gauges {

@@ -38,6 +38,170 @@ pub struct ClientStats {
     pub auth_failures: AtomicU64,
     /// Calls that ended in a deadline.
     pub deadlines: AtomicU64,
+    /// Times a peer became suspect (it missed a deadline or could not be
+    /// reached), and calls refused at once while one was.
+    pub suspected: AtomicU64,
+    pub fast_failures: AtomicU64,
+}
+
+/// How often a suspect peer is probed, and how long a probe may take.
+pub const PROBE_INTERVAL: Duration = Duration::from_millis(250);
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(1);
+
+/// The longest one step of a call (a frame sent, an answer or a body frame
+/// awaited) may take, by channel: a peer that stops making progress (a
+/// paused process, a cut link) fails the call within this, and is suspect
+/// from then on (`Peer`).
+pub const CONTROL_STEP_MAX: Duration = Duration::from_secs(1);
+pub const BULK_STEP_MAX: Duration = Duration::from_secs(2);
+
+fn step_max(channel: Channel) -> Duration {
+    match channel {
+        Channel::Control => CONTROL_STEP_MAX,
+        Channel::Bulk => BULK_STEP_MAX,
+    }
+}
+
+/// What this client knows of one peer's health, a circuit breaker: a peer
+/// that misses a deadline or cannot be reached is suspect at once, without
+/// asking etcd, and calls to it fail at once instead of waiting out their
+/// deadlines, until a probe (a fresh connection and a ping, every
+/// `PROBE_INTERVAL`) is answered.
+struct Peer {
+    address: String,
+    me: Identity,
+    stats: Arc<ClientStats>,
+    health: Mutex<Health>,
+}
+
+#[derive(Default)]
+struct Health {
+    /// Since when, and why.
+    suspect: Option<(std::time::Instant, String)>,
+    /// When a probe last began a try (None: no probe runs).
+    probed: Option<std::time::Instant>,
+    /// The node id last expected at the address (the probe checks it).
+    expect: Option<String>,
+}
+
+/// A suspect peer as `RpcClient::suspects` reports it.
+#[derive(Debug, Clone)]
+pub struct Suspect {
+    pub address: String,
+    pub node: Option<String>,
+    pub since: std::time::Instant,
+    pub reason: String,
+}
+
+impl Peer {
+    /// Refuses a call at once while the peer is suspect.
+    fn check(self: &Arc<Self>, expect: Option<&str>) -> Result<(), RpcError> {
+        let mut h = self.health.lock().expect("peer health");
+        if let Some(id) = expect {
+            if h.expect.as_deref() != Some(id) {
+                h.expect = Some(id.to_string());
+            }
+        }
+        let Some((since, reason)) = &h.suspect else {
+            return Ok(());
+        };
+        let e = RpcError::Unreachable {
+            peer: self.address.clone(),
+            reason: format!(
+                "suspect for {} ms ({reason}): not called until it answers a probe",
+                since.elapsed().as_millis()
+            ),
+        };
+        self.stats.fast_failures.fetch_add(1, Ordering::Relaxed);
+        self.ensure_probe(&mut h);
+        Err(e)
+    }
+
+    /// Marks the peer suspect (once) and starts probing it.
+    fn suspect(self: &Arc<Self>, reason: &str) {
+        let mut h = self.health.lock().expect("peer health");
+        if h.suspect.is_none() {
+            h.suspect = Some((std::time::Instant::now(), reason.to_string()));
+            self.stats.suspected.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %self.address, %reason, "peer suspect: routed around until it answers a probe");
+        }
+        self.ensure_probe(&mut h);
+    }
+
+    /// Starts a probe on the current runtime unless one is running (one
+    /// whose runtime went away, silent for long, is replaced).
+    fn ensure_probe(self: &Arc<Self>, h: &mut Health) {
+        let alive = h
+            .probed
+            .is_some_and(|t| t.elapsed() < PROBE_INTERVAL + PROBE_DEADLINE * 2);
+        if alive {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime to probe from: the next call is the probe.
+            h.suspect = None;
+            return;
+        };
+        h.probed = Some(std::time::Instant::now());
+        rt.spawn(self.clone().probe());
+    }
+
+    /// Probes until the peer answers a ping on a fresh connection.
+    async fn probe(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(PROBE_INTERVAL).await;
+            let expect = {
+                let mut h = self.health.lock().expect("peer health");
+                h.probed = Some(std::time::Instant::now());
+                h.expect.clone()
+            };
+            let deadline = Instant::now() + PROBE_DEADLINE;
+            let r = async {
+                let mut conn = connect(
+                    &self.me,
+                    &self.stats,
+                    &self.address,
+                    expect.as_deref(),
+                    Channel::Control,
+                    deadline,
+                )
+                .await?;
+                let call_id = CALL_IDS.fetch_add(1, Ordering::Relaxed);
+                let h = Header::new(Kind::Request, super::wire::op::PING, call_id, 0, 1000);
+                timeout_at(deadline, conn.write_frame(h, b"probe"))
+                    .await
+                    .map_err(|_| RpcError::Deadline)??;
+                timeout_at(
+                    deadline,
+                    read_response(&mut conn, call_id, super::wire::op::PING),
+                )
+                .await
+                .map_err(|_| RpcError::Deadline)?
+            }
+            .await;
+            let mut h = self.health.lock().expect("peer health");
+            match r {
+                // Any answer, an epoch refusal included, shows it is alive.
+                Ok(_)
+                | Err(
+                    RpcError::StaleEpoch { .. }
+                    | RpcError::EpochAhead { .. }
+                    | RpcError::Remote { .. },
+                ) => {
+                    if let Some((since, _)) = h.suspect.take() {
+                        tracing::info!(peer = %self.address, suspect_ms = since.elapsed().as_millis() as u64, "peer answers again");
+                    }
+                    h.probed = None;
+                    return;
+                }
+                Err(e) => {
+                    if let Some((_, reason)) = &mut h.suspect {
+                        *reason = e.to_string();
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Connections are registered with the runtime of the thread that opened
@@ -71,7 +235,8 @@ pub struct RpcClient {
     me: Identity,
     limits: ClientLimits,
     pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
-    pub stats: ClientStats,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    pub stats: Arc<ClientStats>,
 }
 
 impl RpcClient {
@@ -80,8 +245,54 @@ impl RpcClient {
             me,
             limits,
             pools: Mutex::default(),
-            stats: ClientStats::default(),
+            peers: Mutex::default(),
+            stats: Arc::default(),
         }
+    }
+
+    fn peer(&self, address: &str) -> Arc<Peer> {
+        self.peers
+            .lock()
+            .expect("rpc peers")
+            .entry(address.to_string())
+            .or_insert_with(|| {
+                Arc::new(Peer {
+                    address: address.to_string(),
+                    me: self.me.clone(),
+                    stats: self.stats.clone(),
+                    health: Mutex::default(),
+                })
+            })
+            .clone()
+    }
+
+    /// The peers suspect now, and since when.
+    pub fn suspects(&self) -> Vec<Suspect> {
+        let peers = self.peers.lock().expect("rpc peers");
+        let mut out: Vec<Suspect> = peers
+            .values()
+            .filter_map(|p| {
+                let h = p.health.lock().expect("peer health");
+                let (since, reason) = h.suspect.clone()?;
+                Some(Suspect {
+                    address: p.address.clone(),
+                    node: h.expect.clone(),
+                    since,
+                    reason,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.address.cmp(&b.address));
+        out
+    }
+
+    /// Whether calls to `address` fail at once now (it is suspect).
+    pub fn is_suspect(&self, address: &str) -> bool {
+        self.peers
+            .lock()
+            .expect("rpc peers")
+            .get(address)
+            .is_some_and(|p| p.health.lock().expect("peer health").suspect.is_some())
     }
 
     pub fn identity(&self) -> &Identity {
@@ -131,6 +342,8 @@ impl RpcClient {
         timeout: Duration,
     ) -> Result<Call, RpcError> {
         let deadline = Instant::now() + timeout;
+        let peer = self.peer(address);
+        peer.check(expect)?;
         let pool = self.pool(address, channel);
         let permit = timeout_at(deadline, pool.permits.clone().acquire_owned())
             .await
@@ -148,13 +361,26 @@ impl RpcClient {
         };
         let (conn, reused) = match idle {
             Some(c) if expect.is_none_or(|id| id == c.peer_id) => (c, true),
-            _ => (
-                self.connect(address, expect, channel, deadline).await?,
-                false,
-            ),
+            _ => {
+                // Connecting is one step: a peer that accepts but never
+                // answers (a paused process) fails it within the step limit.
+                let step = deadline.min(Instant::now() + step_max(channel));
+                let c = connect(&self.me, &self.stats, address, expect, channel, step).await;
+                match c {
+                    Ok(c) => (c, false),
+                    Err(e) => {
+                        if let RpcError::Unreachable { reason, .. } = &e {
+                            peer.suspect(reason);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
         };
         Ok(Call {
             conn: Some(conn),
+            step: step_max(channel),
+            peer,
             pool,
             _permit: permit,
             deadline,
@@ -163,44 +389,6 @@ impl RpcClient {
             state: State::Idle,
             reused,
         })
-    }
-
-    async fn connect(
-        &self,
-        address: &str,
-        expect: Option<&str>,
-        channel: Channel,
-        deadline: Instant,
-    ) -> Result<Conn, RpcError> {
-        let unreachable = |reason: String| RpcError::Unreachable {
-            peer: address.to_string(),
-            reason,
-        };
-        let stream = timeout_at(deadline, TcpStream::connect(address))
-            .await
-            .map_err(|_| unreachable("connect timed out".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
-        stream.set_nodelay(true)?;
-        let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
-        let conn = timeout_at(
-            hs_deadline,
-            client_handshake(Box::new(stream), &self.me, channel, address, expect),
-        )
-        .await
-        .map_err(|_| unreachable("handshake timed out".into()))?;
-        match conn {
-            Ok(c) => {
-                self.stats.connects.fetch_add(1, Ordering::Relaxed);
-                Ok(c)
-            }
-            Err(e) => {
-                if matches!(e, RpcError::Auth { .. }) {
-                    self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(peer = %address, error = %e, "cluster RPC: authentication failed");
-                }
-                Err(e)
-            }
-        }
     }
 
     fn deadline(&self) -> RpcError {
@@ -252,6 +440,47 @@ impl RpcClient {
     }
 }
 
+/// A new authenticated connection to the node `expect` (when named) at
+/// `address`, by `deadline`.
+async fn connect(
+    me: &Identity,
+    stats: &ClientStats,
+    address: &str,
+    expect: Option<&str>,
+    channel: Channel,
+    deadline: Instant,
+) -> Result<Conn, RpcError> {
+    let unreachable = |reason: String| RpcError::Unreachable {
+        peer: address.to_string(),
+        reason,
+    };
+    let stream = timeout_at(deadline, TcpStream::connect(address))
+        .await
+        .map_err(|_| unreachable("connect timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+    stream.set_nodelay(true)?;
+    let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+    let conn = timeout_at(
+        hs_deadline,
+        client_handshake(Box::new(stream), me, channel, address, expect),
+    )
+    .await
+    .map_err(|_| unreachable("handshake timed out".into()))?;
+    match conn {
+        Ok(c) => {
+            stats.connects.fetch_add(1, Ordering::Relaxed);
+            Ok(c)
+        }
+        Err(e) => {
+            if matches!(e, RpcError::Auth { .. }) {
+                stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(peer = %address, error = %e, "cluster RPC: authentication failed");
+            }
+            Err(e)
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Idle,
@@ -261,15 +490,14 @@ enum State {
     Done,
 }
 
-/// The longest one step of a call (a frame sent, an answer or a body frame
-/// awaited) may take.
-pub const STEP_MAX: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// One call on one connection. Every step ends by the call's deadline; a
 /// call that fails mid-stream closes its connection, one that ends cleanly
 /// gives it back to the pool (`finish`).
 pub struct Call {
     conn: Option<Conn>,
+    peer: Arc<Peer>,
+    /// The longest one step may take (by channel).
+    step: Duration,
     pool: Arc<Pool>,
     _permit: OwnedSemaphorePermit,
     deadline: Instant,
@@ -292,11 +520,12 @@ impl Call {
     }
 
     /// When the step under way must have ended: the call's deadline, or
-    /// `STEP_MAX` from now if sooner. A peer that stops making progress (a
-    /// paused process, a cut link) fails the call within seconds, whatever
-    /// time a long transfer was given in all.
+    /// the channel's step limit from now if sooner. A peer that stops making
+    /// progress (a paused process, a cut link) fails the call within a
+    /// second or two, whatever time a long transfer was given in all, and
+    /// is suspect from then on.
     fn step_deadline(&self) -> Instant {
-        self.deadline.min(Instant::now() + STEP_MAX)
+        self.deadline.min(Instant::now() + self.step)
     }
 
     /// The connection of a call still open.
@@ -310,7 +539,10 @@ impl Call {
         &mut self,
         r: Result<Result<T, RpcError>, tokio::time::error::Elapsed>,
     ) -> Result<T, RpcError> {
-        let r = r.unwrap_or(Err(RpcError::Deadline));
+        let r = r.unwrap_or_else(|_| {
+            self.peer.suspect("a call missed its deadline");
+            Err(RpcError::Deadline)
+        });
         if let Err(e) = &r {
             if e.poisons_connection() {
                 self.conn = None;
@@ -363,7 +595,10 @@ impl Call {
         if c.has_pending_input() {
             let e = match timeout_at(deadline, early_answer(c, call_id, op)).await {
                 Ok(e) => e,
-                Err(_) => RpcError::Deadline,
+                Err(_) => {
+                    self.peer.suspect("a call missed its deadline");
+                    RpcError::Deadline
+                }
             };
             // The peer stopped reading this body: the connection is done.
             self.conn = None;

@@ -13,7 +13,7 @@ use sha2::Sha256;
 /// The first bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"TRPC";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Each side's handshake nonce.
 pub const NONCE_BYTES: usize = 32;
 /// HMAC-SHA256 output.
@@ -549,6 +549,10 @@ pub mod op {
     pub const DRIVE_PUT_PART: u16 = 34;
     pub const DRIVE_PARTS: u16 = 35;
     pub const DRIVE_REFERENCED_DATA_IDS: u16 = 36;
+    /// The missed-write log (protocol 2).
+    pub const DRIVE_LOG_MISSED: u16 = 37;
+    pub const DRIVE_MISSED: u16 = 38;
+    pub const DRIVE_CLEAR_MISSED: u16 = 39;
     /// A shard file: the request body is its blocks, one per data frame.
     pub const SHARD_WRITE: u16 = 40;
     pub const SHARD_COMMIT: u16 = 41;
@@ -597,6 +601,7 @@ pub mod drive {
                 e.u8(0);
             }
         }
+        e.bytes(&w.missed);
     }
 
     /// A count read from the wire, bounded by what the message can hold
@@ -733,6 +738,7 @@ pub mod drive {
             }
             _ => return Err(WireError::Invalid("upload flag")),
         };
+        w.missed = d.bytes()?.to_vec();
         Ok(w)
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use tarn_io::PooledBuf;
 use tokio::sync::mpsc;
 
@@ -389,6 +389,10 @@ impl Store {
     }
 }
 
+/// How long a stripe's read waits for a shard before it reads another in its
+/// place (when the set has one to spare).
+pub(crate) const SHARD_HEDGE_AFTER: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// Shard readers for one part and the stripes [first, last].
 pub(crate) struct PartReader {
     pub geometry: StripeGeometry,
@@ -509,6 +513,7 @@ impl PartReader {
     ) -> Result<Vec<&[u8]>, StoreError> {
         let sl = self.geometry.shard_len(j) as usize;
         let n = self.layout.shard_count();
+        let mut done = vec![false; n];
         loop {
             let good_or_pending: Vec<usize> = (0..n).filter(|&i| !self.bad[i]).collect();
             // The shards to read: data shards first, then parity to make up for bad ones.
@@ -546,13 +551,14 @@ impl PartReader {
             for &i in &want {
                 self.bufs[i].as_mut().expect("buffer").ensure_capacity(sl);
             }
+            // Shards of this stripe already read (kept when a retry
+            // replaces a failed or late one).
             let mut taken: Vec<Option<PooledBuf>> = (0..n)
                 .map(|i| {
-                    want.contains(&i)
-                        .then(|| self.bufs[i].take().expect("buffer"))
+                    (want.contains(&i) && !done[i]).then(|| self.bufs[i].take().expect("buffer"))
                 })
                 .collect();
-            let reads = self
+            let mut reads: futures::stream::FuturesUnordered<_> = self
                 .readers
                 .iter_mut()
                 .zip(taken.iter_mut())
@@ -565,17 +571,61 @@ impl PartReader {
                         pooled.restore(buf);
                         (i, res, pooled)
                     })
-                });
-            let mut failed = false;
-            for (i, res, pooled) in futures::future::join_all(reads).await {
+                })
+                .collect();
+            // A shard that is late while another could stand in for it is
+            // given up (hedged): its drive may be on a node that stopped.
+            let spare = (0..n).filter(|&i| !self.bad[i]).count() > self.k;
+            let hedge_at = tokio::time::Instant::now() + SHARD_HEDGE_AFTER;
+            let mut errors = Vec::new();
+            let mut late = false;
+            loop {
+                let next = if spare {
+                    match tokio::time::timeout_at(hedge_at, reads.next()).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            late = true;
+                            break;
+                        }
+                    }
+                } else {
+                    reads.next().await
+                };
+                let Some((i, res, pooled)) = next else { break };
                 self.bufs[i] = Some(pooled);
-                if let Err(e) = res {
-                    tracing::warn!(shard = i, stripe = j, error = %e, "shard block unusable, reconstructing from parity");
-                    self.device_failed(store, i, &e);
-                    self.bad[i] = true;
-                    self.damaged = true;
-                    failed = true;
+                match res {
+                    Ok(()) => done[i] = true,
+                    Err(e) => errors.push((i, e)),
                 }
+            }
+            // Dropping the reads still running cancels them.
+            drop(reads);
+            let mut failed = false;
+            for (i, e) in errors {
+                tracing::warn!(shard = i, stripe = j, error = %e, "shard block unusable, reconstructing from parity");
+                self.device_failed(store, i, &e);
+                self.bad[i] = true;
+                self.damaged = true;
+                failed = true;
+            }
+            if late {
+                for &i in &want {
+                    if !done[i] && !self.bad[i] {
+                        tracing::warn!(
+                            shard = i,
+                            stripe = j,
+                            "shard read late: read from the others instead"
+                        );
+                        store
+                            .stats
+                            .hedged_reads
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        // Not damaged: only not waited for, here or in the
+                        // rest of this read.
+                        self.bad[i] = true;
+                    }
+                }
+                continue;
             }
             if failed {
                 continue;

@@ -38,7 +38,7 @@ impl Store {
             .iter()
             .enumerate()
             .filter(|(_, d)| d.online())
-            .filter_map(|(i, d)| d.rebuilding().map(|n| (i, n)))
+            .filter_map(|(i, d)| d.rebuilding_full().map(|n| (i, n)))
             .collect();
         // Whether every record reached every drive in use.
         let mut complete = true;
@@ -120,7 +120,7 @@ impl Store {
                 let targets = self.writers(
                     (0..self.set_size(set))
                         .map(|p| self.slot(set, p))
-                        .filter(|s| s.rebuilding().is_some()),
+                        .filter(|s| s.rebuilding_full().is_some()),
                 );
                 if !targets.is_empty() {
                     if let Err(error) = self.heal_uploads(set, bucket, &targets).await {

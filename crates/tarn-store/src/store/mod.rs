@@ -10,6 +10,7 @@ pub mod get;
 mod heal;
 mod list;
 mod locking;
+mod missed;
 mod multipart;
 pub(crate) mod put;
 
@@ -36,6 +37,7 @@ use crate::lock::{LeaseTable, LockTable};
 use crate::types::{BucketInfo, DriveStatus, ObjectInfo, PartSummary};
 
 pub use get::ObjectStream;
+pub use missed::UnderReplicated;
 
 /// The all-zero version id of the "null" version.
 pub const NULL_VERSION: Id128 = [0u8; 16];
@@ -103,6 +105,11 @@ struct SlotState {
     /// started after this rebuild began has filled it. The number names the
     /// rebuild, so that a heal promotes only the one it covered.
     rebuilding: Option<u64>,
+    /// The rebuild needs a full heal (the drive joined empty, or its index
+    /// was set aside); otherwise it is syncing: it only missed writes while
+    /// away, which the missed-write log names, and serves reads again once
+    /// the set's logs hold nothing for its position.
+    full: bool,
     /// Its index was found damaged while running: set aside at rejoin.
     reindex: bool,
 }
@@ -115,6 +122,7 @@ impl DriveSlot {
         expected: DriveFormat,
         opened: Result<DriveDb, String>,
         rebuilding: Option<u64>,
+        full: bool,
     ) -> DriveSlot {
         let leases = Arc::new(LeaseTable::new(paths.clone()));
         let (db, reason) = match opened {
@@ -132,6 +140,7 @@ impl DriveSlot {
                 reason,
                 faulty: false,
                 rebuilding,
+                full,
                 reindex: false,
             }),
             set_index,
@@ -155,6 +164,7 @@ impl DriveSlot {
                 reason: None,
                 faulty: false,
                 rebuilding: None,
+                full: false,
                 reindex: false,
             }),
             set_index,
@@ -232,6 +242,18 @@ impl DriveSlot {
 
     pub fn rebuilding(&self) -> Option<u64> {
         self.state.read().expect("drive state").rebuilding
+    }
+
+    /// Rebuilding in full (heal of every object), not only syncing.
+    pub fn rebuilding_full(&self) -> Option<u64> {
+        let st = self.state.read().expect("drive state");
+        st.rebuilding.filter(|_| st.full)
+    }
+
+    /// Syncing: readable again once the missed-write log is replayed.
+    pub fn syncing(&self) -> Option<u64> {
+        let st = self.state.read().expect("drive state");
+        st.rebuilding.filter(|_| !st.full && st.db.is_some())
     }
 
     pub fn reason(&self) -> Option<String> {
@@ -415,6 +437,12 @@ pub struct StoreStats {
     pub heal_dropped: AtomicU64,
     pub shards_reconstructed: AtomicU64,
     pub shards_rebuilt: AtomicU64,
+    /// Shard reads given up because they were late (read from others).
+    pub hedged_reads: AtomicU64,
+    /// Object writes that missed a drive of their set (recorded in the
+    /// missed-write log), and keys replayed from the log to a drive back.
+    pub missed_writes: AtomicU64,
+    pub missed_replayed: AtomicU64,
     /// Drives taken out while running after an I/O error, and brought back.
     pub drive_faults: AtomicU64,
     pub drive_rejoins: AtomicU64,
@@ -512,6 +540,8 @@ pub struct Store {
     rebuild_seq: AtomicU64,
     /// A heal run for rebuilding drives: whether one runs, when one ended.
     rebuild_heal: Mutex<(bool, Option<std::time::Instant>)>,
+    /// Drives of this node a replay of the missed-write log runs for.
+    replaying: Mutex<std::collections::HashSet<usize>>,
     last_mod_time_ns: AtomicU64,
     pub stats: StoreStats,
 }
@@ -585,6 +615,7 @@ fn open_slot(
     verdict: Result<(), String>,
     set_size: usize,
     joined_empty: bool,
+    sync_first: bool,
     counts: (&mut u64, &mut u64),
 ) -> DriveSlot {
     let (rebuilds, set_aside_at_start) = counts;
@@ -609,13 +640,20 @@ fn open_slot(
             *rebuilds += 1;
             Some(*rebuilds)
         }
+        // A cluster node's drive may have missed writes while the node was
+        // down: it syncs (the missed-write log) before it serves reads.
+        Ok(_) if sync_first => {
+            *rebuilds += 1;
+            Some(*rebuilds)
+        }
         _ => None,
     };
+    let full = matches!(&opened, Ok((_, set_aside)) if *set_aside || joined_empty || drive::rebuild_pending(&path));
     if let Err(reason) = &opened {
         tracing::error!(drive = %path.display(), %reason, "drive offline");
     }
     let opened = opened.map(|(db, _)| db);
-    DriveSlot::new(lock, paths, set_index, want, opened, rebuilding)
+    DriveSlot::new(lock, paths, set_index, want, opened, rebuilding, full)
 }
 
 /// Whether an erasure layout of `data`+`parity` fits sets of `set_size`
@@ -840,6 +878,7 @@ impl Store {
                 verdict,
                 set_size,
                 joined_empty,
+                false,
                 (&mut rebuilds, &mut set_aside_at_start),
             ));
         }
@@ -959,6 +998,7 @@ impl Store {
                     verdict,
                     set_size,
                     joined_empty,
+                    true,
                     (&mut rebuilds, &mut set_aside_at_start),
                 ));
             }
@@ -1034,6 +1074,7 @@ impl Store {
             heal_rx: Mutex::new(Some(heal_rx)),
             rebuild_seq: AtomicU64::new(rebuilds),
             rebuild_heal: Mutex::new((false, None)),
+            replaying: Mutex::default(),
             last_mod_time_ns: AtomicU64::new(0),
             stats: StoreStats {
                 index_corruptions: AtomicU64::new(set_aside_at_start),
@@ -1067,13 +1108,17 @@ impl Store {
                 set_index: d.set_index,
                 online: d.online(),
                 faulty: d.faulty(),
-                rebuilding: d.online() && d.rebuilding().is_some(),
+                rebuilding: d.online() && d.rebuilding_full().is_some(),
+                syncing: d.syncing().is_some(),
                 full: d.online()
                     && !d.has_room(
                         self.cfg.stripe_size_bytes as u64,
                         self.cfg.drive_reserve_bytes,
                     ),
                 reason: d.reason().or_else(|| {
+                    if d.syncing().is_some() {
+                        return Some("syncing: takes writes; serves reads once the writes it missed are replayed".into());
+                    }
                     d.rebuilding()?;
                     let (sources, needed) = self.heal_sources(i);
                     Some(if sources < needed {
@@ -1341,13 +1386,21 @@ impl Store {
                     st.faulty = false;
                     st.reindex = false;
                     st.reason = None;
-                    // It missed the writes made while it was out (or lost
-                    // everything): it serves metadata reads again once healed.
+                    // It missed the writes made while it was out: it serves
+                    // metadata reads again once the missed-write log is
+                    // replayed to it, or, when it lost everything, once a
+                    // full heal has filled it.
                     st.rebuilding = Some(self.rebuild_seq.fetch_add(1, Ordering::SeqCst) + 1);
+                    st.full = wiped || set_aside;
+                    let full = st.full;
                     drop(st);
                     self.stats.drive_rejoins.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(drive = %slot.name, wiped, "drive works again: back in service; healing");
-                    self.heal_rebuilding(true);
+                    if full {
+                        tracing::warn!(drive = %slot.name, wiped, "drive works again: back in service; healing in full");
+                        self.heal_rebuilding(true);
+                    } else {
+                        tracing::warn!(drive = %slot.name, "drive works again: back in service; replaying the writes it missed");
+                    }
                 }
                 Err(reason) if st.faulty => {
                     st.reason = Some(format!("faulty, still failing: {reason}"));
@@ -1357,6 +1410,7 @@ impl Store {
             }
         }
         self.heal_rebuilding(false);
+        self.sync_drives().await;
     }
 
     /// A drive of another node taken out after a failed call (its node away,
@@ -1375,10 +1429,10 @@ impl Store {
                 st.faulty = false;
                 st.reason = None;
                 st.rebuilding = Some(self.rebuild_seq.fetch_add(1, Ordering::SeqCst) + 1);
+                st.full = false;
                 drop(st);
                 self.stats.drive_rejoins.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(drive = %slot.name, "drive of another node answers again: back in service; healing");
-                self.heal_rebuilding(true);
+                tracing::warn!(drive = %slot.name, "drive of another node answers again: back in service; syncing (its node replays the writes it missed)");
             }
             Ok(DriveState::Offline) => {
                 st.reason = Some("out of service on its node".into());
@@ -1395,7 +1449,9 @@ impl Store {
         // Only where the other drives of the set can answer for the records.
         if !(0..self.drives.len()).any(|i| {
             let (sources, needed) = self.heal_sources(i);
-            self.drives[i].online() && self.drives[i].rebuilding().is_some() && sources >= needed
+            self.drives[i].online()
+                && self.drives[i].rebuilding_full().is_some()
+                && sources >= needed
         }) {
             return;
         }
@@ -1438,6 +1494,7 @@ impl Store {
             tracing::warn!(drive = %slot.name, %error, "cannot remove the rebuild marker");
         }
         st.rebuilding = None;
+        st.full = false;
         st.reason = None;
         drop(st);
         self.stats.index_rebuilds.fetch_add(1, Ordering::Relaxed);
@@ -1462,10 +1519,16 @@ impl Store {
     }
 
     /// A drive of this node by its id, as the node serves it to the others:
-    /// (for metadata reads: in use with a complete index; for writes and
-    /// shard files: in use). None when no drive of this node has that id.
+    /// (for metadata reads: in use and not rebuilding in full; for writes
+    /// and shard files: in use). None when no drive of this node has that id.
     pub fn local_drive(&self, id: &Id128) -> Option<ServedDrive> {
-        self.local_slot(id).map(|d| (d.db(), d.writer()))
+        self.local_slot(id).map(|d| {
+            // A syncing drive answers the others' reads: each node keeps its
+            // own view of which drives are behind, and quorum reads never
+            // let one drive's missing records hide a committed version.
+            let read = d.writer().filter(|_| d.rebuilding_full().is_none());
+            (read, d.writer())
+        })
     }
 
     fn local_slot(&self, id: &Id128) -> Option<&DriveSlot> {
@@ -1953,22 +2016,42 @@ impl Store {
         Ok((merged, diverged))
     }
 
-    /// Writes `w` to every online drive of the set; succeeds on a write quorum.
+    /// Writes `w` to every online drive of the set; succeeds on a write
+    /// quorum. Every position the write does not reach (its drive out of
+    /// service, or failing the write) is recorded in the missed-write log on
+    /// the drives that took it before this returns: with the write itself
+    /// for drives known to be out, after it for drives that failed it.
     pub(crate) async fn write_object_everywhere(
         &self,
         set: usize,
         bucket: &str,
         key: &str,
-        w: ObjectWrite,
+        mut w: ObjectWrite,
     ) -> Result<usize, StoreError> {
+        let n = self.set_size(set);
+        let mut targets = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        for pos in 0..n {
+            let slot = self.slot(set, pos);
+            match slot.writer() {
+                Some(d) => {
+                    targets.push((slot, d));
+                    positions.push(pos as u8);
+                }
+                None => {
+                    if !w.missed.contains(&(pos as u8)) {
+                        w.missed.push(pos as u8);
+                    }
+                }
+            }
+        }
         let w = Arc::new(w);
-        let targets = self.writers((0..self.set_size(set)).map(|pos| self.slot(set, pos)));
         let futs = targets
             .iter()
             .map(|(_, d)| d.write_object(bucket.to_string(), key.to_string(), w.clone()));
         let results = futures::future::join_all(futs).await;
         let ok = self.count_index_writes("metadata write", &targets, &results);
-        let quorum = self.meta_write_quorum(self.set_size(set));
+        let quorum = self.meta_write_quorum(n);
         if ok < quorum {
             return Err(StoreError::QuorumLost {
                 what: "metadata commit",
@@ -1976,6 +2059,24 @@ impl Store {
                 available: ok,
             });
         }
+        let failed: Vec<u8> = positions
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_err())
+            .map(|(p, _)| *p)
+            .collect();
+        if !failed.is_empty() {
+            let took: Vec<_> = targets
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|((slot, d), _)| (*slot, d.clone()))
+                .collect();
+            self.log_missed_on(&took, bucket, key, &failed).await?;
+        }
+        self.stats
+            .missed_writes
+            .fetch_add((w.missed.len() + failed.len()) as u64, Ordering::Relaxed);
         Ok(ok)
     }
 

@@ -558,6 +558,7 @@ impl Store {
                 .map(|v| (v.version_id, v.mod_time_ns))
                 .collect(),
             upload_delete,
+            missed: Vec::new(),
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
         self.retire_data(set, data_ids_of(&superseded)).await;

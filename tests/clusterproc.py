@@ -1,0 +1,159 @@
+"""A real cluster for tests: etcd (Debian's etcd-server) on a free loopback
+port and `tarn` nodes on 127.0.0.N, each process stopped by its PID. Shared
+by test_cluster.py, test_cluster_faults.py and scripts/bench-cluster-faults."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from botocore.config import Config
+import boto3
+
+from tarnproc import ACCESS_KEY, BIN, SECRET_KEY
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+SECRET = "cluster-secret-for-tests-0123456789"
+
+
+def free_port(ip):
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    def __init__(self, root):
+        self.root = root
+        self.port = free_port("127.0.0.1")
+        self.peer = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self):
+        self.log = open(os.path.join(self.root, "etcd.log"), "a")
+        self.proc = subprocess.Popen(
+            [ETCD, "--data-dir", os.path.join(self.root, "etcd"),
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-cluster", f"default=http://127.0.0.1:{self.peer}"],
+            stdout=self.log, stderr=self.log)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("etcd did not start")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+        self.log.close()
+
+
+class Node:
+    def __init__(self, root, i, etcd_url, drives=2):
+        self.i = i
+        self.ip = f"127.0.0.{i}"
+        self.root = os.path.join(root, f"n{i}")
+        os.makedirs(self.root, exist_ok=True)
+        self.s3_port = free_port(self.ip)
+        self.admin_port = free_port(self.ip)
+        self.rpc_port = free_port(self.ip)
+        self.endpoint = f"http://{self.ip}:{self.s3_port}"
+        self.admin = f"http://{self.ip}:{self.admin_port}"
+        self.args = [BIN, "server", "--cluster", "test", "--etcd", etcd_url, "--node-id", f"n{i}",
+                     "--advertise", f"{self.ip}:{self.rpc_port}",
+                     "--listen", f"{self.ip}:{self.s3_port}", "--admin-listen", f"{self.ip}:{self.admin_port}",
+                     "--cores", "1"]
+        for d in range(drives):
+            self.args += ["--drive", os.path.join(self.root, f"d{d}")]
+        if drives == 0:
+            self.args.append("--no-drives")
+        self.logs = []
+        self.start()
+
+    def start(self):
+        env = dict(os.environ, TARN_ACCESS_KEY=ACCESS_KEY, TARN_SECRET_KEY=SECRET_KEY,
+                   TARN_CLUSTER_SECRET=SECRET, TARN_LOG="info", NO_COLOR="1")
+        path = os.path.join(self.root, f"server-{len(self.logs)}.log")
+        self.logs.append(path)
+        self.log = open(path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     cwd=self.root, env=env)
+        line = self.proc.stdout.readline()
+        if not line.startswith("Cluster "):
+            raise RuntimeError(f"node {self.i}: {line!r} {open(path).read()}")
+
+    def wait_serving(self):
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("S3 endpoint:"):
+                return
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.i} exited: {open(self.logs[-1]).read()}")
+        raise RuntimeError(f"node {self.i} did not start serving")
+
+    def client(self, **cfg):
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                                          connect_timeout=5, read_timeout=30, **cfg))
+
+    def admin_cmd(self, *args, check=True):
+        r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", SECRET_KEY, *args],
+                           capture_output=True, text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError(f"tarn admin {args}: {r.stderr}")
+        return r
+
+    def signal(self, sig):
+        os.kill(self.proc.pid, sig)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def errors(self):
+        out = []
+        for p in self.logs:
+            out += [line for line in open(p) if " ERROR " in line]
+        return out
+
+
+def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1):
+    """etcd and `count` nodes on 127.0.0.first…, formed into one pool of
+    data+parity sets and serving. The caller stops them (`stop_all`)."""
+    etcd = Etcd(root)
+    nodes = []
+    try:
+        nodes = [Node(root, i, etcd.url, drives=drives) for i in range(first, first + count)]
+        out = nodes[0].admin_cmd("cluster", "init", "--data-shards", str(data_shards),
+                                 "--parity-shards", str(parity_shards)).stdout
+        assert "cluster formed" in out, out
+        for n in nodes:
+            n.wait_serving()
+    except BaseException:
+        stop_all(etcd, nodes)
+        raise
+    return etcd, nodes
+
+
+def stop_all(etcd, nodes):
+    for n in nodes:
+        n.stop()
+    etcd.stop()
