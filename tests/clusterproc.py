@@ -2,7 +2,9 @@
 port and `tarn` nodes on 127.0.0.N, each process stopped by its PID. Shared
 by test_cluster.py, test_cluster_faults.py and scripts/bench-cluster-faults."""
 
+import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,9 +21,24 @@ SECRET = "cluster-secret-for-tests-0123456789"
 
 
 def free_port(ip):
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+    """A port free now on `ip`, below the kernel's ephemeral range: a port
+    the kernel hands out (bind to 0) may be taken as the source port of an
+    outgoing connection before the process it is meant for binds it (seen
+    once: a node found its S3 port taken)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {ip} below {low}")
 
 
 class Etcd:
@@ -157,3 +174,8 @@ def stop_all(etcd, nodes):
     for n in nodes:
         n.stop()
     etcd.stop()
+
+
+def status(node):
+    """`tarn admin cluster status --json` through a node."""
+    return json.loads(node.admin_cmd("cluster", "status", "--json").stdout)

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 ACCESS_KEY = "tarnadmin"
 SECRET_KEY = "tarnadmin-secret"
@@ -133,3 +134,31 @@ def admin(server, *args, check=True):
 def add_user(server, name):
     """A new user: {"user", "access_key", "secret_key"}."""
     return json.loads(admin(server, "user", "add", name, "--json").stdout)
+
+
+def wait_for(what, cond, timeout=30):
+    """Polls `cond` until it gives something true, which is returned."""
+    deadline = time.time() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def metric(proc, name, drive=None):
+    """The sum of metric `name` on a server's (or cluster node's) /metrics,
+    over the lines of one drive when given; an error when it has none."""
+    req = urllib.request.Request(proc.admin + "/metrics", headers={"Authorization": f"Bearer {SECRET_KEY}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    found, total = False, 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and (drive is None or f'drive="{drive}"' in (m.group(1) or "")):
+            found = True
+            total += float(m.group(2))
+    if not found:
+        raise AssertionError(f"no metric {name}")
+    return total

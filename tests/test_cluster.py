@@ -3,7 +3,6 @@ four `tarn` nodes on 127.0.0.1-127.0.0.4, each with two drives, formed with
 `tarn admin cluster init`, driven by boto3 and the aws CLI through different
 nodes. Every process is stopped by its PID."""
 
-import json
 import os
 import re
 import signal
@@ -14,7 +13,7 @@ import time
 import pytest
 
 from conftest import data
-from clusterproc import Etcd, Node
+from clusterproc import Etcd, Node, status
 from tarnproc import ACCESS_KEY, SECRET_KEY
 
 
@@ -38,10 +37,6 @@ def cluster(tmp_path):
         for n in nodes:
             n.stop()
         etcd.stop()
-
-
-def status(node):
-    return json.loads(node.admin_cmd("cluster", "status", "--json").stdout)
 
 
 def test_cluster_status_and_placement(cluster):

@@ -7,18 +7,15 @@ replayed to it when it is back (syncing, then online), and the
 under-replicated count returns to zero. Every process is stopped by its
 PID."""
 
-import json
-import re
 import signal
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from clusterproc import form, stop_all
+from clusterproc import form, status, stop_all
 from conftest import data
-from tarnproc import SECRET_KEY
+from tarnproc import metric, wait_for
 
 
 @pytest.fixture
@@ -28,32 +25,6 @@ def cluster(tmp_path):
         yield etcd, nodes
     finally:
         stop_all(etcd, nodes)
-
-
-def status(node):
-    return json.loads(node.admin_cmd("cluster", "status", "--json").stdout)
-
-
-def metric(node, name):
-    req = urllib.request.Request(node.admin + "/metrics", headers={"Authorization": f"Bearer {SECRET_KEY}"})
-    text = urllib.request.urlopen(req, timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
-
-
-def wait_for(what, check, timeout=90):
-    deadline = time.time() + timeout
-    while True:
-        v = check()
-        if v:
-            return v
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 class Load:
@@ -134,6 +105,13 @@ def drive_states(node):
             for d in status(node)["drives_seen_from_here"]]
 
 
+def wait_synced(node):
+    """Until nothing is under-replicated and every drive is online, as
+    `node` sees them."""
+    wait_for("the log replayed", lambda: status(node)["under_replicated"] == 0, timeout=90)
+    wait_for("drives online", lambda: set(drive_states(node)) == {"online"}, timeout=90)
+
+
 def test_paused_node_is_routed_around_and_synced_after(cluster):
     _, nodes = cluster
     nodes[0].client().create_bucket(Bucket="paused")
@@ -143,7 +121,8 @@ def test_paused_node_is_routed_around_and_synced_after(cluster):
     try:
         # Routed around without etcd's word: the node is suspect to the
         # others, and its drives are out of their view.
-        st = wait_for("a suspect peer", lambda: (lambda s: s if s["suspect_peers"] else None)(status(nodes[0])))
+        st = wait_for("a suspect peer", lambda: (lambda s: s if s["suspect_peers"] else None)(status(nodes[0])),
+                      timeout=90)
         assert st["suspect_peers"][0]["node"] == "n4", st["suspect_peers"]
         n_before = len(load.acked)
         time.sleep(4)
@@ -157,8 +136,7 @@ def test_paused_node_is_routed_around_and_synced_after(cluster):
     assert not load.failed, load.failed[:3]
     # Back: the others see its drives sync, then serve; the log is replayed
     # by its node until nothing is under-replicated.
-    wait_for("the log replayed", lambda: status(nodes[0])["under_replicated"] == 0)
-    wait_for("drives online", lambda: set(drive_states(nodes[0])) == {"online"})
+    wait_synced(nodes[0])
     assert metric(nodes[3], "tarn_missed_writes_replayed_total") > 0
     assert metric(nodes[0], "tarn_missed_writes_total") > 0
     check_all_readable(nodes, "paused", load.acked)
@@ -186,9 +164,8 @@ def test_killed_node_returns_and_missed_writes_are_replayed(cluster):
     nodes[3].wait_serving()
     # It starts syncing (no metadata reads from its drives) until its
     # position's log is empty, replaying it meanwhile.
-    wait_for("the log replayed", lambda: status(nodes[3])["under_replicated"] == 0)
-    wait_for("drives online", lambda: set(drive_states(nodes[3])) == {"online"})
-    wait_for("drives online elsewhere", lambda: set(drive_states(nodes[0])) == {"online"})
+    wait_synced(nodes[3])
+    wait_synced(nodes[0])
     assert metric(nodes[3], "tarn_missed_writes_replayed_total") >= 1
     check_all_readable(nodes, "killed", acked)
     # Its drives hold every object now: with two other nodes gone, the

@@ -21,7 +21,7 @@ import botocore.exceptions
 import pytest
 import requests
 
-from tarnproc import SECRET_KEY, Server
+from tarnproc import SECRET_KEY, Server, metric, wait_for
 
 MiB = 1 << 20
 
@@ -32,28 +32,12 @@ def drives(server):
     return r.json()
 
 
-def metric(server, name, drive=None):
-    for line in requests.get(f"{server.admin}/metrics").text.splitlines():
-        if line.startswith(name) and (drive is None or f'drive="{drive}"' in line):
-            return float(line.split()[-1])
-    raise AssertionError(f"no metric {name}")
-
-
 def immutable(path, on):
     if shutil.which("chattr") is None:
         pytest.skip("needs chattr (e2fsprogs)")
     r = subprocess.run(["chattr", "-R", "+i" if on else "-i", path], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"chattr does not work here: {r.stderr}")
-
-
-def wait_for(what, cond, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_an_unwritable_drive_is_taken_out_and_rejoins(make_server):

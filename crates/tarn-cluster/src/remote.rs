@@ -112,6 +112,16 @@ impl RemoteDrive {
 
     /// A call whose answer is a list: the runs of encoded items of its body.
     async fn list(&self, op: u16, payload: Vec<u8>) -> Result<Vec<Vec<u8>>, StoreError> {
+        Ok(self.list_with_head(op, payload).await?.1)
+    }
+
+    /// A list call whose response payload says something of the list (its
+    /// head), then the runs of its body.
+    async fn list_with_head(
+        &self,
+        op: u16,
+        payload: Vec<u8>,
+    ) -> Result<(Vec<u8>, Vec<Vec<u8>>), StoreError> {
         let fail = |e: RpcError| self.failure(e).into_store(&self.name);
         let mut call = self
             .open(Channel::Control, SCAN_DEADLINE)
@@ -120,7 +130,7 @@ impl RemoteDrive {
         call.request(op, self.epoch.load(Ordering::Relaxed), &payload, false)
             .await
             .map_err(fail)?;
-        let (_, body) = call.response().await.map_err(fail)?;
+        let (head, body) = call.response().await.map_err(fail)?;
         let mut runs = Vec::new();
         if body {
             let mut buf = Vec::new();
@@ -129,7 +139,7 @@ impl RemoteDrive {
             }
         }
         call.finish();
-        Ok(runs)
+        Ok((head, runs))
     }
 
     fn decoded<T>(
@@ -558,33 +568,26 @@ impl Drive for RemoteDrive {
             None => e.u8(0),
         };
         Box::pin(async move {
-            let runs = self.list(op::DRIVE_MISSED, e.finish()).await?;
-            let mut page = MissedPage::default();
-            // The first item is the header (overflow, more), then entries.
-            let mut first = true;
-            for run in &runs {
-                let mut d = Dec::new(run);
-                while d.remaining() > 0 {
-                    let r: Result<(), crate::rpc::wire::WireError> = (|| {
-                        if first {
-                            first = false;
-                            page.overflow = match d.u8()? {
-                                0 => None,
-                                _ => Some(d.u64()?),
-                            };
-                            page.more = d.u8()? != 0;
-                        } else {
-                            let (b, k, at) = (d.str()?.to_string(), d.str()?.to_string(), d.u64()?);
-                            page.entries.push((b, k, at));
-                        }
-                        Ok(())
-                    })();
-                    r.map_err(|e| self.malformed(e))?;
-                }
-            }
-            if first {
-                return Err(self.malformed("missed-write page without its header"));
-            }
+            let (head, runs) = self.list_with_head(op::DRIVE_MISSED, e.finish()).await?;
+            let mut d = Dec::new(&head);
+            let (overflow, more) = (|| {
+                let overflow = match d.u8()? {
+                    0 => None,
+                    _ => Some(d.u64()?),
+                };
+                let more = d.u8()? != 0;
+                d.end()?;
+                Ok::<_, crate::rpc::wire::WireError>((overflow, more))
+            })()
+            .map_err(|e| self.malformed(e))?;
+            let entries = self.decoded(runs, |d| {
+                Ok((d.str()?.to_string(), d.str()?.to_string(), d.u64()?))
+            })?;
+            let page = MissedPage {
+                entries,
+                overflow,
+                more,
+            };
             Ok(page)
         })
     }
@@ -791,9 +794,19 @@ fn failed(f: Failure) -> HandlerError {
 async fn send_list<T>(
     call: &mut ServerCall<'_>,
     items: impl IntoIterator<Item = T>,
+    encode: impl FnMut(&mut Enc, T),
+) -> Result<(), HandlerError> {
+    send_list_with_head(call, &[], items, encode).await
+}
+
+/// A list answer whose response payload is `head`.
+async fn send_list_with_head<T>(
+    call: &mut ServerCall<'_>,
+    head: &[u8],
+    items: impl IntoIterator<Item = T>,
     mut encode: impl FnMut(&mut Enc, T),
 ) -> Result<(), HandlerError> {
-    call.reply_body(&[]).await?;
+    call.reply_body(head).await?;
     let mut run = Enc::new();
     for item in items {
         encode(&mut run, item);
@@ -1002,23 +1015,14 @@ impl<P: DriveProvider> Handler for DriveService<P> {
                 };
                 d.end()?;
                 let page = drive.missed(position, after, max).await.map_err(store)?;
-                let mut header = Enc::new();
+                let mut head = Enc::new();
                 match page.overflow {
-                    Some(t) => header.u8(1).u64(t),
-                    None => header.u8(0),
+                    Some(t) => head.u8(1).u64(t),
+                    None => head.u8(0),
                 };
-                header.u8(u8::from(page.more));
-                let items = std::iter::once(None)
-                    .chain(page.entries.into_iter().map(Some))
-                    .collect::<Vec<_>>();
-                let header = header.finish();
-                send_list(call, items, |e, item| match item {
-                    None => {
-                        e.fixed(&header);
-                    }
-                    Some((b, k, at)) => {
-                        e.str(&b).str(&k).u64(at);
-                    }
+                head.u8(u8::from(page.more));
+                send_list_with_head(call, &head.finish(), page.entries, |e, (b, k, at)| {
+                    e.str(&b).str(&k).u64(at);
                 })
                 .await
             }

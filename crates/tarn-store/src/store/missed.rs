@@ -33,9 +33,12 @@ pub struct UnderReplicated {
 
 impl Store {
     /// Records on `drives` that the write of bucket/key missed `positions`
-    /// of its set; at least one must take it.
+    /// of its set; a write quorum of the set must take it, as the write
+    /// itself (so every entry is on a write quorum of the other drives,
+    /// which `log_empty_for` relies on).
     pub(crate) async fn log_missed_on(
         &self,
+        set: usize,
         drives: &[(&DriveSlot, Arc<dyn Drive>)],
         bucket: &str,
         key: &str,
@@ -54,11 +57,13 @@ impl Store {
         let results =
             futures::future::join_all(drives.iter().map(|(_, d)| d.log_missed(entries.clone())))
                 .await;
-        if self.count_index_writes("missed-write log", drives, &results) == 0 {
+        let ok = self.count_index_writes("missed-write log", drives, &results);
+        let quorum = self.meta_write_quorum(self.set_size(set));
+        if ok < quorum {
             return Err(StoreError::QuorumLost {
                 what: "missed-write log",
-                needed: 1,
-                available: 0,
+                needed: quorum,
+                available: ok,
             });
         }
         Ok(())
@@ -111,8 +116,10 @@ impl Store {
         }
     }
 
-    /// Whether a read quorum of the other drives of slot `i`'s set answer
-    /// and none holds a missed-write entry (or overflow) for its position.
+    /// Whether no other drive of slot `i`'s set holds a missed-write entry
+    /// (or overflow) for its position. Every entry is on a write quorum of
+    /// the other drives, so all but write quorum - 1 of them must answer
+    /// (none for a drive alone in its set: nothing is written without it).
     async fn log_empty_for(&self, i: usize) -> bool {
         let (set, pos) = self.place_of(i);
         let peers = self.set_peers(i);
@@ -126,10 +133,8 @@ impl Store {
                 Err(_) => {}
             }
         }
-        answered
-            >= self
-                .meta_read_quorum(self.set_size(set))
-                .min(peers.len().max(1))
+        let n = self.set_size(set);
+        answered >= n - self.meta_write_quorum(n)
     }
 
     /// Starts replaying the log to this node's drive `i`, unless a replay

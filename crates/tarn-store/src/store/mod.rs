@@ -628,6 +628,9 @@ fn open_slot(
     if matches!(&opened, Ok((_, true))) {
         *set_aside_at_start += 1;
     }
+    // Joined empty, index set aside, or a rebuild left unfinished: a full
+    // heal fills it.
+    let full = matches!(&opened, Ok((_, set_aside)) if *set_aside || joined_empty || drive::rebuild_pending(&path));
     let rebuilding = match &opened {
         // Alone in its set: the salvage of its index was its rebuild.
         Ok(_) if set_size == 1 => {
@@ -636,19 +639,14 @@ fn open_slot(
             }
             None
         }
-        Ok((_, set_aside)) if *set_aside || joined_empty || drive::rebuild_pending(&path) => {
-            *rebuilds += 1;
-            Some(*rebuilds)
-        }
         // A cluster node's drive may have missed writes while the node was
         // down: it syncs (the missed-write log) before it serves reads.
-        Ok(_) if sync_first => {
+        Ok(_) if full || sync_first => {
             *rebuilds += 1;
             Some(*rebuilds)
         }
         _ => None,
     };
-    let full = matches!(&opened, Ok((_, set_aside)) if *set_aside || joined_empty || drive::rebuild_pending(&path));
     if let Err(reason) = &opened {
         tracing::error!(drive = %path.display(), %reason, "drive offline");
     }
@@ -2072,7 +2070,7 @@ impl Store {
                 .filter(|(_, r)| r.is_ok())
                 .map(|((slot, d), _)| (*slot, d.clone()))
                 .collect();
-            self.log_missed_on(&took, bucket, key, &failed).await?;
+            self.log_missed_on(set, &took, bucket, key, &failed).await?;
         }
         self.stats
             .missed_writes
