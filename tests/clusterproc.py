@@ -75,7 +75,7 @@ class Etcd:
 
 
 class Node:
-    def __init__(self, root, i, etcd_url, drives=2):
+    def __init__(self, root, i, etcd_url, drives=2, extra=()):
         self.i = i
         self.ip = f"127.0.0.{i}"
         self.root = os.path.join(root, f"n{i}")
@@ -93,6 +93,7 @@ class Node:
             self.args += ["--drive", os.path.join(self.root, f"d{d}")]
         if drives == 0:
             self.args.append("--no-drives")
+        self.args += list(extra)
         self.logs = []
         self.start()
 

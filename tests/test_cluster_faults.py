@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from clusterproc import form, status, stop_all
+from clusterproc import Node, form, status, stop_all
 from conftest import data
 from tarnproc import metric, wait_for
 
@@ -179,3 +179,81 @@ def test_killed_node_returns_and_missed_writes_are_replayed(cluster):
     finally:
         nodes[1].signal(signal.SIGCONT)
         nodes[2].signal(signal.SIGCONT)
+
+
+def job(node, kind="backfill"):
+    return next((j for j in status(node)["jobs"] if j["kind"] == kind), None)
+
+
+def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(cluster, tmp_path):
+    etcd, nodes = cluster
+    cl = nodes[0].client()
+    cl.create_bucket(Bucket="replaced")
+    # Small objects (inline) and large ones (erasure-coded shards).
+    acked = {}
+    for j in range(120):
+        key = f"before/{j:03}"
+        acked[key] = data(key, 3_000 if j % 3 == 0 else 150_000 + 1013 * j)
+        cl.put_object(Bucket="replaced", Key=key, Body=acked[key])
+    nodes[3].signal(signal.SIGKILL)
+    nodes[3].proc.wait()
+    # An empty node, its backfill slowed (4 MiB/s) so that it can be seen
+    # and interrupted.
+    new = Node(str(tmp_path), 5, etcd.url, extra=["--heal-rate", "4MiB"])
+    nodes.append(new)
+    new.wait_serving()
+    # A node that holds places cannot be the replacement; nor can one
+    # that is not registered.
+    r = nodes[0].admin_cmd("node", "replace", "n4", "--with", "n2", check=False)
+    assert r.returncode != 0 and "already holds places" in r.stderr, r.stderr
+    r = nodes[0].admin_cmd("node", "replace", "n4", "--with", "n9", check=False)
+    assert r.returncode != 0 and "not registered" in r.stderr, r.stderr
+    load = Load(nodes[:3], "replaced", writers=2, readers=2)
+    try:
+        out = nodes[0].admin_cmd("node", "replace", "n4", "--with", "n5").stdout
+        assert "node n5 takes node n4's places" in out, out
+        st = status(nodes[1])
+        assert {n["id"]: n["state"] for n in st["nodes"]}["n4"] == "retired"
+        placed = [d for p in st["pools"] for s in p["sets"] for d in s]
+        assert not any(d["node"] == "n4" for d in placed)
+        assert sum(d.get("replaces") is not None for d in placed) == 2
+        # Its backfill shows in every node's status, with progress and a rate.
+        b = wait_for("backfill progress", lambda: (lambda j: j if j and j["objects_done"] >= 10 else None)(job(nodes[0])),
+                     timeout=60)
+        assert b["node"] == "n5" and b["phase"] == "fill" and b["objects_total"] >= 100, b
+        assert b["rate_limit_bytes_per_s"] == 4 << 20 and b["rate_bytes_per_s"] > 0, b
+        assert b["eta_s"] is not None and b["eta_s"] > 0, b
+        assert not status(nodes[0])["repair_done"]
+        assert metric(new, "tarn_backfill_running") == 1
+        # Killed mid-fill, it resumes from its checkpoint when it is back.
+        time.sleep(1.5)
+        new.signal(signal.SIGKILL)
+        new.proc.wait()
+        new.start()
+        new.wait_serving()
+        b = wait_for("a resumed backfill", lambda: job(new), timeout=60)
+        assert b["resumed_from"] is not None and b["resumed_from"]["bucket"] == "replaced", b
+    finally:
+        time.sleep(1)
+        load.finish()
+    assert not load.failed, load.failed[:3]
+    acked.update(load.acked)
+    # Done only after the verifying scan: no job, no drive behind, nothing
+    # under-replicated, as every node sees it.
+    for n in nodes[:3] + [new]:
+        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=180)
+    assert metric(new, "tarn_backfill_running") == 0
+    assert metric(new, "tarn_backfill_objects_visited_total") >= 2 * 100
+    assert any("verifying scan found every object whole" in line for p in new.logs for line in open(p))
+    check_all_readable(nodes[:3] + [new], "replaced", acked)
+    # The new node's drives hold every object: with two other nodes paused,
+    # it and one more serve them all (2+2).
+    nodes[0].signal(signal.SIGSTOP)
+    nodes[1].signal(signal.SIGSTOP)
+    try:
+        cl = new.client()
+        for key, body in acked.items():
+            assert cl.get_object(Bucket="replaced", Key=key)["Body"].read() == body, key
+    finally:
+        nodes[0].signal(signal.SIGCONT)
+        nodes[1].signal(signal.SIGCONT)

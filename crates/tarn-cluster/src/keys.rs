@@ -9,6 +9,8 @@
 //! maps/<epoch>      earlier maps, the most recent few kept
 //! leader/<role>     the elected holder of a background role; the key's
 //!                   create revision is its fencing token
+//! progress/<id>     a node's background jobs under way (backfill): JSON,
+//!                   on a short lease, for `cluster status`
 //! buckets/<name>    a bucket's record (format.md's bucket record bytes)
 //! sys/<key>         a system document (users and their keys, buckets'
 //!                   owners, ACLs and policies: JSON, as on one node)
@@ -79,6 +81,14 @@ impl Keys {
 
     pub fn doc(&self, key: &str) -> String {
         format!("{}sys/{key}", self.root)
+    }
+
+    pub fn progress_all(&self) -> String {
+        format!("{}progress/", self.root)
+    }
+
+    pub fn progress(&self, id: &str) -> String {
+        format!("{}progress/{id}", self.root)
     }
 
     pub fn leader(&self, role: &str) -> String {

@@ -15,6 +15,11 @@ pub struct DriveRef {
     pub node: String,
     /// The drive's id (its format record's drive id, in hex).
     pub drive: String,
+    /// The drive whose place it took (`node replace`): it joined a set
+    /// holding data, so it is backfilled before it serves reads. Absent for
+    /// a drive placed when its pool was formed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaces: Option<String>,
 }
 
 /// A node's lifecycle, apart from whether it is up (Ceph's in/up).
@@ -121,6 +126,58 @@ impl ClusterMap {
         })
     }
 
+    /// The map with node `old`'s places given to node `new`'s drives, in
+    /// order (sorted ids), one for one, and its epoch advanced. `new` must
+    /// have a drive the map does not place for each of `old`'s places; it
+    /// then holds exactly the shards `old` held in every set, so no set gets
+    /// more than its parity from one node.
+    pub fn replace_node(&self, old: &str, new: &NodeRecord) -> Result<ClusterMap, String> {
+        if old == new.id {
+            return Err(format!("node {old} cannot replace itself"));
+        }
+        let placed: std::collections::HashSet<&str> =
+            self.drives().map(|(_, _, _, d)| d.drive.as_str()).collect();
+        if self.drives().any(|(_, _, _, d)| d.node == new.id) {
+            return Err(format!(
+                "node {} already holds places in the map: a replacement must be a node the map does not use",
+                new.id
+            ));
+        }
+        let mut free: Vec<&String> = new
+            .drives
+            .iter()
+            .filter(|d| !placed.contains(d.as_str()))
+            .collect();
+        free.sort();
+        let wanted = self.drives().filter(|(_, _, _, d)| d.node == old).count();
+        if wanted == 0 {
+            return Err(format!("node {old} holds no place in the cluster map"));
+        }
+        if free.len() < wanted {
+            return Err(format!(
+                "node {old} holds {wanted} place(s) in the map; node {} has {} unplaced drive(s)",
+                new.id,
+                free.len()
+            ));
+        }
+        let mut next = self.clone();
+        let mut free = free.into_iter();
+        for pool in &mut next.pools {
+            for set in &mut pool.sets {
+                for d in set.iter_mut().filter(|d| d.node == old) {
+                    let drive = free.next().expect("counted above").clone();
+                    *d = DriveRef {
+                        node: new.id.clone(),
+                        replaces: Some(d.drive.clone()),
+                        drive,
+                    };
+                }
+            }
+        }
+        next.epoch += 1;
+        Ok(next)
+    }
+
     /// Every drive the map places, with its pool, set and shard index.
     pub fn drives(&self) -> impl Iterator<Item = (u32, usize, usize, &DriveRef)> {
         self.pools.iter().flat_map(|p| {
@@ -181,6 +238,48 @@ mod tests {
         let mut less = nodes.clone();
         less[3].state = NodeState::Draining;
         assert!(ClusterMap::initial("c1", "dep", &less, 2, 2).is_err());
+    }
+
+    #[test]
+    fn replacing_a_node_gives_its_places_to_the_new_one() {
+        let mut nodes: Vec<_> = ["a", "b", "c", "d"].iter().map(|n| node(n, 2)).collect();
+        let map = ClusterMap::initial("c1", "dep", &nodes, 2, 2).unwrap();
+        nodes.push(node("e", 2));
+        let next = map.replace_node("c", &nodes[4]).unwrap();
+        assert_eq!(next.epoch, map.epoch + 1);
+        let before: Vec<_> = map.drives().filter(|d| d.3.node == "c").collect();
+        let after: Vec<_> = next.drives().filter(|d| d.3.node == "e").collect();
+        assert_eq!(before.len(), after.len());
+        for (b, a) in before.iter().zip(&after) {
+            assert_eq!((b.0, b.1, b.2), (a.0, a.1, a.2), "the same place");
+            assert_eq!(a.3.replaces.as_deref(), Some(b.3.drive.as_str()));
+        }
+        assert!(next.drives().all(|d| d.3.node != "c"));
+        // Unchanged places say nothing of a replacement, in JSON either.
+        let j = serde_json::to_value(&next).unwrap();
+        assert!(j["pools"][0]["sets"][0][0].get("replaces").is_none());
+        assert_eq!(
+            decode::<ClusterMap>("map", &serde_json::to_vec(&next).unwrap()).unwrap(),
+            next
+        );
+        // Refusals: itself, a node in use, too few drives, a node with no place.
+        assert!(map
+            .replace_node("c", &nodes[2])
+            .unwrap_err()
+            .contains("itself"));
+        assert!(next
+            .replace_node("a", &nodes[4])
+            .unwrap_err()
+            .contains("already holds"));
+        let small = node("f", 1);
+        assert!(map
+            .replace_node("c", &small)
+            .unwrap_err()
+            .contains("unplaced drive"));
+        assert!(map
+            .replace_node("zz", &nodes[4])
+            .unwrap_err()
+            .contains("holds no place"));
     }
 
     #[test]

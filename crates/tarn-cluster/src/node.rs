@@ -18,7 +18,7 @@ use serde_json::json;
 use tarn_store::drive_io::Drive;
 use tarn_store::format::{id_from_hex, id_to_hex, new_id, Id128};
 use tarn_store::lock::LeaseTable;
-use tarn_store::{ClusterDrive, ClusterLayout, Store, StoreConfig};
+use tarn_store::{ClusterDrive, ClusterLayout, DriveChange, Store, StoreConfig};
 
 use crate::catalog::{decode_bucket, EtcdCatalog};
 use crate::etcd::{Etcd, EtcdError, Event};
@@ -34,8 +34,47 @@ use crate::rpc::{Identity, RpcClient};
 pub const MEMBER_TTL_SECS: i64 = 6;
 /// Deadline of one etcd call.
 const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often a node publishes its background progress, and how long a
+/// published one outlives the node.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+const PROGRESS_TTL_SECS: i64 = 10;
 /// How often a node without a map (or a broken watch) asks etcd again.
 const RETRY: Duration = Duration::from_millis(500);
+
+/// The set positions whose drive differs from `cur` to `next`: (set,
+/// position, the drive now there). Refused, saying what, for any other
+/// change of the pools.
+fn drive_changes(
+    cur: &ClusterMap,
+    next: &ClusterMap,
+) -> Result<Vec<(usize, usize, map::DriveRef)>, String> {
+    if cur.pools.len() != next.pools.len() {
+        return Err(format!(
+            "{} pool(s) became {}",
+            cur.pools.len(),
+            next.pools.len()
+        ));
+    }
+    let mut out = Vec::new();
+    for (a, b) in cur.pools.iter().zip(&next.pools) {
+        if (a.id, a.data_shards, a.parity_shards, a.sets.len())
+            != (b.id, b.data_shards, b.parity_shards, b.sets.len())
+        {
+            return Err(format!("pool {} changed its geometry", a.id));
+        }
+        for (s, (sa, sb)) in a.sets.iter().zip(&b.sets).enumerate() {
+            if sa.len() != sb.len() {
+                return Err(format!("set {s} of pool {} changed its size", a.id));
+            }
+            for (p, (da, db)) in sa.iter().zip(sb).enumerate() {
+                if (&da.node, &da.drive) != (&db.node, &db.drive) {
+                    out.push((s, p, db.clone()));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
 
 /// What a node is told at start (`tarn server --cluster …`).
 #[derive(Debug, Clone)]
@@ -347,24 +386,15 @@ impl Node {
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
-        let (nodes, buckets) = rt.block_on(async {
-            let (nodes, _) = self
-                .etcd
-                .get_prefix(&self.keys.nodes())
-                .await
-                .map_err(etcd_err)?;
+        let (addresses, buckets) = rt.block_on(async {
+            let addresses = self.addresses().await?;
             let (kvs, _) = self
                 .etcd
                 .get_prefix(&self.keys.buckets())
                 .await
                 .map_err(etcd_err)?;
-            Ok::<_, String>((nodes, kvs))
+            Ok::<_, String>((addresses, kvs))
         })?;
-        let mut addresses = HashMap::new();
-        for kv in nodes {
-            let rec: NodeRecord = map::decode("node record", &kv.value)?;
-            addresses.insert(rec.id.clone(), rec.address.clone());
-        }
         let records = self.bucket_records(buckets)?;
         let pool = m
             .pools
@@ -377,37 +407,11 @@ impl Node {
         self.epoch.store(m.epoch, Ordering::Release);
         let mut sets = Vec::new();
         for set in &pool.sets {
-            let mut drives = Vec::new();
-            for d in set {
-                let id = id_from_hex(&d.drive)
-                    .ok_or_else(|| format!("the map names drive {:?}", d.drive))?;
-                if d.node == self.cfg.node_id {
-                    let path = self
-                        .drives
-                        .iter()
-                        .find(|(i, _)| *i == id)
-                        .map(|(_, p)| p.clone())
-                        .ok_or_else(|| {
-                            format!(
-                                "the cluster map places drive {} on this node, which has no such drive (give its --drive)",
-                                d.drive
-                            )
-                        })?;
-                    drives.push(ClusterDrive::Local { path, drive_id: id });
-                } else {
-                    let address = addresses
-                        .get(&d.node)
-                        .ok_or_else(|| format!("the map names node {} without a record", d.node))?;
-                    drives.push(ClusterDrive::Remote(Arc::new(RemoteDrive::new(
-                        self.client.clone(),
-                        address,
-                        &d.node,
-                        id,
-                        self.epoch.clone(),
-                    ))));
-                }
-            }
-            sets.push(drives);
+            sets.push(
+                set.iter()
+                    .map(|d| self.cluster_drive(d, &addresses))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
         }
         let deployment_id = id_from_hex(&m.deployment_id)
             .ok_or_else(|| format!("the map's deployment id {:?}", m.deployment_id))?;
@@ -424,6 +428,64 @@ impl Node {
         let _ = self.store.set(store.clone());
         self.opened.send_replace(true);
         Ok(store)
+    }
+
+    /// How the engine reaches one place of the map: a drive of this node
+    /// (by the id it claimed), or another node's over RPC.
+    fn cluster_drive(
+        &self,
+        d: &map::DriveRef,
+        addresses: &HashMap<String, String>,
+    ) -> Result<ClusterDrive, String> {
+        let id =
+            id_from_hex(&d.drive).ok_or_else(|| format!("the map names drive {:?}", d.drive))?;
+        let joins = d.replaces.is_some();
+        if d.node == self.cfg.node_id {
+            let path = self
+                .drives
+                .iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, p)| p.clone())
+                .ok_or_else(|| {
+                    format!(
+                        "the cluster map places drive {} on this node, which has no such drive (give its --drive)",
+                        d.drive
+                    )
+                })?;
+            return Ok(ClusterDrive::Local {
+                path,
+                drive_id: id,
+                joins,
+            });
+        }
+        let address = addresses
+            .get(&d.node)
+            .ok_or_else(|| format!("the map names node {} without a record", d.node))?;
+        Ok(ClusterDrive::Remote {
+            drive: Arc::new(RemoteDrive::new(
+                self.client.clone(),
+                address,
+                &d.node,
+                id,
+                self.epoch.clone(),
+            )),
+            joins,
+        })
+    }
+
+    /// Node addresses by id, from their records.
+    async fn addresses(&self) -> Result<HashMap<String, String>, String> {
+        let (nodes, _) = self
+            .etcd
+            .get_prefix(&self.keys.nodes())
+            .await
+            .map_err(etcd_err)?;
+        let mut addresses = HashMap::new();
+        for kv in nodes {
+            let rec: NodeRecord = map::decode("node record", &kv.value)?;
+            addresses.insert(rec.id, rec.address);
+        }
+        Ok(addresses)
     }
 
     /// Bucket records from a read of `buckets/`, by name.
@@ -454,6 +516,18 @@ impl Node {
         let node = self.clone();
         let mut stop = self.stop.subscribe();
         tokio::spawn(async move {
+            let mut published = false;
+            loop {
+                published = node.publish_progress(published).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(PROGRESS_EVERY) => {}
+                    _ = stop.changed() => return,
+                }
+            }
+        });
+        let node = self.clone();
+        let mut stop = self.stop.subscribe();
+        tokio::spawn(async move {
             loop {
                 tokio::select! {
                     r = node.watch_once() => {
@@ -466,6 +540,63 @@ impl Node {
                 tokio::time::sleep(RETRY).await;
             }
         });
+    }
+
+    /// Puts this node's background jobs under `progress/<id>` on a short
+    /// lease (a node that dies leaves nothing behind), or removes them once
+    /// none runs. Whether something is published now.
+    async fn publish_progress(&self, published: bool) -> bool {
+        let jobs = self.jobs();
+        let key = self.keys.progress(&self.cfg.node_id);
+        let r = if jobs.is_empty() {
+            if !published {
+                return false;
+            }
+            self.etcd.delete(&key).await.map(|_| ())
+        } else {
+            let value = serde_json::to_vec(&jobs).expect("json");
+            match self.etcd.lease_grant(PROGRESS_TTL_SECS).await {
+                Ok((lease, _)) => self.etcd.put(&key, &value, Some(lease)).await.map(|_| ()),
+                Err(e) => Err(e),
+            }
+        };
+        match r {
+            Ok(()) => !jobs.is_empty(),
+            Err(error) => {
+                tracing::debug!(%error, "cannot publish background progress");
+                published
+            }
+        }
+    }
+
+    /// This node's background jobs, as `cluster status` shows them.
+    fn jobs(&self) -> Vec<serde_json::Value> {
+        let Some(store) = self.store.get() else {
+            return Vec::new();
+        };
+        store
+            .backfill_status()
+            .map(|b| {
+                json!({
+                    "node": self.cfg.node_id,
+                    "kind": "backfill",
+                    "phase": b.phase,
+                    "drives": b.drives,
+                    "sets": b.sets,
+                    "objects_total": b.objects_total,
+                    "objects_done": b.objects_done,
+                    "bytes_done": b.bytes_done,
+                    "repaired": b.repaired,
+                    "failures": b.failures,
+                    "rate_bytes_per_s": b.rate().round(),
+                    "eta_s": b.eta_secs().map(f64::ceil),
+                    "elapsed_s": b.started.elapsed().as_secs(),
+                    "rate_limit_bytes_per_s": b.rate_limit,
+                    "resumed_from": b.resumed_from.map(|(bucket, key)| json!({"bucket": bucket, "key": key})),
+                })
+            })
+            .into_iter()
+            .collect()
     }
 
     /// One full read, then a watch from the revision after it.
@@ -481,6 +612,10 @@ impl Node {
         let all = self.bucket_records(kvs)?;
         store.replace_buckets(all);
         self.docs_were_changed();
+        // A map changed while the watch was down is applied now.
+        if let Some((m, _)) = self.read_map().await? {
+            self.map_changed(m).await;
+        }
         let mut watch = self
             .etcd
             .watch_prefix(self.keys.root(), revision + 1)
@@ -508,7 +643,12 @@ impl Node {
                     docs = true;
                 } else if key == self.keys.map() {
                     if let Event::Put(kv) = &ev {
-                        self.map_changed(&kv.value);
+                        match map::decode::<ClusterMap>("cluster map", &kv.value) {
+                            Ok(m) => self.map_changed(m).await,
+                            Err(error) => {
+                                tracing::error!(%error, "unreadable cluster map in etcd")
+                            }
+                        }
                     }
                 }
             }
@@ -524,24 +664,130 @@ impl Node {
         }
     }
 
-    /// A new map: this version serves the pool it opened with; a change of
-    /// sets needs a restart (issue 15 brings expansion without one).
-    fn map_changed(&self, bytes: &[u8]) {
-        let Ok(m) = map::decode::<ClusterMap>("cluster map", bytes) else {
-            tracing::error!("unreadable cluster map in etcd");
+    /// A new map. Set positions given other drives (a node replaced) are
+    /// applied to the engine, then the node takes the new epoch (so it
+    /// never claims an epoch whose sets it does not serve). Other changes
+    /// of the sets need a restart in this version.
+    async fn map_changed(&self, m: ClusterMap) {
+        let Some(store) = self.store.get() else {
             return;
         };
-        let mut cur = self.map.write().expect("map");
-        let same_sets = cur.as_ref().is_some_and(|c| c.pools == m.pools);
-        if !same_sets {
-            tracing::error!(
-                epoch = m.epoch,
-                "the cluster map's sets changed: restart this node to serve them"
-            );
+        let cur = self.map.read().expect("map").clone();
+        let Some(cur) = cur else { return };
+        if m.epoch <= cur.epoch {
             return;
         }
+        let changes = match drive_changes(&cur, &m) {
+            Ok(c) => c,
+            Err(why) => {
+                tracing::error!(epoch = m.epoch, %why, "the cluster map's sets changed in a way this node cannot follow running: restart it to serve them");
+                return;
+            }
+        };
+        if !changes.is_empty() {
+            let addresses = match self.addresses().await {
+                Ok(a) => a,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot read node records for the new map; tried again when the watch restarts");
+                    return;
+                }
+            };
+            let mut wanted = Vec::new();
+            for (set, position, d) in changes {
+                match self.cluster_drive(&d, &addresses) {
+                    Ok(drive) => wanted.push(DriveChange {
+                        set,
+                        position,
+                        drive,
+                    }),
+                    Err(error) => {
+                        tracing::error!(%error, "cannot serve the new cluster map");
+                        return;
+                    }
+                }
+            }
+            let st = store.clone();
+            let applied = tokio::task::spawn_blocking(move || st.change_drives(wanted)).await;
+            match applied {
+                Ok(Ok(())) => store.start_backfill(),
+                Ok(Err(error)) => {
+                    tracing::error!(%error, "cannot serve the new cluster map");
+                    return;
+                }
+                Err(error) => {
+                    tracing::error!(%error, "cannot serve the new cluster map");
+                    return;
+                }
+            }
+        }
+        tracing::info!(epoch = m.epoch, "serving the new cluster map");
         self.epoch.store(m.epoch, Ordering::Release);
-        *cur = Some(m);
+        *self.map.write().expect("map") = Some(m);
+    }
+
+    /// Gives node `old`'s places in the map to node `new`, which must be up
+    /// and placed nowhere yet: its drives are backfilled from the other
+    /// drives of their sets. `old` is recorded retired.
+    pub async fn replace(&self, old: &str, new: &str) -> Result<ClusterMap, String> {
+        let (m, revision) = self
+            .read_map()
+            .await?
+            .ok_or_else(|| format!("cluster {} is not formed", self.cfg.cluster))?;
+        let (kv, _) = self
+            .etcd
+            .get(&self.keys.node(new))
+            .await
+            .map_err(etcd_err)?;
+        let rec: NodeRecord = match kv {
+            Some(kv) => map::decode("node record", &kv.value)?,
+            None => return Err(format!("node {new} is not registered: start it first")),
+        };
+        if rec.state != NodeState::Active {
+            return Err(format!("node {new} is {:?}, not active", rec.state));
+        }
+        let (member, _) = self
+            .etcd
+            .get(&self.keys.member(new))
+            .await
+            .map_err(etcd_err)?;
+        if member.is_none() {
+            return Err(format!(
+                "node {new} is not up: start it first, so that its drives are claimed and it takes its places at once"
+            ));
+        }
+        let next = m.replace_node(old, &rec)?;
+        self.etcd
+            .put(
+                &self.keys.old_map(m.epoch),
+                &serde_json::to_vec(&m).expect("json"),
+                None,
+            )
+            .await
+            .map_err(etcd_err)?;
+        let won = self
+            .etcd
+            .compare_and_swap(
+                &self.keys.map(),
+                revision,
+                &serde_json::to_vec(&next).expect("json"),
+                None,
+            )
+            .await
+            .map_err(etcd_err)?;
+        if !won {
+            return Err("the cluster map changed meanwhile; look at it again and retry".into());
+        }
+        // The old node keeps its record (its id stays known) as retired.
+        let key = self.keys.node(old);
+        if let (Some(kv), _) = self.etcd.get(&key).await.map_err(etcd_err)? {
+            let mut rec: NodeRecord = map::decode("node record", &kv.value)?;
+            rec.state = NodeState::Retired;
+            self.etcd
+                .put(&key, &serde_json::to_vec(&rec).expect("json"), None)
+                .await
+                .map_err(etcd_err)?;
+        }
+        Ok(next)
     }
 
     /// Forms the cluster: one pool of k+m sets over the registered nodes'
@@ -648,6 +894,21 @@ impl Node {
             Some(store) => Some(store.under_replicated().await),
             None => None,
         };
+        // Every node's jobs as published, this node's as they are now.
+        let (published, _) = self
+            .etcd
+            .get_prefix(&self.keys.progress_all())
+            .await
+            .map_err(etcd_err)?;
+        let mut jobs = self.jobs();
+        for kv in published {
+            if kv.key == self.keys.progress(&self.cfg.node_id) {
+                continue;
+            }
+            if let Ok(serde_json::Value::Array(theirs)) = serde_json::from_slice(&kv.value) {
+                jobs.extend(theirs);
+            }
+        }
         let suspects: Vec<serde_json::Value> = self
             .client
             .suspects()
@@ -661,6 +922,17 @@ impl Node {
                 })
             })
             .collect();
+        // Repair is done once no job runs, no drive in this node's view is
+        // behind, and the logs (all answering) hold nothing: each backfill
+        // ended with a verifying scan that found nothing to repair.
+        let behind = view
+            .iter()
+            .any(|d| d["rebuilding"] == true || d["syncing"] == true || d["online"] == false);
+        let repaired = under
+            .as_ref()
+            .is_some_and(|u| u.objects == 0 && u.unanswered == 0 && u.overflowed == 0)
+            && jobs.is_empty()
+            && !behind;
         Ok(json!({
             "cluster": self.cfg.cluster,
             "node": self.cfg.node_id,
@@ -672,6 +944,8 @@ impl Node {
             "live": live,
             "drives_seen_from_here": view,
             "suspect_peers": suspects,
+            "jobs": jobs,
+            "repair_done": repaired,
             // Objects some write missed on a drive of their set, not healed
             // yet (the missed-write logs of every drive, each position's
             // entries once).

@@ -147,6 +147,7 @@ fn take(left: &mut Left<'_>, i: usize, taken: &mut [usize], set: &mut Vec<DriveR
     set.push(DriveRef {
         node: left[i].0.to_string(),
         drive: drive.to_string(),
+        replaces: None,
     });
 }
 

@@ -21,7 +21,7 @@ use tarn_store::lock::{LeaseCall, LeaseTable};
 use tarn_store::shard::ShardError;
 use tarn_store::StoreError;
 
-use crate::rpc::server::{Handler, HandlerError, ServerCall};
+use crate::rpc::server::{Handler, HandlerError, ServerCall, EPOCH_CATCH_UP, EPOCH_POLL};
 use crate::rpc::wire::drive::{self as dw, Failure};
 use crate::rpc::wire::{op, Channel, Dec, Enc, ErrorCode};
 use crate::rpc::{Call, RpcClient, RpcError};
@@ -91,17 +91,41 @@ impl RemoteDrive {
     }
 
     async fn call(&self, op: u16, payload: Vec<u8>) -> Result<Vec<u8>, Failure> {
-        self.client
-            .call(
-                &self.address,
-                Some(&self.node_id),
-                op,
-                self.epoch.load(Ordering::Relaxed),
-                &payload,
-                CONTROL_DEADLINE,
-            )
-            .await
-            .map_err(|e| self.failure(e))
+        let mut retried = false;
+        loop {
+            let r = self
+                .client
+                .call(
+                    &self.address,
+                    Some(&self.node_id),
+                    op,
+                    self.epoch.load(Ordering::Relaxed),
+                    &payload,
+                    CONTROL_DEADLINE,
+                )
+                .await;
+            match r {
+                Err(e) if !retried && self.caught_up(&e).await => retried = true,
+                r => return r.map_err(|e| self.failure(e)),
+            }
+        }
+    }
+
+    /// After a refusal for a stale epoch: whether this node's map reached
+    /// the peer's epoch within a moment (the map change reaches nodes a few
+    /// milliseconds apart), so the call is worth making again.
+    async fn caught_up(&self, e: &RpcError) -> bool {
+        let RpcError::StaleEpoch { peer_epoch } = e else {
+            return false;
+        };
+        let until = tokio::time::Instant::now() + EPOCH_CATCH_UP;
+        while self.epoch.load(Ordering::Acquire) < *peer_epoch {
+            if tokio::time::Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(EPOCH_POLL).await;
+        }
+        true
     }
 
     async fn meta(&self, op: u16, payload: Vec<u8>) -> Result<Vec<u8>, StoreError> {
@@ -123,14 +147,21 @@ impl RemoteDrive {
         payload: Vec<u8>,
     ) -> Result<(Vec<u8>, Vec<Vec<u8>>), StoreError> {
         let fail = |e: RpcError| self.failure(e).into_store(&self.name);
-        let mut call = self
-            .open(Channel::Control, SCAN_DEADLINE)
-            .await
-            .map_err(fail)?;
-        call.request(op, self.epoch.load(Ordering::Relaxed), &payload, false)
-            .await
-            .map_err(fail)?;
-        let (head, body) = call.response().await.map_err(fail)?;
+        let mut retried = false;
+        let (mut call, head, body) = loop {
+            let mut call = self
+                .open(Channel::Control, SCAN_DEADLINE)
+                .await
+                .map_err(fail)?;
+            call.request(op, self.epoch.load(Ordering::Relaxed), &payload, false)
+                .await
+                .map_err(fail)?;
+            match call.response().await {
+                Ok((head, body)) => break (call, head, body),
+                Err(e) if !retried && self.caught_up(&e).await => retried = true,
+                Err(e) => return Err(fail(e)),
+            }
+        };
         let mut runs = Vec::new();
         if body {
             let mut buf = Vec::new();

@@ -39,6 +39,11 @@ pub struct StoreConfig {
     /// data (it still serves reads and takes metadata, so DELETEs can free
     /// space). None: 2% of the drive, at most 1 GiB.
     pub drive_reserve_bytes: Option<u64>,
+    /// Background work (backfill of a drive that joined) visits at most
+    /// this many bytes of objects per second; 0: no limit.
+    pub heal_rate_bytes: u64,
+    /// Objects a backfill heals at once.
+    pub heal_concurrency: usize,
 }
 
 impl Default for StoreConfig {
@@ -59,6 +64,8 @@ impl Default for StoreConfig {
             part_size_min_bytes: 5 << 20,
             part_count_max: 10_000,
             drive_reserve_bytes: None,
+            heal_rate_bytes: 0,
+            heal_concurrency: 4,
         }
     }
 }

@@ -382,6 +382,78 @@ pub fn mark_rebuilding(path: &Path) -> Result<(), StoreError> {
     tarn_io::file::sync_dir(&path.join(".tarn")).map_err(|e| io("sync .tarn", e))
 }
 
+/// How far a backfill of a rebuilding drive got (kept in its rebuild
+/// marker, format.md "Rebuild marker"): every key of its set up to and
+/// including (`bucket`, `key`), in bucket then key order, was healed onto
+/// it in phase `phase`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackfillCheckpoint {
+    /// 0: filling; 1: the verifying scan (it restarts from the first key).
+    pub phase: u8,
+    pub bucket: String,
+    pub key: String,
+}
+
+const CHECKPOINT_MAGIC: &[u8; 4] = b"TBF1";
+
+impl BackfillCheckpoint {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 + self.bucket.len() + self.key.len());
+        out.extend_from_slice(CHECKPOINT_MAGIC);
+        out.push(self.phase);
+        for s in [&self.bucket, &self.key] {
+            out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+            out.extend_from_slice(s.as_bytes());
+        }
+        let crc = crate::checksum::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// None for anything but a whole, intact checkpoint (an empty marker,
+    /// one cut short, one from another version): the backfill starts over.
+    pub fn decode(b: &[u8]) -> Option<BackfillCheckpoint> {
+        let (body, crc) = b.split_at_checked(b.len().checked_sub(4)?)?;
+        if crate::checksum::crc32c(body).to_le_bytes() != crc {
+            return None;
+        }
+        let rest = body.strip_prefix(CHECKPOINT_MAGIC)?;
+        let (&phase, mut rest) = rest.split_first()?;
+        let mut text = || {
+            let (len, tail) = rest.split_at_checked(2)?;
+            let len = u16::from_le_bytes(len.try_into().ok()?) as usize;
+            let (s, tail) = tail.split_at_checked(len)?;
+            rest = tail;
+            String::from_utf8(s.to_vec()).ok()
+        };
+        let bucket = text()?;
+        let key = text()?;
+        (rest.is_empty() && phase <= 1).then_some(BackfillCheckpoint { phase, bucket, key })
+    }
+}
+
+/// The backfill checkpoint in a drive's rebuild marker, if it holds one.
+pub fn backfill_checkpoint(path: &Path) -> Option<BackfillCheckpoint> {
+    BackfillCheckpoint::decode(&std::fs::read(path.join(REBUILD_MARKER)).ok()?)
+}
+
+/// Replaces the rebuild marker by one holding `c` (written aside, synced,
+/// renamed over it: a crash leaves the old checkpoint or the new one). Only
+/// while the drive is rebuilding: a marker removed meanwhile stays removed.
+pub fn save_backfill_checkpoint(path: &Path, c: &BackfillCheckpoint) -> std::io::Result<()> {
+    let marker = path.join(REBUILD_MARKER);
+    if !marker.exists() {
+        return Ok(());
+    }
+    let tmp = path.join(".tarn/rebuilding.tmp");
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, &c.encode())?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, &marker)
+}
+
 /// Removes the rebuild marker once heal has filled the index.
 pub fn clear_rebuilding(path: &Path) -> std::io::Result<()> {
     match std::fs::remove_file(path.join(REBUILD_MARKER)) {
@@ -1156,6 +1228,44 @@ mod tests {
             position,
             bucket: "bkt".into(),
             key: key.into(),
+        }
+    }
+
+    #[test]
+    fn backfill_checkpoints_round_trip_and_refuse_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        let c = BackfillCheckpoint {
+            phase: 0,
+            bucket: "b".into(),
+            key: "dir/k\n\u{e9}".into(),
+        };
+        // Nothing is saved where no rebuild is marked.
+        save_backfill_checkpoint(dir.path(), &c).unwrap();
+        assert!(!rebuild_pending(dir.path()));
+        mark_rebuilding(dir.path()).unwrap();
+        assert_eq!(
+            backfill_checkpoint(dir.path()),
+            None,
+            "an empty marker starts over"
+        );
+        save_backfill_checkpoint(dir.path(), &c).unwrap();
+        assert_eq!(backfill_checkpoint(dir.path()), Some(c.clone()));
+        // A new rebuild starts over.
+        mark_rebuilding(dir.path()).unwrap();
+        assert_eq!(backfill_checkpoint(dir.path()), None);
+        let bytes = c.encode();
+        for cut in 0..bytes.len() {
+            assert_eq!(
+                BackfillCheckpoint::decode(&bytes[..cut]),
+                None,
+                "cut at {cut}"
+            );
+        }
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x40;
+            assert_eq!(BackfillCheckpoint::decode(&bad), None, "byte {i} flipped");
         }
     }
 

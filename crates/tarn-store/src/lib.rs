@@ -25,7 +25,7 @@ pub use error::StoreError;
 pub use format::{Durability, Versioning};
 pub use store::get::GetResult;
 pub use store::{
-    check_erasure, claim_drive, parse_version, validate_bucket_name, ClusterDrive, ClusterLayout,
-    ObjectStream, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
+    check_erasure, claim_drive, parse_version, validate_bucket_name, BackfillStatus, ClusterDrive,
+    ClusterLayout, DriveChange, ObjectStream, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
 };
 pub use types::*;

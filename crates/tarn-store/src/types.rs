@@ -258,6 +258,8 @@ pub struct HealReport {
     pub failures: u64,
     /// Of the failures, drives an object's record could not be written to.
     pub metadata_failures: u64,
+    /// Bytes of the object versions healed or found whole.
+    pub bytes_scanned: u64,
 }
 
 #[derive(Debug, Clone)]

@@ -117,7 +117,8 @@ fn authorized(req: &http::Request<Incoming>, token: &str) -> bool {
         .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
 }
 
-/// `GET /admin/cluster/status` and `POST /admin/cluster/init?data_shards=K&parity_shards=M`.
+/// `GET /admin/cluster/status`, `POST /admin/cluster/init?data_shards=K&parity_shards=M`
+/// and `POST /admin/cluster/replace?old=ID&new=ID`.
 async fn cluster(
     method: &str,
     path: &str,
@@ -130,20 +131,33 @@ async fn cluster(
             serde_json::json!({ "error": "this server is not part of a cluster (start it with --cluster, --etcd, --node-id and --advertise)" }),
         );
     };
+    let arg = |name: &str| -> Option<&str> {
+        query?
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+    };
     match (method, path) {
+        ("POST", "/admin/cluster/replace") => {
+            let (Some(old), Some(new)) = (arg("old"), arg("new")) else {
+                return json(400, serde_json::json!({ "error": "give old and new" }));
+            };
+            match node.replace(old, new).await {
+                Ok(map) => json(
+                    200,
+                    serde_json::json!({ "epoch": map.epoch, "pools": map.pools }),
+                ),
+                Err(e) => json(409, serde_json::json!({ "error": e })),
+            }
+        }
         ("GET", "/admin/cluster/status") => match node.status().await {
             Ok(v) => json(200, v),
             Err(e) => json(503, serde_json::json!({ "error": e })),
         },
         ("POST", "/admin/cluster/init") => {
-            let arg = |name: &str| -> Option<usize> {
-                query?
-                    .split('&')
-                    .filter_map(|kv| kv.split_once('='))
-                    .find(|(k, _)| *k == name)
-                    .and_then(|(_, v)| v.parse().ok())
-            };
-            let (Some(k), Some(m)) = (arg("data_shards"), arg("parity_shards")) else {
+            let num = |name: &str| arg(name).and_then(|v| v.parse::<usize>().ok());
+            let (Some(k), Some(m)) = (num("data_shards"), num("parity_shards")) else {
                 return json(
                     400,
                     serde_json::json!({ "error": "give data_shards and parity_shards" }),
@@ -276,7 +290,14 @@ async fn handle(
                 )
             }
         }
-        ("GET", "/metrics") => text(200, "text/plain; version=0.0.4", metrics.render(&store)),
+        ("GET", "/metrics") => {
+            let under = store.under_replicated().await.objects;
+            text(
+                200,
+                "text/plain; version=0.0.4",
+                metrics.render(&store, under),
+            )
+        }
         (_, p) if p.starts_with("/admin/") && !authorized => {
             text(401, "text/plain", "missing or wrong bearer token\n".into())
         }

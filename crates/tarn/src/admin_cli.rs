@@ -31,6 +31,22 @@ enum AdminCommand {
     /// The cluster this server is a node of.
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// Nodes of the cluster.
+    #[command(subcommand)]
+    Node(NodeCommand),
+}
+
+#[derive(clap::Subcommand)]
+enum NodeCommand {
+    /// Give node OLD's places in the cluster map to node NEW (up, and
+    /// placed nowhere yet); NEW's drives are backfilled from the other
+    /// drives of their sets, and OLD is recorded retired. `cluster status`
+    /// shows the backfill's progress.
+    Replace {
+        old: String,
+        #[arg(long = "with")]
+        with: String,
+    },
 }
 
 #[derive(clap::Subcommand)]
@@ -123,6 +139,17 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
             let sets = v["pools"][0]["sets"].as_array().map_or(0, Vec::len);
             println!(
                 "cluster formed: epoch {}, {sets} erasure set(s) of {data_shards}+{parity_shards}",
+                v["epoch"]
+            );
+            Ok(())
+        }
+        AdminCommand::Node(NodeCommand::Replace { old, with }) => {
+            let v = call(
+                "POST",
+                &format!("/admin/cluster/replace?old={old}&new={with}"),
+            )?;
+            println!(
+                "node {with} takes node {old}'s places: cluster map epoch {}; its drives are being backfilled (see cluster status)",
                 v["epoch"]
             );
             Ok(())
@@ -231,6 +258,44 @@ fn print_status(v: &serde_json::Value) {
                 format!(" (and {overflowed} set position(s) whose missed-write log overflowed: healing in full)")
             } else {
                 String::new()
+            }
+        );
+    }
+    for j in v["jobs"].as_array().into_iter().flatten() {
+        let mib = |b: &serde_json::Value| b.as_f64().unwrap_or(0.0) / (1024.0 * 1024.0);
+        let eta = match j["eta_s"].as_f64() {
+            Some(e) => format!("ETA {e:.0} s"),
+            None => "ETA not known yet".into(),
+        };
+        println!(
+            "{} on {}: {} {}/{} objects, {:.1} MiB at {:.1} MiB/s, {eta}{}  (drives {})",
+            s(&j["kind"]),
+            s(&j["node"]),
+            s(&j["phase"]),
+            j["objects_done"],
+            j["objects_total"],
+            mib(&j["bytes_done"]),
+            mib(&j["rate_bytes_per_s"]),
+            match j["failures"].as_u64() {
+                Some(f) if f > 0 => format!(", {f} failed (retried)"),
+                _ => String::new(),
+            },
+            j["drives"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(&s)
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    if v["formed"].as_bool() == Some(true) {
+        println!(
+            "repair: {}",
+            if v["repair_done"].as_bool() == Some(true) {
+                "done (no job runs, no drive behind, nothing under-replicated)"
+            } else {
+                "under way"
             }
         );
     }

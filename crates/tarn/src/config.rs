@@ -33,6 +33,10 @@ pub struct FileConfig {
     pub io_uring: Option<bool>,
     /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
     pub drive_reserve_bytes: Option<u64>,
+    /// Bytes of objects per second a backfill may visit (0: no limit).
+    pub heal_rate_bytes: Option<u64>,
+    /// Objects a backfill heals at once.
+    pub heal_concurrency: Option<usize>,
     /// Seconds a request body may send nothing before the request fails.
     pub request_body_idle_timeout_secs: Option<u64>,
     /// Seconds a response may wait for the client to read before the

@@ -113,6 +113,10 @@ struct ServerArgs {
     /// Seconds between background heal scans (0 = off).
     #[arg(long)]
     scan_interval_secs: Option<u64>,
+    /// Bytes of objects per second a backfill of a joining drive may visit
+    /// (e.g. 200MiB; 0 = no limit).
+    #[arg(long)]
+    heal_rate: Option<String>,
     /// Use blocking threads for file I/O instead of io_uring.
     #[arg(long)]
     no_io_uring: bool,
@@ -206,6 +210,17 @@ fn store_config(
         cfg.buffers_per_core = b;
     }
     cfg.drive_reserve_bytes = file.drive_reserve_bytes;
+    if let Some(r) = args.and_then(|a| a.heal_rate.as_deref()) {
+        cfg.heal_rate_bytes = parse_size(r)?;
+    } else if let Some(r) = file.heal_rate_bytes {
+        cfg.heal_rate_bytes = r;
+    }
+    if let Some(c) = file.heal_concurrency {
+        if c == 0 {
+            bail!("heal_concurrency must be at least 1");
+        }
+        cfg.heal_concurrency = c;
+    }
     Ok(cfg)
 }
 

@@ -47,7 +47,9 @@ impl Metrics {
         e.count += 1;
     }
 
-    pub fn render(&self, store: &tarn_store::Store) -> String {
+    /// The metrics text; `under_replicated` is the count the missed-write
+    /// logs hold (`Store::under_replicated`), read by the caller.
+    pub fn render(&self, store: &tarn_store::Store, under_replicated: u64) -> String {
         let mut out = String::new();
         out.push_str("# HELP tarn_requests_total S3 requests by operation and HTTP status.\n# TYPE tarn_requests_total counter\n");
         let ops = self.ops.lock().expect("metrics lock");
@@ -87,7 +89,7 @@ impl Metrics {
         drop(ops);
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 15] = [
+        let scalars: [(&str, &str, &str, u64); 18] = [
             (
                 "tarn_request_bytes_in_total",
                 "Declared request body bytes.",
@@ -147,6 +149,24 @@ impl Metrics {
                 "Keys replayed from the missed-write log to a drive of this node that was away.",
                 "counter",
                 load(&st.missed_replayed),
+            ),
+            (
+                "tarn_under_replicated",
+                "Objects some write missed on a drive of their set and no replay or backfill has healed yet (cluster status's under_replicated).",
+                "gauge",
+                under_replicated,
+            ),
+            (
+                "tarn_backfill_objects_visited_total",
+                "Objects a backfill of a joining drive filled or verified.",
+                "counter",
+                load(&st.backfill_objects),
+            ),
+            (
+                "tarn_backfill_bytes_total",
+                "Bytes of the objects a backfill filled or verified.",
+                "counter",
+                load(&st.backfill_bytes),
             ),
             (
                 "tarn_shards_rebuilt_total",
@@ -216,10 +236,59 @@ impl Metrics {
                 );
             }
         }
+        render_backfill(&mut out, store.backfill_status().as_ref());
         if let Some(kv) = self.kv.get() {
             render_kv(&mut out, kv);
         }
         out
+    }
+}
+
+/// The backfill running on this node: its progress, rate and ETA (all 0
+/// while none runs).
+fn render_backfill(out: &mut String, b: Option<&tarn_store::BackfillStatus>) {
+    let gauges: [(&str, &str, f64); 7] = [
+        (
+            "tarn_backfill_running",
+            "Whether a backfill of a joining drive runs on this node.",
+            f64::from(u8::from(b.is_some())),
+        ),
+        (
+            "tarn_backfill_verifying",
+            "Whether the running backfill is in its verifying scan (the fill is through).",
+            f64::from(u8::from(b.is_some_and(|b| b.phase == "verify"))),
+        ),
+        (
+            "tarn_backfill_objects",
+            "Objects the current backfill phase covers.",
+            b.map_or(0.0, |b| b.objects_total as f64),
+        ),
+        (
+            "tarn_backfill_objects_done",
+            "Objects the current backfill phase has visited.",
+            b.map_or(0.0, |b| b.objects_done as f64),
+        ),
+        (
+            "tarn_backfill_rate_bytes_per_second",
+            "Bytes per second of the current backfill phase so far.",
+            b.map_or(0.0, |b| b.rate()),
+        ),
+        (
+            "tarn_backfill_eta_seconds",
+            "Seconds the current backfill phase needs yet at its rate so far (-1: not known yet).",
+            b.map_or(0.0, |b| b.eta_secs().unwrap_or(-1.0)),
+        ),
+        (
+            "tarn_backfill_rate_limit_bytes_per_second",
+            "The configured background rate limit (0: none).",
+            b.map_or(0.0, |b| b.rate_limit as f64),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
     }
 }
 

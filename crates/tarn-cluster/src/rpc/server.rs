@@ -23,6 +23,15 @@ pub const CALL_MAX: Duration = Duration::from_secs(600);
 /// A frame's payload must arrive within this once its header has.
 const FRAME_READ_MAX: Duration = Duration::from_secs(30);
 
+/// At most this much before a caller's deadline, the call is answered with
+/// a deadline error.
+const ANSWER_MARGIN: Duration = Duration::from_millis(50);
+
+/// How long a request of a newer map epoch waits for this node's map to
+/// catch up before it is refused, and how often it looks.
+pub const EPOCH_CATCH_UP: Duration = Duration::from_millis(500);
+pub const EPOCH_POLL: Duration = Duration::from_millis(5);
+
 /// Serves the node's side of calls.
 pub trait Handler: Send + Sync + 'static {
     /// The epoch of this node's current cluster map.
@@ -290,13 +299,22 @@ pub async fn serve_connection<H: Handler>(
         };
         stats.calls.fetch_add(1, Ordering::Relaxed);
         handler.ready().await;
-        let mine = handler.epoch();
+        let mut mine = handler.epoch();
+        if h.epoch > mine {
+            // A map change reaches the nodes a few milliseconds apart: a
+            // request of the new epoch waits for this node to catch up.
+            handler.epoch_ahead(h.epoch);
+            let until = tokio::time::Instant::now() + EPOCH_CATCH_UP;
+            while mine < h.epoch && tokio::time::Instant::now() < until {
+                tokio::time::sleep(EPOCH_POLL).await;
+                mine = handler.epoch();
+            }
+        }
         let refusal = if h.epoch < mine {
             stats.stale_epochs.fetch_add(1, Ordering::Relaxed);
             tracing::info!(%peer, theirs = h.epoch, mine, "cluster RPC: request with a stale map epoch refused");
             Some((ErrorCode::StaleEpoch, "stale map epoch"))
         } else if h.epoch > mine {
-            handler.epoch_ahead(h.epoch);
             Some((ErrorCode::EpochAhead, "this node's map is behind; retry"))
         } else if h.aux == 0 {
             Some((
@@ -317,7 +335,11 @@ pub async fn serve_connection<H: Handler>(
             }
             continue;
         }
-        let deadline = Instant::now() + Duration::from_millis(h.aux as u64).min(CALL_MAX);
+        // A little before the caller's: its deadline error must reach the
+        // caller before the caller gives up on this node (and takes it for
+        // silent).
+        let left = Duration::from_millis(h.aux as u64).min(CALL_MAX);
+        let deadline = Instant::now() + left - (left / 10).min(ANSWER_MARGIN);
         let mut call = ServerCall {
             conn: &mut conn,
             op: h.op,

@@ -436,7 +436,17 @@ impl PartReader {
             bufs: (0..n).map(|_| None).collect(),
             damaged: false,
         };
-        let wanted: Vec<usize> = (0..k).collect();
+        // Drives behind (rebuilding or syncing) may lack the part's shard:
+        // read from the others while k of them are left.
+        let behind: Vec<bool> = layout
+            .distribution
+            .iter()
+            .map(|&p| store.slot(set, p as usize).rebuilding().is_some())
+            .collect();
+        if behind.iter().filter(|b| !**b).count() >= k {
+            r.bad = behind;
+        }
+        let wanted: Vec<usize> = (0..n).filter(|&i| !r.bad[i]).take(k).collect();
         r.open_shards(store, &wanted).await;
         Ok(r)
     }
@@ -501,7 +511,7 @@ impl PartReader {
                 Some(libc::EIO | libc::ENXIO | libc::ENODEV)
             ) {
                 let slot = store.slot(self.set, self.layout.distribution[i] as usize);
-                store.drive_failed(slot, "reading a shard", io);
+                store.drive_failed(&slot, "reading a shard", io);
             }
         }
     }
@@ -518,6 +528,15 @@ impl PartReader {
             let good_or_pending: Vec<usize> = (0..n).filter(|&i| !self.bad[i]).collect();
             // The shards to read: data shards first, then parity to make up for bad ones.
             let want: Vec<usize> = good_or_pending.iter().copied().take(self.k).collect();
+            // Short of shards: those of drives behind, skipped at first,
+            // are tried after all.
+            let skipped: Vec<usize> = (0..n).filter(|&i| self.bad[i] && !self.opened[i]).collect();
+            if want.len() < self.k && !skipped.is_empty() {
+                for i in skipped {
+                    self.bad[i] = false;
+                }
+                continue;
+            }
             if want.len() < self.k {
                 return Err(StoreError::Unreadable {
                     bucket: String::new(),
@@ -609,8 +628,12 @@ impl PartReader {
                 failed = true;
             }
             if late {
+                // Only as many as others can stand in for: the rest are
+                // asked again with them.
+                let mut spares = (0..n).filter(|&i| !self.bad[i]).count() - self.k;
                 for &i in &want {
-                    if !done[i] && !self.bad[i] {
+                    if !done[i] && !self.bad[i] && spares > 0 {
+                        spares -= 1;
                         tracing::warn!(
                             shard = i,
                             stripe = j,

@@ -34,7 +34,8 @@ impl Store {
         let mut report = HealReport::default();
         // Rebuilds this pass covers: those begun before it started.
         let rebuilding: Vec<(usize, u64)> = self
-            .drives
+            .topo()
+            .slots
             .iter()
             .enumerate()
             .filter(|(_, d)| d.online())
@@ -42,38 +43,22 @@ impl Store {
             .collect();
         // Whether every record reached every drive in use.
         let mut complete = true;
-        // Bucket records onto every drive that lacks them.
-        let buckets: Vec<(String, crate::format::BucketRecord)> = self
+        let buckets: Vec<String> = self
             .buckets
             .read()
             .expect("buckets lock")
-            .iter()
-            .map(|(n, r)| (n.clone(), r.clone()))
+            .keys()
+            .cloned()
             .collect();
-        for d in self.drives.iter().filter_map(|d| d.writer()) {
-            let healed = async {
-                let have = d.buckets().await?;
-                let mut n = 0;
-                for (name, rec) in &buckets {
-                    if !have.iter().any(|(h, r)| h == name && r == rec) {
-                        d.put_bucket(name.clone(), rec.clone()).await?;
-                        n += 1;
-                    }
-                }
-                Ok::<_, StoreError>(n)
-            }
-            .await;
-            match healed {
-                Ok(n) => report.buckets_healed += n,
-                Err(error) => {
-                    tracing::error!(%error, "healing bucket records failed");
-                    report.failures += 1;
-                    complete = false;
-                }
-            }
-        }
-        for (bucket, _) in &buckets {
-            for set in 0..self.sets.len() {
+        let drives: Vec<_> = self
+            .topo()
+            .slots
+            .iter()
+            .filter_map(|d| d.writer())
+            .collect();
+        complete &= self.heal_bucket_records(drives, &mut report).await;
+        for bucket in &buckets {
+            for set in 0..self.set_count() {
                 let drives: Vec<_> = (0..self.set_size(set))
                     .filter_map(|p| self.slot(set, p).writer())
                     .collect();
@@ -146,13 +131,53 @@ impl Store {
         report
     }
 
+    /// Bucket records onto every drive given that lacks them or holds
+    /// another; whether every drive took them.
+    pub(crate) async fn heal_bucket_records(
+        &self,
+        drives: Vec<Arc<dyn crate::drive_io::Drive>>,
+        report: &mut HealReport,
+    ) -> bool {
+        let mut complete = true;
+        let buckets: Vec<(String, crate::format::BucketRecord)> = self
+            .buckets
+            .read()
+            .expect("buckets lock")
+            .iter()
+            .map(|(n, r)| (n.clone(), r.clone()))
+            .collect();
+        for d in drives {
+            let healed = async {
+                let have = d.buckets().await?;
+                let mut n = 0;
+                for (name, rec) in &buckets {
+                    if !have.iter().any(|(h, r)| h == name && r == rec) {
+                        d.put_bucket(name.clone(), rec.clone()).await?;
+                        n += 1;
+                    }
+                }
+                Ok::<_, StoreError>(n)
+            }
+            .await;
+            match healed {
+                Ok(n) => report.buckets_healed += n,
+                Err(error) => {
+                    tracing::error!(%error, "healing bucket records failed");
+                    report.failures += 1;
+                    complete = false;
+                }
+            }
+        }
+        complete
+    }
+
     /// Removes shard files that no object version or upload part refers to and
     /// that are older than `grace`: leftovers of writes interrupted between
     /// renaming their shards into place and committing metadata. The grace
     /// period keeps the sweep away from writes that are committing right now.
     pub async fn sweep_orphans(&self, grace: Duration) -> Result<u64, StoreError> {
         let mut removed = 0;
-        for set in 0..self.sets.len() {
+        for set in 0..self.set_count() {
             let members: Vec<_> = (0..self.set_size(set))
                 .map(|p| (self.slot(set, p).db(), self.slot(set, p).paths.clone()))
                 .collect();
@@ -217,6 +242,19 @@ impl Store {
     /// Heals one object: its metadata on every online drive of its set, the
     /// inline copies, and every shard file of every version.
     pub async fn heal_object(&self, bucket: &str, key: &str) -> Result<HealReport, StoreError> {
+        self.heal_object_on(bucket, key, None).await
+    }
+
+    /// `heal_object`, with shard files verified (and rebuilt) only on the
+    /// set positions `only` names when it is given: a backfill fills the
+    /// drives that joined and reads only the shards it rebuilds from.
+    /// Metadata and inline copies are healed on every drive either way.
+    pub(crate) async fn heal_object_on(
+        &self,
+        bucket: &str,
+        key: &str,
+        only: Option<&[usize]>,
+    ) -> Result<HealReport, StoreError> {
         let mut report = HealReport::default();
         let set = self.set_for(bucket, key);
         let _g = self.lock_write(set, bucket, key).await?;
@@ -269,8 +307,19 @@ impl Store {
         }
 
         for (pos, current) in records.iter().enumerate() {
-            let Some(db) = self.slot(set, pos).writer() else {
+            let slot = self.slot(set, pos);
+            let Some(db) = slot.writer() else {
                 continue;
+            };
+            // A drive behind answers no reads, but heal compares what it
+            // holds: rewriting a record it has would make every pass over
+            // it look like a repair.
+            let behind;
+            let current = if current.is_err() && slot.rebuilding().is_some() {
+                behind = db.object(bucket.to_string(), key.to_string()).await;
+                &behind
+            } else {
+                current
             };
             let meta_ok = matches!(current, Ok(Some(r)) if *r == merged)
                 || (matches!(current, Ok(None)) && merged.versions.is_empty());
@@ -300,7 +349,7 @@ impl Store {
                 Ok(()) => report.metadata_rewritten += 1,
                 Err(error) => {
                     tracing::error!(%bucket, %key, %error, "rewriting metadata failed");
-                    self.index_write_failed(self.slot(set, pos), "metadata heal", &error);
+                    self.index_write_failed(&self.slot(set, pos), "metadata heal", &error);
                     report.failures += 1;
                     report.metadata_failures += 1;
                 }
@@ -308,11 +357,12 @@ impl Store {
         }
 
         for v in &merged.versions {
+            report.bytes_scanned += v.size;
             let Storage::Parts(parts) = &v.storage else {
                 continue;
             };
             for part in parts {
-                let (rebuilt, skipped) = self.heal_part(set, &v.layout, part).await?;
+                let (rebuilt, skipped) = self.heal_part(set, &v.layout, part, only).await?;
                 report.shards_rebuilt += rebuilt;
                 report.failures += skipped;
             }
@@ -331,11 +381,15 @@ impl Store {
         set: usize,
         layout: &Layout,
         part: &PartMeta,
+        only: Option<&[usize]>,
     ) -> Result<(u64, u64), StoreError> {
         self.check_layout(set, layout)?;
         let g = StripeGeometry::new(part.size, layout.stripe_size_bytes, layout.data_shards);
         let mut bad = Vec::new();
         for (shard, &pos) in layout.distribution.iter().enumerate() {
+            if only.is_some_and(|only| !only.contains(&(pos as usize))) {
+                continue;
+            }
             let Some(drive) = self.slot(set, pos as usize).writer() else {
                 continue;
             };

@@ -257,7 +257,7 @@ fn common_prefix(key: &str, prefix: &str, delimiter: Option<&str>) -> Option<Str
 
 impl Store {
     fn set_drives(&self) -> Vec<SetDrives> {
-        (0..self.sets.len())
+        (0..self.set_count())
             .map(|s| SetDrives {
                 dbs: (0..self.set_size(s))
                     .filter_map(|p| self.slot(s, p).db())

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use tarn_io::file::run_blocking;
 
 use super::{DriveSlot, Store};
 use crate::drive::MissedEntry;
@@ -39,7 +40,7 @@ impl Store {
     pub(crate) async fn log_missed_on(
         &self,
         set: usize,
-        drives: &[(&DriveSlot, Arc<dyn Drive>)],
+        drives: &[(Arc<DriveSlot>, Arc<dyn Drive>)],
         bucket: &str,
         key: &str,
         positions: &[u8],
@@ -71,8 +72,9 @@ impl Store {
 
     /// The set and position of drive slot `i`.
     fn place_of(&self, i: usize) -> (usize, u8) {
-        let set = self.drives[i].set_index;
-        let pos = self.sets[set]
+        let topo = self.topo();
+        let set = topo.slots[i].set_index;
+        let pos = topo.sets[set]
             .iter()
             .position(|&d| d == i)
             .expect("a drive is in its set");
@@ -81,11 +83,12 @@ impl Store {
 
     /// The other drives of slot `i`'s set in use, with their slot indexes.
     fn set_peers(&self, i: usize) -> Vec<(usize, Arc<dyn Drive>)> {
-        let set = self.drives[i].set_index;
-        self.sets[set]
+        let topo = self.topo();
+        let set = topo.slots[i].set_index;
+        topo.sets[set]
             .iter()
             .filter(|&&d| d != i)
-            .filter_map(|&d| Some((d, self.drives[d].writer()?)))
+            .filter_map(|&d| Some((d, topo.slots[d].writer()?)))
             .collect()
     }
 
@@ -94,8 +97,8 @@ impl Store {
     /// syncing drive serves reads again once the set's logs are empty for
     /// it.
     pub(crate) async fn sync_drives(self: &Arc<Self>) {
-        for i in 0..self.drives.len() {
-            let slot = &self.drives[i];
+        for i in 0..self.topo().slots.len() {
+            let slot = &self.drive(i);
             if !slot.online() {
                 continue;
             }
@@ -146,7 +149,7 @@ impl Store {
         let store = self.clone();
         tokio::spawn(async move {
             if let Err(error) = store.replay(i).await {
-                tracing::warn!(drive = %store.drives[i].name, %error, "replaying missed writes stopped; tried again shortly");
+                tracing::warn!(drive = %store.drive(i).name, %error, "replaying missed writes stopped; tried again shortly");
             }
             store.replaying.lock().expect("replaying").remove(&i);
         });
@@ -156,7 +159,7 @@ impl Store {
     /// entries of each key healed; a log that overflowed gets a full heal.
     async fn replay(self: &Arc<Self>, i: usize) -> Result<(), StoreError> {
         let (_, pos) = self.place_of(i);
-        let slot = &self.drives[i];
+        let slot = &self.drive(i);
         loop {
             if !slot.online() {
                 return Ok(());
@@ -174,7 +177,7 @@ impl Store {
                 }
             }
             if let Some(since) = overflow {
-                return self.backfill(i, pos, since).await;
+                return self.overflowed(i, pos, since).await;
             }
             if keys.is_empty() {
                 return Ok(());
@@ -202,7 +205,7 @@ impl Store {
                 }
             }
             for (d, items) in done {
-                if let Some(drive) = self.drives[d].writer() {
+                if let Some(drive) = self.drive(d).writer() {
                     drive.clear_missed(pos, items, None).await?;
                 }
             }
@@ -213,27 +216,27 @@ impl Store {
         }
     }
 
-    /// A full heal in place of an overflowed log: every key of every set,
-    /// then the position's log cleared of what was logged before it began.
-    async fn backfill(self: &Arc<Self>, i: usize, pos: u8, since: u64) -> Result<(), StoreError> {
-        let slot = &self.drives[i];
+    /// An overflowed log names too little: the drive is rebuilt in full
+    /// instead (the checkpointed backfill, resumed after a restart by the
+    /// rebuild marker written first), and the position's log is cleared of
+    /// what was logged before: the backfill covers all of it.
+    async fn overflowed(self: &Arc<Self>, i: usize, pos: u8, since: u64) -> Result<(), StoreError> {
+        let slot = self.drive(i);
         let began = super::now_ns();
-        tracing::warn!(drive = %slot.name, overflowed_at = since, "missed-write log overflowed: healing in full");
-        let report = self.heal_all().await;
-        if report.failures > 0 {
-            return Err(StoreError::Unreadable {
-                bucket: String::new(),
-                key: String::new(),
-                reason: format!(
-                    "the full heal in place of an overflowed log had {} failures",
-                    report.failures
-                ),
-            });
+        tracing::warn!(drive = %slot.name, overflowed_at = since, "missed-write log overflowed: backfilling the drive in full");
+        let root = slot.paths.root.clone();
+        run_blocking(move || Ok(crate::drive::mark_rebuilding(&root))).await??;
+        {
+            let mut st = slot.state.write().expect("drive state");
+            if st.db.is_none() || st.rebuilding.is_none() {
+                return Ok(());
+            }
+            st.full = true;
         }
         for (_, drive) in self.set_peers(i) {
             drive.clear_missed(pos, Vec::new(), Some(began)).await?;
         }
-        tracing::info!(drive = %slot.name, ?report, "full heal in place of an overflowed log finished");
+        self.heal_rebuilding(true);
         Ok(())
     }
 
@@ -241,7 +244,8 @@ impl Store {
     /// drive in use (each set position's entries counted once).
     pub async fn under_replicated(&self) -> UnderReplicated {
         let mut out = UnderReplicated::default();
-        for (set, members) in self.sets.iter().enumerate() {
+        let topo = self.topo();
+        for (set, members) in topo.sets.iter().enumerate() {
             for pos in 0..members.len() as u8 {
                 let mut keys = std::collections::BTreeSet::new();
                 let mut overflowed = false;

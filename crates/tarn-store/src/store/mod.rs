@@ -6,6 +6,7 @@
 //! least a read quorum of drives hold it, which a torn commit never reaches
 //! without also having all of its data durably written first.
 
+mod backfill;
 pub mod get;
 mod heal;
 mod list;
@@ -13,6 +14,7 @@ mod locking;
 mod missed;
 mod multipart;
 pub(crate) mod put;
+mod topology;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -36,8 +38,10 @@ use crate::format::{
 use crate::lock::{LeaseTable, LockTable};
 use crate::types::{BucketInfo, DriveStatus, ObjectInfo, PartSummary};
 
+pub use backfill::BackfillStatus;
 pub use get::ObjectStream;
 pub use missed::UnderReplicated;
+pub use topology::DriveChange;
 
 /// The all-zero version id of the "null" version.
 pub const NULL_VERSION: Id128 = [0u8; 16];
@@ -45,6 +49,17 @@ pub const NULL_VERSION: Id128 = [0u8; 16];
 pub const KEY_MAX_BYTES: usize = 1024;
 /// Bounded heal queue; a full queue drops requests (the scanner finds them later).
 const HEAL_QUEUE_MAX: usize = 10_000;
+
+/// The drives the engine serves and how they form sets. A cluster's map can
+/// give a set position another drive while the engine runs (a node
+/// replaced): a new topology is swapped in, and a request keeps the one it
+/// started with. Set indexes and positions keep their meaning across
+/// changes, and slot `i` always holds the drive of the same place.
+pub(crate) struct Topology {
+    pub slots: Vec<Arc<DriveSlot>>,
+    /// Each set's slots, in shard position order.
+    pub sets: Vec<Vec<usize>>,
+}
 
 pub(crate) struct DriveSlot {
     /// Held for the store's life: one process per drive (taken again when a
@@ -449,6 +464,9 @@ pub struct StoreStats {
     /// Drive indexes found damaged (set aside), and rebuilds heal completed.
     pub index_corruptions: AtomicU64,
     pub index_rebuilds: AtomicU64,
+    /// Objects a backfill visited (filled or verified), and their bytes.
+    pub backfill_objects: AtomicU64,
+    pub backfill_bytes: AtomicU64,
 }
 
 /// Data ids whose shards are being written and not yet committed (or cleaned
@@ -521,8 +539,8 @@ pub struct Store {
     cfg: StoreConfig,
     deployment_id: Id128,
     hash_seed: u64,
-    drives: Vec<DriveSlot>,
-    sets: Vec<Vec<usize>>,
+    /// The drives and sets served now (`Topology`).
+    topo: RwLock<Arc<Topology>>,
     data_shards: usize,
     parity_shards: usize,
     /// Where a cluster keeps bucket records and system documents (etcd);
@@ -542,6 +560,8 @@ pub struct Store {
     rebuild_heal: Mutex<(bool, Option<std::time::Instant>)>,
     /// Drives of this node a replay of the missed-write log runs for.
     replaying: Mutex<std::collections::HashSet<usize>>,
+    /// The backfill running on this node (`backfill`).
+    backfill: Mutex<Option<BackfillStatus>>,
     last_mod_time_ns: AtomicU64,
     pub stats: StoreStats,
 }
@@ -710,10 +730,104 @@ pub struct ClusterLayout {
 }
 
 pub enum ClusterDrive {
-    /// A drive of this node and the id it registered with.
-    Local { path: PathBuf, drive_id: Id128 },
-    /// A drive of another node.
-    Remote(Arc<dyn Drive>),
+    /// A drive of this node and the id it registered with. `joins`: the
+    /// map gave it a place in a set that holds data (it replaced a drive):
+    /// if it was never placed before, a full backfill fills it before it
+    /// serves reads.
+    Local {
+        path: PathBuf,
+        drive_id: Id128,
+        joins: bool,
+    },
+    /// A drive of another node. `joins` as above: this node reads no
+    /// metadata from it until its node serves it in full.
+    Remote { drive: Arc<dyn Drive>, joins: bool },
+}
+
+/// The slot of one place of a cluster map: a drive of another node, or one
+/// of this node's, checked against its format and formatted if the map
+/// places it for the first time (`open_cluster`, `change_drives`).
+fn cluster_slot(
+    place: ClusterDrive,
+    mut want: DriveFormat,
+    counts: (&mut u64, &mut u64),
+) -> Result<DriveSlot, StoreError> {
+    let (set_index, drive_index) = (want.set_index as usize, want.drive_index as usize);
+    let set_size = want.set_drive_count as usize;
+    let (path, drive_id, joins) = match place {
+        ClusterDrive::Remote { drive, joins } => {
+            let slot = DriveSlot::remote(drive, set_index, want);
+            if joins {
+                // Syncing in this node's view: promoted once its node
+                // serves it (its backfill done) and no log names its place.
+                let mut st = slot.state.write().expect("drive state");
+                *counts.0 += 1;
+                st.rebuilding = Some(*counts.0);
+            }
+            return Ok(slot);
+        }
+        ClusterDrive::Local {
+            path,
+            drive_id,
+            joins,
+        } => (path, drive_id, joins),
+    };
+    want.drive_id = drive_id;
+    let lock = drive::lock(&path)?;
+    let mut joined_empty = false;
+    let verdict: Result<(), String> = match drive::probe(&path) {
+        DriveProbe::Missing => Err("drive directory is missing; not re-creating it (mount the drive or replace it with an empty directory)".into()),
+        DriveProbe::Unusable(reason) => Err(reason),
+        DriveProbe::Empty => {
+            // Wiped since it registered: it joins and is healed.
+            tracing::warn!(drive = %path.display(), "empty drive joins the cluster; it will be healed");
+            joined_empty = true;
+            drive::format_drive(&path, &want)
+                .and_then(|_| drive::mark_rebuilding(&path))
+                .map_err(|e| e.to_string())
+        }
+        DriveProbe::Formatted(f) if f.drive_id != drive_id => Err(format!(
+            "drive {} was expected here, drive {} is mounted",
+            id_to_hex(&drive_id),
+            id_to_hex(&f.drive_id)
+        )),
+        DriveProbe::Formatted(f) if is_unplaced(&f) => {
+            // Placed for the first time: into a new set (nothing to fill
+            // it with), or into another drive's place (a full backfill;
+            // the marker first, so that a crash still backfills).
+            joined_empty = joins;
+            if joins {
+                tracing::warn!(drive = %path.display(), set = set_index, position = drive_index, "drive takes a replaced drive's place; a full backfill fills it");
+            }
+            (if joins { drive::mark_rebuilding(&path) } else { Ok(()) })
+                .and_then(|_| drive::format_drive(&path, &want))
+                .map_err(|e| e.to_string())
+        }
+        DriveProbe::Formatted(f) if f.deployment_id != want.deployment_id => {
+            Err("drive belongs to another deployment".into())
+        }
+        DriveProbe::Formatted(f) if belongs_here(&f, &want) => Ok(()),
+        DriveProbe::Formatted(f) => Err(format!(
+            "drive was formatted for set {} position {} of {} sets of {}; the cluster map places it at set {set_index} position {drive_index}",
+            f.set_index, f.drive_index, f.set_count, f.set_drive_count
+        )),
+    };
+    let lock = match (lock, &verdict) {
+        // Formatted just now: locked now.
+        (None, Ok(())) => drive::lock(&path)?,
+        (lock, _) => lock,
+    };
+    Ok(open_slot(
+        lock,
+        DrivePaths { root: path },
+        set_index,
+        want,
+        verdict,
+        set_size,
+        joined_empty,
+        true,
+        counts,
+    ))
 }
 
 /// The format a drive of this node had before the cluster map placed it: a
@@ -937,7 +1051,7 @@ impl Store {
         let (mut rebuilds, mut set_aside_at_start) = (0u64, 0u64);
         for (set_index, set) in layout.sets.into_iter().enumerate() {
             for (drive_index, place) in set.into_iter().enumerate() {
-                let mut want = DriveFormat {
+                let want = DriveFormat {
                     deployment_id,
                     drive_id: [0u8; 16],
                     set_count: set_count as u32,
@@ -945,60 +1059,11 @@ impl Store {
                     set_index: set_index as u32,
                     drive_index: drive_index as u32,
                 };
-                let (path, drive_id) = match place {
-                    ClusterDrive::Remote(d) => {
-                        drives.push(DriveSlot::remote(d, set_index, want));
-                        continue;
-                    }
-                    ClusterDrive::Local { path, drive_id } => (path, drive_id),
-                };
-                want.drive_id = drive_id;
-                let lock = drive::lock(&path)?;
-                let mut joined_empty = false;
-                let verdict: Result<(), String> = match drive::probe(&path) {
-                    DriveProbe::Missing => Err("drive directory is missing; not re-creating it (mount the drive or replace it with an empty directory)".into()),
-                    DriveProbe::Unusable(reason) => Err(reason),
-                    DriveProbe::Empty => {
-                        // Wiped since it registered: it joins and is healed.
-                        tracing::warn!(drive = %path.display(), "empty drive joins the cluster; it will be healed");
-                        joined_empty = true;
-                        drive::format_drive(&path, &want)
-                            .and_then(|_| drive::mark_rebuilding(&path))
-                            .map_err(|e| e.to_string())
-                    }
-                    DriveProbe::Formatted(f) if f.drive_id != drive_id => Err(format!(
-                        "drive {} was expected here, drive {} is mounted",
-                        id_to_hex(&drive_id),
-                        id_to_hex(&f.drive_id)
-                    )),
-                    DriveProbe::Formatted(f) if is_unplaced(&f) => {
-                        drive::format_drive(&path, &want).map_err(|e| e.to_string())
-                    }
-                    DriveProbe::Formatted(f) if f.deployment_id != deployment_id => {
-                        Err("drive belongs to another deployment".into())
-                    }
-                    DriveProbe::Formatted(f) if belongs_here(&f, &want) => Ok(()),
-                    DriveProbe::Formatted(f) => Err(format!(
-                        "drive was formatted for set {} position {} of {} sets of {}; the cluster map places it at set {set_index} position {drive_index}",
-                        f.set_index, f.drive_index, f.set_count, f.set_drive_count
-                    )),
-                };
-                let lock = match (lock, &verdict) {
-                    // Formatted just now: locked now.
-                    (None, Ok(())) => drive::lock(&path)?,
-                    (lock, _) => lock,
-                };
-                drives.push(open_slot(
-                    lock,
-                    DrivePaths { root: path },
-                    set_index,
+                drives.push(cluster_slot(
+                    place,
                     want,
-                    verdict,
-                    set_size,
-                    joined_empty,
-                    true,
                     (&mut rebuilds, &mut set_aside_at_start),
-                ));
+                )?);
             }
         }
         Ok(Store::assemble(
@@ -1060,8 +1125,10 @@ impl Store {
             deployment_id,
             hash_seed,
             distributed,
-            drives,
-            sets,
+            topo: RwLock::new(Arc::new(Topology {
+                slots: drives.into_iter().map(Arc::new).collect(),
+                sets,
+            })),
             data_shards: data,
             parity_shards: parity,
             catalog,
@@ -1073,6 +1140,7 @@ impl Store {
             rebuild_seq: AtomicU64::new(rebuilds),
             rebuild_heal: Mutex::new((false, None)),
             replaying: Mutex::default(),
+            backfill: Mutex::default(),
             last_mod_time_ns: AtomicU64::new(0),
             stats: StoreStats {
                 index_corruptions: AtomicU64::new(set_aside_at_start),
@@ -1098,7 +1166,8 @@ impl Store {
     }
 
     pub fn drive_status(&self) -> Vec<DriveStatus> {
-        self.drives
+        self.topo()
+            .slots
             .iter()
             .enumerate()
             .map(|(i, d)| DriveStatus {
@@ -1131,20 +1200,20 @@ impl Store {
 
     /// True when every erasure set can take writes and answer reads.
     pub fn is_ready(&self) -> bool {
-        self.sets.iter().all(|m| {
+        self.topo().sets.iter().all(|m| {
             self.online_count(m) >= self.meta_write_quorum(m.len())
                 && self.readable_count(m) >= self.meta_read_quorum(m.len())
         })
     }
 
     fn online_count(&self, members: &[usize]) -> usize {
-        members.iter().filter(|&&d| self.drives[d].online()).count()
+        members.iter().filter(|&&d| self.drive(d).online()).count()
     }
 
     fn readable_count(&self, members: &[usize]) -> usize {
         members
             .iter()
-            .filter(|&&d| self.drives[d].readable())
+            .filter(|&&d| self.drive(d).readable())
             .count()
     }
 
@@ -1191,7 +1260,7 @@ impl Store {
         h.update(bucket.as_bytes());
         h.update(&[0]);
         h.update(key.as_bytes());
-        (h.digest() % self.sets.len() as u64) as usize
+        (h.digest() % self.set_count() as u64) as usize
     }
 
     /// The layout a new version of bucket/key gets under the bucket's durability.
@@ -1202,7 +1271,7 @@ impl Store {
         key: &str,
     ) -> (usize, Layout) {
         let set = self.set_for(bucket_name, key);
-        let n = self.sets[set].len();
+        let n = self.set_size(set);
         let (k, m) = match bucket.durability {
             Durability::ErasureCoded => (self.data_shards, self.parity_shards),
             Durability::Replicated(r) => (1, (r as usize).clamp(1, n) - 1),
@@ -1308,13 +1377,13 @@ impl Store {
     /// unmounted) or is another drive's is taken out; one taken out while
     /// running that works again rejoins (and is healed).
     async fn watch_drives(self: &Arc<Self>) {
-        for slot in &self.drives {
+        for slot in self.topo().slots.iter() {
             if let Some(leases) = &slot.leases {
                 leases.expire().await;
             }
         }
-        for i in 0..self.drives.len() {
-            let slot = &self.drives[i];
+        for i in 0..self.topo().slots.len() {
+            let slot = &self.drive(i);
             if let Some(remote) = &slot.remote {
                 self.watch_remote(slot, remote).await;
                 continue;
@@ -1445,11 +1514,9 @@ impl Store {
     /// could not finish, say for lack of read quorum, is retried).
     fn heal_rebuilding(self: &Arc<Self>, now: bool) {
         // Only where the other drives of the set can answer for the records.
-        if !(0..self.drives.len()).any(|i| {
+        if !(0..self.topo().slots.len()).any(|i| {
             let (sources, needed) = self.heal_sources(i);
-            self.drives[i].online()
-                && self.drives[i].rebuilding_full().is_some()
-                && sources >= needed
+            self.drive(i).online() && self.drive(i).rebuilding_full().is_some() && sources >= needed
         }) {
             return;
         }
@@ -1463,8 +1530,8 @@ impl Store {
         }
         let store = self.clone();
         tokio::spawn(async move {
-            let report = store.heal_all().await;
-            tracing::info!(?report, "heal of rebuilding drives finished");
+            let report = store.backfill().await;
+            tracing::info!(?report, "backfill of rebuilding drives ended");
             *store.rebuild_heal.lock().expect("rebuild heal") =
                 (false, Some(std::time::Instant::now()));
         });
@@ -1475,7 +1542,7 @@ impl Store {
     /// meanwhile, or the other drives of its set were too few to heal from
     /// (then it waits for the next heal).
     pub(crate) fn finish_rebuild(&self, i: usize, n: u64) {
-        let slot = &self.drives[i];
+        let slot = &self.drive(i);
         let (sources, needed) = self.heal_sources(i);
         let mut st = slot.state.write().expect("drive state");
         if st.db.is_none() || st.rebuilding != Some(n) {
@@ -1503,10 +1570,11 @@ impl Store {
     /// many a heal needs to answer for the records (none for a drive alone
     /// in its set, whose rebuild is the salvage of its own index).
     fn heal_sources(&self, i: usize) -> (usize, usize) {
-        let members = &self.sets[self.drives[i].set_index];
+        let topo = self.topo();
+        let members = &topo.sets[topo.slots[i].set_index];
         let sources = members
             .iter()
-            .filter(|&&d| d != i && self.drives[d].readable())
+            .filter(|&&d| d != i && topo.slots[d].readable())
             .count();
         let needed = if members.len() == 1 {
             0
@@ -1529,10 +1597,12 @@ impl Store {
         })
     }
 
-    fn local_slot(&self, id: &Id128) -> Option<&DriveSlot> {
-        self.drives
+    fn local_slot(&self, id: &Id128) -> Option<Arc<DriveSlot>> {
+        self.topo()
+            .slots
             .iter()
             .find(|d| !d.is_remote() && d.expected.drive_id == *id)
+            .cloned()
     }
 
     /// The lease table of a drive of this node by its id, as the node
@@ -1542,8 +1612,23 @@ impl Store {
         self.local_slot(id).and_then(|d| d.leases.clone())
     }
 
-    pub(crate) fn slot(&self, set: usize, position: usize) -> &DriveSlot {
-        &self.drives[self.sets[set][position]]
+    /// The topology served now.
+    pub(crate) fn topo(&self) -> Arc<Topology> {
+        self.topo.read().expect("topology").clone()
+    }
+
+    pub(crate) fn slot(&self, set: usize, position: usize) -> Arc<DriveSlot> {
+        let t = self.topo();
+        t.slots[t.sets[set][position]].clone()
+    }
+
+    /// Drive slot `i`.
+    pub(crate) fn drive(&self, i: usize) -> Arc<DriveSlot> {
+        self.topo().slots[i].clone()
+    }
+
+    pub(crate) fn set_count(&self) -> usize {
+        self.topo().sets.len()
     }
 
     /// A stored layout must name drives of its set only; a record that does not
@@ -1561,7 +1646,7 @@ impl Store {
     }
 
     pub(crate) fn set_size(&self, set: usize) -> usize {
-        self.sets[set].len()
+        self.topo().sets[set].len()
     }
 
     pub(crate) fn buffer_wait(&self) -> Duration {
@@ -1629,6 +1714,13 @@ impl Store {
         }
     }
 
+    /// Starts the backfill of drives of this node that rebuild in full
+    /// (a drive the cluster map just placed in a replaced drive's place),
+    /// unless one runs. On a runtime.
+    pub fn start_backfill(self: &Arc<Self>) {
+        self.heal_rebuilding(true);
+    }
+
     /// Runs the heal queue (and a full heal first when a replaced drive joined)
     /// on the current runtime until the store is dropped. Call once.
     pub fn spawn_background(self: &Arc<Self>, scan_interval: Option<Duration>) {
@@ -1681,10 +1773,10 @@ impl Store {
 
     /// The indexes of drives in use, for writes (rebuilding ones included),
     /// with their slots.
-    pub(crate) fn writers<'a>(
-        &'a self,
-        slots: impl Iterator<Item = &'a DriveSlot>,
-    ) -> Vec<(&'a DriveSlot, Arc<dyn Drive>)> {
+    pub(crate) fn writers(
+        &self,
+        slots: impl Iterator<Item = Arc<DriveSlot>>,
+    ) -> Vec<(Arc<DriveSlot>, Arc<dyn Drive>)> {
         slots.filter_map(|s| s.writer().map(|db| (s, db))).collect()
     }
 
@@ -1693,7 +1785,7 @@ impl Store {
     pub(crate) fn count_index_writes(
         &self,
         what: &str,
-        targets: &[(&DriveSlot, Arc<dyn Drive>)],
+        targets: &[(Arc<DriveSlot>, Arc<dyn Drive>)],
         results: &[Result<(), StoreError>],
     ) -> usize {
         for ((slot, _), r) in targets.iter().zip(results) {
@@ -1710,9 +1802,9 @@ impl Store {
         name: &str,
         rec: Option<BucketRecord>,
     ) -> Result<(), StoreError> {
-        let total = self.drives.len();
+        let total = self.topo().slots.len();
         let quorum = total / 2 + 1;
-        let targets = self.writers(self.drives.iter());
+        let targets = self.writers(self.topo().slots.iter().cloned());
         let futs = targets.iter().map(|(_, d)| match &rec {
             Some(r) => d.put_bucket(name.to_string(), r.clone()),
             None => d.delete_bucket(name.to_string()),
@@ -1859,7 +1951,7 @@ impl Store {
         if self.bucket_has_entries(name, false).await? {
             return Err(StoreError::BucketNotEmpty(name.to_string()));
         }
-        let dbs: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
+        let dbs: Vec<_> = self.topo().slots.iter().filter_map(|d| d.db()).collect();
         for (key, id) in multipart::bucket_uploads(dbs, name).await? {
             let id = crate::format::id_to_hex(&id);
             match self.abort_multipart_upload(name, &key, &id).await {
@@ -1887,7 +1979,7 @@ impl Store {
     /// Whether any drive holds an object of `name` (or, with `uploads`, a
     /// multipart upload in progress).
     async fn bucket_has_entries(&self, name: &str, uploads: bool) -> Result<bool, StoreError> {
-        let drives: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
+        let drives: Vec<_> = self.topo().slots.iter().filter_map(|d| d.db()).collect();
         let answers = futures::future::join_all(
             drives
                 .iter()
@@ -1980,7 +2072,7 @@ impl Store {
         // Errors of the drives read, not the "offline" of the others.
         for (pos, r) in records.iter().enumerate() {
             if let (Some(_), Err(e)) = (&drives[pos], r) {
-                self.index_read_failed(self.slot(set, pos), e);
+                self.index_read_failed(&self.slot(set, pos), e);
             }
         }
         records
@@ -2068,7 +2160,7 @@ impl Store {
                 .iter()
                 .zip(&results)
                 .filter(|(_, r)| r.is_ok())
-                .map(|((slot, d), _)| (*slot, d.clone()))
+                .map(|((slot, d), _)| (slot.clone(), d.clone()))
                 .collect();
             self.log_missed_on(set, &took, bucket, key, &failed).await?;
         }
@@ -2434,7 +2526,7 @@ impl Store {
         }
         let etag = put::hex(&<md5::Md5 as md5::Digest>::digest(body));
         let crc = crate::checksum::crc32c(body);
-        let mut per_set: Vec<Vec<drive::BulkItem>> = vec![Vec::new(); self.sets.len()];
+        let mut per_set: Vec<Vec<drive::BulkItem>> = vec![Vec::new(); self.set_count()];
         for key in keys {
             validate_key(&key)?;
             let set = self.set_for(bucket, &key);

@@ -106,7 +106,7 @@ impl Store {
         &self,
         set: usize,
         bucket: &str,
-        targets: &[(&super::DriveSlot, Arc<dyn Drive>)],
+        targets: &[(Arc<super::DriveSlot>, Arc<dyn Drive>)],
     ) -> Result<u64, StoreError> {
         let sources: Vec<_> = (0..self.set_size(set))
             .filter_map(|p| self.slot(set, p).db())
@@ -477,7 +477,7 @@ impl Store {
         max: usize,
     ) -> Result<(Vec<UploadInfo>, Vec<String>, bool), StoreError> {
         self.bucket_record(bucket)?;
-        let drives: Vec<_> = self.drives.iter().filter_map(|d| d.db()).collect();
+        let drives: Vec<_> = self.topo().slots.iter().filter_map(|d| d.db()).collect();
         let mut seen: BTreeMap<(String, u64, String), ()> = BTreeMap::new();
         for d in drives {
             for (key, rec) in d

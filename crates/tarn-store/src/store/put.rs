@@ -203,13 +203,13 @@ impl Store {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
                     tracing::error!(drive = %slot.name, %error, "cannot create shard file");
-                    self.drive_failed(slot, "creating a shard file", &error);
+                    self.drive_failed(&slot, "creating a shard file", &error);
                     writers.push(None);
                 }
             }
         }
         check_alive(&writers, quorum)?;
-        let slots: Vec<&super::DriveSlot> = layout
+        let slots: Vec<std::sync::Arc<super::DriveSlot>> = layout
             .distribution
             .iter()
             .map(|&pos| self.slot(set, pos as usize))
@@ -305,7 +305,7 @@ impl Store {
         len: usize,
         shard_bufs: &mut [PooledBuf],
         writers: &mut [Option<Box<dyn ShardSink>>],
-        slots: &[&super::DriveSlot],
+        slots: &[std::sync::Arc<super::DriveSlot>],
         codec: &dyn crate::codec::Codec,
         k: usize,
         quorum: usize,
