@@ -32,6 +32,18 @@ def make_server(tmp_path):
 
 
 @pytest.fixture
+def formed_cluster(tmp_path):
+    """etcd and four nodes (two drives each) formed into 2+2 sets: (etcd,
+    nodes); the test may append nodes it starts, all are stopped after."""
+    from clusterproc import form, stop_all
+    etcd, nodes = form(str(tmp_path))
+    try:
+        yield etcd, nodes
+    finally:
+        stop_all(etcd, nodes)
+
+
+@pytest.fixture
 def server(make_server):
     return make_server()
 

@@ -11,20 +11,9 @@ import signal
 import threading
 import time
 
-import pytest
-
-from clusterproc import Node, form, status, stop_all
+from clusterproc import Node, status
 from conftest import data
 from tarnproc import metric, wait_for
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    etcd, nodes = form(str(tmp_path))
-    try:
-        yield etcd, nodes
-    finally:
-        stop_all(etcd, nodes)
 
 
 class Load:
@@ -112,8 +101,8 @@ def wait_synced(node):
     wait_for("drives online", lambda: set(drive_states(node)) == {"online"}, timeout=90)
 
 
-def test_paused_node_is_routed_around_and_synced_after(cluster):
-    _, nodes = cluster
+def test_paused_node_is_routed_around_and_synced_after(formed_cluster):
+    _, nodes = formed_cluster
     nodes[0].client().create_bucket(Bucket="paused")
     load = Load(nodes[:3], "paused")
     time.sleep(1.5)
@@ -144,8 +133,8 @@ def test_paused_node_is_routed_around_and_synced_after(cluster):
     assert not any("healing in full" in line for n in nodes for p in n.logs for line in open(p))
 
 
-def test_killed_node_returns_and_missed_writes_are_replayed(cluster):
-    _, nodes = cluster
+def test_killed_node_returns_and_missed_writes_are_replayed(formed_cluster):
+    _, nodes = formed_cluster
     nodes[0].client().create_bucket(Bucket="killed")
     load = Load(nodes[:3], "killed")
     time.sleep(1.5)
@@ -185,8 +174,8 @@ def job(node, kind="backfill"):
     return next((j for j in status(node)["jobs"] if j["kind"] == kind), None)
 
 
-def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(cluster, tmp_path):
-    etcd, nodes = cluster
+def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(formed_cluster, tmp_path):
+    etcd, nodes = formed_cluster
     cl = nodes[0].client()
     cl.create_bucket(Bucket="replaced")
     # Small objects (inline) and large ones (erasure-coded shards).

@@ -27,20 +27,11 @@ import time
 
 import pytest
 
-from clusterproc import form, status, stop_all
+from clusterproc import status
 from tarnproc import wait_for
 
 KEYS = [f"k{i:02}" for i in range(16)]
 INF = float("inf")
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    etcd, nodes = form(str(tmp_path))
-    try:
-        yield etcd, nodes
-    finally:
-        stop_all(etcd, nodes)
 
 
 def value(key, writer, seq):
@@ -152,8 +143,8 @@ def check(history, final):
     return errors
 
 
-def test_concurrent_history_under_pause_and_kill_is_linearizable(cluster):
-    _, nodes = cluster
+def test_concurrent_history_under_pause_and_kill_is_linearizable(formed_cluster):
+    _, nodes = formed_cluster
     nodes[0].client().create_bucket(Bucket="hist")
     history, stop = History(), threading.Event()
     threads = [threading.Thread(target=client_loop, args=(nodes[w % 3], w, history, stop, 1000 + w))

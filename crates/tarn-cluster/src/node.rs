@@ -707,18 +707,15 @@ impl Node {
                 }
             }
             let st = store.clone();
-            let applied = tokio::task::spawn_blocking(move || st.change_drives(wanted)).await;
-            match applied {
-                Ok(Ok(())) => store.start_backfill(),
-                Ok(Err(error)) => {
-                    tracing::error!(%error, "cannot serve the new cluster map");
-                    return;
-                }
-                Err(error) => {
-                    tracing::error!(%error, "cannot serve the new cluster map");
-                    return;
-                }
+            let applied = tokio::task::spawn_blocking(move || st.change_drives(wanted))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
+            if let Err(error) = applied {
+                tracing::error!(%error, "cannot serve the new cluster map");
+                return;
             }
+            store.start_backfill();
         }
         tracing::info!(epoch = m.epoch, "serving the new cluster map");
         self.epoch.store(m.epoch, Ordering::Release);
@@ -729,6 +726,8 @@ impl Node {
     /// and placed nowhere yet: its drives are backfilled from the other
     /// drives of their sets. `old` is recorded retired.
     pub async fn replace(&self, old: &str, new: &str) -> Result<ClusterMap, String> {
+        valid_name("node", old)?;
+        valid_name("node", new)?;
         let (m, revision) = self
             .read_map()
             .await?
@@ -873,23 +872,26 @@ impl Node {
                 "drives": rec.drives,
             }));
         }
-        let view: Vec<serde_json::Value> = match self.store.get() {
-            Some(store) => store
-                .drive_status()
-                .into_iter()
-                .map(|d| {
-                    json!({
-                        "drive": d.path,
-                        "set": d.set_index,
-                        "online": d.online,
-                        "rebuilding": d.rebuilding,
-                        "syncing": d.syncing,
-                        "reason": d.reason,
-                    })
+        let drives = self
+            .store
+            .get()
+            .map_or_else(Vec::new, |store| store.drive_status());
+        let behind = drives
+            .iter()
+            .any(|d| !d.online || d.rebuilding || d.syncing);
+        let view: Vec<serde_json::Value> = drives
+            .into_iter()
+            .map(|d| {
+                json!({
+                    "drive": d.path,
+                    "set": d.set_index,
+                    "online": d.online,
+                    "rebuilding": d.rebuilding,
+                    "syncing": d.syncing,
+                    "reason": d.reason,
                 })
-                .collect(),
-            None => Vec::new(),
-        };
+            })
+            .collect();
         let under = match self.store.get() {
             Some(store) => Some(store.under_replicated().await),
             None => None,
@@ -925,9 +927,6 @@ impl Node {
         // Repair is done once no job runs, no drive in this node's view is
         // behind, and the logs (all answering) hold nothing: each backfill
         // ended with a verifying scan that found nothing to repair.
-        let behind = view
-            .iter()
-            .any(|d| d["rebuilding"] == true || d["syncing"] == true || d["online"] == false);
         let repaired = under
             .as_ref()
             .is_some_and(|u| u.objects == 0 && u.unanswered == 0 && u.overflowed == 0)

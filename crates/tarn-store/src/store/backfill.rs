@@ -12,7 +12,7 @@
 //! verifying scan visits every object again; only a scan that found nothing
 //! to repair ends the rebuild, and the drives serve reads.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -289,13 +289,13 @@ impl Store {
         }
     }
 
-    /// A set's keys by bucket, in (bucket, key) order after `start`, from
-    /// every drive of the set in use; counted into the phase's total.
+    /// A set's keys by bucket, in (bucket, key) order after `start`;
+    /// counted into the phase's total.
     async fn list_set(
         &self,
         set: usize,
         start: Option<&(String, String)>,
-    ) -> Result<Vec<(String, std::collections::BTreeSet<String>)>, StoreError> {
+    ) -> Result<Vec<(String, BTreeSet<String>)>, StoreError> {
         let buckets: Vec<String> = self
             .buckets
             .read()
@@ -304,15 +304,9 @@ impl Store {
             .filter(|b| start.is_none_or(|(sb, _)| *b >= sb))
             .cloned()
             .collect();
-        let sources: Vec<_> = (0..self.set_size(set))
-            .filter_map(|p| self.slot(set, p).writer())
-            .collect();
         let mut work = Vec::with_capacity(buckets.len());
         for bucket in buckets {
-            let mut all = std::collections::BTreeSet::new();
-            for d in &sources {
-                all.extend(d.all_object_keys(bucket.clone()).await?);
-            }
+            let mut all = self.set_keys(set, &bucket).await?;
             if let Some((sb, sk)) = start {
                 if *sb == bucket {
                     all = all.split_off(sk);
@@ -334,7 +328,7 @@ impl Store {
         set: usize,
         targets: &[Target],
         phase: u8,
-        work: Vec<(String, std::collections::BTreeSet<String>)>,
+        work: Vec<(String, BTreeSet<String>)>,
     ) -> HealReport {
         let positions: Vec<usize> = targets.iter().map(|t| t.position).collect();
         let positions = positions.as_slice();

@@ -438,10 +438,15 @@ impl PartReader {
         };
         // Drives behind (rebuilding or syncing) may lack the part's shard:
         // read from the others while k of them are left.
+        let topo = store.topo();
         let behind: Vec<bool> = layout
             .distribution
             .iter()
-            .map(|&p| store.slot(set, p as usize).rebuilding().is_some())
+            .map(|&p| {
+                topo.slots[topo.sets[set][p as usize]]
+                    .rebuilding()
+                    .is_some()
+            })
             .collect();
         if behind.iter().filter(|b| !**b).count() >= k {
             r.bad = behind;

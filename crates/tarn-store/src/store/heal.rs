@@ -59,18 +59,7 @@ impl Store {
         complete &= self.heal_bucket_records(drives, &mut report).await;
         for bucket in &buckets {
             for set in 0..self.set_count() {
-                let drives: Vec<_> = (0..self.set_size(set))
-                    .filter_map(|p| self.slot(set, p).writer())
-                    .collect();
-                let keys = async {
-                    let mut all = std::collections::BTreeSet::new();
-                    for d in drives {
-                        all.extend(d.all_object_keys(bucket.clone()).await?);
-                    }
-                    Ok::<_, StoreError>(all)
-                }
-                .await;
-                let keys = match keys {
+                let keys = match self.set_keys(set, bucket).await {
                     Ok(k) => k,
                     Err(error) => {
                         tracing::error!(%bucket, %error, "listing keys to heal failed");
@@ -129,6 +118,23 @@ impl Store {
             }
         }
         report
+    }
+
+    /// Every key of a bucket on a set, as the set's drives in use hold
+    /// them (rebuilding ones included), in order.
+    pub(crate) async fn set_keys(
+        &self,
+        set: usize,
+        bucket: &str,
+    ) -> Result<std::collections::BTreeSet<String>, StoreError> {
+        let drives: Vec<_> = (0..self.set_size(set))
+            .filter_map(|p| self.slot(set, p).writer())
+            .collect();
+        let mut all = std::collections::BTreeSet::new();
+        for d in drives {
+            all.extend(d.all_object_keys(bucket.to_string()).await?);
+        }
+        Ok(all)
     }
 
     /// Bucket records onto every drive given that lacks them or holds
