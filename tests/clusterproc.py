@@ -153,13 +153,13 @@ class Node:
         return out
 
 
-def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1):
+def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra=()):
     """etcd and `count` nodes on 127.0.0.first…, formed into one pool of
     data+parity sets and serving. The caller stops them (`stop_all`)."""
     etcd = Etcd(root)
     nodes = []
     try:
-        nodes = [Node(root, i, etcd.url, drives=drives) for i in range(first, first + count)]
+        nodes = [Node(root, i, etcd.url, drives=drives, extra=extra) for i in range(first, first + count)]
         out = nodes[0].admin_cmd("cluster", "init", "--data-shards", str(data_shards),
                                  "--parity-shards", str(parity_shards)).stdout
         assert "cluster formed" in out, out
@@ -175,6 +175,16 @@ def stop_all(etcd, nodes):
     for n in nodes:
         n.stop()
     etcd.stop()
+
+
+def shard_files(path):
+    """Shard files on one drive (`<drive>/data/<aa>/<id>`)."""
+    return sum(len(files) for _, _, files in os.walk(os.path.join(path, "data")))
+
+
+def node_shard_files(node):
+    """Shard files on all of a node's drives."""
+    return sum(shard_files(os.path.join(node.root, d)) for d in os.listdir(node.root))
 
 
 def status(node):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import data
 from clusterproc import Etcd, Node, status
-from tarnproc import ACCESS_KEY, SECRET_KEY
+from tarnproc import ACCESS_KEY, SECRET_KEY, wait_for
 
 
 @pytest.fixture
@@ -369,10 +369,22 @@ def test_cluster_node_paused(cluster):
     check_readable([nodes[3]], "paused", acked)
 
 
+def bucket_known(cl, name):
+    try:
+        cl.head_bucket(Bucket=name)
+        return True
+    except cl.exceptions.ClientError:
+        return False
+
+
 def test_cluster_serves_while_etcd_is_stopped(cluster):
     etcd, nodes = cluster
     c = [n.client() for n in nodes]
     c[0].create_bucket(Bucket="noetcd")
+    # Bucket records reach the other nodes through their etcd watch, which
+    # is asynchronous: every node knows the bucket before etcd goes away.
+    for cl in c:
+        wait_for("the bucket known everywhere", lambda cl=cl: bucket_known(cl, "noetcd"), timeout=10)
     etcd.proc.send_signal(signal.SIGSTOP)
     try:
         for i in range(8):

@@ -7,11 +7,13 @@ replayed to it when it is back (syncing, then online), and the
 under-replicated count returns to zero. Every process is stopped by its
 PID."""
 
+import os
+import shutil
 import signal
 import threading
 import time
 
-from clusterproc import Node, status
+from clusterproc import Node, shard_files, status
 from conftest import data
 from tarnproc import metric, wait_for
 
@@ -88,6 +90,20 @@ def check_all_readable(nodes, bucket, acked):
             assert cl.get_object(Bucket=bucket, Key=key)["Body"].read() == acked[key], (n.i, key)
 
 
+def check_served_with_paused(reader, paused, bucket, acked, every=1):
+    """With the `paused` nodes stopped (SIGSTOP), every `every`th object is
+    read through `reader` and equals what was acknowledged."""
+    for n in paused:
+        n.signal(signal.SIGSTOP)
+    try:
+        cl = reader.client()
+        for key in list(acked)[::every]:
+            assert cl.get_object(Bucket=bucket, Key=key)["Body"].read() == acked[key], key
+    finally:
+        for n in paused:
+            n.signal(signal.SIGCONT)
+
+
 def drive_states(node):
     return [("offline" if not d["online"] else "rebuilding" if d["rebuilding"]
              else "syncing" if d["syncing"] else "online")
@@ -159,15 +175,7 @@ def test_killed_node_returns_and_missed_writes_are_replayed(formed_cluster):
     check_all_readable(nodes, "killed", acked)
     # Its drives hold every object now: with two other nodes gone, the
     # returned one and one more still serve every object (2+2).
-    nodes[1].signal(signal.SIGSTOP)
-    nodes[2].signal(signal.SIGSTOP)
-    try:
-        cl = nodes[3].client()
-        for key in list(acked)[::3]:
-            assert cl.get_object(Bucket="killed", Key=key)["Body"].read() == acked[key], key
-    finally:
-        nodes[1].signal(signal.SIGCONT)
-        nodes[2].signal(signal.SIGCONT)
+    check_served_with_paused(nodes[3], nodes[1:3], "killed", acked, every=3)
 
 
 def job(node, kind="backfill"):
@@ -237,12 +245,65 @@ def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(formed_c
     check_all_readable(nodes[:3] + [new], "replaced", acked)
     # The new node's drives hold every object: with two other nodes paused,
     # it and one more serve them all (2+2).
-    nodes[0].signal(signal.SIGSTOP)
-    nodes[1].signal(signal.SIGSTOP)
+    check_served_with_paused(new, nodes[:2], "replaced", acked)
+
+
+def test_etcd_stopped_and_restarted_under_load(formed_cluster):
+    """etcd down longer than a member's lease, then back: the data path
+    serves throughout with what it last saw, members register again, and
+    what needs etcd works again."""
+    etcd, nodes = formed_cluster
+    nodes[0].client().create_bucket(Bucket="etcd-away")
+    load = Load(nodes, "etcd-away", writers=3, readers=2)
     try:
-        cl = new.client()
-        for key, body in acked.items():
-            assert cl.get_object(Bucket="replaced", Key=key)["Body"].read() == body, key
+        time.sleep(1.5)
+        etcd.stop()
+        time.sleep(8)
+        etcd.start()
+        time.sleep(2)
     finally:
-        nodes[0].signal(signal.SIGCONT)
-        nodes[1].signal(signal.SIGCONT)
+        load.finish()
+    assert not load.failed, load.failed[:3]
+    for n in nodes:
+        wait_for(f"n{n.i} live again", lambda: all(x["live"] for x in status(nodes[0])["nodes"]), timeout=30)
+    nodes[2].client().create_bucket(Bucket="after-etcd")
+    nodes[3].client().head_bucket(Bucket="after-etcd")
+    check_all_readable(nodes, "etcd-away", load.acked)
+    for n in nodes:
+        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=60)
+
+
+def test_emptied_drive_is_rebuilt_and_serves(formed_cluster):
+    """A node's drive found empty at its restart (the disk swapped, its
+    contents lost): it rejoins its set, is backfilled while the cluster
+    serves, and holds its shards again."""
+    _, nodes = formed_cluster
+    cl = nodes[0].client()
+    cl.create_bucket(Bucket="emptied")
+    acked = {}
+    for j in range(60):
+        key = f"k{j:03}"
+        acked[key] = data(key, 2_500 if j % 4 == 0 else 90_000 + 1009 * j)
+        cl.put_object(Bucket="emptied", Key=key, Body=acked[key])
+    drive = os.path.join(nodes[2].root, "d0")
+    had = shard_files(drive)
+    assert had > 0
+    nodes[2].signal(signal.SIGKILL)
+    nodes[2].proc.wait()
+    shutil.rmtree(drive)
+    os.makedirs(drive)
+    nodes[2].start()
+    nodes[2].wait_serving()
+    load = Load(nodes[:2] + nodes[3:], "emptied", writers=2, readers=2)
+    try:
+        for n in nodes:
+            wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=120)
+    finally:
+        load.finish()
+    assert not load.failed, load.failed[:3]
+    acked.update(load.acked)
+    assert shard_files(drive) >= had
+    check_all_readable(nodes, "emptied", acked)
+    # The rebuilt drive holds its shards: with two other nodes paused, the
+    # objects of its sets are still served (2+2).
+    check_served_with_paused(nodes[2], nodes[:2], "emptied", acked, every=4)

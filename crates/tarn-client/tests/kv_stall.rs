@@ -161,12 +161,17 @@ fn a_busy_core_does_not_stall_the_kv_daemon() {
         pin_cores: true,
         ..ServerOptions::default()
     };
+    // The hog does not always get the core at once on a loaded machine:
+    // up to three tries for the condition to show.
     let t = Instant::now();
-    let missed = calls_missed(pinned, 200, true);
+    let missed = (0..3)
+        .map(|_| calls_missed(pinned.clone(), 200, true))
+        .find(|&m| m > 0)
+        .unwrap_or(0);
     eprintln!("pinned: a call missed its deadline after {:?}", t.elapsed());
     assert!(
         missed > 0,
-        "control: a daemon pinned to a busy core answered every call in time"
+        "control: a daemon pinned to a busy core answered every call in time, three times"
     );
     // What `tarn server` runs: no call misses.
     let t = Instant::now();

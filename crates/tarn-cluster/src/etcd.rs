@@ -45,6 +45,26 @@ pub struct KeyValue {
     pub lease: i64,
 }
 
+/// A transaction's comparison: `key` last changed at `revision` (0: absent).
+fn mod_is(key: &str, revision: i64) -> Value {
+    json!({
+        "key": b64(key.as_bytes()),
+        "target": "MOD",
+        "result": "EQUAL",
+        "mod_revision": revision.to_string(),
+    })
+}
+
+/// A transaction's comparison: `key` created at `revision`.
+fn created_at(key: &str, revision: i64) -> Value {
+    json!({
+        "key": b64(key.as_bytes()),
+        "target": "CREATE",
+        "result": "EQUAL",
+        "create_revision": revision.to_string(),
+    })
+}
+
 /// A client for one etcd cluster (any of its endpoints).
 #[derive(Debug, Clone)]
 pub struct Etcd {
@@ -244,6 +264,47 @@ impl Etcd {
         value: &[u8],
         lease: Option<i64>,
     ) -> Result<bool, EtcdError> {
+        self.put_if(&[mod_is(key, mod_revision)], key, value, lease)
+            .await
+    }
+
+    /// Writes `key` only while `guard` is the key created at revision
+    /// `created` (a leader key and its fencing token): whether it was
+    /// written. A holder whose key lapsed and was taken by another is
+    /// refused, whatever it believes.
+    pub async fn put_fenced(
+        &self,
+        guard: &str,
+        created: i64,
+        key: &str,
+        value: &[u8],
+    ) -> Result<bool, EtcdError> {
+        self.put_if(&[created_at(guard, created)], key, value, None)
+            .await
+    }
+
+    /// `compare_and_swap` that also requires `guard` to be the key created
+    /// at revision `created` (a job's fencing token).
+    pub async fn compare_and_swap_fenced(
+        &self,
+        key: &str,
+        mod_revision: i64,
+        value: &[u8],
+        (guard, created): (&str, i64),
+    ) -> Result<bool, EtcdError> {
+        let compares = [mod_is(key, mod_revision), created_at(guard, created)];
+        self.put_if(&compares, key, value, None).await
+    }
+
+    /// A transaction that puts `key` if every comparison holds: whether it
+    /// did.
+    async fn put_if(
+        &self,
+        compares: &[Value],
+        key: &str,
+        value: &[u8],
+        lease: Option<i64>,
+    ) -> Result<bool, EtcdError> {
         let mut put = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
         if let Some(l) = lease {
             put["lease"] = json!(l.to_string());
@@ -251,15 +312,7 @@ impl Etcd {
         let v = self
             .call(
                 "/v3/kv/txn",
-                json!({
-                    "compare": [{
-                        "key": b64(key.as_bytes()),
-                        "target": "MOD",
-                        "result": "EQUAL",
-                        "mod_revision": mod_revision.to_string(),
-                    }],
-                    "success": [{ "request_put": put }],
-                }),
+                json!({ "compare": compares, "success": [{ "request_put": put }] }),
             )
             .await?;
         Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))

@@ -11,6 +11,10 @@
 //!                   create revision is its fencing token
 //! progress/<id>     a node's background jobs under way (backfill): JSON,
 //!                   on a short lease, for `cluster status`
+//! jobs/<role>/<id>  a job's checkpoint (a pool's drain): JSON, written
+//!                   only under the leader's fencing token
+//! space/<id>        a node's drives' free and total bytes: JSON, on a
+//!                   short lease, for placing new objects by free space
 //! buckets/<name>    a bucket's record (format.md's bucket record bytes)
 //! sys/<key>         a system document (users and their keys, buckets'
 //!                   owners, ACLs and policies: JSON, as on one node)
@@ -89,6 +93,18 @@ impl Keys {
 
     pub fn progress(&self, id: &str) -> String {
         format!("{}progress/{id}", self.root)
+    }
+
+    pub fn job(&self, role: &str, id: &str) -> String {
+        format!("{}jobs/{role}/{id}", self.root)
+    }
+
+    pub fn space_all(&self) -> String {
+        format!("{}space/", self.root)
+    }
+
+    pub fn space(&self, id: &str) -> String {
+        format!("{}space/{id}", self.root)
     }
 
     pub fn leader(&self, role: &str) -> String {

@@ -6,6 +6,7 @@
 
 pub mod catalog;
 pub mod etcd;
+pub mod jobs;
 pub mod keys;
 pub mod map;
 pub mod membership;

@@ -65,6 +65,9 @@ pub enum PoolState {
     Active,
     /// Serves its objects while they are moved elsewhere; takes no new ones.
     Draining,
+    /// Drained: holds nothing; kept in the map so that set numbers keep
+    /// their meaning, its drives no longer used.
+    Retired,
 }
 
 /// A pool: erasure sets of one geometry.
@@ -178,6 +181,101 @@ impl ClusterMap {
         Ok(next)
     }
 
+    /// The map with a new pool of `data`+`parity` sets over the drives of
+    /// `nodes` that the map places nowhere (expansion), and its epoch
+    /// advanced. The pool's id is one past the largest so far; placement
+    /// follows the same rule as the first pool's (at most `parity` shards
+    /// of a set on one node).
+    pub fn add_pool(
+        &self,
+        nodes: &[NodeRecord],
+        data: usize,
+        parity: usize,
+    ) -> Result<ClusterMap, String> {
+        let placed: std::collections::HashSet<&str> =
+            self.drives().map(|(_, _, _, d)| d.drive.as_str()).collect();
+        let mut offered = Vec::new();
+        for n in nodes {
+            if n.state != NodeState::Active {
+                return Err(format!("node {} is {:?}, not active", n.id, n.state));
+            }
+            let drives: Vec<String> = n
+                .drives
+                .iter()
+                .filter(|d| !placed.contains(d.as_str()))
+                .cloned()
+                .collect();
+            if drives.is_empty() {
+                return Err(format!(
+                    "node {} has no drive the map does not place already",
+                    n.id
+                ));
+            }
+            offered.push(NodeDrives {
+                node: n.id.clone(),
+                drives,
+            });
+        }
+        let sets = place(&offered, data, parity).map_err(|e| e.to_string())?;
+        let mut next = self.clone();
+        next.pools.push(Pool {
+            id: self.pools.iter().map(|p| p.id + 1).max().unwrap_or(0),
+            state: PoolState::Active,
+            data_shards: data as u32,
+            parity_shards: parity as u32,
+            sets,
+        });
+        next.epoch += 1;
+        Ok(next)
+    }
+
+    /// The map with pool `id` draining (`pool drain`): refused for a pool
+    /// that is not active, or the last active one.
+    pub fn drain_pool(&self, id: u32) -> Result<ClusterMap, String> {
+        let state = self.pool(id)?.state;
+        if state != PoolState::Active {
+            return Err(format!("pool {id} is {state:?} already").to_lowercase());
+        }
+        if !self
+            .pools
+            .iter()
+            .any(|p| p.id != id && p.state == PoolState::Active)
+        {
+            return Err(format!(
+                "pool {id} is the only active pool: its objects would have nowhere to go (add a pool first)"
+            ));
+        }
+        Ok(self.with_state(id, PoolState::Draining))
+    }
+
+    /// The map with draining pool `id` retired (its drain done).
+    pub fn retire_pool(&self, id: u32) -> Result<ClusterMap, String> {
+        if self.pool(id)?.state != PoolState::Draining {
+            return Err(format!("pool {id} is not draining"));
+        }
+        Ok(self.with_state(id, PoolState::Retired))
+    }
+
+    fn pool(&self, id: u32) -> Result<&Pool, String> {
+        self.pools
+            .iter()
+            .find(|p| p.id == id)
+            .ok_or_else(|| format!("the cluster map has no pool {id}"))
+    }
+
+    /// The map with pool `id` (which exists) in state `to`, its epoch
+    /// advanced.
+    fn with_state(&self, id: u32, to: PoolState) -> ClusterMap {
+        let mut next = self.clone();
+        next.pools
+            .iter_mut()
+            .find(|p| p.id == id)
+            .expect("checked")
+            .state = to;
+        next.epoch += 1;
+        next
+    }
+
     /// Every drive the map places, with its pool, set and shard index.
     pub fn drives(&self) -> impl Iterator<Item = (u32, usize, usize, &DriveRef)> {
         self.pools.iter().flat_map(|p| {
@@ -280,6 +378,66 @@ mod tests {
             .replace_node("zz", &nodes[4])
             .unwrap_err()
             .contains("holds no place"));
+    }
+
+    #[test]
+    fn adding_a_pool_places_only_new_drives() {
+        let mut nodes: Vec<_> = ["a", "b", "c", "d"].iter().map(|n| node(n, 2)).collect();
+        let map = ClusterMap::initial("c1", "dep", &nodes, 2, 2).unwrap();
+        let more: Vec<_> = ["e", "f", "g", "h"].iter().map(|n| node(n, 1)).collect();
+        let next = map.add_pool(&more, 2, 2).unwrap();
+        assert_eq!(next.epoch, map.epoch + 1);
+        assert_eq!(next.pools.len(), 2);
+        assert_eq!(next.pools[0], map.pools[0], "the first pool is unchanged");
+        let p = &next.pools[1];
+        assert_eq!((p.id, p.state, p.sets.len()), (1, PoolState::Active, 1));
+        assert!(p.sets[0]
+            .iter()
+            .all(|d| ["e", "f", "g", "h"].contains(&d.node.as_str())));
+        // A node of the first pool with a new drive can take part too.
+        nodes[0].drives.push("a-new".into());
+        let mixed = [
+            nodes[0].clone(),
+            more[0].clone(),
+            more[1].clone(),
+            more[2].clone(),
+        ];
+        let next = map.add_pool(&mixed, 2, 2).unwrap();
+        assert!(next.pools[1].sets[0].iter().any(|d| d.drive == "a-new"));
+        // Refusals: a node with nothing new, too few nodes for the parity.
+        assert!(map
+            .add_pool(&nodes[1..2], 1, 1)
+            .unwrap_err()
+            .contains("no drive"));
+        assert!(map.add_pool(&more[..2], 2, 2).is_err());
+        let mut retired = more.clone();
+        retired[0].state = NodeState::Retired;
+        assert!(map
+            .add_pool(&retired, 2, 2)
+            .unwrap_err()
+            .contains("not active"));
+    }
+
+    #[test]
+    fn draining_and_retiring_a_pool() {
+        let nodes: Vec<_> = ["a", "b", "c", "d"].iter().map(|n| node(n, 1)).collect();
+        let map = ClusterMap::initial("c1", "dep", &nodes, 2, 2).unwrap();
+        assert!(map.drain_pool(0).unwrap_err().contains("only active pool"));
+        let more: Vec<_> = ["e", "f", "g", "h"].iter().map(|n| node(n, 1)).collect();
+        let two = map.add_pool(&more, 2, 2).unwrap();
+        assert!(two.retire_pool(1).unwrap_err().contains("not draining"));
+        let d = two.drain_pool(1).unwrap();
+        assert_eq!(
+            (d.pools[1].state, d.epoch),
+            (PoolState::Draining, two.epoch + 1)
+        );
+        assert!(d.drain_pool(1).unwrap_err().contains("draining already"));
+        assert!(d.drain_pool(0).unwrap_err().contains("only active pool"));
+        assert!(d.drain_pool(7).unwrap_err().contains("no pool 7"));
+        let r = d.retire_pool(1).unwrap();
+        assert_eq!(r.pools[1].state, PoolState::Retired);
+        let j = serde_json::to_value(&r).unwrap();
+        assert_eq!(j["pools"][1]["state"], "retired");
     }
 
     #[test]

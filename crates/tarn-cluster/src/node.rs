@@ -18,10 +18,13 @@ use serde_json::json;
 use tarn_store::drive_io::Drive;
 use tarn_store::format::{id_from_hex, id_to_hex, new_id, Id128};
 use tarn_store::lock::LeaseTable;
-use tarn_store::{ClusterDrive, ClusterLayout, DriveChange, Store, StoreConfig};
+use tarn_store::{
+    ClusterDrive, ClusterLayout, DrainReport, DriveChange, PoolLayout, Store, StoreConfig,
+};
 
 use crate::catalog::{decode_bucket, EtcdCatalog};
 use crate::etcd::{Etcd, EtcdError, Event};
+use crate::jobs::Leadership;
 use crate::keys::{valid_name, Keys, LAYOUT_VERSION};
 use crate::map::{self, ClusterMap, Member, NodeRecord, NodeState, FORMAT};
 use crate::membership::Membership;
@@ -38,24 +41,55 @@ const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
 /// published one outlives the node.
 const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 const PROGRESS_TTL_SECS: i64 = 10;
+/// Free space is published to this grain (64 MiB), so that every write
+/// does not rewrite it.
+const SPACE_GRAIN: u64 = (64 << 20) - 1;
+
+/// What `publish_progress` has put in etcd.
+#[derive(Default)]
+struct Published {
+    lease: Option<i64>,
+    space: Option<Vec<u8>>,
+    progress: bool,
+}
+
+/// Sleeps `period`; false when the node stops meanwhile.
+async fn pace(stop: &mut tokio::sync::watch::Receiver<bool>, period: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(period) => true,
+        _ = stop.changed() => false,
+    }
+}
+
 /// How often a node without a map (or a broken watch) asks etcd again.
 const RETRY: Duration = Duration::from_millis(500);
 
-/// The set positions whose drive differs from `cur` to `next`: (set,
-/// position, the drive now there). Refused, saying what, for any other
-/// change of the pools.
-fn drive_changes(
-    cur: &ClusterMap,
-    next: &ClusterMap,
-) -> Result<Vec<(usize, usize, map::DriveRef)>, String> {
-    if cur.pools.len() != next.pools.len() {
+/// What a new map changes that a running node follows.
+#[derive(Debug, Default)]
+struct MapDiff {
+    /// Set positions given another drive (a node replaced): global set
+    /// index (the pools' sets numbered in map order), position, the drive.
+    drives: Vec<(usize, usize, map::DriveRef)>,
+    /// Pools added after the others (expansion).
+    added: Vec<map::Pool>,
+    /// The pools draining in the new map, and those retired.
+    draining: Vec<u32>,
+    retired: Vec<u32>,
+}
+
+/// How `next` differs from `cur`. Refused, saying what, for a change a
+/// running node cannot follow (a pool removed or reordered, a geometry
+/// changed).
+fn map_diff(cur: &ClusterMap, next: &ClusterMap) -> Result<MapDiff, String> {
+    if next.pools.len() < cur.pools.len() {
         return Err(format!(
             "{} pool(s) became {}",
             cur.pools.len(),
             next.pools.len()
         ));
     }
-    let mut out = Vec::new();
+    let mut diff = MapDiff::default();
+    let mut first = 0;
     for (a, b) in cur.pools.iter().zip(&next.pools) {
         if (a.id, a.data_shards, a.parity_shards, a.sets.len())
             != (b.id, b.data_shards, b.parity_shards, b.sets.len())
@@ -68,12 +102,93 @@ fn drive_changes(
             }
             for (p, (da, db)) in sa.iter().zip(sb).enumerate() {
                 if (&da.node, &da.drive) != (&db.node, &db.drive) {
-                    out.push((s, p, db.clone()));
+                    diff.drives.push((first + s, p, db.clone()));
                 }
             }
         }
+        first += a.sets.len();
     }
-    Ok(out)
+    diff.added = next.pools[cur.pools.len()..].to_vec();
+    diff.draining = next
+        .pools
+        .iter()
+        .filter(|p| p.state == map::PoolState::Draining)
+        .map(|p| p.id)
+        .collect();
+    diff.retired = next
+        .pools
+        .iter()
+        .filter(|p| p.state == map::PoolState::Retired)
+        .map(|p| p.id)
+        .collect();
+    Ok(diff)
+}
+
+/// The drives the cluster map places on node `id` that none of `found`
+/// (this node's formatted drives) is: lost with their disks' contents.
+/// Sorted, the last taken first.
+async fn lost_drives(
+    etcd: &Etcd,
+    keys: &Keys,
+    id: &str,
+    found: &[(Id128, PathBuf)],
+) -> Result<Vec<Id128>, String> {
+    let (kv, _) = etcd.get(&keys.map()).await.map_err(etcd_err)?;
+    let Some(kv) = kv else {
+        return Ok(Vec::new());
+    };
+    let m: ClusterMap = map::decode("cluster map", &kv.value)?;
+    let mut lost: Vec<Id128> = m
+        .drives()
+        .filter(|(_, _, _, d)| d.node == id)
+        .filter_map(|(_, _, _, d)| id_from_hex(&d.drive))
+        .filter(|d| !found.iter().any(|(f, _)| f == d))
+        .collect();
+    lost.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(lost)
+}
+
+/// A drain this node leads.
+#[derive(Debug, Clone)]
+pub struct DrainJob {
+    pub pool: u32,
+    pub token: i64,
+    pub started: std::time::Instant,
+    pub passes: u64,
+    /// The pass under way.
+    pub report: DrainReport,
+    /// Keys and bytes moved by earlier passes.
+    pub moved_before: u64,
+    pub bytes_before: u64,
+}
+
+impl DrainJob {
+    fn json(&self, node: &str) -> serde_json::Value {
+        let moved = self.moved_before + self.report.moved;
+        let bytes = self.bytes_before + self.report.bytes;
+        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
+        let left = self
+            .report
+            .keys
+            .saturating_sub(self.report.moved + self.report.failures);
+        let key_rate = moved as f64 / secs;
+        json!({
+            "node": node,
+            "kind": "drain",
+            "pool": self.pool,
+            "token": self.token,
+            "passes": self.passes,
+            "keys_in_pass": self.report.keys,
+            "keys_left": left,
+            "moved": moved,
+            "bytes_moved": bytes,
+            "failures": self.report.failures,
+            "uploads_in_pool": self.report.uploads,
+            "rate_bytes_per_s": (bytes as f64 / secs).round(),
+            "eta_s": (key_rate > 0.0).then(|| (left as f64 / key_rate).ceil()),
+            "elapsed_s": self.started.elapsed().as_secs(),
+        })
+    }
 }
 
 /// What a node is told at start (`tarn server --cluster …`).
@@ -116,6 +231,11 @@ pub struct Node {
     opened: tokio::sync::watch::Sender<bool>,
     rpc_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     started: AtomicBool,
+    /// The drain this node leads, for `cluster status` and /metrics.
+    drain: Mutex<Option<DrainJob>>,
+    /// Drives found empty at start that took the place of the drive the
+    /// map placed here (`lost_drives`): backfilled in full.
+    reclaimed: std::collections::HashSet<Id128>,
 }
 
 /// Serves this node's drives from the engine once it is open.
@@ -166,10 +286,40 @@ impl Node {
         }
         let identity = Identity::new(&cfg.cluster, &cfg.node_id, &cfg.secret)?;
         let etcd = Etcd::new(&cfg.etcd, ETCD_TIMEOUT)?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
         let mut drives = Vec::new();
+        let mut empty = Vec::new();
         for path in &cfg.drives {
-            let id = tarn_store::claim_drive(path).map_err(|e| e.to_string())?;
-            drives.push((id, path.clone()));
+            match tarn_store::formatted_drive_id(path).map_err(|e| e.to_string())? {
+                Some(id) => drives.push((id, path.clone())),
+                None => empty.push(path.clone()),
+            }
+        }
+        // An empty directory takes the place of a drive the map places on
+        // this node and no directory holds (its disk emptied or swapped);
+        // otherwise it is a new drive. A missing directory never does: it
+        // may be a mount point whose disk is not mounted, and the lost
+        // drive's data would land on the disk below.
+        let mut reclaimed = std::collections::HashSet::new();
+        if !empty.is_empty() {
+            let mut lost = rt.block_on(lost_drives(&etcd, &keys, &cfg.node_id, &drives))?;
+            for path in empty {
+                let reclaim = if path.is_dir() { lost.pop() } else { None };
+                let id = match reclaim {
+                    Some(id) => {
+                        tarn_store::claim_drive_in_place_of(&path, id)
+                            .map_err(|e| e.to_string())?;
+                        tracing::warn!(drive = %path.display(), id = %id_to_hex(&id), "empty drive takes the place of the drive the cluster map places here; a full backfill fills it");
+                        reclaimed.insert(id);
+                        id
+                    }
+                    None => tarn_store::claim_drive(&path).map_err(|e| e.to_string())?,
+                };
+                drives.push((id, path));
+            }
         }
         let client = Arc::new(RpcClient::new(identity.clone(), ClientLimits::default()));
         let (stop, _) = tokio::sync::watch::channel(false);
@@ -189,12 +339,10 @@ impl Node {
             opened: tokio::sync::watch::channel(false).0,
             rpc_threads: Mutex::default(),
             started: AtomicBool::new(false),
+            reclaimed,
+            drain: Mutex::default(),
             cfg,
         });
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
         rt.block_on(node.register())?;
         node.start_rpc()?;
         let member = Member {
@@ -396,30 +544,20 @@ impl Node {
             Ok::<_, String>((addresses, kvs))
         })?;
         let records = self.bucket_records(buckets)?;
-        let pool = m
-            .pools
-            .first()
-            .ok_or("the cluster map has no pool")?
-            .clone();
-        if m.pools.len() > 1 {
-            return Err("the cluster map has several pools; this version serves one".into());
+        if m.pools.is_empty() {
+            return Err("the cluster map has no pool".into());
         }
         self.epoch.store(m.epoch, Ordering::Release);
-        let mut sets = Vec::new();
-        for set in &pool.sets {
-            sets.push(
-                set.iter()
-                    .map(|d| self.cluster_drive(d, &addresses))
-                    .collect::<Result<Vec<_>, _>>()?,
-            );
-        }
+        let pools = m
+            .pools
+            .iter()
+            .map(|p| self.pool_layout(p, &addresses))
+            .collect::<Result<Vec<_>, _>>()?;
         let deployment_id = id_from_hex(&m.deployment_id)
             .ok_or_else(|| format!("the map's deployment id {:?}", m.deployment_id))?;
         let layout = ClusterLayout {
             deployment_id,
-            data_shards: pool.data_shards as usize,
-            parity_shards: pool.parity_shards as usize,
-            sets,
+            pools,
             buckets: records,
             catalog: Arc::new(EtcdCatalog::new(self.etcd.clone(), self.keys.clone())),
         };
@@ -428,6 +566,30 @@ impl Node {
         let _ = self.store.set(store.clone());
         self.opened.send_replace(true);
         Ok(store)
+    }
+
+    /// How the engine serves one pool of the map.
+    fn pool_layout(
+        &self,
+        p: &map::Pool,
+        addresses: &HashMap<String, String>,
+    ) -> Result<PoolLayout, String> {
+        let mut sets = Vec::with_capacity(p.sets.len());
+        for set in &p.sets {
+            sets.push(
+                set.iter()
+                    .map(|d| self.cluster_drive(d, addresses))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        Ok(PoolLayout {
+            id: p.id,
+            data_shards: p.data_shards as usize,
+            parity_shards: p.parity_shards as usize,
+            draining: p.state == map::PoolState::Draining,
+            retired: p.state == map::PoolState::Retired,
+            sets,
+        })
     }
 
     /// How the engine reaches one place of the map: a drive of this node
@@ -439,7 +601,7 @@ impl Node {
     ) -> Result<ClusterDrive, String> {
         let id =
             id_from_hex(&d.drive).ok_or_else(|| format!("the map names drive {:?}", d.drive))?;
-        let joins = d.replaces.is_some();
+        let joins = d.replaces.is_some() || self.reclaimed.contains(&id);
         if d.node == self.cfg.node_id {
             let path = self
                 .drives
@@ -469,6 +631,7 @@ impl Node {
                 id,
                 self.epoch.clone(),
             )),
+            drive_id: id,
             joins,
         })
     }
@@ -513,15 +676,31 @@ impl Node {
     /// Follows etcd's changes to bucket records, documents and the map on
     /// the current runtime until the node stops.
     pub fn spawn_watch(self: &Arc<Self>) {
+        // A node that was away when a pool of its drives was retired.
+        if let Some(store) = self.store.get() {
+            sweep_retired(store.clone());
+        }
         let node = self.clone();
         let mut stop = self.stop.subscribe();
         tokio::spawn(async move {
-            let mut published = false;
+            let mut published = Published::default();
             loop {
-                published = node.publish_progress(published).await;
+                node.publish_progress(&mut published).await;
+                if !pace(&mut stop, PROGRESS_EVERY).await {
+                    return;
+                }
+            }
+        });
+        let node = self.clone();
+        let mut stop = self.stop.subscribe();
+        tokio::spawn(async move {
+            loop {
                 tokio::select! {
-                    _ = tokio::time::sleep(PROGRESS_EVERY) => {}
+                    _ = node.drain_round() => {}
                     _ = stop.changed() => return,
+                }
+                if !pace(&mut stop, PROGRESS_EVERY).await {
+                    return;
                 }
             }
         });
@@ -544,28 +723,63 @@ impl Node {
 
     /// Puts this node's background jobs under `progress/<id>` on a short
     /// lease (a node that dies leaves nothing behind), or removes them once
-    /// none runs. Whether something is published now.
-    async fn publish_progress(&self, published: bool) -> bool {
-        let jobs = self.jobs();
-        let key = self.keys.progress(&self.cfg.node_id);
-        let r = if jobs.is_empty() {
-            if !published {
-                return false;
-            }
-            self.etcd.delete(&key).await.map(|_| ())
-        } else {
-            let value = serde_json::to_vec(&jobs).expect("json");
-            match self.etcd.lease_grant(PROGRESS_TTL_SECS).await {
-                Ok((lease, _)) => self.etcd.put(&key, &value, Some(lease)).await.map(|_| ()),
-                Err(e) => Err(e),
-            }
+    /// none runs; likewise its drives' space under `space/<id>` (rewritten
+    /// only when it changed by 64 MiB or more), and takes the other nodes'
+    /// reports of theirs. One lease, renewed, serves both.
+    async fn publish_progress(&self, st: &mut Published) {
+        let Some(store) = self.store.get() else {
+            return;
         };
-        match r {
-            Ok(()) => !jobs.is_empty(),
-            Err(error) => {
-                tracing::debug!(%error, "cannot publish background progress");
-                published
+        let r = async {
+            let lease = match st.lease {
+                Some(l) if self.etcd.lease_keep_alive(l).await? > 0 => l,
+                _ => {
+                    // New (or lapsed): what was on the old one is gone.
+                    let (l, _) = self.etcd.lease_grant(PROGRESS_TTL_SECS).await?;
+                    *st = Published {
+                        lease: Some(l),
+                        ..Published::default()
+                    };
+                    l
+                }
+            };
+            let space: serde_json::Map<String, serde_json::Value> = store
+                .local_space()
+                .into_iter()
+                .map(|(id, free, total)| (id_to_hex(&id), json!([free & !SPACE_GRAIN, total])))
+                .collect();
+            let space = serde_json::to_vec(&space).expect("json");
+            if st.space.as_ref() != Some(&space) {
+                self.etcd
+                    .put(&self.keys.space(&self.cfg.node_id), &space, Some(lease))
+                    .await?;
+                st.space = Some(space);
             }
+            let jobs = self.jobs();
+            let key = self.keys.progress(&self.cfg.node_id);
+            if !jobs.is_empty() {
+                let value = serde_json::to_vec(&jobs).expect("json");
+                self.etcd.put(&key, &value, Some(lease)).await?;
+            } else if st.progress {
+                self.etcd.delete(&key).await?;
+            }
+            st.progress = !jobs.is_empty();
+            let (kvs, _) = self.etcd.get_prefix(&self.keys.space_all()).await?;
+            for kv in kvs {
+                let Ok(v) = serde_json::from_slice::<HashMap<String, (u64, u64)>>(&kv.value) else {
+                    continue;
+                };
+                for (id, (free, total)) in v {
+                    if let Some(id) = id_from_hex(&id) {
+                        store.set_remote_space(&id, free, total);
+                    }
+                }
+            }
+            Ok::<_, EtcdError>(())
+        }
+        .await;
+        if let Err(error) = r {
+            tracing::debug!(%error, "cannot publish background progress");
         }
     }
 
@@ -574,6 +788,12 @@ impl Node {
         let Some(store) = self.store.get() else {
             return Vec::new();
         };
+        let drain = self
+            .drain
+            .lock()
+            .expect("drain")
+            .as_ref()
+            .map(|d| d.json(&self.cfg.node_id));
         store
             .backfill_status()
             .map(|b| {
@@ -596,7 +816,176 @@ impl Node {
                 })
             })
             .into_iter()
+            .chain(drain)
             .collect()
+    }
+
+    /// The drain this node leads, if any.
+    pub fn drain_job(&self) -> Option<DrainJob> {
+        self.drain.lock().expect("drain").clone()
+    }
+
+    /// Every 2 s: while the map has a draining pool, campaigns for the
+    /// drain's leadership and, won, runs the drain to its end (or until the
+    /// leadership is lost).
+    async fn drain_round(self: &Arc<Self>) {
+        let (Some(store), Some(m)) = (
+            self.store.get().cloned(),
+            self.map.read().expect("map").clone(),
+        ) else {
+            return;
+        };
+        let Some(pool) = m
+            .pools
+            .iter()
+            .find(|p| p.state == map::PoolState::Draining)
+            .map(|p| p.id)
+        else {
+            return;
+        };
+        let lead =
+            match Leadership::campaign(&self.etcd, &self.keys, "drain", &self.cfg.node_id).await {
+                Ok(Some(l)) => l,
+                Ok(None) => return,
+                Err(error) => {
+                    tracing::debug!(%error, "cannot campaign for the drain");
+                    return;
+                }
+            };
+        tracing::info!(pool, token = lead.token, "leading the drain of a pool");
+        match self.run_drain(&store, pool, &lead).await {
+            Ok(()) => tracing::info!(pool, "pool drained and retired"),
+            Err(error) => {
+                tracing::warn!(pool, token = lead.token, %error, "the drain stopped; it resumes with the next leader")
+            }
+        }
+        *self.drain.lock().expect("drain") = None;
+        lead.resign().await;
+    }
+
+    /// Drains pool `pool` under leadership `lead`: passes over the pool
+    /// until one finds it empty, a fenced checkpoint after each, then the
+    /// fenced map change that retires it.
+    async fn run_drain(
+        &self,
+        store: &Arc<Store>,
+        pool: u32,
+        lead: &Arc<Leadership>,
+    ) -> Result<(), String> {
+        let checkpoint = self.keys.job("drain", &pool.to_string());
+        let previous = match self.etcd.get(&checkpoint).await.map_err(etcd_err)?.0 {
+            Some(kv) => serde_json::from_slice::<serde_json::Value>(&kv.value).unwrap_or_default(),
+            None => serde_json::Value::Null,
+        };
+        let before = |k: &str| previous[k].as_u64().unwrap_or(0);
+        if !previous.is_null() {
+            tracing::info!(pool, previous_token = %previous["token"], moved = before("moved"), "resuming a drain another leader began");
+        }
+        *self.drain.lock().expect("drain") = Some(DrainJob {
+            pool,
+            token: lead.token,
+            started: std::time::Instant::now(),
+            passes: 0,
+            report: DrainReport::default(),
+            moved_before: before("moved"),
+            bytes_before: before("bytes_moved"),
+        });
+        let lost = || format!("lost the drain leadership (token {})", lead.token);
+        loop {
+            if !lead.holds() {
+                return Err(lost());
+            }
+            let proceed = || lead.holds();
+            let progress = |r: &DrainReport| {
+                if let Some(d) = self.drain.lock().expect("drain").as_mut() {
+                    d.report = r.clone();
+                }
+            };
+            // The checkpoint, fenced, every second while the pass runs: a
+            // leader that lost the key finds out here too, and stops.
+            let passing = AtomicBool::new(true);
+            let pass = async {
+                let r = store.drain_pass(pool, &proceed, &progress).await;
+                passing.store(false, Ordering::Release);
+                r
+            };
+            let ticker = async {
+                while passing.load(Ordering::Acquire) {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let Some(job) = self.drain_job().map(|d| d.json(&self.cfg.node_id)) else {
+                        break;
+                    };
+                    if passing.load(Ordering::Acquire)
+                        && !lead
+                            .put(&checkpoint, &serde_json::to_vec(&job).expect("json"))
+                            .await
+                            .unwrap_or(true)
+                    {
+                        break;
+                    }
+                }
+            };
+            let (report, ()) = futures::join!(pass, ticker);
+            let report = report.map_err(|e| e.to_string())?;
+            let job = {
+                let mut g = self.drain.lock().expect("drain");
+                let d = g.as_mut().expect("set above");
+                d.passes += 1;
+                d.report = report.clone();
+                let v = d.json(&self.cfg.node_id);
+                d.moved_before += report.moved;
+                d.bytes_before += report.bytes;
+                d.report = DrainReport::default();
+                v
+            };
+            if !lead.holds()
+                || !lead
+                    .put(&checkpoint, &serde_json::to_vec(&job).expect("json"))
+                    .await
+                    .map_err(etcd_err)?
+            {
+                return Err(lost());
+            }
+            if report.keys == 0 && report.uploads == 0 && report.failures == 0 {
+                break;
+            }
+            if report.moved == 0 {
+                // Only uploads in progress or failures left: wait for them.
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+        // A pass found the pool empty: retire it, under the token.
+        let (m, revision) = self.formed_map().await?;
+        let next = m.retire_pool(pool)?;
+        self.etcd
+            .put(
+                &self.keys.old_map(m.epoch),
+                &serde_json::to_vec(&m).expect("json"),
+                None,
+            )
+            .await
+            .map_err(etcd_err)?;
+        if !lead
+            .swap_map(
+                &self.keys,
+                revision,
+                &serde_json::to_vec(&next).expect("json"),
+            )
+            .await
+            .map_err(etcd_err)?
+        {
+            return Err("the map changed, or the leadership was lost, before the pool could be retired; the next round retries".into());
+        }
+        Ok(())
+    }
+
+    /// Marks pool `id` draining: the drain job moves its objects to the
+    /// other pools and retires it (`pool drain`).
+    pub async fn drain_pool(&self, id: u32) -> Result<ClusterMap, String> {
+        let (m, revision) = self.formed_map().await?;
+        let next = m.drain_pool(id)?;
+        self.swap_map(&m, revision, &next).await?;
+        Ok(next)
     }
 
     /// One full read, then a watch from the revision after it.
@@ -664,10 +1053,11 @@ impl Node {
         }
     }
 
-    /// A new map. Set positions given other drives (a node replaced) are
-    /// applied to the engine, then the node takes the new epoch (so it
-    /// never claims an epoch whose sets it does not serve). Other changes
-    /// of the sets need a restart in this version.
+    /// A new map. Set positions given other drives (a node replaced) and
+    /// pools added (expansion) are applied to the engine, pools marked
+    /// draining or not, then the node takes the new epoch (so it never
+    /// claims an epoch whose sets it does not serve). A change a running
+    /// node cannot follow is logged, asking for a restart.
     async fn map_changed(&self, m: ClusterMap) {
         let Some(store) = self.store.get() else {
             return;
@@ -677,49 +1067,66 @@ impl Node {
         if m.epoch <= cur.epoch {
             return;
         }
-        let changes = match drive_changes(&cur, &m) {
-            Ok(c) => c,
+        let diff = match map_diff(&cur, &m) {
+            Ok(d) => d,
             Err(why) => {
                 tracing::error!(epoch = m.epoch, %why, "the cluster map's sets changed in a way this node cannot follow running: restart it to serve them");
                 return;
             }
         };
-        if !changes.is_empty() {
-            let addresses = match self.addresses().await {
-                Ok(a) => a,
-                Err(error) => {
-                    tracing::warn!(%error, "cannot read node records for the new map; tried again when the watch restarts");
-                    return;
-                }
-            };
-            let mut wanted = Vec::new();
-            for (set, position, d) in changes {
-                match self.cluster_drive(&d, &addresses) {
-                    Ok(drive) => wanted.push(DriveChange {
-                        set,
-                        position,
-                        drive,
-                    }),
-                    Err(error) => {
-                        tracing::error!(%error, "cannot serve the new cluster map");
-                        return;
-                    }
-                }
-            }
-            let st = store.clone();
-            let applied = tokio::task::spawn_blocking(move || st.change_drives(wanted))
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()));
-            if let Err(error) = applied {
+        if !diff.drives.is_empty() || !diff.added.is_empty() {
+            if let Err(error) = self.apply(store, diff.drives, &diff.added).await {
                 tracing::error!(%error, "cannot serve the new cluster map");
                 return;
             }
-            store.start_backfill();
+        }
+        if !store
+            .set_pool_states(&diff.draining, &diff.retired)
+            .is_empty()
+        {
+            sweep_retired(store.clone());
         }
         tracing::info!(epoch = m.epoch, "serving the new cluster map");
         self.epoch.store(m.epoch, Ordering::Release);
         *self.map.write().expect("map") = Some(m);
+    }
+
+    /// Gives set positions their new drives and serves added pools.
+    async fn apply(
+        &self,
+        store: &Arc<Store>,
+        drives: Vec<(usize, usize, map::DriveRef)>,
+        added: &[map::Pool],
+    ) -> Result<(), String> {
+        let addresses = self.addresses().await?;
+        let mut wanted = Vec::new();
+        for (set, position, d) in drives {
+            wanted.push(DriveChange {
+                set,
+                position,
+                drive: self.cluster_drive(&d, &addresses)?,
+            });
+        }
+        let pools = added
+            .iter()
+            .map(|p| self.pool_layout(p, &addresses))
+            .collect::<Result<Vec<_>, _>>()?;
+        let replaced = !wanted.is_empty();
+        let st = store.clone();
+        tokio::task::spawn_blocking(move || {
+            st.change_drives(wanted)?;
+            for p in pools {
+                st.add_pool(p)?;
+            }
+            Ok::<_, tarn_store::StoreError>(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+        if replaced {
+            store.start_backfill();
+        }
+        Ok(())
     }
 
     /// Gives node `old`'s places in the map to node `new`, which must be up
@@ -727,55 +1134,10 @@ impl Node {
     /// drives of their sets. `old` is recorded retired.
     pub async fn replace(&self, old: &str, new: &str) -> Result<ClusterMap, String> {
         valid_name("node", old)?;
-        valid_name("node", new)?;
-        let (m, revision) = self
-            .read_map()
-            .await?
-            .ok_or_else(|| format!("cluster {} is not formed", self.cfg.cluster))?;
-        let (kv, _) = self
-            .etcd
-            .get(&self.keys.node(new))
-            .await
-            .map_err(etcd_err)?;
-        let rec: NodeRecord = match kv {
-            Some(kv) => map::decode("node record", &kv.value)?,
-            None => return Err(format!("node {new} is not registered: start it first")),
-        };
-        if rec.state != NodeState::Active {
-            return Err(format!("node {new} is {:?}, not active", rec.state));
-        }
-        let (member, _) = self
-            .etcd
-            .get(&self.keys.member(new))
-            .await
-            .map_err(etcd_err)?;
-        if member.is_none() {
-            return Err(format!(
-                "node {new} is not up: start it first, so that its drives are claimed and it takes its places at once"
-            ));
-        }
+        let (m, revision) = self.formed_map().await?;
+        let rec = self.live_node(new).await?;
         let next = m.replace_node(old, &rec)?;
-        self.etcd
-            .put(
-                &self.keys.old_map(m.epoch),
-                &serde_json::to_vec(&m).expect("json"),
-                None,
-            )
-            .await
-            .map_err(etcd_err)?;
-        let won = self
-            .etcd
-            .compare_and_swap(
-                &self.keys.map(),
-                revision,
-                &serde_json::to_vec(&next).expect("json"),
-                None,
-            )
-            .await
-            .map_err(etcd_err)?;
-        if !won {
-            return Err("the cluster map changed meanwhile; look at it again and retry".into());
-        }
+        self.swap_map(&m, revision, &next).await?;
         // The old node keeps its record (its id stays known) as retired.
         let key = self.keys.node(old);
         if let (Some(kv), _) = self.etcd.get(&key).await.map_err(etcd_err)? {
@@ -787,6 +1149,100 @@ impl Node {
                 .map_err(etcd_err)?;
         }
         Ok(next)
+    }
+
+    /// Adds a pool of `data`+`parity` sets (by default the first pool's
+    /// geometry) over the unplaced drives of `nodes`, which must be up
+    /// (expansion). Running nodes serve it once they see the map.
+    pub async fn add_pool(
+        &self,
+        nodes: &[String],
+        geometry: Option<(usize, usize)>,
+    ) -> Result<ClusterMap, String> {
+        if nodes.is_empty() {
+            return Err("name the nodes whose drives form the pool".into());
+        }
+        let (m, revision) = self.formed_map().await?;
+        let mut records = Vec::with_capacity(nodes.len());
+        for n in nodes {
+            records.push(self.live_node(n).await?);
+        }
+        let first = &m.pools[0];
+        let (data, parity) =
+            geometry.unwrap_or((first.data_shards as usize, first.parity_shards as usize));
+        let next = m.add_pool(&records, data, parity)?;
+        let set_size = next
+            .pools
+            .last()
+            .and_then(|p| p.sets.first())
+            .map_or(0, Vec::len);
+        tarn_store::check_erasure(data, parity, set_size).map_err(|e| e.to_string())?;
+        self.swap_map(&m, revision, &next).await?;
+        Ok(next)
+    }
+
+    /// The map and its etcd revision, once the cluster is formed.
+    async fn formed_map(&self) -> Result<(ClusterMap, i64), String> {
+        self.read_map()
+            .await?
+            .ok_or_else(|| format!("cluster {} is not formed", self.cfg.cluster))
+    }
+
+    /// A node's record, refused unless it is registered, active and up (so
+    /// that its drives are claimed and it serves its places at once).
+    async fn live_node(&self, id: &str) -> Result<NodeRecord, String> {
+        valid_name("node", id)?;
+        let (kv, _) = self.etcd.get(&self.keys.node(id)).await.map_err(etcd_err)?;
+        let rec: NodeRecord = match kv {
+            Some(kv) => map::decode("node record", &kv.value)?,
+            None => return Err(format!("node {id} is not registered: start it first")),
+        };
+        if rec.state != NodeState::Active {
+            return Err(format!("node {id} is {:?}, not active", rec.state));
+        }
+        let (member, _) = self
+            .etcd
+            .get(&self.keys.member(id))
+            .await
+            .map_err(etcd_err)?;
+        if member.is_none() {
+            return Err(format!(
+                "node {id} is not up: start it first, so that its drives are claimed and it takes its places at once"
+            ));
+        }
+        Ok(rec)
+    }
+
+    /// Replaces map `m` (read at `revision`) with `next`, keeping `m` under
+    /// `maps/<epoch>`; refused if the map changed meanwhile.
+    async fn swap_map(
+        &self,
+        m: &ClusterMap,
+        revision: i64,
+        next: &ClusterMap,
+    ) -> Result<(), String> {
+        self.etcd
+            .put(
+                &self.keys.old_map(m.epoch),
+                &serde_json::to_vec(m).expect("json"),
+                None,
+            )
+            .await
+            .map_err(etcd_err)?;
+        let won = self
+            .etcd
+            .compare_and_swap(
+                &self.keys.map(),
+                revision,
+                &serde_json::to_vec(next).expect("json"),
+                None,
+            )
+            .await
+            .map_err(etcd_err)?;
+        if !won {
+            return Err("the cluster map changed meanwhile; look at it again and retry".into());
+        }
+        Ok(())
     }
 
     /// Forms the cluster: one pool of k+m sets over the registered nodes'
@@ -979,4 +1435,14 @@ impl Node {
             let _ = t.join();
         }
     }
+}
+
+/// Removes, in the background, what moves left on this node's drives of
+/// retired pools.
+fn sweep_retired(store: Arc<Store>) {
+    tokio::spawn(async move {
+        if let Err(error) = store.sweep_retired().await {
+            tracing::warn!(%error, "sweeping the drives of a retired pool failed; the next start tries again");
+        }
+    });
 }

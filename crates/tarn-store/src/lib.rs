@@ -23,9 +23,11 @@ pub mod types;
 pub use config::{EtagMode, StoreConfig};
 pub use error::StoreError;
 pub use format::{Durability, Versioning};
+pub use store::drain::DrainReport;
 pub use store::get::GetResult;
 pub use store::{
-    check_erasure, claim_drive, parse_version, validate_bucket_name, BackfillStatus, ClusterDrive,
-    ClusterLayout, DriveChange, ObjectStream, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
+    check_erasure, claim_drive, claim_drive_in_place_of, formatted_drive_id, parse_version,
+    validate_bucket_name, BackfillStatus, ClusterDrive, ClusterLayout, DriveChange, ObjectStream,
+    PoolLayout, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
 };
 pub use types::*;

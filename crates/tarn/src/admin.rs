@@ -117,8 +117,10 @@ fn authorized(req: &http::Request<Incoming>, token: &str) -> bool {
         .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
 }
 
-/// `GET /admin/cluster/status`, `POST /admin/cluster/init?data_shards=K&parity_shards=M`
-/// and `POST /admin/cluster/replace?old=ID&new=ID`.
+/// `GET /admin/cluster/status`, `POST /admin/cluster/init?data_shards=K&parity_shards=M`,
+/// `POST /admin/cluster/replace?old=ID&new=ID` and
+/// `POST /admin/cluster/pool/add?nodes=A,B,…[&data_shards=K&parity_shards=M]` and
+/// `POST /admin/cluster/pool/drain?id=N`.
 async fn cluster(
     method: &str,
     path: &str,
@@ -144,6 +146,42 @@ async fn cluster(
                 return json(400, serde_json::json!({ "error": "give old and new" }));
             };
             match node.replace(old, new).await {
+                Ok(map) => json(
+                    200,
+                    serde_json::json!({ "epoch": map.epoch, "pools": map.pools }),
+                ),
+                Err(e) => json(409, serde_json::json!({ "error": e })),
+            }
+        }
+        ("POST", "/admin/cluster/pool/add") => {
+            let Some(nodes) = arg("nodes").filter(|n| !n.is_empty()) else {
+                return json(400, serde_json::json!({ "error": "give nodes" }));
+            };
+            let nodes: Vec<String> = nodes.split(',').map(str::to_string).collect();
+            let num = |name: &str| arg(name).map(|v| v.parse::<usize>());
+            let geometry = match (num("data_shards"), num("parity_shards")) {
+                (None, None) => None,
+                (Some(Ok(k)), Some(Ok(m))) => Some((k, m)),
+                _ => {
+                    return json(
+                        400,
+                        serde_json::json!({ "error": "give both data_shards and parity_shards, as numbers, or neither" }),
+                    )
+                }
+            };
+            match node.add_pool(&nodes, geometry).await {
+                Ok(map) => json(
+                    200,
+                    serde_json::json!({ "epoch": map.epoch, "pools": map.pools }),
+                ),
+                Err(e) => json(409, serde_json::json!({ "error": e })),
+            }
+        }
+        ("POST", "/admin/cluster/pool/drain") => {
+            let Some(id) = arg("id").and_then(|v| v.parse::<u32>().ok()) else {
+                return json(400, serde_json::json!({ "error": "give the pool's id" }));
+            };
+            match node.drain_pool(id).await {
                 Ok(map) => json(
                     200,
                     serde_json::json!({ "epoch": map.epoch, "pools": map.pools }),

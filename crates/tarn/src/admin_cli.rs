@@ -34,6 +34,31 @@ enum AdminCommand {
     /// Nodes of the cluster.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// Pools of erasure sets (expansion).
+    #[command(subcommand)]
+    Pool(PoolCommand),
+}
+
+#[derive(clap::Subcommand)]
+enum PoolCommand {
+    /// Add a pool of erasure sets over the drives of NODES (up, their
+    /// drives placed nowhere yet) with one map change; running nodes serve
+    /// it without a restart, and new objects go to pools by free space.
+    Add {
+        /// Comma-separated node ids.
+        #[arg(long, value_delimiter = ',', required = true)]
+        nodes: Vec<String>,
+        /// Data shards per set (default: the first pool's).
+        #[arg(long, requires = "parity_shards")]
+        data_shards: Option<usize>,
+        /// Parity shards per set (default: the first pool's).
+        #[arg(long, requires = "data_shards")]
+        parity_shards: Option<usize>,
+    },
+    /// Drain pool ID: it takes no new objects, a background job (one
+    /// leader through etcd, fenced) moves its objects to the other pools,
+    /// then retires it. `cluster status` shows the job's progress.
+    Drain { id: u32 },
 }
 
 #[derive(clap::Subcommand)]
@@ -154,6 +179,36 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        AdminCommand::Pool(PoolCommand::Add {
+            nodes,
+            data_shards,
+            parity_shards,
+        }) => {
+            let mut path = format!("/admin/cluster/pool/add?nodes={}", nodes.join(","));
+            if let (Some(k), Some(m)) = (data_shards, parity_shards) {
+                path.push_str(&format!("&data_shards={k}&parity_shards={m}"));
+            }
+            let v = call("POST", &path)?;
+            let pool = v["pools"].as_array().and_then(|p| p.last()).cloned();
+            let pool = pool.unwrap_or_default();
+            println!(
+                "pool {} added: {} erasure set(s) of {}+{}; cluster map epoch {}",
+                pool["id"],
+                pool["sets"].as_array().map_or(0, Vec::len),
+                pool["data_shards"],
+                pool["parity_shards"],
+                v["epoch"]
+            );
+            Ok(())
+        }
+        AdminCommand::Pool(PoolCommand::Drain { id }) => {
+            let v = call("POST", &format!("/admin/cluster/pool/drain?id={id}"))?;
+            println!(
+                "pool {id} draining: cluster map epoch {}; its objects are being moved to the other pools (see cluster status)",
+                v["epoch"]
+            );
+            Ok(())
+        }
         AdminCommand::Cluster(ClusterCommand::Status { json }) => {
             let v = call("GET", "/admin/cluster/status")?;
             if json {
@@ -267,6 +322,24 @@ fn print_status(v: &serde_json::Value) {
             Some(e) => format!("ETA {e:.0} s"),
             None => "ETA not known yet".into(),
         };
+        if j["kind"] == "drain" {
+            println!(
+                "drain of pool {} led by {} (token {}): pass {}, {} key(s) moved, {} left in this pass, {:.1} MiB at {:.1} MiB/s, {eta}{}",
+                j["pool"],
+                s(&j["node"]),
+                j["token"],
+                j["passes"].as_u64().unwrap_or(0) + 1,
+                j["moved"],
+                j["keys_left"],
+                mib(&j["bytes_moved"]),
+                mib(&j["rate_bytes_per_s"]),
+                match j["uploads_in_pool"].as_u64() {
+                    Some(u) if u > 0 => format!(", waiting for {u} upload(s) in progress"),
+                    _ => String::new(),
+                },
+            );
+            continue;
+        }
         println!(
             "{} on {}: {} {}/{} objects, {:.1} MiB at {:.1} MiB/s, {eta}{}  (drives {})",
             s(&j["kind"]),

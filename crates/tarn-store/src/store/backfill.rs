@@ -342,7 +342,9 @@ impl Store {
             let b = bucket.as_str();
             let mut healed = stream::iter(keys)
                 .map(|key| async move {
-                    let r = self.heal_object_on(b, &key, Some(positions)).await;
+                    let r = self
+                        .heal_object_on(Some(set), b, &key, Some(positions))
+                        .await;
                     (key, r)
                 })
                 .buffered(concurrency);

@@ -123,9 +123,11 @@ impl Store {
     ) -> Result<GetResult, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
-        let set = self.set_for(bucket, key);
-        let mut guard = self.lock_read(set, bucket, key).await?;
-        let (rec, diverged) = self.resolved(set, bucket, key).await?;
+        let mut guard = self
+            .lock_read(self.lock_set(bucket, key), bucket, key)
+            .await?;
+        let loc = self.locate(bucket, key).await?;
+        let (set, rec, diverged) = (loc.set, loc.rec, loc.diverged);
         if diverged {
             self.queue_heal(bucket, key);
         }
@@ -220,7 +222,7 @@ impl Store {
     }
 
     /// Inline data from the first drive whose copy verifies.
-    async fn read_inline(
+    pub(crate) async fn read_inline(
         &self,
         set: usize,
         bucket: &str,

@@ -58,7 +58,7 @@ impl Store {
             .collect();
         complete &= self.heal_bucket_records(drives, &mut report).await;
         for bucket in &buckets {
-            for set in 0..self.set_count() {
+            for set in self.live_sets() {
                 let keys = match self.set_keys(set, bucket).await {
                     Ok(k) => k,
                     Err(error) => {
@@ -69,7 +69,7 @@ impl Store {
                     }
                 };
                 for key in keys {
-                    match self.heal_object(bucket, &key).await {
+                    match self.heal_object_on(Some(set), bucket, &key, None).await {
                         Ok(r) => {
                             report.objects_scanned += 1;
                             report.shards_rebuilt += r.shards_rebuilt;
@@ -183,87 +183,145 @@ impl Store {
     /// period keeps the sweep away from writes that are committing right now.
     pub async fn sweep_orphans(&self, grace: Duration) -> Result<u64, StoreError> {
         let mut removed = 0;
-        for set in 0..self.set_count() {
-            let members: Vec<_> = (0..self.set_size(set))
-                .map(|p| (self.slot(set, p).db(), self.slot(set, p).paths.clone()))
-                .collect();
-            // A drive alone in its set whose index was salvaged: the files of
-            // the records it lost are nobody's, and kept for the operator
-            // until the set-aside index is removed.
-            if members.len() == 1
-                && !self.slot(set, 0).is_remote()
-                && members[0]
-                    .1
-                    .root
-                    .join(crate::drive::CORRUPT_INDEX_DIR)
-                    .exists()
-            {
-                tracing::warn!(drive = %members[0].1.root.display(), "orphan sweep skipped: the drive's index was salvaged; remove .tarn/meta.corrupt to sweep");
-                continue;
+        for set in self.live_sets() {
+            removed += self.sweep_set(set, grace).await?;
+        }
+        Ok(removed)
+    }
+
+    /// Removes the shard files left on this node's drives of retired pools:
+    /// a drained pool holds no record, so whatever a move stopped between
+    /// removing a record and its files (a leader killed there) is nobody's.
+    /// Nothing is written to a retired pool, so there is no grace period; a
+    /// file some record of the set still names is kept.
+    pub async fn sweep_retired(&self) -> Result<u64, StoreError> {
+        let topo = self.topo();
+        let mut removed = 0;
+        for pool in topo.pools.iter().filter(|p| p.retired) {
+            for set in pool.sets.clone() {
+                let local = topo.sets[set].iter().any(|&i| !topo.slots[i].is_remote());
+                if local {
+                    removed += self.sweep_set(set, Duration::ZERO).await?;
+                }
             }
-            // Union of references across the set: a file is an orphan only if
-            // no drive of its set knows it. A drive whose metadata cannot be
-            // read fully stops the sweep of this set.
-            let mut referenced = std::collections::HashSet::new();
-            for (d, _) in &members {
-                let Some(d) = d else { continue };
-                referenced.extend(d.referenced_data_ids().await?);
-            }
-            // This node sweeps its own drives (other nodes sweep theirs,
-            // with the same union).
-            let dirs: Vec<std::path::PathBuf> = members
-                .iter()
-                .filter_map(|(d, _)| Some(d.as_ref()?.as_local()?.paths.data_dir()))
-                .collect();
-            let inflight = self.inflight_data.clone();
-            removed += run_blocking(move || {
-                let now = std::time::SystemTime::now();
-                let mut n = 0u64;
-                for dir in &dirs {
-                    for sub in std::fs::read_dir(dir)?.flatten() {
-                        let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
-                        for f in files.flatten() {
-                            let name = f.file_name();
-                            let Some(id) = name.to_str().and_then(crate::format::id_from_hex) else { continue };
-                            // A write in progress is not an orphan yet, however
-                            // long it has been running.
-                            if referenced.contains(&id) || inflight.lock().expect("inflight lock").contains(&id) {
-                                continue;
-                            }
-                            let old = f.metadata().and_then(|m| m.modified()).ok().and_then(|t| now.duration_since(t).ok()).is_some_and(|age| age >= grace);
-                            if old && std::fs::remove_file(f.path()).is_ok() {
-                                tracing::info!(path = %f.path().display(), "removed orphaned shard file");
-                                n += 1;
-                            }
+        }
+        if removed > 0 {
+            tracing::info!(
+                files = removed,
+                "removed the shard files left on drives of retired pools"
+            );
+        }
+        Ok(removed)
+    }
+
+    /// The orphan sweep of one set's drives on this node.
+    async fn sweep_set(&self, set: usize, grace: Duration) -> Result<u64, StoreError> {
+        let members: Vec<_> = (0..self.set_size(set))
+            .map(|p| (self.slot(set, p).db(), self.slot(set, p).paths.clone()))
+            .collect();
+        // A drive alone in its set whose index was salvaged: the files of
+        // the records it lost are nobody's, and kept for the operator
+        // until the set-aside index is removed.
+        if members.len() == 1
+            && !self.slot(set, 0).is_remote()
+            && members[0]
+                .1
+                .root
+                .join(crate::drive::CORRUPT_INDEX_DIR)
+                .exists()
+        {
+            tracing::warn!(drive = %members[0].1.root.display(), "orphan sweep skipped: the drive's index was salvaged; remove .tarn/meta.corrupt to sweep");
+            return Ok(0);
+        }
+        // Union of references across the set: a file is an orphan only if
+        // no drive of its set knows it. A drive whose metadata cannot be
+        // read fully stops the sweep of this set.
+        let mut referenced = std::collections::HashSet::new();
+        for (d, _) in &members {
+            let Some(d) = d else { continue };
+            referenced.extend(d.referenced_data_ids().await?);
+        }
+        // This node sweeps its own drives (other nodes sweep theirs,
+        // with the same union).
+        let dirs: Vec<std::path::PathBuf> = members
+            .iter()
+            .filter_map(|(d, _)| Some(d.as_ref()?.as_local()?.paths.data_dir()))
+            .collect();
+        let inflight = self.inflight_data.clone();
+        let removed = run_blocking(move || {
+            let now = std::time::SystemTime::now();
+            let mut n = 0u64;
+            for dir in &dirs {
+                for sub in std::fs::read_dir(dir)?.flatten() {
+                    let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
+                    for f in files.flatten() {
+                        let name = f.file_name();
+                        let Some(id) = name.to_str().and_then(crate::format::id_from_hex) else { continue };
+                        // A write in progress is not an orphan yet, however
+                        // long it has been running.
+                        if referenced.contains(&id) || inflight.lock().expect("inflight lock").contains(&id) {
+                            continue;
+                        }
+                        let old = f.metadata().and_then(|m| m.modified()).ok().and_then(|t| now.duration_since(t).ok()).is_some_and(|age| age >= grace);
+                        if old && std::fs::remove_file(f.path()).is_ok() {
+                            tracing::info!(path = %f.path().display(), "removed orphaned shard file");
+                            n += 1;
                         }
                     }
                 }
-                Ok(n)
-            })
-            .await?;
-        }
+            }
+            Ok(n)
+        })
+        .await?;
         Ok(removed)
     }
 
     /// Heals one object: its metadata on every online drive of its set, the
     /// inline copies, and every shard file of every version.
     pub async fn heal_object(&self, bucket: &str, key: &str) -> Result<HealReport, StoreError> {
-        self.heal_object_on(bucket, key, None).await
+        self.heal_object_on(None, bucket, key, None).await
     }
 
     /// `heal_object`, with shard files verified (and rebuilt) only on the
     /// set positions `only` names when it is given: a backfill fills the
     /// drives that joined and reads only the shards it rebuilds from.
     /// Metadata and inline copies are healed on every drive either way.
+    /// `set`: heal the key in that set only (a backfill or replay of one
+    /// set); None: in each of its sets (one per pool).
     pub(crate) async fn heal_object_on(
         &self,
+        set: Option<usize>,
         bucket: &str,
         key: &str,
         only: Option<&[usize]>,
     ) -> Result<HealReport, StoreError> {
+        let _g = self
+            .lock_write(self.lock_set(bucket, key), bucket, key)
+            .await?;
+        let sets = match set {
+            Some(s) => vec![s],
+            None => self.key_sets(bucket, key),
+        };
         let mut report = HealReport::default();
-        let set = self.set_for(bucket, key);
-        let _g = self.lock_write(set, bucket, key).await?;
+        for set in sets {
+            self.heal_in_set(set, bucket, key, only, &mut report)
+                .await?;
+        }
+        self.stats
+            .shards_rebuilt
+            .fetch_add(report.shards_rebuilt, Ordering::Relaxed);
+        Ok(report)
+    }
+
+    /// Heals bucket/key in one set, under the key's lock.
+    async fn heal_in_set(
+        &self,
+        set: usize,
+        bucket: &str,
+        key: &str,
+        only: Option<&[usize]>,
+        report: &mut HealReport,
+    ) -> Result<(), StoreError> {
         let records = self.read_records(set, bucket, key).await;
         let quorum = self.meta_read_quorum(self.set_size(set));
         let answered = records
@@ -373,10 +431,7 @@ impl Store {
                 report.failures += skipped;
             }
         }
-        self.stats
-            .shards_rebuilt
-            .fetch_add(report.shards_rebuilt, Ordering::Relaxed);
-        Ok(report)
+        Ok(())
     }
 
     /// Verifies every shard file of a part and rebuilds the bad ones: how

@@ -88,6 +88,8 @@ struct Head {
     set: usize,
     source: Source,
     next: Option<(String, Vec<u8>)>,
+    /// The drive failed during the walk and contributes nothing more.
+    failed: bool,
 }
 
 impl Head {
@@ -114,7 +116,43 @@ impl Head {
             set,
             source,
             next: None,
+            failed: false,
         }
+    }
+
+    /// Advances; a drive that fails (a node paused, killed or cut off) is
+    /// dropped from the walk like a drive that does not answer a metadata
+    /// read, as long as its set keeps a read quorum of drives that answer.
+    async fn step(
+        &mut self,
+        bucket: &str,
+        prefix: &str,
+        alive: &mut [usize],
+        sets: &[SetDrives],
+    ) -> Result<(), StoreError> {
+        if self.failed {
+            return Ok(());
+        }
+        let Err(e) = self.advance(bucket, prefix).await else {
+            return Ok(());
+        };
+        self.failed = true;
+        self.next = None;
+        alive[self.set] -= 1;
+        let set = &sets[self.set];
+        if alive[self.set] < set.quorum {
+            return Err(StoreError::QuorumLost {
+                what: "listing",
+                needed: set.quorum,
+                available: alive[self.set],
+            });
+        }
+        let drive = match &self.source {
+            Source::Local { .. } => "local",
+            Source::Remote { drive, .. } => drive.name(),
+        };
+        tracing::warn!(set = self.set, drive, error = %e, "drive failed during a listing; listing from the others");
+        Ok(())
     }
 
     /// Starts again at key bytes `from`.
@@ -197,10 +235,11 @@ async fn walk(
     };
     let lower = cursor.lower_bound();
     let mut heads = Vec::new();
+    let mut alive: Vec<usize> = sets.iter().map(|s| s.dbs.len()).collect();
     for (s, set) in sets.iter().enumerate() {
         for db in &set.dbs {
             let mut h = Head::new(s, db, bucket, prefix, lower.as_deref());
-            h.advance(bucket, prefix).await?;
+            h.step(bucket, prefix, &mut alive, sets).await?;
             heads.push(h);
         }
     }
@@ -213,22 +252,34 @@ async fn walk(
         else {
             return Ok(());
         };
-        let mut recs: DriveRecords = Vec::new();
-        let mut set = 0;
+        // The drives' records per set: a key in several pools (a move
+        // between them under way) is resolved in each, the newest wins.
+        let mut by_set: Vec<(usize, DriveRecords)> = Vec::new();
         for h in heads.iter_mut() {
             if h.next.as_ref().is_some_and(|(k, _)| *k == key) {
                 let (_, raw) = h.next.take().expect("peeked");
-                set = h.set;
+                let recs = match by_set.iter().position(|(s, _)| *s == h.set) {
+                    Some(i) => &mut by_set[i].1,
+                    None => {
+                        by_set.push((h.set, Vec::new()));
+                        &mut by_set.last_mut().expect("pushed").1
+                    }
+                };
                 recs.push(ObjectRecord::decode(&raw).map(Some).map_err(|e| {
                     StoreError::CorruptMetadata {
                         drive: String::new(),
                         what: e.to_string(),
                     }
                 }));
-                h.advance(bucket, prefix).await?;
+                h.step(bucket, prefix, &mut alive, sets).await?;
             }
         }
-        match visit(&key, resolve(&recs, sets[set].quorum)) {
+        let rec = by_set
+            .iter()
+            .map(|(s, recs)| resolve(recs, sets[*s].quorum))
+            .max_by_key(super::pools::newest)
+            .unwrap_or_default();
+        match visit(&key, rec) {
             Step::Next => {}
             Step::Stop => return Ok(()),
             Step::SkipPrefix(p) => {
@@ -239,7 +290,7 @@ async fn walk(
                         .is_some_and(|(k, _)| k.starts_with(p.as_str()))
                     {
                         h.seek(bucket, prefix, past.as_deref());
-                        h.advance(bucket, prefix).await?;
+                        h.step(bucket, prefix, &mut alive, sets).await?;
                     }
                 }
             }
@@ -256,13 +307,21 @@ fn common_prefix(key: &str, prefix: &str, delimiter: Option<&str>) -> Option<Str
 }
 
 impl Store {
+    /// Every set's drives to list from; none for a retired pool's.
     fn set_drives(&self) -> Vec<SetDrives> {
+        let live = self.live_sets();
         (0..self.set_count())
-            .map(|s| SetDrives {
-                dbs: (0..self.set_size(s))
-                    .filter_map(|p| self.slot(s, p).db())
-                    .collect(),
-                quorum: self.meta_read_quorum(self.set_size(s)),
+            .map(|s| match live.contains(&s) {
+                true => SetDrives {
+                    dbs: (0..self.set_size(s))
+                        .filter_map(|p| self.slot(s, p).db())
+                        .collect(),
+                    quorum: self.meta_read_quorum(self.set_size(s)),
+                },
+                false => SetDrives {
+                    dbs: Vec::new(),
+                    quorum: 0,
+                },
             })
             .collect()
     }

@@ -243,7 +243,7 @@ impl Store {
         let local = self.locks.write(name, "").await;
         let mut leases = Vec::new();
         if self.distributed {
-            for set in 0..self.set_count() {
+            for set in self.live_sets() {
                 let items = vec![(resource(self.hash_seed, name, ""), LockMode::Write)];
                 let quorum = self.meta_write_quorum(self.set_size(set));
                 leases.push(self.acquire(set, items, quorum).await?);

@@ -158,7 +158,7 @@ impl Store {
     /// Heals, key by key, what drive `i`'s position missed, clearing the
     /// entries of each key healed; a log that overflowed gets a full heal.
     async fn replay(self: &Arc<Self>, i: usize) -> Result<(), StoreError> {
-        let (_, pos) = self.place_of(i);
+        let (set, pos) = self.place_of(i);
         let slot = &self.drive(i);
         loop {
             if !slot.online() {
@@ -187,7 +187,7 @@ impl Store {
             let mut healed = 0usize;
             let total = keys.len();
             for ((bucket, key), holders) in keys {
-                let r = self.heal_object(&bucket, &key).await;
+                let r = self.heal_object_on(Some(set), &bucket, &key, None).await;
                 match r {
                     Ok(r) if r.failures == 0 && r.metadata_failures == 0 => {
                         healed += 1;
@@ -245,7 +245,11 @@ impl Store {
     pub async fn under_replicated(&self) -> UnderReplicated {
         let mut out = UnderReplicated::default();
         let topo = self.topo();
+        let live = self.live_sets();
         for (set, members) in topo.sets.iter().enumerate() {
+            if !live.contains(&set) {
+                continue;
+            }
             for pos in 0..members.len() as u8 {
                 let mut keys = std::collections::BTreeSet::new();
                 let mut overflowed = false;

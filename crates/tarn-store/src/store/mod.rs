@@ -7,12 +7,14 @@
 //! without also having all of its data durably written first.
 
 mod backfill;
+pub mod drain;
 pub mod get;
 mod heal;
 mod list;
 mod locking;
 mod missed;
 mod multipart;
+mod pools;
 pub(crate) mod put;
 mod topology;
 
@@ -59,6 +61,40 @@ pub(crate) struct Topology {
     pub slots: Vec<Arc<DriveSlot>>,
     /// Each set's slots, in shard position order.
     pub sets: Vec<Vec<usize>>,
+    /// The pools, in the map's order: each a run of consecutive sets.
+    pub pools: Vec<PoolTopo>,
+}
+
+/// A pool: erasure sets of one geometry. A key has one set in each pool
+/// (`Store::key_sets`); its versions live in one of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PoolTopo {
+    pub id: u32,
+    /// Its sets' global indexes.
+    pub sets: std::ops::Range<usize>,
+    pub data_shards: usize,
+    pub parity_shards: usize,
+    /// Serves its objects, takes no new ones (drain).
+    pub draining: bool,
+    /// Drained and retired: holds nothing, a key has no set in it.
+    pub retired: bool,
+}
+
+impl PoolTopo {
+    /// Takes new keys (and keys moved out of a draining pool).
+    pub fn takes_keys(&self) -> bool {
+        !self.draining && !self.retired
+    }
+}
+
+impl Topology {
+    /// The pool set `set` belongs to.
+    pub fn pool_of(&self, set: usize) -> &PoolTopo {
+        self.pools
+            .iter()
+            .find(|p| p.sets.contains(&set))
+            .expect("every set is in a pool")
+    }
 }
 
 pub(crate) struct DriveSlot {
@@ -93,6 +129,8 @@ struct Space {
 
 /// How long a free-space reading is trusted.
 const SPACE_RECHECK: Duration = Duration::from_secs(1);
+/// How long another node's report of its drive's space is.
+const SPACE_REPORT_TTL: Duration = Duration::from_secs(30);
 
 /// `statvfs` of a path: (free bytes for unprivileged writers, total bytes).
 fn fs_space(path: &std::path::Path) -> Option<(u64, u64)> {
@@ -203,19 +241,46 @@ impl DriveSlot {
         if self.remote.is_some() {
             return sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) || sp.free > 0;
         }
-        if sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) {
-            match fs_space(&self.paths.root) {
-                Some((free, total)) => {
-                    sp.free = free;
-                    sp.total = total;
-                }
-                // Unknown: let the write find out.
-                None => return true,
-            }
-            sp.at = Some(std::time::Instant::now());
+        if !self.read_space(&mut sp) {
+            // Unknown: let the write find out.
+            return true;
         }
         let reserve = reserve.unwrap_or((sp.total / 50).min(1 << 30));
         sp.free >= reserve.saturating_add(need)
+    }
+
+    /// Reads this node's drive's space into `sp` unless a reading less
+    /// than `SPACE_RECHECK` old is there: whether `sp` holds one now.
+    fn read_space(&self, sp: &mut Space) -> bool {
+        if sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) {
+            let Some((free, total)) = fs_space(&self.paths.root) else {
+                return false;
+            };
+            (sp.free, sp.total) = (free, total);
+            sp.at = Some(std::time::Instant::now());
+        }
+        true
+    }
+
+    /// Free and total bytes: read now (at most once a second) for a drive
+    /// of this node; for another node's, as its node last reported them
+    /// (`set_space`), unknown after `SPACE_REPORT_TTL` without a report.
+    pub fn space(&self) -> Option<(u64, u64)> {
+        let mut sp = self.space.lock().expect("drive space");
+        let known = match (self.remote.is_some(), sp.at) {
+            (false, _) => self.read_space(&mut sp),
+            (true, Some(t)) => t.elapsed() < SPACE_REPORT_TTL && sp.total > 0,
+            (true, None) => false,
+        };
+        known.then_some((sp.free, sp.total))
+    }
+
+    /// What another node reports of its drive's space.
+    pub fn set_space(&self, free: u64, total: u64) {
+        let mut sp = self.space.lock().expect("drive space");
+        sp.free = free;
+        sp.total = total;
+        sp.at = Some(std::time::Instant::now());
     }
 
     /// Out of space now (an ENOSPC): full until the next reading says not.
@@ -539,10 +604,8 @@ pub struct Store {
     cfg: StoreConfig,
     deployment_id: Id128,
     hash_seed: u64,
-    /// The drives and sets served now (`Topology`).
+    /// The drives, sets and pools served now (`Topology`).
     topo: RwLock<Arc<Topology>>,
-    data_shards: usize,
-    parity_shards: usize,
     /// Where a cluster keeps bucket records and system documents (etcd);
     /// None on a single node (the drives keep them).
     catalog: Option<Arc<dyn Catalog>>,
@@ -720,13 +783,23 @@ pub struct ClusterLayout {
     /// The cluster's deployment id (its map's): this node's drives are
     /// formatted with it.
     pub deployment_id: Id128,
-    pub data_shards: usize,
-    pub parity_shards: usize,
-    pub sets: Vec<Vec<ClusterDrive>>,
+    pub pools: Vec<PoolLayout>,
     /// Bucket records as the catalog has them (read with the map), and the
     /// catalog that keeps them and the system documents.
     pub buckets: BTreeMap<String, BucketRecord>,
     pub catalog: Arc<dyn Catalog>,
+}
+
+/// One pool of a cluster map as the engine serves it.
+pub struct PoolLayout {
+    pub id: u32,
+    pub data_shards: usize,
+    pub parity_shards: usize,
+    /// Serves its objects, takes no new ones.
+    pub draining: bool,
+    /// Drained: holds nothing, serves nothing.
+    pub retired: bool,
+    pub sets: Vec<Vec<ClusterDrive>>,
 }
 
 pub enum ClusterDrive {
@@ -741,7 +814,70 @@ pub enum ClusterDrive {
     },
     /// A drive of another node. `joins` as above: this node reads no
     /// metadata from it until its node serves it in full.
-    Remote { drive: Arc<dyn Drive>, joins: bool },
+    Remote {
+        drive: Arc<dyn Drive>,
+        drive_id: Id128,
+        joins: bool,
+    },
+}
+
+/// A pool's drive slots, its sets (as slot indexes) and what it is.
+pub(crate) type PoolSlots = (Vec<DriveSlot>, Vec<Vec<usize>>, PoolTopo);
+
+/// The slots of one pool of a cluster map, its sets numbered from global set
+/// `first.0` and its slots from `first.1`. A drive's format names its place
+/// within its pool (set index and count of the pool), so that adding a pool
+/// leaves the drives of the others as they are.
+pub(crate) fn pool_slots(
+    cfg: &StoreConfig,
+    deployment_id: Id128,
+    pool: PoolLayout,
+    first: (usize, usize),
+    counts: (&mut u64, &mut u64),
+) -> Result<PoolSlots, StoreError> {
+    let (data, parity) = (pool.data_shards, pool.parity_shards);
+    let set_count = pool.sets.len();
+    let set_size = pool.sets.first().map_or(0, Vec::len);
+    if set_count == 0 || pool.sets.iter().any(|s| s.len() != set_size) {
+        return Err(StoreError::Config(format!(
+            "pool {} of the cluster map has no sets, or sets of different sizes",
+            pool.id
+        )));
+    }
+    check_geometry(cfg, data, parity, set_size)?;
+    let (rebuilds, set_aside) = counts;
+    let mut slots = Vec::with_capacity(set_count * set_size);
+    let mut members = Vec::with_capacity(set_count);
+    for (set_index, set) in pool.sets.into_iter().enumerate() {
+        let mut m = Vec::with_capacity(set_size);
+        for (drive_index, place) in set.into_iter().enumerate() {
+            let want = DriveFormat {
+                deployment_id,
+                drive_id: [0u8; 16],
+                set_count: set_count as u32,
+                set_drive_count: set_size as u32,
+                set_index: set_index as u32,
+                drive_index: drive_index as u32,
+            };
+            m.push(first.1 + slots.len());
+            slots.push(cluster_slot(
+                place,
+                want,
+                first.0 + set_index,
+                (&mut *rebuilds, &mut *set_aside),
+            )?);
+        }
+        members.push(m);
+    }
+    let topo = PoolTopo {
+        id: pool.id,
+        sets: first.0..first.0 + set_count,
+        data_shards: data,
+        parity_shards: parity,
+        draining: pool.draining,
+        retired: pool.retired,
+    };
+    Ok((slots, members, topo))
 }
 
 /// The slot of one place of a cluster map: a drive of another node, or one
@@ -750,12 +886,18 @@ pub enum ClusterDrive {
 fn cluster_slot(
     place: ClusterDrive,
     mut want: DriveFormat,
+    set_index: usize,
     counts: (&mut u64, &mut u64),
 ) -> Result<DriveSlot, StoreError> {
-    let (set_index, drive_index) = (want.set_index as usize, want.drive_index as usize);
+    let drive_index = want.drive_index as usize;
     let set_size = want.set_drive_count as usize;
     let (path, drive_id, joins) = match place {
-        ClusterDrive::Remote { drive, joins } => {
+        ClusterDrive::Remote {
+            drive,
+            drive_id,
+            joins,
+        } => {
+            want.drive_id = drive_id;
             let slot = DriveSlot::remote(drive, set_index, want);
             if joins {
                 // Syncing in this node's view: promoted once its node
@@ -808,8 +950,8 @@ fn cluster_slot(
         }
         DriveProbe::Formatted(f) if belongs_here(&f, &want) => Ok(()),
         DriveProbe::Formatted(f) => Err(format!(
-            "drive was formatted for set {} position {} of {} sets of {}; the cluster map places it at set {set_index} position {drive_index}",
-            f.set_index, f.drive_index, f.set_count, f.set_drive_count
+            "drive was formatted for set {} position {} of {} sets of {}; the cluster map places it at set {} position {drive_index} of {} sets of {set_size}",
+            f.set_index, f.drive_index, f.set_count, f.set_drive_count, want.set_index, want.set_count
         )),
     };
     let lock = match (lock, &verdict) {
@@ -841,6 +983,41 @@ pub fn is_unplaced(f: &DriveFormat) -> bool {
 /// drive id the node registers. A drive of another deployment (a single
 /// node's, another cluster's) is refused when the engine opens
 /// (`open_cluster`), where the cluster's deployment id is known.
+/// The id of a drive directory's format; None for an empty (or missing)
+/// directory, which has none yet.
+pub fn formatted_drive_id(path: &std::path::Path) -> Result<Option<Id128>, StoreError> {
+    match drive::probe(path) {
+        DriveProbe::Formatted(f) => Ok(Some(f.drive_id)),
+        DriveProbe::Missing | DriveProbe::Empty => Ok(None),
+        DriveProbe::Unusable(reason) => Err(StoreError::Config(format!(
+            "drive {}: {reason}",
+            path.display()
+        ))),
+    }
+}
+
+/// Claims an empty drive directory as drive `id`, one the cluster map
+/// places on this node and no drive holds any more (a disk emptied or
+/// swapped): the rebuild marker first, then an unplaced format with that
+/// id, so that the drive takes its place and is backfilled in full, even
+/// after a crash in between (a directory holding only the marker is still
+/// empty, and is claimed the same way again).
+pub fn claim_drive_in_place_of(path: &std::path::Path, id: Id128) -> Result<(), StoreError> {
+    let config = |m: String| StoreError::Config(format!("drive {}: {m}", path.display()));
+    std::fs::create_dir_all(path.join(".tarn"))
+        .map_err(|e| config(format!("cannot create the directory: {e}")))?;
+    drive::mark_rebuilding(path)?;
+    let f = DriveFormat {
+        deployment_id: [0u8; 16],
+        drive_id: id,
+        set_count: 0,
+        set_drive_count: 0,
+        set_index: 0,
+        drive_index: 0,
+    };
+    drive::format_drive(path, &f)
+}
+
 pub fn claim_drive(path: &std::path::Path) -> Result<Id128, StoreError> {
     let config = |m: String| StoreError::Config(format!("drive {}: {m}", path.display()));
     match drive::probe(path) {
@@ -1018,12 +1195,23 @@ impl Store {
             .map(|(n, (r, _))| (n, r))
             .collect();
 
+        // Consecutive slots form a set, in shard position order; one pool.
+        let sets: Vec<Vec<usize>> = (0..drives.len() / set_size)
+            .map(|s| (s * set_size..(s + 1) * set_size).collect())
+            .collect();
+        let pool = PoolTopo {
+            id: 0,
+            sets: 0..sets.len(),
+            data_shards: data,
+            parity_shards: parity,
+            draining: false,
+            retired: false,
+        };
         Ok(Store::assemble(
             cfg,
             deployment_id,
             drives,
-            set_size,
-            (data, parity),
+            (sets, vec![pool]),
             buckets,
             (rebuilds, set_aside_at_start),
             None,
@@ -1037,43 +1225,31 @@ impl Store {
     /// records and system documents are the catalog's. Blocking, like
     /// `open`.
     pub fn open_cluster(cfg: StoreConfig, layout: ClusterLayout) -> Result<Arc<Store>, StoreError> {
-        let (data, parity) = (layout.data_shards, layout.parity_shards);
-        let set_count = layout.sets.len();
-        let set_size = layout.sets.first().map_or(0, Vec::len);
-        if set_count == 0 || layout.sets.iter().any(|s| s.len() != set_size) {
-            return Err(StoreError::Config(
-                "the cluster map has no sets, or sets of different sizes".into(),
-            ));
+        if layout.pools.is_empty() {
+            return Err(StoreError::Config("the cluster map has no pool".into()));
         }
-        check_geometry(&cfg, data, parity, set_size)?;
         let deployment_id = layout.deployment_id;
-        let mut drives = Vec::with_capacity(set_count * set_size);
-        let (mut rebuilds, mut set_aside_at_start) = (0u64, 0u64);
-        for (set_index, set) in layout.sets.into_iter().enumerate() {
-            for (drive_index, place) in set.into_iter().enumerate() {
-                let want = DriveFormat {
-                    deployment_id,
-                    drive_id: [0u8; 16],
-                    set_count: set_count as u32,
-                    set_drive_count: set_size as u32,
-                    set_index: set_index as u32,
-                    drive_index: drive_index as u32,
-                };
-                drives.push(cluster_slot(
-                    place,
-                    want,
-                    (&mut rebuilds, &mut set_aside_at_start),
-                )?);
-            }
+        let mut counts = (0u64, 0u64);
+        let (mut drives, mut sets, mut pools) = (Vec::new(), Vec::new(), Vec::new());
+        for pool in layout.pools {
+            let (slots, members, topo) = pool_slots(
+                &cfg,
+                deployment_id,
+                pool,
+                (sets.len(), drives.len()),
+                (&mut counts.0, &mut counts.1),
+            )?;
+            drives.extend(slots);
+            sets.extend(members);
+            pools.push(topo);
         }
         Ok(Store::assemble(
             cfg,
             deployment_id,
             drives,
-            set_size,
-            (data, parity),
+            (sets, pools),
             layout.buckets,
-            (rebuilds, set_aside_at_start),
+            counts,
             Some(layout.catalog),
         ))
     }
@@ -1084,16 +1260,11 @@ impl Store {
         cfg: StoreConfig,
         deployment_id: Id128,
         drives: Vec<DriveSlot>,
-        set_size: usize,
-        (data, parity): (usize, usize),
+        (sets, pools): (Vec<Vec<usize>>, Vec<PoolTopo>),
         buckets: BTreeMap<String, BucketRecord>,
         (rebuilds, set_aside_at_start): (u64, u64),
         catalog: Option<Arc<dyn Catalog>>,
     ) -> Arc<Store> {
-        // Consecutive slots form a set, in shard position order.
-        let sets: Vec<Vec<usize>> = (0..drives.len() / set_size)
-            .map(|s| (s * set_size..(s + 1) * set_size).collect())
-            .collect();
         for (s, members) in sets.iter().enumerate() {
             let online = members.iter().filter(|&&d| drives[d].online()).count();
             if online < members.len() / 2 + 1 {
@@ -1128,9 +1299,8 @@ impl Store {
             topo: RwLock::new(Arc::new(Topology {
                 slots: drives.into_iter().map(Arc::new).collect(),
                 sets,
+                pools,
             })),
-            data_shards: data,
-            parity_shards: parity,
             catalog,
             buckets: RwLock::new(buckets),
             locks: LockTable::new(hash_seed),
@@ -1160,9 +1330,10 @@ impl Store {
         id_to_hex(&self.deployment_id)
     }
 
-    /// "k+m" of the default erasure layout.
+    /// "k+m" of the first pool's erasure layout.
     pub fn erasure_layout(&self) -> (usize, usize) {
-        (self.data_shards, self.parity_shards)
+        let t = self.topo();
+        (t.pools[0].data_shards, t.pools[0].parity_shards)
     }
 
     pub fn drive_status(&self) -> Vec<DriveStatus> {
@@ -1200,7 +1371,9 @@ impl Store {
 
     /// True when every erasure set can take writes and answer reads.
     pub fn is_ready(&self) -> bool {
-        self.topo().sets.iter().all(|m| {
+        let topo = self.topo();
+        self.live_sets().into_iter().all(|s| {
+            let m = &topo.sets[s];
             self.online_count(m) >= self.meta_write_quorum(m.len())
                 && self.readable_count(m) >= self.meta_read_quorum(m.len())
         })
@@ -1255,49 +1428,65 @@ impl Store {
         }
     }
 
-    pub(crate) fn set_for(&self, bucket: &str, key: &str) -> usize {
-        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.hash_seed ^ 0x5e7);
-        h.update(bucket.as_bytes());
-        h.update(&[0]);
-        h.update(key.as_bytes());
-        (h.digest() % self.set_count() as u64) as usize
-    }
-
-    /// The layout a new version of bucket/key gets under the bucket's durability.
-    pub(crate) fn layout_for(
+    /// The set and layout a new version of bucket/key gets under the
+    /// bucket's durability: where the key lives, or for a new key an active
+    /// pool by free space (`write_set`), coded as that pool's sets are.
+    pub(crate) async fn layout_for(
         &self,
         bucket: &BucketRecord,
         bucket_name: &str,
         key: &str,
-    ) -> (usize, Layout) {
-        let set = self.set_for(bucket_name, key);
+    ) -> Result<(usize, Layout), StoreError> {
+        let set = self.write_set(bucket_name, key).await?;
         let n = self.set_size(set);
         let (k, m) = match bucket.durability {
-            Durability::ErasureCoded => (self.data_shards, self.parity_shards),
+            Durability::ErasureCoded => {
+                let t = self.topo();
+                let p = t.pool_of(set);
+                (p.data_shards, p.parity_shards)
+            }
             Durability::Replicated(r) => (1, (r as usize).clamp(1, n) - 1),
             Durability::SingleCopy => (1, 0),
         };
-        let codec = if k == 1 {
-            CodecId::Replicate
-        } else {
-            CodecId::ReedSolomonSimd
-        };
+        Ok((
+            set,
+            self.layout_of(
+                set,
+                (k, m),
+                self.cfg.stripe_size_bytes as u32,
+                bucket_name,
+                key,
+            ),
+        ))
+    }
+
+    /// The layout of k+m shards of bucket/key in `set`: the shards rotated
+    /// by a hash of the key, so that parity spreads over the set's drives.
+    pub(crate) fn layout_of(
+        &self,
+        set: usize,
+        (k, m): (usize, usize),
+        stripe_size_bytes: u32,
+        bucket: &str,
+        key: &str,
+    ) -> Layout {
+        let n = self.set_size(set);
         let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.hash_seed ^ 0xd157);
-        h.update(bucket_name.as_bytes());
+        h.update(bucket.as_bytes());
         h.update(&[0]);
         h.update(key.as_bytes());
         let rot = (h.digest() % n as u64) as usize;
-        let distribution = (0..k + m).map(|i| ((rot + i) % n) as u8).collect();
-        (
-            set,
-            Layout {
-                data_shards: k as u8,
-                parity_shards: m as u8,
-                codec,
-                stripe_size_bytes: self.cfg.stripe_size_bytes as u32,
-                distribution,
+        Layout {
+            data_shards: k as u8,
+            parity_shards: m as u8,
+            codec: if k == 1 {
+                CodecId::Replicate
+            } else {
+                CodecId::ReedSolomonSimd
             },
-        )
+            stripe_size_bytes,
+            distribution: (0..k + m).map(|i| ((rot + i) % n) as u8).collect(),
+        }
     }
 
     /// An I/O error on a drive while running: the drive is taken out (reads
@@ -1595,6 +1784,29 @@ impl Store {
             let read = d.writer().filter(|_| d.rebuilding_full().is_none());
             (read, d.writer())
         })
+    }
+
+    /// This node's drives' free and total bytes, for the other nodes
+    /// (placement of new keys by free space).
+    pub fn local_space(&self) -> Vec<(Id128, u64, u64)> {
+        self.topo()
+            .slots
+            .iter()
+            .filter(|d| !d.is_remote())
+            .filter_map(|d| d.space().map(|(f, t)| (d.expected.drive_id, f, t)))
+            .collect()
+    }
+
+    /// Another node's report of its drive's space.
+    pub fn set_remote_space(&self, id: &Id128, free: u64, total: u64) {
+        if let Some(d) = self
+            .topo()
+            .slots
+            .iter()
+            .find(|d| d.is_remote() && d.expected.drive_id == *id)
+        {
+            d.set_space(free, total);
+        }
     }
 
     fn local_slot(&self, id: &Id128) -> Option<Arc<DriveSlot>> {
@@ -2256,11 +2468,11 @@ impl Store {
     ) -> Result<ObjectInfo, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
-        let set = self.set_for(bucket, key);
-        let (rec, diverged) = self.resolved(set, bucket, key).await?;
-        if diverged {
+        let loc = self.locate(bucket, key).await?;
+        if loc.diverged {
             self.queue_heal(bucket, key);
         }
+        let rec = loc.rec;
         let (v, latest) = self.select_version(&rec, bucket, key, version)?;
         if v.delete_marker {
             return Err(StoreError::MethodNotAllowed);
@@ -2330,9 +2542,11 @@ impl Store {
                 })?),
                 None => None,
             };
-        let set = self.set_for(bucket, key);
-        let _g = self.lock_write(set, bucket, key).await?;
-        let (mut rec, _) = self.resolved(set, bucket, key).await?;
+        let _g = self
+            .lock_write(self.lock_set(bucket, key), bucket, key)
+            .await?;
+        let loc = self.locate(bucket, key).await?;
+        let (set, mut rec) = (loc.set, loc.rec);
         if let Some(condition) = if_match {
             let (v, _) = self.select_version(&rec, bucket, key, version)?;
             if v.delete_marker {
@@ -2425,11 +2639,7 @@ impl Store {
         }
         let w = ObjectWrite {
             record: Some(rec),
-            inline_delete: removed
-                .iter()
-                .filter(|v| matches!(v.storage, Storage::Inline { .. }))
-                .map(|v| (v.version_id, v.mod_time_ns))
-                .collect(),
+            inline_delete: inline_keys_of(&removed),
             ..Default::default()
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
@@ -2478,9 +2688,11 @@ impl Store {
     ) -> Result<Option<String>, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
-        let set = self.set_for(bucket, key);
-        let _g = self.lock_write(set, bucket, key).await?;
-        let (mut rec, _) = self.resolved(set, bucket, key).await?;
+        let _g = self
+            .lock_write(self.lock_set(bucket, key), bucket, key)
+            .await?;
+        let loc = self.locate(bucket, key).await?;
+        let (set, mut rec) = (loc.set, loc.rec);
         let (v, _) = self.select_version(&rec, bucket, key, version)?;
         if v.delete_marker {
             return Err(StoreError::MethodNotAllowed);
@@ -2527,9 +2739,10 @@ impl Store {
         let etag = put::hex(&<md5::Md5 as md5::Digest>::digest(body));
         let crc = crate::checksum::crc32c(body);
         let mut per_set: Vec<Vec<drive::BulkItem>> = vec![Vec::new(); self.set_count()];
+        let topo = self.topo();
         for key in keys {
             validate_key(&key)?;
-            let set = self.set_for(bucket, &key);
+            let set = self.new_key_set(&topo, self.key_hash(bucket, &key));
             let mtime = self.next_mod_time(0);
             let meta = VersionMeta {
                 version_id: NULL_VERSION,
@@ -2632,6 +2845,16 @@ pub(crate) async fn per_drive<T: Send + 'static>(
     out
 }
 
+/// The (version id, modification time) of the versions stored inline: what
+/// a write removes with them (`ObjectWrite::inline_delete`).
+pub(crate) fn inline_keys_of(versions: &[VersionMeta]) -> Vec<(Id128, u64)> {
+    versions
+        .iter()
+        .filter(|v| matches!(v.storage, Storage::Inline { .. }))
+        .map(|v| (v.version_id, v.mod_time_ns))
+        .collect()
+}
+
 pub(crate) fn data_ids_of(versions: &[VersionMeta]) -> Vec<Id128> {
     versions
         .iter()
@@ -2666,17 +2889,26 @@ pub(crate) fn resolve(
         .filter(|(_, c)| *c >= quorum)
         .map(|(v, _)| v.clone())
         .collect();
+    newest_first(&mut versions);
+    ObjectRecord { versions }
+}
+
+/// Orders versions newest first and keeps only the newest null version;
+/// returns the older null versions it dropped.
+pub(crate) fn newest_first(versions: &mut Vec<VersionMeta>) -> Vec<VersionMeta> {
     versions.sort_by_key(|v| std::cmp::Reverse(v.mod_time_ns));
     let mut null_seen = false;
-    versions.retain(|v| {
-        if v.version_id != NULL_VERSION {
-            return true;
+    let mut dropped = Vec::new();
+    let mut kept = Vec::with_capacity(versions.len());
+    for v in versions.drain(..) {
+        if v.version_id == NULL_VERSION && std::mem::replace(&mut null_seen, true) {
+            dropped.push(v);
+        } else {
+            kept.push(v);
         }
-        let keep = !null_seen;
-        null_seen = true;
-        keep
-    });
-    ObjectRecord { versions }
+    }
+    *versions = kept;
+    dropped
 }
 
 fn clean_tmp(dir: &std::path::Path) -> std::io::Result<()> {

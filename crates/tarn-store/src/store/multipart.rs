@@ -36,7 +36,7 @@ impl Store {
     ) -> Result<String, StoreError> {
         let brec = self.bucket_record(bucket)?;
         validate_key(key)?;
-        let (set, layout) = self.layout_for(&brec, bucket, key);
+        let (set, layout) = self.layout_for(&brec, bucket, key).await?;
         let rec = UploadRecord {
             upload_id: new_id(),
             initiated_ns: now_ns(),
@@ -68,6 +68,23 @@ impl Store {
             });
         }
         Ok(id_to_hex(&rec.upload_id))
+    }
+
+    /// The set an upload in progress was created in (one of the key's sets,
+    /// one per pool) and its record.
+    async fn upload_located(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &Id128,
+    ) -> Result<(usize, UploadRecord), StoreError> {
+        for set in self.key_sets(bucket, key) {
+            match self.upload(set, bucket, key, upload_id).await {
+                Err(StoreError::NoSuchUpload(_)) => continue,
+                r => return r.map(|u| (set, u)),
+            }
+        }
+        Err(StoreError::NoSuchUpload(id_to_hex(upload_id)))
     }
 
     /// The upload record, from any drive of the set that has it.
@@ -114,11 +131,13 @@ impl Store {
         let found = bucket_uploads(sources, bucket).await?;
         let mut copied = 0;
         for (key, id) in found {
-            if self.set_for(bucket, &key) != set {
+            if !self.key_sets(bucket, &key).contains(&set) {
                 continue;
             }
             // Not while it completes or aborts.
-            let _g = self.lock_write(set, bucket, &key).await?;
+            let _g = self
+                .lock_write(self.lock_set(bucket, &key), bucket, &key)
+                .await?;
             let rec = match self.upload(set, bucket, &key, &id).await {
                 Ok(r) => r,
                 Err(StoreError::NoSuchUpload(_)) => continue,
@@ -194,8 +213,7 @@ impl Store {
     ) -> Result<Option<String>, StoreError> {
         self.bucket_record(bucket)?;
         let id = parse_upload_id(upload_id)?;
-        let set = self.set_for(bucket, key);
-        let u = self.upload(set, bucket, key, &id).await?;
+        let (_, u) = self.upload_located(bucket, key, &id).await?;
         Ok((!u.checksum_algorithm.is_empty()).then_some(u.checksum_algorithm))
     }
 
@@ -227,8 +245,7 @@ impl Store {
             }
         }
         let id = parse_upload_id(upload_id)?;
-        let set = self.set_for(bucket, key);
-        let upload = self.upload(set, bucket, key, &id).await?;
+        let (set, upload) = self.upload_located(bucket, key, &id).await?;
         let use_md5 = self.wants_md5(content_md5.is_some(), body.declared_len);
         let mut reader = BodyReader::new(body, use_md5, PART_SIZE_MAX_BYTES);
         let written = self.write_data(set, &upload.layout, &mut reader).await?;
@@ -298,8 +315,7 @@ impl Store {
     ) -> Result<(Vec<PartInfo>, bool, UploadInfo), StoreError> {
         self.bucket_record(bucket)?;
         let id = parse_upload_id(upload_id)?;
-        let set = self.set_for(bucket, key);
-        let upload = self.upload(set, bucket, key, &id).await?;
+        let (set, upload) = self.upload_located(bucket, key, &id).await?;
         let parts = self.upload_parts(set, &id).await?;
         let mut out: Vec<PartInfo> = parts
             .into_values()
@@ -334,9 +350,10 @@ impl Store {
     ) -> Result<(), StoreError> {
         self.bucket_record(bucket)?;
         let id = parse_upload_id(upload_id)?;
-        let set = self.set_for(bucket, key);
-        let _g = self.lock_write(set, bucket, key).await?;
-        self.upload(set, bucket, key, &id).await?;
+        let _g = self
+            .lock_write(self.lock_set(bucket, key), bucket, key)
+            .await?;
+        let (set, _) = self.upload_located(bucket, key, &id).await?;
         let parts = self.upload_parts(set, &id).await?;
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
@@ -370,14 +387,13 @@ impl Store {
     ) -> Result<ObjectInfo, StoreError> {
         let brec = self.bucket_record(bucket)?;
         let id = parse_upload_id(upload_id)?;
-        let set = self.set_for(bucket, key);
         if list.is_empty() {
             return Err(StoreError::InvalidArgument("the part list is empty".into()));
         }
         if list.windows(2).any(|w| w[0].0 >= w[1].0) {
             return Err(StoreError::InvalidPartOrder);
         }
-        let upload = match self.upload(set, bucket, key, &id).await {
+        let (set, upload) = match self.upload_located(bucket, key, &id).await {
             Ok(u) => u,
             Err(StoreError::NoSuchUpload(u)) => {
                 // A retry of a completion that already succeeded (its response

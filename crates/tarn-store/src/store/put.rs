@@ -6,7 +6,7 @@ use futures::StreamExt;
 use md5::{Digest, Md5};
 use tarn_io::PooledBuf;
 
-use super::{data_ids_of, validate_key, Store, NULL_VERSION};
+use super::{data_ids_of, inline_keys_of, validate_key, Store, NULL_VERSION};
 use crate::checksum::crc32c;
 use crate::codec::{codec_for, StripeGeometry};
 use crate::config::EtagMode;
@@ -399,7 +399,7 @@ impl Store {
                 });
             }
         }
-        let (set, layout) = self.layout_for(&brec, bucket, key);
+        let (set, layout) = self.layout_for(&brec, bucket, key).await?;
         let use_md5 = self.wants_md5(opts.content_md5.is_some(), body.declared_len);
         let mut reader = BodyReader::new(body, use_md5, limit);
 
@@ -513,11 +513,13 @@ impl Store {
         opts: &PutOptions,
         upload_delete: Option<(Id128, Vec<u32>)>,
     ) -> Result<ObjectInfo, StoreError> {
-        let _g = self.lock_write(set, bucket, key).await?;
+        let _g = self
+            .lock_write(self.lock_set(bucket, key), bucket, key)
+            .await?;
         // The bucket may have been deleted while the body streamed.
         self.bucket_record(bucket)?;
-        let (mut rec, _) = self.resolved(set, bucket, key).await?;
-        let current = rec.versions.first().filter(|v| !v.delete_marker);
+        let loc = self.locate(bucket, key).await?;
+        let current = loc.rec.versions.first().filter(|v| !v.delete_marker);
         if let Some(none) = &opts.if_none_match {
             if current.is_some_and(|v| etag_matches(none, &v.etag)) {
                 return Err(StoreError::PreconditionFailed);
@@ -529,12 +531,20 @@ impl Store {
                 return Err(StoreError::PreconditionFailed);
             }
         }
-        let after = rec
+        let after = loc
+            .rec
             .versions
             .iter()
             .map(|v| v.mod_time_ns)
             .max()
             .unwrap_or(0);
+        let (mut rec, stale) =
+            Store::commit_record(set, loc, meta.version_id == NULL_VERSION, (bucket, key))?;
+        let after = rec
+            .versions
+            .iter()
+            .map(|v| v.mod_time_ns)
+            .fold(after, u64::max);
         meta.mod_time_ns = self.next_mod_time(after);
         let mut superseded = Vec::new();
         if meta.version_id == NULL_VERSION {
@@ -552,16 +562,15 @@ impl Store {
             inline_put: inline
                 .map(|d| vec![(meta.version_id, meta.mod_time_ns, d)])
                 .unwrap_or_default(),
-            inline_delete: superseded
-                .iter()
-                .filter(|v| matches!(v.storage, Storage::Inline { .. }))
-                .map(|v| (v.version_id, v.mod_time_ns))
-                .collect(),
+            inline_delete: inline_keys_of(&superseded),
             upload_delete,
             missed: Vec::new(),
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
         self.retire_data(set, data_ids_of(&superseded)).await;
+        for (s, r) in stale {
+            self.remove_stale(s, bucket, key, r).await;
+        }
         Ok(self.info_from(bucket, key, &meta, true))
     }
 }

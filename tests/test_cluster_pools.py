@@ -1,0 +1,203 @@
+"""Cluster expansion: a pool of erasure sets added under load with one map
+change (`tarn admin pool add`). A real etcd, four `tarn` nodes forming the
+first pool (2+2 over two drives each) and two more nodes whose drives form
+the second; every process is stopped by its PID."""
+
+import signal
+import time
+
+from clusterproc import Node, node_shard_files, status
+from conftest import data
+from tarnproc import wait_for
+from test_cluster_faults import Load, check_all_readable, drive_states
+
+
+def test_pool_added_under_load_serves_new_objects_and_keeps_every_object(formed_cluster, tmp_path):
+    etcd, nodes = formed_cluster
+    cl = nodes[0].client()
+    cl.create_bucket(Bucket="grow")
+    acked = {}
+    for j in range(60):
+        key = f"before/{j:03}"
+        acked[key] = data(key, 2_000 if j % 3 == 0 else 100_000 + 997 * j)
+        cl.put_object(Bucket="grow", Key=key, Body=acked[key])
+    more = [Node(str(tmp_path), i, etcd.url) for i in (5, 6)]
+    nodes += more
+    for n in more:
+        n.wait_serving()
+    # Refusals: a node of the first pool has no unplaced drive; a node
+    # that is not registered; too few nodes for the parity.
+    r = nodes[0].admin_cmd("pool", "add", "--nodes", "n1,n5", check=False)
+    assert r.returncode != 0 and "no drive the map does not place" in r.stderr, r.stderr
+    r = nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n9", check=False)
+    assert r.returncode != 0 and "not registered" in r.stderr, r.stderr
+    r = nodes[0].admin_cmd("pool", "add", "--nodes", "n5", check=False)
+    assert r.returncode != 0, r.stdout
+    assert len(status(nodes[0])["pools"]) == 1, "a refused add changes nothing"
+    before = sum(node_shard_files(n) for n in more)
+    assert before == 0
+    load = Load(nodes[:4], "grow", writers=3, readers=2)
+    try:
+        time.sleep(2)
+        out = nodes[1].admin_cmd("pool", "add", "--nodes", "n5,n6").stdout
+        assert "pool 1 added: 1 erasure set(s) of 2+2" in out, out
+        epoch = status(nodes[0])["epoch"]
+        # Every running node follows the map without a restart.
+        for n in nodes:
+            wait_for(f"n{n.i} serving epoch {epoch}",
+                     lambda n=n: any(f"epoch={epoch}" in line and "serving the new cluster map" in line
+                                     for p in n.logs for line in open(p)),
+                     timeout=30)
+        time.sleep(6)
+        # Overwrites of keys that exist stay in their pool.
+        for j in range(0, 60, 7):
+            key = f"before/{j:03}"
+            acked[key] = data(key + "v2", 120_000)
+            nodes[2].client().put_object(Bucket="grow", Key=key, Body=acked[key])
+    finally:
+        load.finish()
+    assert not load.failed, load.failed[:3]
+    acked.update(load.acked)
+    st = status(nodes[4])
+    assert [p["id"] for p in st["pools"]] == [0, 1]
+    assert {d["node"] for s in st["pools"][1]["sets"] for d in s} == {"n5", "n6"}
+    # New objects went to the new pool too (by free space), and every
+    # object is readable and listed through every node, the new ones too.
+    assert sum(node_shard_files(n) for n in more) > 0
+    check_all_readable(nodes, "grow", acked)
+    # A node restarted after the change opens both pools from the map.
+    nodes[1].signal(signal.SIGKILL)
+    nodes[1].proc.wait()
+    nodes[1].start()
+    nodes[1].wait_serving()
+    check_all_readable([nodes[1]], "grow", acked)
+    # A key in the new pool is deleted and overwritten like any other.
+    cl = nodes[5].client()
+    keys = sorted(load.acked)
+    cl.delete_object(Bucket="grow", Key=keys[0])
+    acked.pop(keys[0])
+    cl.put_object(Bucket="grow", Key=keys[1], Body=b"short")
+    acked[keys[1]] = b"short"
+    check_all_readable([nodes[0]], "grow", acked)
+    listed = {o["Key"] for o in nodes[0].client().list_objects_v2(Bucket="grow", MaxKeys=1000).get("Contents", [])}
+    assert keys[0] not in listed
+    for n in nodes:
+        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=60)
+
+
+def drain_job(node):
+    return next((j for j in status(node)["jobs"] if j["kind"] == "drain"), None)
+
+
+def log_has(node, text):
+    return any(text in line for p in node.logs for line in open(p))
+
+
+def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path):
+    """Pool 1 drained while clients write and read, at a background rate
+    limit: its job's leader is killed mid-job (another resumes), the next
+    one is paused past its lease (another takes over; the paused one, woken,
+    is fenced off and stops), and the pool ends retired and empty with every
+    object readable."""
+    from clusterproc import form, stop_all
+    slow = ["--heal-rate", "512KiB"]
+    etcd, nodes = form(str(tmp_path), extra=slow)
+    try:
+        more = [Node(str(tmp_path), i, etcd.url, extra=slow) for i in (5, 6)]
+        nodes += more
+        for n in more:
+            n.wait_serving()
+        nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
+        for n in nodes:
+            wait_for(f"n{n.i} serving two pools", lambda n=n: log_has(n, "serving the new cluster map"), timeout=30)
+        cl = nodes[0].client()
+        cl.create_bucket(Bucket="drain")
+        acked = {}
+        for j in range(200):
+            key = f"d/{j:03}"
+            acked[key] = data(key, 3_000 if j % 5 == 0 else 150_000 + 641 * j)
+            cl.put_object(Bucket="drain", Key=key, Body=acked[key])
+        # Multipart: part boundaries and the multipart ETag survive a move.
+        etag = {}
+        for k in range(3):
+            key = f"mp{k}"
+            mp = cl.create_multipart_upload(Bucket="drain", Key=key)["UploadId"]
+            parts = [data((key, i), 5 << 20) for i in range(2)] + [b"tail"]
+            tags = [cl.upload_part(Bucket="drain", Key=key, UploadId=mp, PartNumber=i + 1, Body=p)["ETag"]
+                    for i, p in enumerate(parts)]
+            cl.complete_multipart_upload(Bucket="drain", Key=key, UploadId=mp, MultipartUpload={
+                "Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(tags)]})
+            acked[key] = b"".join(parts)
+            etag[key] = cl.head_object(Bucket="drain", Key=key)["ETag"]
+        assert sum(node_shard_files(n) for n in more) > 0
+        # Refusals: an unknown pool; (after the drain starts) draining the
+        # last active pool.
+        r = nodes[0].admin_cmd("pool", "drain", "7", check=False)
+        assert r.returncode != 0 and "no pool 7" in r.stderr, r.stderr
+        out = nodes[1].admin_cmd("pool", "drain", "1").stdout
+        assert "pool 1 draining" in out, out
+        r = nodes[1].admin_cmd("pool", "drain", "0", check=False)
+        assert r.returncode != 0 and "only active pool" in r.stderr, r.stderr
+        first = wait_for("a drain leader moving keys",
+                         lambda: (lambda j: j if j and j["moved"] >= 3 else None)(drain_job(nodes[0])), timeout=60)
+        leader = next(n for n in nodes if f"n{n.i}" == first["node"])
+        clients = [n for n in nodes[:4] if n is not leader][:3]
+        load = Load(clients, "drain", writers=2, readers=2)
+        try:
+            # The leader killed mid-job: another resumes, with a larger token.
+            leader.signal(signal.SIGKILL)
+            leader.proc.wait()
+            second = wait_for("another drain leader",
+                              lambda: (lambda j: j if j and j["node"] != first["node"] else None)(drain_job(clients[0])),
+                              timeout=60)
+            assert second["token"] > first["token"], (first, second)
+            nxt = next(n for n in nodes if f"n{n.i}" == second["node"])
+            wait_for("the resumed drain logged", lambda: log_has(nxt, "resuming a drain another leader began"), timeout=30)
+            # Back before the next fault: two nodes out at once would take
+            # pool 0's sets (2+2) below write quorum.
+            leader.start()
+            leader.wait_serving()
+            # ...and synced, as every node sees it: with its drives offline or
+            # still syncing (no reads) somewhere, a set that also loses the
+            # next one (pool 1 has two nodes) would be out of quorum.
+            for c in clients:
+                wait_for(f"n{c.i} seeing the restarted node synced",
+                         lambda c=c: set(drive_states(c)) == {"online"}, timeout=120)
+            # That one paused past its lease: another (the restarted first one,
+            # maybe) takes over; woken, the paused one finds its token fenced
+            # off and stops.
+            nxt.signal(signal.SIGSTOP)
+            try:
+                third = wait_for("a third drain leader",
+                                 lambda: (lambda j: j if j and j["node"] != second["node"] else None)(
+                                     drain_job(next(c for c in clients if c is not nxt))),
+                                 timeout=60)
+                assert third["token"] > second["token"], (second, third)
+            finally:
+                nxt.signal(signal.SIGCONT)
+            wait_for("the paused leader fenced off",
+                     lambda: log_has(nxt, f"lost the drain leadership (token {second['token']})"), timeout=30)
+            watcher = next(c for c in clients if c is not nxt)
+            wait_for("pool 1 retired",
+                     lambda: [p["state"] for p in status(watcher)["pools"]] == ["active", "retired"], timeout=240)
+        finally:
+            load.finish()
+        assert not load.failed, load.failed[:3]
+        acked.update(load.acked)
+        live = nodes
+        # Nothing is left in the pool, and every object is readable and
+        # listed through every node, the multipart ones with their ETags.
+        # (Files a killed leader left between a record's removal and its
+        # files' are swept by their nodes once the pool is retired.)
+        wait_for("pool 1's shard files removed", lambda: sum(node_shard_files(n) for n in more) == 0, timeout=30)
+        check_all_readable(live, "drain", acked)
+        for key, e in etag.items():
+            h = live[0].client().head_object(Bucket="drain", Key=key, PartNumber=1)
+            assert h["ETag"] == e and h["ContentLength"] == 5 << 20, h
+        # New objects go to pool 0 only; pool 1's nodes can be stopped and
+        # everything stays readable.
+        for n in more:
+            n.stop()
+        check_all_readable(nodes[:4], "drain", acked)
+    finally:
+        stop_all(etcd, nodes)
