@@ -18,6 +18,8 @@ from tarnproc import ACCESS_KEY, BIN, SECRET_KEY
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 SECRET = "cluster-secret-for-tests-0123456789"
+# The credentials of nodes on addresses other than loopback's.
+LINK_KEYS = ("linkadmin", "linkadmin-secret-for-tests")
 
 
 def free_port(ip):
@@ -42,26 +44,26 @@ def free_port(ip):
 
 
 class Etcd:
-    def __init__(self, root):
-        self.root = root
-        self.port = free_port("127.0.0.1")
-        self.peer = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, root, ip="127.0.0.1"):
+        self.root, self.ip = root, ip
+        self.port = free_port(ip)
+        self.peer = free_port(ip)
+        self.url = f"http://{ip}:{self.port}"
         self.start()
 
     def start(self):
         self.log = open(os.path.join(self.root, "etcd.log"), "a")
+        peer = f"http://{self.ip}:{self.peer}"
         self.proc = subprocess.Popen(
             [ETCD, "--data-dir", os.path.join(self.root, "etcd"),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", f"http://127.0.0.1:{self.peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}",
-             "--initial-cluster", f"default=http://127.0.0.1:{self.peer}"],
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"default={peer}"],
             stdout=self.log, stderr=self.log)
         deadline = time.time() + 20
         while time.time() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                socket.create_connection((self.ip, self.port), timeout=1).close()
                 return
             except OSError:
                 time.sleep(0.1)
@@ -75,17 +77,28 @@ class Etcd:
 
 
 class Node:
-    def __init__(self, root, i, etcd_url, drives=2, extra=()):
+    """`tarn server` as node n<i>, on 127.0.0.<i> unless `ip` is given; run
+    inside network namespace `netns` when given (`ip netns exec`, which
+    execs: the PID is the server's)."""
+
+    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None):
         self.i = i
-        self.ip = f"127.0.0.{i}"
+        # Off loopback, a server refuses the built-in default credentials.
+        self.access_key, self.secret_key = keys or (ACCESS_KEY, SECRET_KEY)
+        self.ip = ip or f"127.0.0.{i}"
         self.root = os.path.join(root, f"n{i}")
         os.makedirs(self.root, exist_ok=True)
-        self.s3_port = free_port(self.ip)
-        self.admin_port = free_port(self.ip)
-        self.rpc_port = free_port(self.ip)
+        # A new namespace has every port free (and its address is not the
+        # host's to bind).
+        if netns:
+            base = random.randrange(20000, 30000)
+            self.s3_port, self.admin_port, self.rpc_port = base, base + 1, base + 2
+        else:
+            self.s3_port, self.admin_port, self.rpc_port = (free_port(self.ip) for _ in range(3))
         self.endpoint = f"http://{self.ip}:{self.s3_port}"
         self.admin = f"http://{self.ip}:{self.admin_port}"
-        self.args = [BIN, "server", "--cluster", "test", "--etcd", etcd_url, "--node-id", f"n{i}",
+        self.args = ["ip", "netns", "exec", netns] if netns else []
+        self.args += [BIN, "server", "--cluster", "test", "--etcd", etcd_url, "--node-id", f"n{i}",
                      "--advertise", f"{self.ip}:{self.rpc_port}",
                      "--listen", f"{self.ip}:{self.s3_port}", "--admin-listen", f"{self.ip}:{self.admin_port}",
                      "--cores", "1"]
@@ -98,7 +111,7 @@ class Node:
         self.start()
 
     def start(self):
-        env = dict(os.environ, TARN_ACCESS_KEY=ACCESS_KEY, TARN_SECRET_KEY=SECRET_KEY,
+        env = dict(os.environ, TARN_ACCESS_KEY=self.access_key, TARN_SECRET_KEY=self.secret_key,
                    TARN_CLUSTER_SECRET=SECRET, TARN_LOG="info", NO_COLOR="1")
         path = os.path.join(self.root, f"server-{len(self.logs)}.log")
         self.logs.append(path)
@@ -120,13 +133,13 @@ class Node:
         raise RuntimeError(f"node {self.i} did not start serving")
 
     def client(self, **cfg):
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
+                            aws_secret_access_key=self.secret_key, region_name="us-east-1",
                             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
                                           connect_timeout=5, read_timeout=30, **cfg))
 
     def admin_cmd(self, *args, check=True):
-        r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", SECRET_KEY, *args],
+        r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", self.secret_key, *args],
                            capture_output=True, text=True, timeout=60)
         if check and r.returncode != 0:
             raise AssertionError(f"tarn admin {args}: {r.stderr}")
@@ -153,13 +166,21 @@ class Node:
         return out
 
 
-def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra=()):
+def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra=(), link=None):
     """etcd and `count` nodes on 127.0.0.first…, formed into one pool of
-    data+parity sets and serving. The caller stops them (`stop_all`)."""
-    etcd = Etcd(root)
+    data+parity sets and serving; with a `Link`, etcd and every node but
+    the last on its host addresses, the last inside its namespace. The
+    caller stops them (`stop_all`)."""
+    last = first + count - 1
+    etcd = Etcd(root, ip=link.host_ip(250) if link else "127.0.0.1")
     nodes = []
     try:
-        nodes = [Node(root, i, etcd.url, drives=drives, extra=extra) for i in range(first, first + count)]
+        for i in range(first, last + 1):
+            place = {}
+            if link:
+                place = dict(ip=link.ns_ip, netns=link.ns) if i == last else dict(ip=link.host_ip(i))
+                place["keys"] = LINK_KEYS
+            nodes.append(Node(root, i, etcd.url, drives=drives, extra=extra, **place))
         out = nodes[0].admin_cmd("cluster", "init", "--data-shards", str(data_shards),
                                  "--parity-shards", str(parity_shards)).stdout
         assert "cluster formed" in out, out
@@ -190,3 +211,64 @@ def node_shard_files(node):
 def status(node):
     """`tarn admin cluster status --json` through a node."""
     return json.loads(node.admin_cmd("cluster", "status", "--json").stdout)
+
+
+class Link:
+    """A network namespace joined to the host by a veth pair, to cut a node
+    off by taking the link down: its end, inside the namespace, so that the
+    host's end stays up and sends into a dead link (the node goes silent;
+    nothing is refused). The host's processes listen on addresses added to
+    `lo` (reachable through the veth, which 127.0.0.0/8 is not). `create`
+    answers None where the machine does not allow it (not root, no `ip`,
+    no namespaces); `remove` undoes everything."""
+
+    def __init__(self):
+        tag = os.getpid() % 100000
+        self.net = f"10.{100 + os.getpid() % 150}"
+        self.ns, self.host_if, self.ns_if = f"tarncut{tag}", f"tch{tag}", f"tcn{tag}"
+        self.ns_ip = f"{self.net}.0.2"
+        self.lo_addrs = []
+
+    def host_ip(self, i):
+        addr = f"{self.net}.1.{i}"
+        if addr not in self.lo_addrs:
+            ip("addr", "add", f"{addr}/32", "dev", "lo")
+            self.lo_addrs.append(addr)
+        return addr
+
+    @classmethod
+    def create(cls):
+        if os.geteuid() != 0 or not shutil.which("ip"):
+            return None
+        link = cls()
+        try:
+            ip("netns", "add", link.ns)
+            ip("link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if)
+            ip("link", "set", link.ns_if, "netns", link.ns)
+            ip("addr", "add", f"{link.net}.0.1/30", "dev", link.host_if)
+            ip("link", "set", link.host_if, "up")
+            ip("-n", link.ns, "addr", "add", f"{link.ns_ip}/30", "dev", link.ns_if)
+            ip("-n", link.ns, "link", "set", link.ns_if, "up")
+            ip("-n", link.ns, "link", "set", "lo", "up")
+            ip("-n", link.ns, "route", "add", "default", "via", f"{link.net}.0.1")
+        except (OSError, subprocess.CalledProcessError):
+            link.remove()
+            return None
+        return link
+
+    def cut(self):
+        ip("-n", self.ns, "link", "set", self.ns_if, "down")
+
+    def restore(self):
+        ip("-n", self.ns, "link", "set", self.ns_if, "up")
+        # The link going down took the namespace's default route with it.
+        ip("-n", self.ns, "route", "replace", "default", "via", f"{self.net}.0.1")
+
+    def remove(self):
+        for args in [("link", "del", self.host_if), ("netns", "del", self.ns)] + \
+                [("addr", "del", f"{a}/32", "dev", "lo") for a in self.lo_addrs]:
+            subprocess.run(["ip", *args], capture_output=True)
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)

@@ -151,7 +151,7 @@ def wait_for(what, cond, timeout=30):
 def metric(proc, name, drive=None):
     """The sum of metric `name` on a server's (or cluster node's) /metrics,
     over the lines of one drive when given; an error when it has none."""
-    req = urllib.request.Request(proc.admin + "/metrics", headers={"Authorization": f"Bearer {SECRET_KEY}"})
+    req = urllib.request.Request(proc.admin + "/metrics", headers={"Authorization": f"Bearer {getattr(proc, 'secret_key', SECRET_KEY)}"})
     text = urllib.request.urlopen(req, timeout=10).read().decode()
     found, total = False, 0.0
     for line in text.splitlines():

@@ -1,6 +1,7 @@
 """Cluster operations under faults: a real etcd and four `tarn` nodes on
 127.0.0.1-4 (two drives each, sets of 2+2 with one drive per node), a node
-paused (SIGSTOP) or killed (kill -9) under a concurrent load, and what the
+paused (SIGSTOP), cut off (its network namespace's link taken down) or
+killed (kill -9) under a concurrent load, and what the
 cluster must show: no request fails, a silent node is routed around (a
 suspect peer), writes it missed are logged before they are acknowledged and
 replayed to it when it is back (syncing, then online), and the
@@ -12,6 +13,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 
 from clusterproc import Node, shard_files, status
 from conftest import data
@@ -117,36 +119,68 @@ def wait_synced(node):
     wait_for("drives online", lambda: set(drive_states(node)) == {"online"}, timeout=90)
 
 
-def test_paused_node_is_routed_around_and_synced_after(formed_cluster):
-    _, nodes = formed_cluster
-    nodes[0].client().create_bucket(Bucket="paused")
-    load = Load(nodes[:3], "paused")
+def silenced_under_load(nodes, bucket, silence, wake):
+    """The last node silenced (`silence`, then `wake`) under a load through
+    the others: no request fails, the node is routed around without
+    etcd's word (a suspect peer; its drives out of the others' view), the
+    writes it misses are logged, and back, it is synced from the log."""
+    nodes[0].client().create_bucket(Bucket=bucket)
+    load = Load(nodes[:-1], bucket)
     time.sleep(1.5)
-    nodes[3].signal(signal.SIGSTOP)
+    silence()
     try:
-        # Routed around without etcd's word: the node is suspect to the
-        # others, and its drives are out of their view.
         st = wait_for("a suspect peer", lambda: (lambda s: s if s["suspect_peers"] else None)(status(nodes[0])),
                       timeout=90)
-        assert st["suspect_peers"][0]["node"] == "n4", st["suspect_peers"]
+        assert st["suspect_peers"][0]["node"] == f"n{nodes[-1].i}", st["suspect_peers"]
         n_before = len(load.acked)
         time.sleep(4)
         assert len(load.acked) > n_before + 10
         # Writes made meanwhile are in the missed-write log.
         assert status(nodes[1])["under_replicated"] > 0
     finally:
-        nodes[3].signal(signal.SIGCONT)
+        wake()
     time.sleep(1)
     load.finish()
     assert not load.failed, load.failed[:3]
     # Back: the others see its drives sync, then serve; the log is replayed
     # by its node until nothing is under-replicated.
     wait_synced(nodes[0])
-    assert metric(nodes[3], "tarn_missed_writes_replayed_total") > 0
+    assert metric(nodes[-1], "tarn_missed_writes_replayed_total") > 0
     assert metric(nodes[0], "tarn_missed_writes_total") > 0
-    check_all_readable(nodes, "paused", load.acked)
+    check_all_readable(nodes, bucket, load.acked)
     # Synced from the log, not healed in full.
     assert not any("healing in full" in line for n in nodes for p in n.logs for line in open(p))
+
+
+def test_paused_node_is_routed_around_and_synced_after(formed_cluster):
+    _, nodes = formed_cluster
+    silenced_under_load(nodes, "paused", lambda: nodes[3].signal(signal.SIGSTOP),
+                        lambda: nodes[3].signal(signal.SIGCONT))
+
+
+def test_node_cut_off_by_its_link_is_routed_around_and_synced_after(tmp_path):
+    """Node 4 in a network namespace of its own, joined to the host (etcd
+    and the other nodes, on addresses of `lo`) by a veth pair whose end in
+    the namespace is taken down, then up: the node keeps running, cut off.
+    Where the machine has no namespaces to give (not root), node 4 is
+    paused instead, as the issue allows."""
+    from clusterproc import Link, form, stop_all
+    link = Link.create()
+    if link is None:
+        warnings.warn("no network namespace here: node 4 is paused (SIGSTOP) instead of cut off")
+    etcd, nodes = None, []
+    try:
+        etcd, nodes = form(str(tmp_path), link=link)
+        if link:
+            silenced_under_load(nodes, "cut", link.cut, link.restore)
+        else:
+            silenced_under_load(nodes, "cut", lambda: nodes[3].signal(signal.SIGSTOP),
+                                lambda: nodes[3].signal(signal.SIGCONT))
+    finally:
+        if etcd:
+            stop_all(etcd, nodes)
+        if link:
+            link.remove()
 
 
 def test_killed_node_returns_and_missed_writes_are_replayed(formed_cluster):

@@ -8,7 +8,7 @@ import time
 
 from clusterproc import Node, node_shard_files, status
 from conftest import data
-from tarnproc import wait_for
+from tarnproc import metric, wait_for
 from test_cluster_faults import Load, check_all_readable, drive_states
 
 
@@ -141,6 +141,12 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         first = wait_for("a drain leader moving keys",
                          lambda: (lambda j: j if j and j["moved"] >= 3 else None)(drain_job(nodes[0])), timeout=60)
         leader = next(n for n in nodes if f"n{n.i}" == first["node"])
+        # The same figures in the leader's /metrics (the others show none).
+        assert metric(leader, "tarn_drain_running") == 1
+        assert metric(leader, "tarn_drain_pool") == 1
+        assert metric(leader, "tarn_drain_keys_moved") >= 3
+        assert metric(leader, "tarn_drain_rate_bytes_per_second") > 0
+        assert metric(next(n for n in nodes if n is not leader), "tarn_drain_running") == 0
         clients = [n for n in nodes[:4] if n is not leader][:3]
         load = Load(clients, "drain", writers=2, readers=2)
         try:

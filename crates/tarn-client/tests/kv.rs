@@ -695,6 +695,8 @@ fn nvme_tier_wraps_when_full() {
     let mut c = connect(&server, TransportChoice::Tcp, b"ns");
     let len = 200 << 10;
     fill(&mut c, 0..800, len); // 160 MiB through 16 MiB RAM + 96 MiB disk
+    let demoted = stat(&c.stats().unwrap(), "evicted_demoted");
+    fill(&mut c, 800..900, len); // past nine segment rolls
     let stats = c.stats().unwrap();
     assert!(stat(&stats, "disk_segments_dropped") > 0, "{stats:?}");
     assert!(stat(&stats, "disk_used_bytes") <= 96 << 20);
@@ -706,13 +708,15 @@ fn nvme_tier_wraps_when_full() {
     );
     // Regression: every segment roll used to leak one of the tier's write
     // buffers from its count; after eight rolls no buffer was left and every
-    // demotion was dropped.
+    // demotion was dropped. Long after that many rolls, blocks still go to
+    // disk (some are dropped while every buffer is in flight: how many
+    // depends on the disk's speed, so only "none got through" fails).
     assert!(
-        stat(&stats, "demote_dropped") * 4 < stat(&stats, "evicted_demoted"),
-        "{stats:?}"
+        stat(&stats, "evicted_demoted") > demoted,
+        "no block demoted late in the fill: {stats:?}"
     );
-    let hits = check(&mut c, 0..800, len);
-    assert!(hits > 300 && hits < 800, "hits {hits}");
+    let hits = check(&mut c, 0..900, len);
+    assert!(hits > 300 && hits < 900, "hits {hits}");
 }
 
 #[test]

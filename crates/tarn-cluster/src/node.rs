@@ -163,15 +163,36 @@ pub struct DrainJob {
 }
 
 impl DrainJob {
-    fn json(&self, node: &str) -> serde_json::Value {
-        let moved = self.moved_before + self.report.moved;
-        let bytes = self.bytes_before + self.report.bytes;
-        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
-        let left = self
-            .report
+    /// Keys moved by this leader's passes.
+    pub fn moved(&self) -> u64 {
+        self.moved_before + self.report.moved
+    }
+
+    /// Bytes of the versions moved by this leader's passes.
+    pub fn bytes(&self) -> u64 {
+        self.bytes_before + self.report.bytes
+    }
+
+    /// Keys the pass under way has yet to move.
+    pub fn keys_left(&self) -> u64 {
+        self.report
             .keys
-            .saturating_sub(self.report.moved + self.report.failures);
-        let key_rate = moved as f64 / secs;
+            .saturating_sub(self.report.moved + self.report.failures)
+    }
+
+    /// Bytes moved a second since this leader took the job.
+    pub fn rate_bytes(&self) -> f64 {
+        self.bytes() as f64 / self.started.elapsed().as_secs_f64().max(1e-3)
+    }
+
+    /// Seconds the pass under way needs yet at this leader's key rate; None
+    /// before a key has moved.
+    pub fn eta_secs(&self) -> Option<f64> {
+        let key_rate = self.moved() as f64 / self.started.elapsed().as_secs_f64().max(1e-3);
+        (key_rate > 0.0).then(|| (self.keys_left() as f64 / key_rate).ceil())
+    }
+
+    fn json(&self, node: &str) -> serde_json::Value {
         json!({
             "node": node,
             "kind": "drain",
@@ -179,13 +200,13 @@ impl DrainJob {
             "token": self.token,
             "passes": self.passes,
             "keys_in_pass": self.report.keys,
-            "keys_left": left,
-            "moved": moved,
-            "bytes_moved": bytes,
+            "keys_left": self.keys_left(),
+            "moved": self.moved(),
+            "bytes_moved": self.bytes(),
             "failures": self.report.failures,
             "uploads_in_pool": self.report.uploads,
-            "rate_bytes_per_s": (bytes as f64 / secs).round(),
-            "eta_s": (key_rate > 0.0).then(|| (left as f64 / key_rate).ceil()),
+            "rate_bytes_per_s": self.rate_bytes().round(),
+            "eta_s": self.eta_secs(),
             "elapsed_s": self.started.elapsed().as_secs(),
         })
     }

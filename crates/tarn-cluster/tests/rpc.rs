@@ -288,6 +288,12 @@ async fn stale_and_newer_epochs_are_refused_and_the_connection_stays_usable() {
     );
     assert_eq!(c.stats.connects.load(Ordering::SeqCst), 1);
     assert_eq!(n.stats.stale_epochs.load(Ordering::SeqCst), 1);
+    // A shard write is taken from a caller a map change behind (what it
+    // writes is nobody's until an epoch-checked record names it).
+    let r = c.call(&n.address, None, op::SHARD_WRITE, 6, b"x", T).await;
+    assert!(!matches!(r, Err(RpcError::StaleEpoch { .. })), "{r:?}");
+    assert_eq!(n.handler.handled.load(Ordering::SeqCst), 2);
+    assert_eq!(n.stats.stale_epochs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

@@ -333,7 +333,11 @@ async fn handle(
             text(
                 200,
                 "text/plain; version=0.0.4",
-                metrics.render(&store, under),
+                metrics.render(
+                    &store,
+                    under,
+                    node.as_ref().and_then(|n| n.drain_job()).as_ref(),
+                ),
             )
         }
         (_, p) if p.starts_with("/admin/") && !authorized => {

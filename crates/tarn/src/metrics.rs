@@ -48,8 +48,14 @@ impl Metrics {
     }
 
     /// The metrics text; `under_replicated` is the count the missed-write
-    /// logs hold (`Store::under_replicated`), read by the caller.
-    pub fn render(&self, store: &tarn_store::Store, under_replicated: u64) -> String {
+    /// logs hold (`Store::under_replicated`), read by the caller; `drain`
+    /// the drain job this node leads, if any.
+    pub fn render(
+        &self,
+        store: &tarn_store::Store,
+        under_replicated: u64,
+        drain: Option<&tarn_cluster::node::DrainJob>,
+    ) -> String {
         let mut out = String::new();
         out.push_str("# HELP tarn_requests_total S3 requests by operation and HTTP status.\n# TYPE tarn_requests_total counter\n");
         let ops = self.ops.lock().expect("metrics lock");
@@ -237,6 +243,7 @@ impl Metrics {
             }
         }
         render_backfill(&mut out, store.backfill_status().as_ref());
+        render_drain(&mut out, drain);
         if let Some(kv) = self.kv.get() {
             render_kv(&mut out, kv);
         }
@@ -282,6 +289,64 @@ fn render_backfill(out: &mut String, b: Option<&tarn_store::BackfillStatus>) {
             "tarn_backfill_rate_limit_bytes_per_second",
             "The configured background rate limit (0: none).",
             b.map_or(0.0, |b| b.rate_limit as f64),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
+    }
+}
+
+/// The drain this node leads: its pool, progress, rate and ETA (all 0, the
+/// pool -1, while it leads none; the other nodes show 0).
+fn render_drain(out: &mut String, d: Option<&tarn_cluster::node::DrainJob>) {
+    let gauges: [(&str, &str, f64); 9] = [
+        (
+            "tarn_drain_running",
+            "Whether this node leads the drain of a pool (one node of the cluster does while a pool drains).",
+            f64::from(u8::from(d.is_some())),
+        ),
+        (
+            "tarn_drain_pool",
+            "The pool being drained (-1: none led here).",
+            d.map_or(-1.0, |d| f64::from(d.pool)),
+        ),
+        (
+            "tarn_drain_keys_left",
+            "Keys the drain's current pass has yet to move.",
+            d.map_or(0.0, |d| d.keys_left() as f64),
+        ),
+        (
+            "tarn_drain_keys_moved",
+            "Keys moved since this node took the drain's leadership.",
+            d.map_or(0.0, |d| d.moved() as f64),
+        ),
+        (
+            "tarn_drain_bytes_moved",
+            "Bytes of the versions moved since this node took the drain's leadership.",
+            d.map_or(0.0, |d| d.bytes() as f64),
+        ),
+        (
+            "tarn_drain_failures",
+            "Keys the current pass could not move (the next pass tries again).",
+            d.map_or(0.0, |d| d.report.failures as f64),
+        ),
+        (
+            "tarn_drain_uploads_in_pool",
+            "Multipart uploads in progress still in the draining pool (their keys wait for them).",
+            d.map_or(0.0, |d| d.report.uploads as f64),
+        ),
+        (
+            "tarn_drain_rate_bytes_per_second",
+            "Bytes per second moved since this node took the drain's leadership.",
+            d.map_or(0.0, |d| d.rate_bytes()),
+        ),
+        (
+            "tarn_drain_eta_seconds",
+            "Seconds the current pass needs yet at its key rate so far (-1: not known yet).",
+            d.map_or(0.0, |d| d.eta_secs().unwrap_or(-1.0)),
         ),
     ];
     for (name, help, value) in gauges {
