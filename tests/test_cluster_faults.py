@@ -81,6 +81,19 @@ class Load:
             t.join()
 
 
+def seed(node, bucket, count, key, size):
+    """Creates `bucket` through `node` and puts `count` objects, object j
+    under key(j) with size(j) bytes: what was acknowledged, by key."""
+    cl = node.client()
+    cl.create_bucket(Bucket=bucket)
+    acked = {}
+    for j in range(count):
+        k = key(j)
+        acked[k] = data(k, size(j))
+        cl.put_object(Bucket=bucket, Key=k, Body=acked[k])
+    return acked
+
+
 def check_all_readable(nodes, bucket, acked):
     for n in nodes:
         cl = n.client()
@@ -218,14 +231,9 @@ def job(node, kind="backfill"):
 
 def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(formed_cluster, tmp_path):
     etcd, nodes = formed_cluster
-    cl = nodes[0].client()
-    cl.create_bucket(Bucket="replaced")
     # Small objects (inline) and large ones (erasure-coded shards).
-    acked = {}
-    for j in range(120):
-        key = f"before/{j:03}"
-        acked[key] = data(key, 3_000 if j % 3 == 0 else 150_000 + 1013 * j)
-        cl.put_object(Bucket="replaced", Key=key, Body=acked[key])
+    acked = seed(nodes[0], "replaced", 120, lambda j: f"before/{j:03}",
+                 lambda j: 3_000 if j % 3 == 0 else 150_000 + 1013 * j)
     nodes[3].signal(signal.SIGKILL)
     nodes[3].proc.wait()
     # An empty node, its backfill slowed (4 MiB/s) so that it can be seen
@@ -312,13 +320,8 @@ def test_emptied_drive_is_rebuilt_and_serves(formed_cluster):
     contents lost): it rejoins its set, is backfilled while the cluster
     serves, and holds its shards again."""
     _, nodes = formed_cluster
-    cl = nodes[0].client()
-    cl.create_bucket(Bucket="emptied")
-    acked = {}
-    for j in range(60):
-        key = f"k{j:03}"
-        acked[key] = data(key, 2_500 if j % 4 == 0 else 90_000 + 1009 * j)
-        cl.put_object(Bucket="emptied", Key=key, Body=acked[key])
+    acked = seed(nodes[0], "emptied", 60, lambda j: f"k{j:03}",
+                 lambda j: 2_500 if j % 4 == 0 else 90_000 + 1009 * j)
     drive = os.path.join(nodes[2].root, "d0")
     had = shard_files(drive)
     assert had > 0

@@ -9,18 +9,13 @@ import time
 from clusterproc import Node, node_shard_files, status
 from conftest import data
 from tarnproc import metric, wait_for
-from test_cluster_faults import Load, check_all_readable, drive_states
+from test_cluster_faults import Load, check_all_readable, drive_states, seed
 
 
 def test_pool_added_under_load_serves_new_objects_and_keeps_every_object(formed_cluster, tmp_path):
     etcd, nodes = formed_cluster
-    cl = nodes[0].client()
-    cl.create_bucket(Bucket="grow")
-    acked = {}
-    for j in range(60):
-        key = f"before/{j:03}"
-        acked[key] = data(key, 2_000 if j % 3 == 0 else 100_000 + 997 * j)
-        cl.put_object(Bucket="grow", Key=key, Body=acked[key])
+    acked = seed(nodes[0], "grow", 60, lambda j: f"before/{j:03}",
+                 lambda j: 2_000 if j % 3 == 0 else 100_000 + 997 * j)
     more = [Node(str(tmp_path), i, etcd.url) for i in (5, 6)]
     nodes += more
     for n in more:
@@ -110,13 +105,9 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
         for n in nodes:
             wait_for(f"n{n.i} serving two pools", lambda n=n: log_has(n, "serving the new cluster map"), timeout=30)
+        acked = seed(nodes[0], "drain", 200, lambda j: f"d/{j:03}",
+                     lambda j: 3_000 if j % 5 == 0 else 150_000 + 641 * j)
         cl = nodes[0].client()
-        cl.create_bucket(Bucket="drain")
-        acked = {}
-        for j in range(200):
-            key = f"d/{j:03}"
-            acked[key] = data(key, 3_000 if j % 5 == 0 else 150_000 + 641 * j)
-            cl.put_object(Bucket="drain", Key=key, Body=acked[key])
         # Multipart: part boundaries and the multipart ETag survive a move.
         etag = {}
         for k in range(3):
