@@ -1,7 +1,7 @@
 """A history checker in the style of Jepsen over a real cluster (etcd and four
 `tarn` nodes, 2+2 sets): clients PUT unique values, GET, DELETE and LIST a
 small set of keys concurrently through three nodes while the fourth is
-paused (SIGSTOP), then killed (-9) and started again. Every operation is
+paused (SIGSTOP), then killed (-9) and started again, twice. Every operation is
 recorded with the times it was invoked and completed and what it returned;
 a request that failed or timed out is indeterminate (it may have taken
 effect at any time after it was invoked). The checker asserts, per key as a
@@ -79,7 +79,7 @@ def client_loop(node, writer, history, stop, seed):
                 keys = set()
                 for page in cl.get_paginator("list_objects_v2").paginate(Bucket="hist"):
                     keys |= {o["Key"] for o in page.get("Contents", [])}
-                history.add(kind="list", keys=keys, start=t0, end=time.time(), ok=True)
+                history.add(kind="list", keys=keys, start=t0, end=time.time(), ok=True, via=node.i)
         except Exception as e:  # noqa: BLE001
             # Indeterminate: a write may have taken effect, at any time after.
             if kind in ("put", "delete"):
@@ -101,14 +101,18 @@ def possible(writes, start, end):
     """The values a read invoked at `start` and completed at `end` may
     return: each write invoked before `end` that no write invoked after it
     completed and completed before `start` supersedes."""
-    out = []
-    for w in writes:
-        if w["start"] > end:
-            continue
-        if any(w["end"] < o["start"] and o["end"] < start for o in writes):
-            continue
-        out.append(w["value"])
-    return out
+    # A write is superseded when it completed before some write began that
+    # completed before the read began: before the latest such beginning.
+    latest = max((o["start"] for o in writes if o["end"] < start), default=-INF)
+    return [w["value"] for w in writes if w["start"] <= end and not w["end"] < latest]
+
+
+def around(writes, op):
+    """The writes near an operation the checker refused, for the message."""
+    near = [w for w in writes if w["end"] >= op["start"] - 2 and w["start"] <= op["end"] + 1]
+    return " (its writes near it: " + ", ".join(
+        f"{'put ' + b'/'.join(w['value'].split(b'/')[:3]).decode() if w['value'] else 'delete'}"
+        f" {w['start']:.3f}..{w['end']:.3f}" for w in near) + f"; it ended {op['end']:.3f}" + (f", via n{op['via']})" if "via" in op else ")")
 
 
 def check(history, final):
@@ -121,7 +125,8 @@ def check(history, final):
             if v is not None and v not in written:
                 errors.append(f"{o['key']}: read bytes no write wrote (torn or foreign): {v[:40]!r}")
             elif v not in possible(by_key[o["key"]], o["start"], o["end"]):
-                errors.append(f"{o['key']}: stale read of {v[:30] if v else None!r} at {o['start']:.3f}")
+                errors.append(f"{o['key']}: stale read of {v[:30] if v else None!r} at {o['start']:.3f}"
+                              + around(by_key[o["key"]], o))
         if o["kind"] == "list" and o["ok"]:
             for k, ws in by_key.items():
                 vals = possible(ws, o["start"], o["end"])
@@ -130,7 +135,8 @@ def check(history, final):
                 if k in o["keys"] and not present:
                     errors.append(f"{k}: listed at {o['start']:.3f} but no PUT could have made it")
                 if k not in o["keys"] and not absent:
-                    errors.append(f"{k}: not listed at {o['start']:.3f} after an acknowledged PUT")
+                    errors.append(f"{k}: not listed at {o['start']:.3f} after an acknowledged PUT"
+                                  + around(ws, o))
     now = time.time()
     for k, v in final["reads"].items():
         if v not in possible(by_key[k], now, now):
@@ -150,17 +156,25 @@ def test_concurrent_history_under_pause_and_kill_is_linearizable(formed_cluster)
                for w in range(6)]
     for t in threads:
         t.start()
+    faults = []
     try:
-        time.sleep(3)
-        nodes[3].signal(signal.SIGSTOP)
-        time.sleep(4)
-        nodes[3].signal(signal.SIGCONT)
-        time.sleep(3)
-        nodes[3].signal(signal.SIGKILL)
-        nodes[3].proc.wait()
-        time.sleep(3)
-        nodes[3].start()
-        nodes[3].wait_serving()
+        # Twice: the node comes back between faults while it still syncs.
+        for _ in range(2):
+            time.sleep(3)
+            faults.append(("paused", time.time()))
+            nodes[3].signal(signal.SIGSTOP)
+            time.sleep(3)
+            faults.append(("resumed", time.time()))
+            nodes[3].signal(signal.SIGCONT)
+            time.sleep(2.5)
+            faults.append(("killed", time.time()))
+            nodes[3].signal(signal.SIGKILL)
+            nodes[3].proc.wait()
+            time.sleep(2.5)
+            faults.append(("started", time.time()))
+            nodes[3].start()
+            nodes[3].wait_serving()
+            faults.append(("serving", time.time()))
         time.sleep(3)
     finally:
         stop.set()
@@ -188,7 +202,8 @@ def test_concurrent_history_under_pause_and_kill_is_linearizable(formed_cluster)
             final["reads"][k] = None
     errors = check(ops, final)
     failed = [o for o in ops if not o["ok"]]
-    assert not errors, f"{len(errors)} violations, e.g. {errors[:5]}; {len(failed)} indeterminate ops"
+    timeline = ", ".join(f"{what} {t:.3f}" for what, t in faults)
+    assert not errors, f"{len(errors)} violations, e.g. {errors[:5]}; {len(failed)} indeterminate ops; {timeline}"
     # Requests through the nodes that stayed up all succeeded, listings too.
     others = [(o["kind"], o.get("error")) for o in failed]
     assert not others, others[:3]

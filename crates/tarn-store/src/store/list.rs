@@ -207,12 +207,38 @@ impl Head {
     }
 }
 
+/// The record of a key whose drives disagreed during a walk, read again as
+/// a GET reads it: every drive of its set at once, under the key's read lock.
+/// The walk reads each drive at its own moment, so writes committed between
+/// those moments can leave no version on a read quorum of what it saw (with
+/// a drive out, two overwrites during a listing are enough).
+async fn reread(store: &Arc<Store>, bucket: &str, key: &str) -> Result<ObjectRecord, StoreError> {
+    let (store, bucket, key) = (store.clone(), bucket.to_string(), key.to_string());
+    // Called on the runtime, where the connections and lock leases live.
+    tokio::runtime::Handle::current()
+        .spawn(async move {
+            let _g = store
+                .lock_read(store.lock_set(&bucket, &key), &bucket, &key)
+                .await?;
+            let loc = store.locate(&bucket, &key).await?;
+            if loc.diverged {
+                store.queue_heal(&bucket, &key);
+            }
+            Ok(loc.rec)
+        })
+        .await
+        .map_err(|e| StoreError::Io(std::io::Error::other(e)))?
+}
+
 /// Visits the resolved records of `bucket` with keys starting with `prefix`
 /// after `start`, in key order: a k-way merge of one lazy cursor per online
 /// drive. Skipping a common prefix re-seeks only the cursors inside it, so a
-/// page costs O(page × drives) reads whatever the bucket holds. Runs on a
-/// blocking thread (`futures::executor::block_on`).
+/// page costs O(page × drives) reads whatever the bucket holds. A key whose
+/// drives do not all hold the same record (a write under way, or a drive
+/// behind) is read again under its lock (`reread`). Runs on a blocking
+/// thread (`futures::executor::block_on`).
 async fn walk(
+    store: &Arc<Store>,
     sets: &[SetDrives],
     bucket: &str,
     prefix: &str,
@@ -255,6 +281,11 @@ async fn walk(
         // The drives' records per set: a key in several pools (a move
         // between them under way) is resolved in each, the newest wins.
         let mut by_set: Vec<(usize, DriveRecords)> = Vec::new();
+        // Drives still walked per set: all must hold the same record.
+        let mut walked = vec![0usize; sets.len()];
+        for h in heads.iter().filter(|h| !h.failed) {
+            walked[h.set] += 1;
+        }
         for h in heads.iter_mut() {
             if h.next.as_ref().is_some_and(|(k, _)| *k == key) {
                 let (_, raw) = h.next.take().expect("peeked");
@@ -274,11 +305,20 @@ async fn walk(
                 h.step(bucket, prefix, &mut alive, sets).await?;
             }
         }
-        let rec = by_set
-            .iter()
-            .map(|(s, recs)| resolve(recs, sets[*s].quorum))
-            .max_by_key(super::pools::newest)
-            .unwrap_or_default();
+        let agreed = by_set.iter().all(|(s, recs)| {
+            recs.len() == walked[*s]
+                && recs
+                    .iter()
+                    .all(|r| matches!((r, &recs[0]), (Ok(a), Ok(b)) if a == b))
+        });
+        let rec = match agreed {
+            true => by_set
+                .iter()
+                .map(|(s, recs)| resolve(recs, sets[*s].quorum))
+                .max_by_key(super::pools::newest)
+                .unwrap_or_default(),
+            false => reread(store, bucket, &key).await?,
+        };
         match visit(&key, rec) {
             Step::Next => {}
             Step::Stop => return Ok(()),
@@ -357,6 +397,7 @@ impl Store {
                 return Ok(Ok(page));
             }
             let res = futures::executor::block_on(walk(
+                &store,
                 &sets,
                 &bucket,
                 &p.prefix,
@@ -424,6 +465,7 @@ impl Store {
             };
             let mut emitted = 0usize;
             let res = futures::executor::block_on(walk(
+                &store,
                 &sets,
                 &bucket,
                 &p.prefix,
