@@ -92,8 +92,9 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
     """Pool 1 drained while clients write and read, at a background rate
     limit: its job's leader is killed mid-job (another resumes), the next
     one is paused past its lease (another takes over; the paused one, woken,
-    is fenced off and stops), and the pool ends retired and empty with every
-    object readable."""
+    is fenced off and stops), uploads begun before the drain hold it until
+    they complete after their keys moved, and the pool ends retired and
+    empty with every object and version readable."""
     from clusterproc import form, stop_all
     slow = ["--heal-rate", "512KiB"]
     etcd, nodes = form(str(tmp_path), extra=slow)
@@ -120,6 +121,29 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
                 "Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(tags)]})
             acked[key] = b"".join(parts)
             etag[key] = cl.head_object(Bucket="drain", Key=key)["ETag"]
+        # Uploads begun before the drain, in a versioned bucket: their parts
+        # stay in their key's pool until they end, and the drain waits.
+        cl.create_bucket(Bucket="drainv")
+        cl.put_bucket_versioning(Bucket="drainv", VersioningConfiguration={"Status": "Enabled"})
+        uploads = {}
+        for j in range(20):
+            key = f"v{j:02}"
+            first = data((key, 0), 40_000 + j)
+            v1 = cl.put_object(Bucket="drainv", Key=key, Body=first)["VersionId"]
+            mp = cl.create_multipart_upload(Bucket="drainv", Key=key)["UploadId"]
+            body = data((key, 1), 60_000 + j)
+            tag = cl.upload_part(Bucket="drainv", Key=key, UploadId=mp, PartNumber=1, Body=body)["ETag"]
+            uploads[key] = (v1, first, mp, tag, body)
+
+        def check_versions(through):
+            for n in through:
+                c = n.client()
+                for key, (v1, first, _, _, body) in uploads.items():
+                    vs = c.list_object_versions(Bucket="drainv", Prefix=key)["Versions"]
+                    assert len(vs) == 2 and vs[1]["VersionId"] == v1, (key, vs)
+                    assert c.get_object(Bucket="drainv", Key=key)["Body"].read() == body, key
+                    assert c.get_object(Bucket="drainv", Key=key, VersionId=v1)["Body"].read() == first, key
+
         assert sum(node_shard_files(n) for n in more) > 0
         # Refusals: an unknown pool; (after the drain starts) draining the
         # last active pool.
@@ -175,6 +199,21 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
             wait_for("the paused leader fenced off",
                      lambda: log_has(nxt, f"lost the drain leadership (token {second['token']})"), timeout=30)
             watcher = next(c for c in clients if c is not nxt)
+            # Every key moved, the drain waits for the uploads still in the
+            # pool (its status says how many). Completed now, each commits
+            # where its key lives, beside its first version: those whose
+            # parts are in the draining pool have them copied there.
+            wait_for("the drain waiting for the uploads",
+                     lambda: any(log_has(n, "the drain waits for multipart uploads") for n in nodes), timeout=120)
+            wait_for("the uploads in the drain's status",
+                     lambda: (drain_job(watcher) or {}).get("uploads_in_pool", 0) > 0, timeout=30)
+            cv = watcher.client()
+            for key, (_, _, mp, tag, _) in uploads.items():
+                cv.complete_multipart_upload(Bucket="drainv", Key=key, UploadId=mp, MultipartUpload={
+                    "Parts": [{"PartNumber": 1, "ETag": tag}]})
+            wait_for("an upload completed where its key lives now",
+                     lambda: any(log_has(n, "an upload completed where its key lives now") for n in nodes),
+                     timeout=10)
             wait_for("pool 1 retired",
                      lambda: [p["state"] for p in status(watcher)["pools"]] == ["active", "retired"], timeout=240)
         finally:
@@ -188,6 +227,7 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         # files' are swept by their nodes once the pool is retired.)
         wait_for("pool 1's shard files removed", lambda: sum(node_shard_files(n) for n in more) == 0, timeout=30)
         check_all_readable(live, "drain", acked)
+        check_versions(live)
         for key, e in etag.items():
             h = live[0].client().head_object(Bucket="drain", Key=key, PartNumber=1)
             assert h["ETag"] == e and h["ContentLength"] == 5 << 20, h
@@ -196,5 +236,6 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         for n in more:
             n.stop()
         check_all_readable(nodes[:4], "drain", acked)
+        check_versions(nodes[:4])
     finally:
         stop_all(etcd, nodes)

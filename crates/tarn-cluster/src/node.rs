@@ -912,6 +912,7 @@ impl Node {
             bytes_before: before("bytes_moved"),
         });
         let lost = || format!("lost the drain leadership (token {})", lead.token);
+        let mut waiting_for = 0;
         loop {
             if !lead.holds() {
                 return Err(lost());
@@ -956,7 +957,11 @@ impl Node {
                 let v = d.json(&self.cfg.node_id);
                 d.moved_before += report.moved;
                 d.bytes_before += report.bytes;
-                d.report = DrainReport::default();
+                // The uploads the job waits for stay in view between passes.
+                d.report = DrainReport {
+                    uploads: report.uploads,
+                    ..Default::default()
+                };
                 v
             };
             if !lead.holds()
@@ -972,6 +977,10 @@ impl Node {
             }
             if report.moved == 0 {
                 // Only uploads in progress or failures left: wait for them.
+                if report.keys == 0 && report.uploads > 0 && report.uploads != waiting_for {
+                    tracing::info!(pool, uploads = report.uploads, "the drain waits for multipart uploads in progress in the pool (their keys moved; complete or abort them)");
+                }
+                waiting_for = report.uploads;
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
         }

@@ -127,9 +127,7 @@ impl Store {
         bucket: &str,
         key: &str,
     ) -> Result<Option<u64>, StoreError> {
-        let _g = self
-            .lock_write(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let _g = self.lock_write(bucket, key).await?;
         let (src, _) = self.resolved(from, bucket, key).await?;
         if src.versions.is_empty() {
             return Ok(None);
@@ -192,7 +190,7 @@ impl Store {
     /// the version as it is to be recorded there, and its inline bytes. The
     /// data written is added to `written` (kept from the orphan sweep until
     /// the caller commits, removed by the caller if it does not).
-    async fn copy_version(
+    pub(super) async fn copy_version(
         self: &Arc<Self>,
         v: &VersionMeta,
         (from, to): (usize, usize),

@@ -123,9 +123,7 @@ impl Store {
     ) -> Result<GetResult, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
-        let mut guard = self
-            .lock_read(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let mut guard = self.lock_read(bucket, key).await?;
         let loc = self.locate(bucket, key).await?;
         let (set, rec, diverged) = (loc.set, loc.rec, loc.diverged);
         if diverged {

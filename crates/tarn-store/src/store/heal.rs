@@ -295,9 +295,7 @@ impl Store {
         key: &str,
         only: Option<&[usize]>,
     ) -> Result<HealReport, StoreError> {
-        let _g = self
-            .lock_write(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let _g = self.lock_write(bucket, key).await?;
         let sets = match set {
             Some(s) => vec![s],
             None => self.key_sets(bucket, key),

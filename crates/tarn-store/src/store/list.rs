@@ -217,9 +217,7 @@ async fn reread(store: &Arc<Store>, bucket: &str, key: &str) -> Result<ObjectRec
     // Called on the runtime, where the connections and lock leases live.
     tokio::runtime::Handle::current()
         .spawn(async move {
-            let _g = store
-                .lock_read(store.lock_set(&bucket, &key), &bucket, &key)
-                .await?;
+            let _g = store.lock_read(&bucket, &key).await?;
             let loc = store.locate(&bucket, &key).await?;
             if loc.diverged {
                 store.queue_heal(&bucket, &key);

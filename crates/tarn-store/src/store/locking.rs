@@ -114,7 +114,8 @@ fn release(owner: Id128, voters: Vec<Voter>) {
 /// drives.
 pub(crate) struct KeyLock {
     _local: KeyGuard,
-    lease: Option<Lease>,
+    /// One per lock set (`Store::lock_sets`); none on one node.
+    leases: Vec<Lease>,
 }
 
 /// A bucket held against every writer of its objects: by this process
@@ -144,7 +145,10 @@ impl KeyLock {
         // retires the data in between. The pins have an owner of their own:
         // a late grant of the lock's owner on a drive asked last is released
         // when it comes, and must not take a pin with it.
-        let lock = self.lease.take()?;
+        if self.leases.is_empty() {
+            return None;
+        }
+        let lock = std::mem::take(&mut self.leases);
         let voters = store.voters(set);
         let owner = new_id();
         let mut pending: FuturesUnordered<_> = voters
@@ -191,50 +195,43 @@ impl Store {
     }
 
     /// Holds a key to change it: its metadata, versions, uploads.
-    pub(crate) async fn lock_write(
-        &self,
-        set: usize,
-        bucket: &str,
-        key: &str,
-    ) -> Result<KeyLock, StoreError> {
+    pub(crate) async fn lock_write(&self, bucket: &str, key: &str) -> Result<KeyLock, StoreError> {
         let local = self.locks.write(bucket, key).await;
         let items = [
             (resource(self.hash_seed, bucket, key), LockMode::Write),
             (resource(self.hash_seed, bucket, ""), LockMode::Read),
         ];
-        let quorum = self.meta_write_quorum(self.set_size(set));
-        self.hold_key(local, set, &items, quorum).await
+        self.hold_key(local, (bucket, key), &items, |n| self.meta_write_quorum(n))
+            .await
     }
 
     /// Holds a key to read its metadata and pin its data.
-    pub(crate) async fn lock_read(
-        &self,
-        set: usize,
-        bucket: &str,
-        key: &str,
-    ) -> Result<KeyLock, StoreError> {
+    pub(crate) async fn lock_read(&self, bucket: &str, key: &str) -> Result<KeyLock, StoreError> {
         let local = self.locks.read(bucket, key).await;
         let items = [(resource(self.hash_seed, bucket, key), LockMode::Read)];
-        let quorum = self.meta_read_quorum(self.set_size(set));
-        self.hold_key(local, set, &items, quorum).await
+        self.hold_key(local, (bucket, key), &items, |n| self.meta_read_quorum(n))
+            .await
     }
 
-    /// Adds the hold on the set's drives to this process's, in a cluster.
+    /// Adds the hold on the drives of the key's lock sets to this
+    /// process's, in a cluster (`quorum` of a set's size).
     async fn hold_key(
         &self,
         local: KeyGuard,
-        set: usize,
+        (bucket, key): (&str, &str),
         items: &[(u64, LockMode)],
-        quorum: usize,
+        quorum: impl Fn(usize) -> usize,
     ) -> Result<KeyLock, StoreError> {
-        let lease = if self.distributed {
-            Some(self.acquire(set, items.to_vec(), quorum).await?)
-        } else {
-            None
-        };
+        let mut leases = Vec::new();
+        if self.distributed {
+            for set in self.lock_sets(bucket, key) {
+                let q = quorum(self.set_size(set));
+                leases.push(self.acquire(set, items.to_vec(), q).await?);
+            }
+        }
         Ok(KeyLock {
             _local: local,
-            lease,
+            leases,
         })
     }
 

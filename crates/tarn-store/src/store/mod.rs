@@ -2542,9 +2542,7 @@ impl Store {
                 })?),
                 None => None,
             };
-        let _g = self
-            .lock_write(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let _g = self.lock_write(bucket, key).await?;
         let loc = self.locate(bucket, key).await?;
         let (set, mut rec) = (loc.set, loc.rec);
         if let Some(condition) = if_match {
@@ -2688,9 +2686,7 @@ impl Store {
     ) -> Result<Option<String>, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
-        let _g = self
-            .lock_write(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let _g = self.lock_write(bucket, key).await?;
         let loc = self.locate(bucket, key).await?;
         let (set, mut rec) = (loc.set, loc.rec);
         let (v, _) = self.select_version(&rec, bucket, key, version)?;

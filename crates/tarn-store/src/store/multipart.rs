@@ -135,9 +135,7 @@ impl Store {
                 continue;
             }
             // Not while it completes or aborts.
-            let _g = self
-                .lock_write(self.lock_set(bucket, &key), bucket, &key)
-                .await?;
+            let _g = self.lock_write(bucket, &key).await?;
             let rec = match self.upload(set, bucket, &key, &id).await {
                 Ok(r) => r,
                 Err(StoreError::NoSuchUpload(_)) => continue,
@@ -350,11 +348,21 @@ impl Store {
     ) -> Result<(), StoreError> {
         self.bucket_record(bucket)?;
         let id = parse_upload_id(upload_id)?;
-        let _g = self
-            .lock_write(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let _g = self.lock_write(bucket, key).await?;
         let (set, _) = self.upload_located(bucket, key, &id).await?;
         let parts = self.upload_parts(set, &id).await?;
+        self.remove_upload(set, (bucket, key), id, &parts).await
+    }
+
+    /// Removes an upload from its set: its record, its parts' records and
+    /// their data.
+    async fn remove_upload(
+        &self,
+        set: usize,
+        (bucket, key): (&str, &str),
+        id: Id128,
+        parts: &BTreeMap<u32, UploadPartRecord>,
+    ) -> Result<(), StoreError> {
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let targets = self.writers((0..self.set_size(set)).map(|p| self.slot(set, p)));
         let futs = targets.iter().map(|(_, d)| {
@@ -365,7 +373,7 @@ impl Store {
         let quorum = self.meta_write_quorum(self.set_size(set));
         if ok < quorum {
             return Err(StoreError::QuorumLost {
-                what: "upload abort",
+                what: "upload removal",
                 needed: quorum,
                 available: ok,
             });
@@ -375,10 +383,61 @@ impl Store {
         Ok(())
     }
 
+    /// Completes an upload whose key came to live in another set than its
+    /// parts while it ran (moved out of a draining pool, or made in another
+    /// pool by a racing write), where a commit beside the parts would split
+    /// the key's versions between pools: the chosen parts' data is copied
+    /// into the key's set and the version committed there, then the upload
+    /// is removed from its own set. None when the key lives with the parts
+    /// (the commit's SlowDown had another cause).
+    async fn complete_where_the_key_lives(
+        self: &Arc<Self>,
+        from: usize,
+        (bucket, key): (&str, &str),
+        (id, parts): (Id128, &BTreeMap<u32, UploadPartRecord>),
+        meta: &VersionMeta,
+        opts: &PutOptions,
+    ) -> Result<Option<ObjectInfo>, StoreError> {
+        let to = self.locate(bucket, key).await?.set;
+        if to == from {
+            return Ok(None);
+        }
+        let mut written = Vec::new();
+        let (copy, _) = match self
+            .copy_version(meta, (from, to), (bucket, key), &mut written)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                self.remove_data(to, written.iter().map(|w| w.data_id).collect())
+                    .await;
+                return Err(e);
+            }
+        };
+        let info = match self
+            .commit_version(to, bucket, key, copy, None, opts, None)
+            .await
+        {
+            Ok(info) => info,
+            Err(e) => {
+                self.remove_data(to, written.iter().map(|w| w.data_id).collect())
+                    .await;
+                return Err(e);
+            }
+        };
+        drop(written);
+        tracing::info!(%bucket, %key, from, to, "an upload completed where its key lives now: its parts were copied there");
+        if let Err(error) = self.remove_upload(from, (bucket, key), id, parts).await {
+            // Committed all the same; the upload is left to be aborted.
+            tracing::warn!(%bucket, %key, %error, "removing a completed upload from its old set failed");
+        }
+        Ok(Some(info))
+    }
+
     /// Completes an upload with the client's part list: the commit point of the
     /// object. Parts not listed are deleted.
     pub async fn complete_multipart_upload(
-        &self,
+        self: &Arc<Self>,
         bucket: &str,
         key: &str,
         upload_id: &str,
@@ -473,9 +532,29 @@ impl Store {
             storage: Storage::Parts(chosen),
         };
         let numbers: Vec<u32> = parts.keys().copied().collect();
-        let info = self
-            .commit_version(set, bucket, key, meta, None, opts, Some((id, numbers)))
-            .await?;
+        let info = match self
+            .commit_version(
+                set,
+                bucket,
+                key,
+                meta.clone(),
+                None,
+                opts,
+                Some((id, numbers)),
+            )
+            .await
+        {
+            Err(StoreError::SlowDown(why)) => {
+                return match self
+                    .complete_where_the_key_lives(set, (bucket, key), (id, &parts), &meta, opts)
+                    .await?
+                {
+                    Some(info) => Ok(info),
+                    None => Err(StoreError::SlowDown(why)),
+                };
+            }
+            r => r?,
+        };
         self.remove_data(set, unused).await;
         Ok(info)
     }

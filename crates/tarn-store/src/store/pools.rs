@@ -66,16 +66,25 @@ impl Store {
             .collect()
     }
 
-    /// The set the key's lock is taken on: its set in the first pool not
-    /// retired.
-    pub(crate) fn lock_set(&self, bucket: &str, key: &str) -> usize {
-        let topo = self.topo();
-        let pool = topo
-            .pools
-            .iter()
-            .find(|p| !p.retired)
-            .unwrap_or(&topo.pools[0]);
-        Self::set_in(pool, self.key_hash(bucket, key))
+    /// The sets the key's lock is taken on: its set in the first pool not
+    /// retired and, while that pool drains, its set in the next pool not
+    /// retired too. Retiring the first pool moves the locks to the next;
+    /// nodes see that map at different moments, and one still on the old
+    /// map locks on both, so it meets those on the new one.
+    pub(crate) fn lock_sets(&self, bucket: &str, key: &str) -> Vec<usize> {
+        Self::lock_sets_in(&self.topo().pools, self.key_hash(bucket, key))
+    }
+
+    fn lock_sets_in(pools: &[PoolTopo], h: u64) -> Vec<usize> {
+        let mut live = pools.iter().filter(|p| !p.retired);
+        let Some(first) = live.next() else {
+            return vec![Self::set_in(&pools[0], h)];
+        };
+        let mut sets = vec![Self::set_in(first, h)];
+        if first.draining {
+            sets.extend(live.next().map(|p| Self::set_in(p, h)));
+        }
+        sets
     }
 
     /// Where bucket/key lives and its record there. Every pool's set is
@@ -288,6 +297,41 @@ mod tests {
     }
 
     const K: (&str, &str) = ("b", "k");
+
+    fn pool(id: u32, sets: std::ops::Range<usize>, draining: bool, retired: bool) -> PoolTopo {
+        PoolTopo {
+            id,
+            sets,
+            data_shards: 2,
+            parity_shards: 2,
+            draining,
+            retired,
+        }
+    }
+
+    #[test]
+    fn while_the_first_pool_drains_locks_are_also_taken_where_they_go_next() {
+        let h = 5; // set 1 of two in each pool
+        let active = |r: usize| pool(r as u32, r * 2..r * 2 + 2, false, false);
+        assert_eq!(Store::lock_sets_in(&[active(0), active(1)], h), vec![1]);
+        // Pool 0 draining: pool 0 and pool 1, so that a node that sees pool 0
+        // retired (locking in pool 1 only) meets one that does not yet.
+        let draining = pool(0, 0..2, true, false);
+        assert_eq!(Store::lock_sets_in(&[draining, active(1)], h), vec![1, 3]);
+        let retired = pool(0, 0..2, false, true);
+        assert_eq!(
+            Store::lock_sets_in(&[retired.clone(), active(1)], h),
+            vec![3]
+        );
+        // Pools 0 and 1 drained one after the other: each step overlaps.
+        let drains = |r: usize| pool(r as u32, r * 2..r * 2 + 2, true, false);
+        assert_eq!(
+            Store::lock_sets_in(&[retired.clone(), drains(1), active(2)], h),
+            vec![3, 5]
+        );
+        // A pool other than the first draining changes nothing.
+        assert_eq!(Store::lock_sets_in(&[active(0), drains(1)], h), vec![1]);
+    }
 
     #[test]
     fn a_commit_merges_where_the_key_lives_and_takes_over_only_what_it_replaces() {

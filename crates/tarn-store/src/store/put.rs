@@ -513,9 +513,7 @@ impl Store {
         opts: &PutOptions,
         upload_delete: Option<(Id128, Vec<u32>)>,
     ) -> Result<ObjectInfo, StoreError> {
-        let _g = self
-            .lock_write(self.lock_set(bucket, key), bucket, key)
-            .await?;
+        let _g = self.lock_write(bucket, key).await?;
         // The bucket may have been deleted while the body streamed.
         self.bucket_record(bucket)?;
         let loc = self.locate(bucket, key).await?;
