@@ -1,7 +1,8 @@
 """A history checker in the style of Jepsen over a real cluster (etcd and four
 `tarn` nodes, 2+2 sets): clients PUT unique values, GET, DELETE and LIST a
 small set of keys concurrently through three nodes while the fourth is
-paused (SIGSTOP), then killed (-9) and started again, twice. Every operation is
+paused (SIGSTOP), then killed (-9) and started again, twice; and while a
+pool is added, then drained and retired. Every operation is
 recorded with the times it was invoked and completed and what it returned;
 a request that failed or timed out is indeterminate (it may have taken
 effect at any time after it was invoked). The checker asserts, per key as a
@@ -148,6 +149,25 @@ def check(history, final):
     return errors
 
 
+def final_state(nodes, through):
+    """The listings through every node and the reads through one, once the
+    faults are over."""
+    final = {"reads": {}, "lists": []}
+    for n in nodes:
+        cl = n.client()
+        keys = set()
+        for page in cl.get_paginator("list_objects_v2").paginate(Bucket="hist"):
+            keys |= {o["Key"] for o in page.get("Contents", [])}
+        final["lists"].append(keys)
+    cl = through.client()
+    for k in KEYS:
+        try:
+            final["reads"][k] = cl.get_object(Bucket="hist", Key=k)["Body"].read()
+        except cl.exceptions.NoSuchKey:
+            final["reads"][k] = None
+    return final
+
+
 def test_concurrent_history_under_pause_and_kill_is_linearizable(formed_cluster):
     _, nodes = formed_cluster
     nodes[0].client().create_bucket(Bucket="hist")
@@ -187,20 +207,7 @@ def test_concurrent_history_under_pause_and_kill_is_linearizable(formed_cluster)
     # Heal: nothing under-replicated, every drive back, as every node sees it.
     for n in nodes:
         wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=120)
-    final = {"reads": {}, "lists": []}
-    for n in nodes:
-        cl = n.client()
-        keys = set()
-        for page in cl.get_paginator("list_objects_v2").paginate(Bucket="hist"):
-            keys |= {o["Key"] for o in page.get("Contents", [])}
-        final["lists"].append(keys)
-    cl = nodes[3].client()
-    for k in KEYS:
-        try:
-            final["reads"][k] = cl.get_object(Bucket="hist", Key=k)["Body"].read()
-        except cl.exceptions.NoSuchKey:
-            final["reads"][k] = None
-    errors = check(ops, final)
+    errors = check(ops, final_state(nodes, nodes[3]))
     failed = [o for o in ops if not o["ok"]]
     timeline = ", ".join(f"{what} {t:.3f}" for what, t in faults)
     assert not errors, f"{len(errors)} violations, e.g. {errors[:5]}; {len(failed)} indeterminate ops; {timeline}"
@@ -238,3 +245,46 @@ def test_the_checker_catches_lost_stale_and_torn():
     assert any("not listed" in e for e in check([put_a, put_b, missing], final_b))
     # Final listings must equal the readable keys.
     assert any("differs" in e for e in check([put_a, put_b], {"reads": {"k00": b}, "lists": [set()]}))
+
+
+def test_concurrent_history_through_a_pool_add_and_drain_is_linearizable(tmp_path):
+    """The same checker while a pool is added under the clients (new keys
+    then go to both pools, followed live by every node), then drained and
+    retired (keys move between pools under their writers and readers)."""
+    from clusterproc import Node, form, node_shard_files, stop_all
+    etcd, nodes = form(str(tmp_path))
+    try:
+        more = [Node(str(tmp_path), i, etcd.url) for i in (5, 6)]
+        nodes += more
+        for n in more:
+            n.wait_serving()
+        nodes[0].client().create_bucket(Bucket="hist")
+        history, stop = History(), threading.Event()
+        threads = [threading.Thread(target=client_loop, args=(nodes[w % 3], w, history, stop, 2000 + w))
+                   for w in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(3)
+            nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
+            time.sleep(6)
+            assert sum(node_shard_files(n) for n in more) > 0, "no object went to the new pool"
+            nodes[1].admin_cmd("pool", "drain", "1")
+            wait_for("pool 1 retired",
+                     lambda: [p["state"] for p in status(nodes[0])["pools"]] == ["active", "retired"], timeout=120)
+            time.sleep(2)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        ops = history.ops
+        done = [o for o in ops if o["ok"]]
+        assert len([o for o in done if o["kind"] == "put"]) > 50, len(done)
+        for n in nodes[:4]:
+            wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=60)
+        errors = check(ops, final_state(nodes[:4], nodes[3]))
+        failed = [(o["kind"], o.get("error")) for o in ops if not o["ok"]]
+        assert not errors, f"{len(errors)} violations, e.g. {errors[:5]}; {len(failed)} indeterminate ops"
+        assert not failed, failed[:3]
+    finally:
+        stop_all(etcd, nodes)
