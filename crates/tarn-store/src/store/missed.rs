@@ -10,6 +10,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+use futures::StreamExt;
 use tarn_io::file::run_blocking;
 
 use super::{DriveSlot, Store};
@@ -186,8 +188,14 @@ impl Store {
             let mut done: HashMap<usize, Vec<(String, String, u64)>> = HashMap::new();
             let mut healed = 0usize;
             let total = keys.len();
-            for ((bucket, key), holders) in keys {
-                let r = self.heal_object_on(Some(set), &bucket, &key, None).await;
+            // `heal_concurrency` keys at a time, like the backfill.
+            let mut heals = futures::stream::iter(keys)
+                .map(|((bucket, key), holders)| async move {
+                    let r = self.heal_object_on(Some(set), &bucket, &key, None).await;
+                    (r, bucket, key, holders)
+                })
+                .buffer_unordered(self.cfg.heal_concurrency.max(1));
+            while let Some((r, bucket, key, holders)) = heals.next().await {
                 match r {
                     Ok(r) if r.failures == 0 && r.metadata_failures == 0 => {
                         healed += 1;
