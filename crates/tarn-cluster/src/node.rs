@@ -912,6 +912,19 @@ impl Node {
             bytes_before: before("bytes_moved"),
         });
         let lost = || format!("lost the drain leadership (token {})", lead.token);
+        // Checkpointed at once, not only at the first tick: a leader killed
+        // right after it took the job still leaves it for the next to resume.
+        let job = self
+            .drain_job()
+            .map(|d| d.json(&self.cfg.node_id))
+            .expect("set above");
+        if !lead
+            .put(&checkpoint, &serde_json::to_vec(&job).expect("json"))
+            .await
+            .map_err(etcd_err)?
+        {
+            return Err(lost());
+        }
         let mut waiting_for = 0;
         loop {
             if !lead.holds() {
