@@ -403,21 +403,15 @@ impl Store {
             return Ok(None);
         }
         let mut written = Vec::new();
-        let (copy, _) = match self
-            .copy_version(meta, (from, to), (bucket, key), &mut written)
-            .await
-        {
-            Ok(c) => c,
-            Err(e) => {
-                self.remove_data(to, written.iter().map(|w| w.data_id).collect())
-                    .await;
-                return Err(e);
-            }
-        };
-        let info = match self
-            .commit_version(to, bucket, key, copy, None, opts, None)
-            .await
-        {
+        let committed = async {
+            let (copy, _) = self
+                .copy_version(meta, (from, to), (bucket, key), &mut written)
+                .await?;
+            self.commit_version(to, bucket, key, copy, None, opts, None)
+                .await
+        }
+        .await;
+        let info = match committed {
             Ok(info) => info,
             Err(e) => {
                 self.remove_data(to, written.iter().map(|w| w.data_id).collect())
