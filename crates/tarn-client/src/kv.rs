@@ -1,7 +1,7 @@
 //! The KV client: connect (shared memory when the server is on this host, TCP
 //! otherwise), authenticate, batched async calls, and blocking wrappers.
 //!
-//! Every connection proves its credentials (AUTH; `tarn_kv::auth`) and checks
+//! Every connection proves its credentials (AUTH; `tarn_wire::auth`) and checks
 //! the server's proof in return. Over shared memory a get is one copy from the
 //! tenant's arena, mapped read-only, into the caller's buffer, checksummed as
 //! it is copied against the CRC the daemon sends from its own memory; a put
@@ -17,12 +17,12 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
-use tarn_kv::arena::Arena;
-use tarn_kv::auth::{self, Credentials, Side};
-use tarn_kv::fdpass;
-use tarn_kv::mailbox::{self, Area, Mailbox};
-use tarn_kv::park;
-use tarn_kv::proto::*;
+use tarn_wire::arena::Arena;
+use tarn_wire::auth::{self, Credentials, Side};
+use tarn_wire::fdpass;
+use tarn_wire::mailbox::{self, Area, Mailbox};
+use tarn_wire::park;
+use tarn_wire::proto::*;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpStream, UnixStream};
 
@@ -335,7 +335,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
             mb.read(Area::Response, 0, &mut head);
         } else {
             if self.io.buffer().is_empty() {
-                tarn_kv::server::spin_until_readable(self.fd, self.response_spin);
+                mailbox::spin_until_readable(self.fd, self.response_spin);
             }
             self.io.read_exact(&mut head).await?;
         }
@@ -388,7 +388,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     }
 
     /// Waits until the daemon has answered the last mailbox request: spins,
-    /// then parks on the socket until a doorbell (see `tarn_kv::mailbox`).
+    /// then parks on the socket until a doorbell (see `tarn_wire::mailbox`).
     async fn await_mailbox(&mut self) -> Result<()> {
         let Channel {
             mailbox,
@@ -951,7 +951,7 @@ const PUT_PIPELINE_BYTES: usize = 1 << 20;
 const PUT_POPULATE_MAX_BYTES: usize = 4 << 20;
 
 /// A way to reach the KV server. Every transport speaks the same protocol
-/// (`tarn_kv::proto`); they differ in how values move: inside the frames
+/// (`tarn_wire::proto`); they differ in how values move: inside the frames
 /// (TCP) or through the daemon's arena (shared memory).
 #[allow(async_fn_in_trait)]
 pub trait Transport {

@@ -1,13 +1,17 @@
-//! `tarn-client`: Rust clients for Tarn. Today the KV-cache client ([`kv`]);
-//! the S3 fast paths come later. It speaks the wire protocol defined once in
-//! `tarn_kv::proto` and never touches the engine.
+//! `tarn-client`: Rust clients for Tarn. The KV-cache client ([`kv`]) speaks
+//! the wire protocol defined once in `tarn_wire::proto`; the object client
+//! ([`object`]) speaks S3 to Tarn or any S3 endpoint. Neither compiles the
+//! server.
 
 pub mod kv;
+pub mod object;
+pub mod sigv4;
 
 pub use kv::{
     AnyTransport, BlockingKvClient, ConnectOptions, Error, GetInto, GetOutcome, KvClient, PutFrom,
     ReadIo, RegisteredBuffer, ShmTransport, TcpTransport, Transport, TransportChoice,
     TransportKind, WriteIo,
 };
-pub use tarn_kv::auth::Credentials;
-pub use tarn_kv::proto::{Digest, ExistsReply, Status};
+pub use object::{ObjectClient, ObjectError};
+pub use tarn_wire::auth::Credentials;
+pub use tarn_wire::proto::{Digest, ExistsReply, Status};

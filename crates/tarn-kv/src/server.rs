@@ -119,25 +119,6 @@ fn spin_until_any_readable(budget: Duration) {
     });
 }
 
-/// Spins until `fd` is readable or the budget is spent.
-pub fn spin_until_readable(fd: i32, budget: Duration) {
-    let start = std::time::Instant::now();
-    let mut backoff = mailbox::Backoff::default();
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: poll on one live descriptor with a zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        if n != 0 || start.elapsed() >= budget {
-            return;
-        }
-        backoff.turn();
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
     pub listen: SocketAddr,

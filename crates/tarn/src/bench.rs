@@ -20,7 +20,7 @@ use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 
-use crate::sigv4::Signer;
+use tarn_client::sigv4::{self, Signer};
 
 #[derive(clap::Args, Clone)]
 pub struct S3BenchArgs {
@@ -123,18 +123,18 @@ async fn request(
     keep_body: bool,
 ) -> anyhow::Result<Reply> {
     let unix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-    let mut uri = crate::sigv4::uri_encode(path, true);
+    let mut uri = sigv4::uri_encode(path, true);
     if !query.is_empty() {
         let q: Vec<String> = query
             .iter()
             .map(|(k, v)| {
                 if v.is_empty() {
-                    crate::sigv4::uri_encode(k, false)
+                    sigv4::uri_encode(k, false)
                 } else {
                     format!(
                         "{}={}",
-                        crate::sigv4::uri_encode(k, false),
-                        crate::sigv4::uri_encode(v, false)
+                        sigv4::uri_encode(k, false),
+                        sigv4::uri_encode(v, false)
                     )
                 }
             })
@@ -332,6 +332,7 @@ fn target_for(endpoint: &str, args: &S3BenchArgs) -> anyhow::Result<Target> {
             access_key,
             secret_key,
             region: args.region.clone(),
+            session_token: None,
         },
     })
 }

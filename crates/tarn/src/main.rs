@@ -9,7 +9,6 @@ mod config;
 mod conn;
 mod metrics;
 mod server;
-mod sigv4;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -346,6 +346,25 @@ fn invalid(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
 }
 
+/// Spins until `fd` is readable or the budget is spent.
+pub fn spin_until_readable(fd: i32, budget: std::time::Duration) {
+    let start = std::time::Instant::now();
+    let mut backoff = Backoff::default();
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: poll on one live descriptor with a zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        if n != 0 || start.elapsed() >= budget {
+            return;
+        }
+        backoff.turn();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
