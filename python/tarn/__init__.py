@@ -1,15 +1,22 @@
 """Tarn: storage that keeps GPUs fed.
 
-``tarn.kv`` is the KV-cache store client; ``tarn.vllm`` is the vLLM KV
-connector (imported only by vLLM).
+``tarn.objects`` is the object client (Tarn or any S3 endpoint, batched
+reads straight into host or GPU memory, parallel uploads); ``tarn.loader``
+loads safetensors models through it; ``tarn.kv`` is the KV-cache store
+client; ``tarn.vllm`` is the vLLM KV connector and ``tarn.vllm_loader`` the
+vLLM model loader (imported only by vLLM).
 """
 
-from . import errors, kv
+from . import errors, kv, objects
 from .errors import (
     KvConnectionError,
     KvPermissionError,
     KvProtocolError,
     KvServerError,
+    ObjectConnectionError,
+    ObjectError,
+    ObjectNotFoundError,
+    ObjectPermissionError,
     TarnError,
 )
 
@@ -17,9 +24,14 @@ __version__ = "0.1.0"
 __all__ = [
     "errors",
     "kv",
+    "objects",
     "TarnError",
     "KvConnectionError",
     "KvServerError",
     "KvPermissionError",
     "KvProtocolError",
+    "ObjectError",
+    "ObjectNotFoundError",
+    "ObjectPermissionError",
+    "ObjectConnectionError",
 ]

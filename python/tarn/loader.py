@@ -87,6 +87,8 @@ def _dtypes() -> dict[str, Any]:
         "C64": "complex64",
         "F8_E4M3": "float8_e4m3fn",
         "F8_E5M2": "float8_e5m2",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
         "F8_E8M0": "float8_e8m0fnu",
         "F4": "float4_e2m1fn_x2",
     }
