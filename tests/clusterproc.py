@@ -213,6 +213,19 @@ def status(node):
     return json.loads(node.admin_cmd("cluster", "status", "--json").stdout)
 
 
+def wait_repaired(node, timeout=60):
+    """Until `node` reports repair done; on a timeout the error says what
+    it still saw (drives not online, under-replicated objects, jobs)."""
+    from tarnproc import wait_for
+    try:
+        wait_for(f"repair done as n{node.i} sees it", lambda: status(node)["repair_done"], timeout=timeout)
+    except AssertionError as e:
+        st = status(node)
+        behind = [d for d in st["drives_seen_from_here"] if not d["online"] or d["rebuilding"] or d["syncing"]]
+        raise AssertionError(f"{e}: under_replicated={st['under_replicated']} jobs={st['jobs']} "
+                             f"drives not online={behind}") from None
+
+
 class Link:
     """A network namespace joined to the host by a veth pair, to cut a node
     off by taking the link down: its end, inside the namespace, so that the

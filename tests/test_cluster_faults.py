@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 
-from clusterproc import Node, shard_files, status
+from clusterproc import Node, shard_files, status, wait_repaired
 from conftest import data
 from tarnproc import metric, wait_for
 
@@ -280,7 +280,7 @@ def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(formed_c
     # Done only after the verifying scan: no job, no drive behind, nothing
     # under-replicated, as every node sees it.
     for n in nodes[:3] + [new]:
-        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=180)
+        wait_repaired(n, timeout=180)
     assert metric(new, "tarn_backfill_running") == 0
     assert metric(new, "tarn_backfill_objects_visited_total") >= 2 * 100
     assert any("verifying scan found every object whole" in line for p in new.logs for line in open(p))
@@ -312,7 +312,7 @@ def test_etcd_stopped_and_restarted_under_load(formed_cluster):
     nodes[3].client().head_bucket(Bucket="after-etcd")
     check_all_readable(nodes, "etcd-away", load.acked)
     for n in nodes:
-        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=60)
+        wait_repaired(n, timeout=60)
 
 
 def test_emptied_drive_is_rebuilt_and_serves(formed_cluster):
@@ -334,7 +334,7 @@ def test_emptied_drive_is_rebuilt_and_serves(formed_cluster):
     load = Load(nodes[:2] + nodes[3:], "emptied", writers=2, readers=2)
     try:
         for n in nodes:
-            wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=120)
+            wait_repaired(n, timeout=120)
     finally:
         load.finish()
     assert not load.failed, load.failed[:3]

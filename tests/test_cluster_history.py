@@ -27,7 +27,7 @@ import threading
 import time
 
 
-from clusterproc import status
+from clusterproc import status, wait_repaired
 from tarnproc import wait_for
 
 KEYS = [f"k{i:02}" for i in range(16)]
@@ -206,7 +206,7 @@ def test_concurrent_history_under_pause_and_kill_is_linearizable(formed_cluster)
     assert len([o for o in done if o["kind"] == "get"]) > 50, len(done)
     # Heal: nothing under-replicated, every drive back, as every node sees it.
     for n in nodes:
-        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=120)
+        wait_repaired(n, timeout=120)
     errors = check(ops, final_state(nodes, nodes[3]))
     failed = [o for o in ops if not o["ok"]]
     timeline = ", ".join(f"{what} {t:.3f}" for what, t in faults)
@@ -290,7 +290,7 @@ def test_concurrent_history_through_a_pool_add_and_drain_is_linearizable(tmp_pat
         done = [o for o in ops if o["ok"]]
         assert len([o for o in done if o["kind"] == "put"]) > 50, len(done)
         for n in nodes[:4]:
-            wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=60)
+            wait_repaired(n, timeout=60)
         errors = check(ops, final_state(nodes[:4], nodes[3]))
         failed = [(o["kind"], o.get("error")) for o in ops if not o["ok"]]
         assert not errors, f"{len(errors)} violations, e.g. {errors[:5]}; {len(failed)} indeterminate ops"

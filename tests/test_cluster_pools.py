@@ -6,7 +6,7 @@ the second; every process is stopped by its PID."""
 import signal
 import time
 
-from clusterproc import Node, node_shard_files, status
+from clusterproc import Node, node_shard_files, status, wait_repaired
 from conftest import data
 from tarnproc import metric, wait_for
 from test_cluster_faults import Load, check_all_readable, drive_states, seed
@@ -77,7 +77,46 @@ def test_pool_added_under_load_serves_new_objects_and_keeps_every_object(formed_
     listed = {o["Key"] for o in nodes[0].client().list_objects_v2(Bucket="grow", MaxKeys=1000).get("Contents", [])}
     assert keys[0] not in listed
     for n in nodes:
-        wait_for(f"repair done as n{n.i} sees it", lambda n=n: status(n)["repair_done"], timeout=60)
+        wait_repaired(n, timeout=60)
+
+
+def test_a_pool_whose_nodes_were_all_silent_serves_again_through_every_node(formed_cluster, tmp_path):
+    """Every drive of a set out of a node's view at once (the new pool's
+    nodes both paused; also what a node saw when it applied a pool add a
+    moment before the pool's nodes did): when they answer again they are
+    syncing there, with no other drive of their set readable to vouch for
+    them. The missed-write logs are what does: empty, so they serve again,
+    and repair ends, instead of the pool staying unreadable through that
+    node for good."""
+    etcd, nodes = formed_cluster
+    more = [Node(str(tmp_path), i, etcd.url) for i in (5, 6)]
+    nodes += more
+    for n in more:
+        n.wait_serving()
+    nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
+    for n in nodes:
+        wait_for(f"n{n.i} serving two pools", lambda n=n: log_has(n, "serving the new cluster map"), timeout=30)
+    acked = seed(nodes[0], "silent", 40, lambda j: f"s/{j:03}", lambda j: 150_000 + 311 * j)
+    assert sum(node_shard_files(n) for n in more) > 0, "some objects are in the new pool"
+    reader = nodes[0].client()
+    for n in more:
+        n.signal(signal.SIGSTOP)
+    try:
+        def pool_out():
+            for key in list(acked)[:10]:
+                try:
+                    reader.get_object(Bucket="silent", Key=key)["Body"].read()
+                except Exception:  # noqa: BLE001 - the pool's whole set is away
+                    pass
+            return drive_states(nodes[0]).count("offline") >= 4
+        wait_for("n1 taking the new pool's four drives out", pool_out, timeout=60)
+    finally:
+        for n in more:
+            n.signal(signal.SIGCONT)
+    for n in nodes:
+        wait_repaired(n, timeout=60)
+    assert set(drive_states(nodes[0])) == {"online"}
+    check_all_readable(nodes, "silent", acked)
 
 
 def drain_job(node):

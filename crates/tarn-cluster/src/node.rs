@@ -572,7 +572,7 @@ impl Node {
         let pools = m
             .pools
             .iter()
-            .map(|p| self.pool_layout(p, &addresses))
+            .map(|p| self.pool_layout(p, &addresses, m.epoch))
             .collect::<Result<Vec<_>, _>>()?;
         let deployment_id = id_from_hex(&m.deployment_id)
             .ok_or_else(|| format!("the map's deployment id {:?}", m.deployment_id))?;
@@ -589,17 +589,18 @@ impl Node {
         Ok(store)
     }
 
-    /// How the engine serves one pool of the map.
+    /// How the engine serves one pool of the map of epoch `epoch`.
     fn pool_layout(
         &self,
         p: &map::Pool,
         addresses: &HashMap<String, String>,
+        epoch: u64,
     ) -> Result<PoolLayout, String> {
         let mut sets = Vec::with_capacity(p.sets.len());
         for set in &p.sets {
             sets.push(
                 set.iter()
-                    .map(|d| self.cluster_drive(d, addresses))
+                    .map(|d| self.cluster_drive(d, addresses, epoch))
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
@@ -613,12 +614,14 @@ impl Node {
         })
     }
 
-    /// How the engine reaches one place of the map: a drive of this node
-    /// (by the id it claimed), or another node's over RPC.
+    /// How the engine reaches one place of the map of epoch `epoch`: a
+    /// drive of this node (by the id it claimed), or another node's over RPC
+    /// (asked with that epoch at least).
     fn cluster_drive(
         &self,
         d: &map::DriveRef,
         addresses: &HashMap<String, String>,
+        epoch: u64,
     ) -> Result<ClusterDrive, String> {
         let id =
             id_from_hex(&d.drive).ok_or_else(|| format!("the map names drive {:?}", d.drive))?;
@@ -651,6 +654,7 @@ impl Node {
                 &d.node,
                 id,
                 self.epoch.clone(),
+                epoch,
             )),
             drive_id: id,
             joins,
@@ -1118,7 +1122,7 @@ impl Node {
             }
         };
         if !diff.drives.is_empty() || !diff.added.is_empty() {
-            if let Err(error) = self.apply(store, diff.drives, &diff.added).await {
+            if let Err(error) = self.apply(store, m.epoch, diff.drives, &diff.added).await {
                 tracing::error!(%error, "cannot serve the new cluster map");
                 return;
             }
@@ -1134,10 +1138,12 @@ impl Node {
         *self.map.write().expect("map") = Some(m);
     }
 
-    /// Gives set positions their new drives and serves added pools.
+    /// Gives set positions their new drives and serves added pools (the
+    /// map of epoch `epoch`).
     async fn apply(
         &self,
         store: &Arc<Store>,
+        epoch: u64,
         drives: Vec<(usize, usize, map::DriveRef)>,
         added: &[map::Pool],
     ) -> Result<(), String> {
@@ -1147,12 +1153,12 @@ impl Node {
             wanted.push(DriveChange {
                 set,
                 position,
-                drive: self.cluster_drive(&d, &addresses)?,
+                drive: self.cluster_drive(&d, &addresses, epoch)?,
             });
         }
         let pools = added
             .iter()
-            .map(|p| self.pool_layout(p, &addresses))
+            .map(|p| self.pool_layout(p, &addresses, epoch))
             .collect::<Result<Vec<_>, _>>()?;
         let replaced = !wanted.is_empty();
         let st = store.clone();

@@ -46,16 +46,21 @@ pub struct RemoteDrive {
     node_id: String,
     drive_id: Id128,
     epoch: Arc<AtomicU64>,
+    /// The epoch of the map that placed the drive in this node's sets.
+    since: u64,
     name: String,
 }
 
 impl RemoteDrive {
+    /// `epoch` is this node's map epoch, which every call carries; `since`
+    /// the epoch of the map that placed the drive where this node uses it.
     pub fn new(
         client: Arc<RpcClient>,
         address: &str,
         node_id: &str,
         drive_id: Id128,
         epoch: Arc<AtomicU64>,
+        since: u64,
     ) -> RemoteDrive {
         RemoteDrive {
             client,
@@ -63,8 +68,18 @@ impl RemoteDrive {
             node_id: node_id.to_string(),
             drive_id,
             epoch,
+            since,
             name: format!("{node_id}:{}", id_to_hex(&drive_id)),
         }
+    }
+
+    /// The epoch a call carries: this node's, and never less than the map's
+    /// that placed the drive. A node applies a map's sets a moment before it
+    /// takes the map's epoch, and a call made in that moment must not reach
+    /// the drive's node as one of the old map (which may not place the drive
+    /// yet, or not there): with the new epoch it waits there for the map.
+    fn call_epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed).max(self.since)
     }
 
     /// A call on a connection to the drive's node.
@@ -99,7 +114,7 @@ impl RemoteDrive {
                     &self.address,
                     Some(&self.node_id),
                     op,
-                    self.epoch.load(Ordering::Relaxed),
+                    self.call_epoch(),
                     &payload,
                     CONTROL_DEADLINE,
                 )
@@ -153,7 +168,7 @@ impl RemoteDrive {
                 .open(Channel::Control, SCAN_DEADLINE)
                 .await
                 .map_err(fail)?;
-            call.request(op, self.epoch.load(Ordering::Relaxed), &payload, false)
+            call.request(op, self.call_epoch(), &payload, false)
                 .await
                 .map_err(fail)?;
             match call.response().await {
@@ -507,14 +522,9 @@ impl Drive for RemoteDrive {
         Box::pin(async move {
             let io = |e: RpcError| self.failure(e).into_io();
             let mut call = self.open(Channel::Bulk, BULK_DEADLINE).await.map_err(io)?;
-            call.request(
-                op::SHARD_WRITE,
-                self.epoch.load(Ordering::Relaxed),
-                &e.finish(),
-                true,
-            )
-            .await
-            .map_err(io)?;
+            call.request(op::SHARD_WRITE, self.call_epoch(), &e.finish(), true)
+                .await
+                .map_err(io)?;
             Ok(Box::new(RemoteShardSink {
                 call,
                 node: self.node_id.clone(),
@@ -726,14 +736,9 @@ impl RemoteShardSource {
         let d = &self.drive;
         let shard = |e: RpcError| d.failure(e).into_shard();
         let mut call = d.open(Channel::Bulk, BULK_DEADLINE).await.map_err(shard)?;
-        call.request(
-            op::SHARD_READ,
-            d.epoch.load(Ordering::Relaxed),
-            &e.finish(),
-            false,
-        )
-        .await
-        .map_err(shard)?;
+        call.request(op::SHARD_READ, d.call_epoch(), &e.finish(), false)
+            .await
+            .map_err(shard)?;
         call.response().await.map_err(shard)?;
         self.stream = Some((call, first));
         Ok(())

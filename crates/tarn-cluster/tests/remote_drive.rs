@@ -2,7 +2,7 @@
 //! answer on a local drive and on a drive of another node reached over RPC,
 //! and failures keep their kind (missing, corrupt, no space, offline).
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tarn_cluster::remote::{DriveProvider, DriveService, RemoteDrive};
@@ -95,7 +95,14 @@ async fn serve_drive(dir: &std::path::Path, offline: bool) -> (RemoteDrive, Arc<
         ClientLimits::default(),
     ));
     (
-        RemoteDrive::new(client, &address, "server", id, Arc::new(AtomicU64::new(1))),
+        RemoteDrive::new(
+            client,
+            &address,
+            "server",
+            id,
+            Arc::new(AtomicU64::new(1)),
+            1,
+        ),
         local,
     )
 }
@@ -394,11 +401,98 @@ async fn a_drive_out_of_service_or_a_node_away_is_an_error_of_that_drive() {
         "server",
         new_id(),
         Arc::new(AtomicU64::new(1)),
+        1,
     );
     assert!(matches!(
         gone.buckets().await,
         Err(StoreError::Drive { .. })
     ));
+}
+
+/// A node whose drive the map of epoch 2 places: it serves the drive once
+/// it has taken that epoch, a moment after the caller applied the map.
+struct PlacedAt2 {
+    id: Id128,
+    drive: Arc<LocalDrive>,
+    epoch: Arc<AtomicU64>,
+}
+
+impl DriveProvider for PlacedAt2 {
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+    fn for_read(&self, id: &Id128) -> Option<Arc<dyn Drive>> {
+        self.for_write(id)
+    }
+    fn for_write(&self, id: &Id128) -> Option<Arc<dyn Drive>> {
+        (*id == self.id && self.epoch() >= 2).then(|| self.drive.clone() as Arc<dyn Drive>)
+    }
+    fn leases(&self, id: &Id128) -> Option<Arc<LeaseTable>> {
+        (*id == self.id).then(|| self.drive.leases().clone())
+    }
+}
+
+/// A caller that uses a drive the map of epoch 2 placed, in the moment
+/// before it takes epoch 2 itself, asks with epoch 2: the drive's node
+/// waits until it serves that map instead of answering that the drive is
+/// not in service (which took the drive out of the caller's view, and a
+/// whole new pool with it, during a pool add).
+#[tokio::test]
+async fn a_drive_placed_by_a_newer_map_is_asked_with_that_map_s_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (id, local) = local_drive(dir.path());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    std::mem::forget(stop);
+    let served_epoch = Arc::new(AtomicU64::new(1));
+    tokio::spawn(serve(
+        listener,
+        Identity::new("t", "server", SECRET).unwrap(),
+        Arc::new(DriveService {
+            provider: PlacedAt2 {
+                id,
+                drive: local,
+                epoch: served_epoch.clone(),
+            },
+        }),
+        Arc::new(ServerStats::default()),
+        rx,
+    ));
+    let client = Arc::new(RpcClient::new(
+        Identity::new("t", "client", SECRET).unwrap(),
+        ClientLimits::default(),
+    ));
+    let callers_epoch = Arc::new(AtomicU64::new(1));
+    let placed = RemoteDrive::new(
+        client.clone(),
+        &address,
+        "server",
+        id,
+        callers_epoch.clone(),
+        2,
+    );
+    let as_before = RemoteDrive::new(client, &address, "server", id, callers_epoch, 1);
+    // Asked as the old map's: not in service there yet.
+    match as_before.buckets().await {
+        Err(StoreError::Drive { reason, .. }) => {
+            assert!(reason.contains("not in service"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let bump = {
+        let e = served_epoch.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            e.store(2, Ordering::Release);
+        })
+    };
+    // Asked with the placing map's epoch: answered once the node has it.
+    placed
+        .buckets()
+        .await
+        .expect("the drive answers once its node serves epoch 2");
+    bump.await.unwrap();
 }
 
 /// Locks and pins through RPC land in the drive's own lease table: a lock

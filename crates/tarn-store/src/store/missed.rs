@@ -116,7 +116,7 @@ impl Store {
                 }
             }
             if self.log_empty_for(i).await {
-                self.finish_rebuild(i, n);
+                self.end_rebuild(i, n);
             }
         }
     }

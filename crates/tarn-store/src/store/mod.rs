@@ -1731,14 +1731,27 @@ impl Store {
     /// meanwhile, or the other drives of its set were too few to heal from
     /// (then it waits for the next heal).
     pub(crate) fn finish_rebuild(&self, i: usize, n: u64) {
-        let slot = &self.drive(i);
         let (sources, needed) = self.heal_sources(i);
-        let mut st = slot.state.write().expect("drive state");
-        if st.db.is_none() || st.rebuilding != Some(n) {
+        if sources < needed {
+            let slot = &self.drive(i);
+            if slot.rebuilding() == Some(n) {
+                tracing::warn!(drive = %slot.name, sources, needed, "index not rebuilt: too few drives of its set to heal from");
+            }
             return;
         }
-        if sources < needed {
-            tracing::warn!(drive = %slot.name, sources, needed, "index not rebuilt: too few drives of its set to heal from");
+        self.end_rebuild(i, n);
+    }
+
+    /// Ends rebuild `n` of drive `i` (unless it failed or began another
+    /// meanwhile): a heal reached every record (`finish_rebuild`), or the
+    /// missed-write logs of its set name nothing for its place (`sync_drives`;
+    /// no other drive need be readable for that, so a set whose drives all
+    /// came back to this node's view at once, as a new pool's do when this
+    /// node applies the map a moment before their node, is promoted too).
+    pub(crate) fn end_rebuild(&self, i: usize, n: u64) {
+        let slot = &self.drive(i);
+        let mut st = slot.state.write().expect("drive state");
+        if st.db.is_none() || st.rebuilding != Some(n) {
             return;
         }
         if slot.is_remote() {
