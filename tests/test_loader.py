@@ -267,3 +267,27 @@ def test_two_ranks_each_read_their_share(server, s3, tmp_path):
     assert sum(fetched) < total * 1.1, (fetched, total)
     for f in fetched:
         assert 0.3 * total < f < 0.7 * total, (fetched, total)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU host)")
+
+
+@cuda
+def test_gpu_load_equals_safetensors(server, s3, tmp_path):
+    """The real GPU path: tensors land in CUDA memory through pinned staging
+    slots and the copy stream, every dtype and odd offset included, and with
+    a memory cap smaller than the largest file (a staging pool of 2 slots)."""
+    tensors = every_dtype()
+    path = tmp_path / "all.safetensors"
+    st.save_file(tensors, str(path))
+    upload(s3, "models", "gpu/all.safetensors", path)
+    c = client(server.endpoint)
+    got = loader.load("s3://models/gpu/all.safetensors", device="cuda", client=c)
+    assert all(t.device.type == "cuda" for t in got.values())
+    same({k: v.cpu() for k, v in got.items()}, st.load_file(str(path)))
+    weights = sharded(tmp_path, s3, prefix="gpucap/", shards=2, tensors=16, size=400_000)
+    ld = loader.Loader("s3://models/gpucap/", device="cuda", client=client(server.endpoint, chunk_size=MIB),
+                       memory_cap=2 * MIB)
+    got = {name: t.cpu() for name, t in ld}
+    same(got, weights)
+    assert ld.stats["peak_held_bytes"] <= 2 * MIB, ld.stats

@@ -117,6 +117,11 @@ def test_head_list_get_put(stored):
     assert c.get("objs", "tiny") == b"abc"
     c.put("objs", "fresh", b"new", if_none_match=True)
     assert c.get("objs", "fresh") == b"new"
+    # A bucket made by the client; making it again is not an error.
+    c.create_bucket("made-here")
+    c.create_bucket("made-here")
+    c.put("made-here", "k", b"v")
+    assert s3.get_object(Bucket="made-here", Key="k")["Body"].read() == b"v"
 
 
 def test_errors_name_the_object_and_the_bytes(stored):
@@ -239,3 +244,33 @@ def test_a_server_that_stops_mid_read_gives_a_clear_error(stored):
         assert e.attempts == 3
     finally:
         proxy.close()
+
+
+def test_reads_into_gpu_memory(stored):
+    """CUDA tensors as buffers: pieces through pinned staging slots, copied
+    on a stream of the ring's own; odd offsets, reads longer than the pool,
+    several reads into one tensor, and a failed read among good ones."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on a GPU host)")
+    server, big = stored
+    c = client_for(server.endpoint, chunk_size=MIB)
+    dst = torch.zeros(len(big) + 3, dtype=torch.uint8, device="cuda")
+    ring = c.ring(staging_bytes=4 * MIB)  # four 1 MiB slots for 21 MiB
+    half = len(big) // 2 + 1
+    ring.submit([("objs", "big.bin", 0, half, dst, 3, "a"), ("objs", "big.bin", half, len(big) - half, dst, 3 + half, "b")])
+    done = {}
+    while ring.pending:
+        for u, r in ring.wait(min=1):
+            done[u] = r
+    assert done == {"a": half, "b": len(big) - half}
+    assert dst[3:].cpu().numpy().tobytes() == big
+    # A missing object among good reads: its error, the others complete.
+    small = torch.zeros(11, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ObjectNotFoundError, match="s3://objs/missing"):
+        c.read([("objs", "dir/small.txt", 0, 11, small, 0), ("objs", "missing", 0, 5, dst, 0)])
+    assert small.cpu().numpy().tobytes() == b"hello, tarn"
+    # A float tensor filled at a byte offset that is not a multiple of 4.
+    f = torch.zeros(1000, dtype=torch.float32, device="cuda")
+    c.read([("objs", "big.bin", 10, 3998, f, 2)])
+    assert f.view(torch.uint8)[2:4000].cpu().numpy().tobytes() == big[10:4008]

@@ -74,7 +74,8 @@ def prompt(seed: int, n: int = 300) -> str:
 class Vllm:
     """`vllm serve` with the Tarn connector."""
 
-    def __init__(self, model, log_path, kv_endpoint, connector="TarnConnector", module="tarn.vllm", extra=None):
+    def __init__(self, model, log_path, kv_endpoint, connector="TarnConnector", module="tarn.vllm", extra=None,
+                 extra_args=(), extra_env=None):
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -94,8 +95,10 @@ class Vllm:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
             "--max-num-seqs", "4", "--enforce-eager",
-            "--kv-transfer-config", json.dumps(config),
         ]  # fmt: skip
+        if kv_endpoint is not None:
+            args += ["--kv-transfer-config", json.dumps(config)]
+        args += list(extra_args)
         env = dict(os.environ)
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
@@ -103,6 +106,7 @@ class Vllm:
             PYTHONPATH=HERE + os.pathsep + env.get("PYTHONPATH", ""),
             VLLM_LOGGING_LEVEL="INFO",
         )
+        env.update(extra_env or {})
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + 600
@@ -166,8 +170,8 @@ class Vllm:
 def vllm(tmp_path, model_dir):
     engines = []
 
-    def start(kv_endpoint, **kw):
-        v = Vllm(model_dir, str(tmp_path / f"vllm{len(engines)}.log"), kv_endpoint, **kw)
+    def start(kv_endpoint, model=None, **kw):
+        v = Vllm(model or model_dir, str(tmp_path / f"vllm{len(engines)}.log"), kv_endpoint, **kw)
         engines.append(v)
         return v
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from .errors import TarnError
+from . import objects
 from .objects import Client, parse_uri
 
 __all__ = ["load", "stream", "fetch_files", "Loader", "SafetensorsError", "LoaderError", "DTYPES"]
@@ -53,6 +54,9 @@ HEADER_READ = 512 << 10
 HEADER_MAX = 100_000_000
 #: Files that are weights, not config: never copied to ``files_dir``.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx")
+#: Bytes of tensors allocated before their reads are submitted: reads start
+#: while the rest of the model is being allocated.
+SUBMIT_BYTES = 64 << 20
 #: Bytes broadcast between error checks in a distributed load.
 ROUND_BYTES = 256 << 20
 
@@ -368,7 +372,7 @@ class Loader:
     def _ring(self):
         staging = None
         if self.device.type != "cpu" or self._stage_cpu:
-            staging = max(2 << 20, min(self._cap(), self.total_bytes, 256 << 20))
+            staging = max(2 << 20, min(self._cap(), self.total_bytes, objects.STAGING_BYTES))
         from .objects import Ring
 
         return Ring(self.client, staging_bytes=staging or (2 << 20), _stage_cpu_tensors=self._stage_cpu)
@@ -382,7 +386,7 @@ class Loader:
         live: dict[int, Any] = {}
         try:
             while nxt < len(order) or live:
-                batch = []
+                batch, batch_bytes = [], 0
                 while nxt < len(order):
                     t = self.tensors[order[nxt]]
                     if held and held + t.nbytes > cap:
@@ -391,7 +395,12 @@ class Loader:
                     held += t.nbytes
                     live[order[nxt]] = dst
                     batch.append((t.file.bucket, t.file.key, t.start, t.nbytes, dst, 0, order[nxt], t.file.etag or None))
+                    batch_bytes += t.nbytes
                     nxt += 1
+                    if batch_bytes >= SUBMIT_BYTES:
+                        # The first reads run while the rest are allocated.
+                        ring.submit(batch)
+                        batch, batch_bytes = [], 0
                 self.stats["peak_held_bytes"] = max(self.stats["peak_held_bytes"], held)
                 if batch:
                     ring.submit(batch)

@@ -194,15 +194,19 @@ class _Staging:
         self.device = device
         self.slot = slot
         count = max(2, total // slot)
-        pin = device.type == "cuda" and torch.cuda.is_available() and not force_cpu
-        self.host = torch.empty(count * slot, dtype=torch.uint8, pin_memory=pin)
-        self.free = list(range(count))
-        self.stream = torch.cuda.Stream(device=device) if pin else None
+        self.pin = device.type == "cuda" and torch.cuda.is_available() and not force_cpu
+        # Each slot is allocated (and pinned) when first used, so the first
+        # reads start after one slot's allocation, not the whole pool's.
+        self.host: list[Any] = [None] * count
+        self.free = list(range(count - 1, -1, -1))  # popped from the end: slot 0 first
+        self.stream = torch.cuda.Stream(device=device) if self.pin else None
         # (event or None, slot, staged read, piece length)
         self.copies: collections.deque = collections.deque()
 
     def view(self, i: int, n: int):
-        return self.host[i * self.slot : i * self.slot + n]
+        if self.host[i] is None:
+            self.host[i] = _torch().empty(self.slot, dtype=_torch().uint8, pin_memory=self.pin)
+        return self.host[i][:n]
 
     def copy(self, i: int, st: _Staged, at: int, n: int) -> None:
         """Copies slot ``i`` to the read's destination at ``at``, asynchronously."""
@@ -307,6 +311,11 @@ class Ring:
             st = self._waiting[0]
             n = min(s.slot, st.length - st.next)
             i = s.free.pop()
+            if s.host[i] is None and batch:
+                # The pieces planned so far start before this slot is allocated.
+                self._in_native_pieces += len(batch)
+                self._native.submit(batch)
+                batch = []
             batch.append(
                 (st.bucket, st.key, st.offset + st.next, n, s.view(i, n), 0, (_PIECE, i, st, st.next, n), st.etag)
             )
@@ -330,6 +339,7 @@ class Ring:
             s = self._staging
             if s is not None:
                 out.extend(self._finish(s.reap(block=False)))
+                self._pump()  # slots whose copies finished take the next pieces at once
                 if len(out) >= want:
                     return out
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -308,6 +308,14 @@ impl ObjectClient {
         Ok((pyo3::types::PyBytes::new(py, &data), info.size, info.etag))
     }
 
+    /// Creates a bucket (one this account already owns is not an error).
+    fn create_bucket(&self, py: Python<'_>, bucket: &str) -> PyResult<()> {
+        let c = self.inner.clone();
+        let b = bucket.to_string();
+        py.detach(move || c.create_bucket(&b))
+            .map_err(|e| py_error(py, e))
+    }
+
     /// `[(key, size, etag)]` of every object under `prefix`.
     #[pyo3(signature = (bucket, prefix = ""))]
     fn list(

@@ -508,6 +508,22 @@ impl Shared {
         })
     }
 
+    /// Creates a bucket; one this account already owns is not an error.
+    pub(crate) fn create_bucket(&self, bucket: &str) -> Result<(), Error> {
+        match self.control(&Call::new("PUT", bucket, ""), &[]) {
+            Ok(_) => Ok(()),
+            Err((Failure::Status { code, .. }, _)) if code == "BucketAlreadyOwnedByYou" => Ok(()),
+            Err((f, attempts)) => Err(ObjectError {
+                bucket: bucket.into(),
+                key: "".into(),
+                range: None,
+                failure: f,
+                attempts,
+            }
+            .into()),
+        }
+    }
+
     /// The first `len` bytes of an object (fewer if it is shorter) with its
     /// size and ETag, in one request: what a loader needs of a file's header.
     pub(crate) fn read_prefix(

@@ -447,6 +447,11 @@ impl ObjectClient {
         self.shared().read_prefix(bucket, key, len)
     }
 
+    /// Creates a bucket (one this account already owns is not an error).
+    pub fn create_bucket(&self, bucket: &str) -> Result<(), Error> {
+        self.shared().create_bucket(bucket)
+    }
+
     /// Every object under `prefix` (ListObjectsV2, all pages).
     pub fn list(&self, bucket: &str, prefix: &str) -> Result<Vec<Listed>, Error> {
         self.shared().list(bucket, prefix)
