@@ -80,6 +80,19 @@ def test_pool_added_under_load_serves_new_objects_and_keeps_every_object(formed_
         wait_repaired(n, timeout=60)
 
 
+def add_second_pool(tmp_path, etcd, nodes, extra=()):
+    """Starts n5 and n6 and adds their drives as pool 1, followed by every
+    node; returns the two new nodes (appended to `nodes` too)."""
+    more = [Node(str(tmp_path), i, etcd.url, extra=extra) for i in (5, 6)]
+    nodes += more
+    for n in more:
+        n.wait_serving()
+    nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
+    for n in nodes:
+        wait_for(f"n{n.i} serving two pools", lambda n=n: log_has(n, "serving the new cluster map"), timeout=30)
+    return more
+
+
 def test_a_pool_whose_nodes_were_all_silent_serves_again_through_every_node(formed_cluster, tmp_path):
     """Every drive of a set out of a node's view at once (the new pool's
     nodes both paused; also what a node saw when it applied a pool add a
@@ -89,13 +102,7 @@ def test_a_pool_whose_nodes_were_all_silent_serves_again_through_every_node(form
     and repair ends, instead of the pool staying unreadable through that
     node for good."""
     etcd, nodes = formed_cluster
-    more = [Node(str(tmp_path), i, etcd.url) for i in (5, 6)]
-    nodes += more
-    for n in more:
-        n.wait_serving()
-    nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
-    for n in nodes:
-        wait_for(f"n{n.i} serving two pools", lambda n=n: log_has(n, "serving the new cluster map"), timeout=30)
+    more = add_second_pool(tmp_path, etcd, nodes)
     acked = seed(nodes[0], "silent", 40, lambda j: f"s/{j:03}", lambda j: 150_000 + 311 * j)
     assert sum(node_shard_files(n) for n in more) > 0, "some objects are in the new pool"
     reader = nodes[0].client()
@@ -138,13 +145,7 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
     slow = ["--heal-rate", "512KiB"]
     etcd, nodes = form(str(tmp_path), extra=slow)
     try:
-        more = [Node(str(tmp_path), i, etcd.url, extra=slow) for i in (5, 6)]
-        nodes += more
-        for n in more:
-            n.wait_serving()
-        nodes[0].admin_cmd("pool", "add", "--nodes", "n5,n6")
-        for n in nodes:
-            wait_for(f"n{n.i} serving two pools", lambda n=n: log_has(n, "serving the new cluster map"), timeout=30)
+        more = add_second_pool(tmp_path, etcd, nodes, extra=slow)
         acked = seed(nodes[0], "drain", 200, lambda j: f"d/{j:03}",
                      lambda j: 3_000 if j % 5 == 0 else 150_000 + 641 * j)
         cl = nodes[0].client()
