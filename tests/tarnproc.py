@@ -148,15 +148,17 @@ def wait_for(what, cond, timeout=30):
         time.sleep(0.2)
 
 
-def metric(proc, name, drive=None):
+def metric(proc, name, drive=None, op=None):
     """The sum of metric `name` on a server's (or cluster node's) /metrics,
-    over the lines of one drive when given; an error when it has none."""
+    over the lines of one drive or one S3 operation when given; an error
+    when it has none."""
     req = urllib.request.Request(proc.admin + "/metrics", headers={"Authorization": f"Bearer {getattr(proc, 'secret_key', SECRET_KEY)}"})
     text = urllib.request.urlopen(req, timeout=10).read().decode()
     found, total = False, 0.0
     for line in text.splitlines():
         m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and (drive is None or f'drive="{drive}"' in (m.group(1) or "")):
+        labels = (m.group(1) or "") if m else ""
+        if m and (drive is None or f'drive="{drive}"' in labels) and (op is None or f'op="{op}"' in labels):
             found = True
             total += float(m.group(2))
     if not found:

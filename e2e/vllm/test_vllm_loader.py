@@ -8,20 +8,16 @@ import glob
 import json
 import os
 import shutil
-import urllib.request
 
 import safetensors.torch as st
 
 from conftest import prompt
-from tarnproc import ACCESS_KEY, SECRET_KEY, Server
+from tarnproc import ACCESS_KEY, SECRET_KEY, Server, metric
 
 
 def gets(server):
     """GetObject requests the server has answered."""
-    req = urllib.request.Request(server.admin + "/metrics", headers={"Authorization": f"Bearer {SECRET_KEY}"})
-    text = urllib.request.urlopen(req, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tarn_requests_total{") and 'op="GetObject"' in line)
+    return metric(server, "tarn_requests_total", op="GetObject")
 
 
 def test_load_format_tarn_matches_a_local_load(tmp_path, model_dir, vllm):
@@ -87,3 +83,25 @@ def test_load_format_tarn_matches_a_local_load(tmp_path, model_dir, vllm):
                        for log in logs), "the engine's log names the URI with no weights"
     finally:
         server.stop()
+
+
+def test_extra_config_it_cannot_honour_is_an_error():
+    """Keys of --model-loader-extra-config the loader does not know, or
+    values of the wrong kind, stop the load with an error naming them
+    instead of being ignored (a "false" string is not false)."""
+    import pytest
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    import tarn.vllm_loader
+
+    tarn.vllm_loader.register()
+    ok = get_model_loader(LoadConfig(load_format="tarn", model_loader_extra_config={
+        "uri": "s3://m/x/", "memory_cap": 1 << 30, "share_reads": False, "connections": 8}))
+    assert type(ok).__name__ == "TarnModelLoader" and ok.client_args == {"connections": 8}
+    for extra, words in [({"uri": "s3://m/x/", "bogus": 1}, "unknown keys"),
+                         ({"share_reads": "false"}, "share_reads is true or false"),
+                         ({"memory_cap": "2GiB"}, "memory_cap is a number of bytes"),
+                         ({"memory_cap": 0}, "memory_cap is a number of bytes")]:
+        with pytest.raises(ValueError, match=words):
+            get_model_loader(LoadConfig(load_format="tarn", model_loader_extra_config=extra))

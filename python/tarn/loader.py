@@ -373,9 +373,7 @@ class Loader:
         staging = None
         if self.device.type != "cpu" or self._stage_cpu:
             staging = max(2 << 20, min(self._cap(), self.total_bytes, objects.STAGING_BYTES))
-        from .objects import Ring
-
-        return Ring(self.client, staging_bytes=staging or (2 << 20), _stage_cpu_tensors=self._stage_cpu)
+        return objects.Ring(self.client, staging_bytes=staging or (2 << 20), _stage_cpu_tensors=self._stage_cpu)
 
     def _stream(self, order: list[int]) -> Iterator[tuple[str, Any]]:
         """Reads the tensors ``order`` names, yielding each as it lands."""

@@ -44,7 +44,13 @@ def register() -> None:
             extra = dict(load_config.model_loader_extra_config or {})
             self.uri = extra.pop("uri", None)
             self.memory_cap = extra.pop("memory_cap", None)
-            self.share_reads = bool(extra.pop("share_reads", True))
+            self.share_reads = extra.pop("share_reads", True)
+            if self.memory_cap is not None and (
+                not isinstance(self.memory_cap, int) or isinstance(self.memory_cap, bool) or self.memory_cap <= 0
+            ):
+                raise ValueError(f"--load-format tarn: memory_cap is a number of bytes, not {self.memory_cap!r}")
+            if not isinstance(self.share_reads, bool):
+                raise ValueError(f"--load-format tarn: share_reads is true or false, not {self.share_reads!r}")
             self.client_args = {k: extra.pop(k) for k in CLIENT_KEYS if k in extra}
             if extra:
                 raise ValueError(

@@ -488,13 +488,7 @@ impl Shared {
     }
 
     pub(crate) fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo, Error> {
-        let err = |f: Failure, attempts| ObjectError {
-            bucket: bucket.into(),
-            key: key.into(),
-            range: None,
-            failure: f,
-            attempts,
-        };
+        let err = |f: Failure, attempts| ObjectError::new(bucket, key, None, f, attempts);
         let (h, _) = self
             .control(&Call::new("HEAD", bucket, key), &[])
             .map_err(|(f, a)| err(f, a))?;
@@ -513,14 +507,7 @@ impl Shared {
         match self.control(&Call::new("PUT", bucket, ""), &[]) {
             Ok(_) => Ok(()),
             Err((Failure::Status { code, .. }, _)) if code == "BucketAlreadyOwnedByYou" => Ok(()),
-            Err((f, attempts)) => Err(ObjectError {
-                bucket: bucket.into(),
-                key: "".into(),
-                range: None,
-                failure: f,
-                attempts,
-            }
-            .into()),
+            Err((f, attempts)) => Err(ObjectError::new(bucket, "", None, f, attempts).into()),
         }
     }
 
@@ -532,13 +519,7 @@ impl Shared {
         key: &str,
         len: u64,
     ) -> Result<(Vec<u8>, ObjectInfo), Error> {
-        let err = |f: Failure, attempts| ObjectError {
-            bucket: bucket.into(),
-            key: key.into(),
-            range: Some((0, len)),
-            failure: f,
-            attempts,
-        };
+        let err = |f: Failure, attempts| ObjectError::new(bucket, key, Some((0, len)), f, attempts);
         let range = [("Range", format!("bytes=0-{}", len.max(1) - 1))];
         let (h, body) = match self.control(&Call::new("GET", bucket, key).headers(&range), &[]) {
             Ok(r) => r,
@@ -578,13 +559,7 @@ impl Shared {
             }
             let (_, body) = self
                 .control(&Call::new("GET", bucket, "").query(&q), &[])
-                .map_err(|(f, a)| ObjectError {
-                    bucket: bucket.into(),
-                    key: prefix.into(),
-                    range: None,
-                    failure: f,
-                    attempts: a,
-                })?;
+                .map_err(|(f, a)| ObjectError::new(bucket, prefix, None, f, a))?;
             let doc = String::from_utf8_lossy(&body);
             for c in xml::blocks(&doc, "Contents") {
                 out.push(Listed {

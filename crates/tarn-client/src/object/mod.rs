@@ -136,6 +136,26 @@ pub struct ObjectError {
     pub attempts: u32,
 }
 
+impl ObjectError {
+    /// The error of a request on `key` (or a prefix) of `bucket`, the bytes
+    /// `range` when it was a ranged one.
+    pub fn new(
+        bucket: &str,
+        key: &str,
+        range: Option<(u64, u64)>,
+        failure: Failure,
+        attempts: u32,
+    ) -> ObjectError {
+        ObjectError {
+            bucket: bucket.into(),
+            key: key.into(),
+            range,
+            failure,
+            attempts,
+        }
+    }
+}
+
 impl fmt::Display for ObjectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "s3://{}/{}", self.bucket, self.key)?;

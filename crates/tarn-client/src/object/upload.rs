@@ -96,14 +96,7 @@ pub(crate) fn put(
         single_headers.push(("Content-Type", t.clone()));
     }
     let err = |f: Failure, attempts: u32| -> Error {
-        ObjectError {
-            bucket: bucket.into(),
-            key: key.into(),
-            range: None,
-            failure: f,
-            attempts,
-        }
-        .into()
+        ObjectError::new(bucket, key, None, f, attempts).into()
     };
     if len <= part {
         let up = Upload::new(bucket, key, None, buffer, single_headers, 1);
@@ -259,13 +252,7 @@ pub(crate) fn run_part(sh: &Shared, conn: &mut Option<Conn>, p: &PartJob, index:
     let up = &p.upload;
     let slot = (p.number.max(1) - 1) as usize;
     let range = Some((p.object_offset, p.object_offset + p.len));
-    let err = |f: Failure, attempts: u32| ObjectError {
-        bucket: up.bucket.as_str().into(),
-        key: up.key.as_str().into(),
-        range,
-        failure: f,
-        attempts,
-    };
+    let err = |f: Failure, attempts: u32| ObjectError::new(&up.bucket, &up.key, range, f, attempts);
     if up.failed.load(Ordering::Relaxed) {
         up.finish(slot, Err(err(Failure::Cancelled, 0)));
         return;
