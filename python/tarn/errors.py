@@ -1,4 +1,4 @@
-"""Exceptions raised by the Tarn clients.
+"""Exceptions raised by the Tarn clients (tarn.checkpoint adds its own, under TarnError).
 
 A miss is never an exception: ``get_into`` answers ``None`` for it. These are
 for calls that could not be made or answered at all.

@@ -232,7 +232,7 @@ def resolve(client: Client, uri: Union[str, Sequence[str]]) -> tuple[list[tuple[
         return _from_index(client, bucket, key, prefix), (bucket, prefix)
     prefix = key if key.endswith("/") or not key else key + "/"
     listed = client.list(bucket, prefix)
-    top = {k[len(prefix) :]: size for k, size, _ in listed if "/" not in k[len(prefix) :]}
+    top = {o.key[len(prefix) :]: o.size for o in listed if "/" not in o.key[len(prefix) :]}
     if "model.safetensors.index.json" in top:
         return _from_index(client, bucket, prefix + "model.safetensors.index.json", prefix), (bucket, prefix)
     files = sorted(n for n in top if n.endswith(".safetensors"))
@@ -272,7 +272,7 @@ def _fetch_files(client: Client, bucket: str, prefix: str, dest: str) -> list[st
     os.makedirs(dest, exist_ok=True)
     names = [
         k[len(prefix) :]
-        for k, _, _ in client.list(bucket, prefix)
+        for k, *_ in client.list(bucket, prefix)
         if "/" not in k[len(prefix) :] and not k.endswith(WEIGHT_SUFFIXES) and k != prefix
     ]
 

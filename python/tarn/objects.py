@@ -43,6 +43,8 @@ __all__ = [
     "Client",
     "Ring",
     "ObjectInfo",
+    "Listed",
+    "Upload",
     "ObjectError",
     "ObjectNotFoundError",
     "ObjectPermissionError",
@@ -57,6 +59,23 @@ STAGING_BYTES = 256 << 20
 class ObjectInfo(NamedTuple):
     size: int
     etag: str
+
+
+class Listed(NamedTuple):
+    """One object of a listing; ``last_modified`` as S3 gives it (ISO 8601, UTC)."""
+
+    key: str
+    size: int
+    etag: str
+    last_modified: str
+
+
+class Upload(NamedTuple):
+    """A multipart upload in progress; ``initiated`` as S3 gives it (ISO 8601, UTC)."""
+
+    key: str
+    upload_id: str
+    initiated: str
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -97,6 +116,14 @@ class Client(_native.ObjectClient):
     def head(self, bucket: str, key: str) -> ObjectInfo:
         """Size and ETag of an object."""
         return ObjectInfo(*super().head(bucket, key))
+
+    def list(self, bucket: str, prefix: str = "") -> list[Listed]:
+        """Every object under ``prefix`` (all pages)."""
+        return [Listed(*o) for o in super().list(bucket, prefix)]
+
+    def list_uploads(self, bucket: str, prefix: str = "") -> list[Upload]:
+        """The multipart uploads in progress under ``prefix``."""
+        return [Upload(*u) for u in super().list_uploads(bucket, prefix)]
 
     def read(self, reads: Iterable[Sequence[Any]]) -> list[int]:
         """Reads ``(bucket, key, offset, length, buffer, buffer_offset[,
@@ -147,6 +174,22 @@ class Client(_native.ObjectClient):
         if _is_device_tensor(buffer):
             buffer = buffer.detach().contiguous().cpu()
         return super().put(bucket, key, buffer, **kw)
+
+    def multipart(self, bucket: str, key: str, **kw: Any) -> "_native.Multipart":
+        """A multipart upload sent one part at a time, from buffers reused
+        once their part is done::
+
+            up = c.multipart(bucket, key, if_none_match=True)
+            up.send(1, buf1, object_offset=0)      # returns at once
+            for number, error in up.wait(min=1):    # parts done: their buffers are free again
+                ...
+            etag = up.complete()                    # the object appears now
+
+        Keyword arguments: ``content_type``, ``if_none_match``, ``if_match``
+        (conditions the completion carries). Every part but the last must be
+        at least 5 MiB. An upload neither completed nor aborted is aborted
+        when dropped; nothing of it becomes visible."""
+        return super().multipart(bucket, key, **kw)
 
     def ring(self, *, staging_bytes: int = STAGING_BYTES) -> "Ring":
         """A submission and completion queue. ``staging_bytes`` of pinned host

@@ -779,6 +779,98 @@ fn uploads_go_in_parallel_parts_with_checksums() {
 }
 
 #[test]
+fn a_streamed_upload_reuses_its_buffers_and_appears_only_when_completed() {
+    let server = Server::start();
+    let client = ObjectClient::new(config(&server)).unwrap();
+    let part = 5usize << 20;
+    let data = pattern(4 * part + 1234, 11);
+    // Two staging buffers, each reused once its part is done, parts sent
+    // out of order: the object is the parts in number order.
+    let slots = [Buffer::zeroed(part), Buffer::zeroed(part)];
+    let mp = client
+        .multipart("b", "streamed", &PutOptions::default())
+        .unwrap();
+    let order = [2u32, 1, 4, 3, 5];
+    let mut free: Vec<usize> = vec![0, 1];
+    let mut busy: HashMap<u32, usize> = HashMap::new();
+    for n in order {
+        if free.is_empty() {
+            for (done, r) in mp.wait_parts(1, None) {
+                r.unwrap();
+                free.push(busy.remove(&done).unwrap());
+            }
+        }
+        let slot = free.pop().unwrap();
+        let at = (n as usize - 1) * part;
+        let len = part.min(data.len() - at);
+        // SAFETY: the slot's last part is done; nothing reads it now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data[at..].as_ptr(), slots[slot].as_ptr(), len);
+        }
+        mp.send_part(n, at as u64, &slots[slot], 0, len as u64)
+            .unwrap();
+        busy.insert(n, slot);
+    }
+    let e = mp.send_part(3, 0, &slots[0], 0, 1).unwrap_err();
+    assert!(e.to_string().contains("part 3 was sent already"), "{e}");
+    assert!(!server
+        .state
+        .lock()
+        .unwrap()
+        .objects
+        .contains_key("b/streamed"));
+    let etag = mp.complete().unwrap();
+    assert!(etag.ends_with("-5\""), "{etag}");
+    assert!(server.state.lock().unwrap().objects["b/streamed"] == data);
+    assert!(mp.complete().is_err(), "completed twice");
+
+    // Aborted, or dropped before completion: nothing appears, the upload is
+    // aborted on the server.
+    let mp = client
+        .multipart("b", "dropped", &PutOptions::default())
+        .unwrap();
+    mp.send_part(1, 0, &slots[0], 0, part as u64).unwrap();
+    drop(mp);
+    let mp = client
+        .multipart("b", "aborted", &PutOptions::default())
+        .unwrap();
+    mp.send_part(1, 0, &slots[1], 0, part as u64).unwrap();
+    mp.abort().unwrap();
+    assert!(mp.send_part(2, 0, &slots[1], 0, 1).is_err());
+    let s = server.state.lock().unwrap();
+    assert_eq!(s.aborted.len(), 2);
+    assert!(!s.objects.contains_key("b/dropped") && !s.objects.contains_key("b/aborted"));
+    drop(s);
+
+    // A part that fails for good: its completion says so, and completing
+    // reports it (naming the bytes) and aborts.
+    server
+        .state
+        .lock()
+        .unwrap()
+        .always
+        .insert("b/doomed".into(), Fault::Status(400, "InvalidPart"));
+    let mp = client
+        .multipart("b", "doomed", &PutOptions::default())
+        .unwrap();
+    mp.send_part(1, 0, &slots[0], 0, part as u64).unwrap();
+    let done = mp.wait_parts(1, Some(Duration::from_secs(10)));
+    assert_eq!(done.len(), 1);
+    assert!(done[0].1.is_err());
+    let e = mp.complete().unwrap_err();
+    assert!(e.to_string().starts_with("s3://b/doomed bytes 0-"), "{e}");
+    assert_eq!(server.state.lock().unwrap().aborted.len(), 3);
+    let mp = client
+        .multipart("b", "empty", &PutOptions::default())
+        .unwrap();
+    assert!(mp
+        .complete()
+        .unwrap_err()
+        .to_string()
+        .contains("at least one part"));
+}
+
+#[test]
 fn many_rings_share_one_client() {
     let server = Server::start();
     let data = Arc::new(pattern(256 << 10, 8));

@@ -557,6 +557,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_class::<objects::ObjectClient>()?;
     m.add_class::<objects::Ring>()?;
+    m.add_class::<objects::Multipart>()?;
     m.add("DIGEST_BYTES", std::mem::size_of::<Digest>())?;
     Ok(())
 }

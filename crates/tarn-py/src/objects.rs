@@ -316,19 +316,94 @@ impl ObjectClient {
             .map_err(|e| py_error(py, e))
     }
 
-    /// `[(key, size, etag)]` of every object under `prefix`.
+    /// `[(key, size, etag, last_modified)]` of every object under `prefix`.
     #[pyo3(signature = (bucket, prefix = ""))]
     fn list(
         &self,
         py: Python<'_>,
         bucket: &str,
         prefix: &str,
-    ) -> PyResult<Vec<(String, u64, String)>> {
+    ) -> PyResult<Vec<(String, u64, String, String)>> {
         let c = self.inner.clone();
         let (b, p) = (bucket.to_string(), prefix.to_string());
         py.detach(move || c.list(&b, &p))
-            .map(|v| v.into_iter().map(|l| (l.key, l.size, l.etag)).collect())
+            .map(|v| {
+                v.into_iter()
+                    .map(|l| (l.key, l.size, l.etag, l.last_modified))
+                    .collect()
+            })
             .map_err(|e| py_error(py, e))
+    }
+
+    /// Deletes an object (one that is not there is not an error).
+    fn delete(&self, py: Python<'_>, bucket: &str, key: &str) -> PyResult<()> {
+        let c = self.inner.clone();
+        let (b, k) = (bucket.to_string(), key.to_string());
+        py.detach(move || c.delete(&b, &k))
+            .map_err(|e| py_error(py, e))
+    }
+
+    /// `[(key, upload_id, initiated)]` of the multipart uploads in progress
+    /// under `prefix`.
+    #[pyo3(signature = (bucket, prefix = ""))]
+    fn list_uploads(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        prefix: &str,
+    ) -> PyResult<Vec<(String, String, String)>> {
+        let c = self.inner.clone();
+        let (b, p) = (bucket.to_string(), prefix.to_string());
+        py.detach(move || c.list_uploads(&b, &p))
+            .map(|v| {
+                v.into_iter()
+                    .map(|u| (u.key, u.upload_id, u.initiated))
+                    .collect()
+            })
+            .map_err(|e| py_error(py, e))
+    }
+
+    /// Aborts a multipart upload (one already gone is not an error).
+    fn abort_upload(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> PyResult<()> {
+        let c = self.inner.clone();
+        let (b, k, u) = (bucket.to_string(), key.to_string(), upload_id.to_string());
+        py.detach(move || c.abort_upload(&b, &k, &u))
+            .map_err(|e| py_error(py, e))
+    }
+
+    /// Starts a multipart upload whose parts are sent one at a time.
+    #[pyo3(signature = (bucket, key, *, content_type = None, if_none_match = false,
+        if_match = None))]
+    fn multipart(
+        &self,
+        py: Python<'_>,
+        bucket: &str,
+        key: &str,
+        content_type: Option<String>,
+        if_none_match: bool,
+        if_match: Option<String>,
+    ) -> PyResult<Multipart> {
+        let opts = PutOptions {
+            part_bytes: None,
+            content_type,
+            if_none_match,
+            if_match,
+        };
+        let c = self.inner.clone();
+        let (b, k) = (bucket.to_string(), key.to_string());
+        let mp = py
+            .detach(move || c.multipart(&b, &k, &opts))
+            .map_err(|e| py_error(py, e))?;
+        Ok(Multipart {
+            mp,
+            held: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Reads a batch and waits for all of it. Returns the bytes read per
@@ -406,6 +481,101 @@ impl ObjectClient {
         d.set_item("hedges_won", s.hedges_won)?;
         d.set_item("connections_opened", s.connections_opened)?;
         Ok(d)
+    }
+}
+
+/// A multipart upload sent part by part (`tarn.objects.Multipart` wraps
+/// it). Each part's buffer is held until `wait` has returned the part (or
+/// the upload has ended).
+#[pyclass(frozen, module = "tarn._native", name = "Multipart")]
+pub struct Multipart {
+    // Dropped first: waits until no part is in flight, so the views below
+    // may be released after.
+    mp: object::Multipart,
+    held: Mutex<HashMap<u32, Held>>,
+}
+
+#[pymethods]
+impl Multipart {
+    /// Queues part `number` (1 to 10000): the bytes of `buffer`, which are
+    /// the object's bytes from `object_offset` (named in errors). Returns at
+    /// once; the buffer must not change until `wait` returns the part.
+    #[pyo3(signature = (number, buffer, object_offset = 0))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        number: u32,
+        buffer: &Bound<'_, PyAny>,
+        object_offset: u64,
+    ) -> PyResult<()> {
+        let b = borrow(buffer, false, 0)?;
+        // SAFETY: the view is held (in `held`) until the part is done.
+        let buf = unsafe { Buffer::from_raw(b.ptr, b.len, ()) };
+        let len = b.len as u64;
+        self.mp
+            .send_part(number, object_offset, &buf, 0, len)
+            .map_err(|e| py_error(py, e))?;
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(number, Held(b));
+        Ok(())
+    }
+
+    /// Waits until `min` parts have finished (fewer if fewer are in flight)
+    /// or `timeout` seconds pass; returns `[(number, None or exception)]`.
+    #[pyo3(signature = (min = 1, timeout = None))]
+    fn wait<'py>(
+        &self,
+        py: Python<'py>,
+        min: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let timeout = match timeout {
+            Some(t) if t >= 0.0 && t.is_finite() => Some(Duration::from_secs_f64(t)),
+            Some(t) => return Err(PyValueError::new_err(format!("timeout {t}"))),
+            None => None,
+        };
+        let done = py.detach(|| self.mp.wait_parts(min, timeout));
+        let out = PyList::empty(py);
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        for (n, r) in done {
+            drop(held.remove(&n));
+            let value = match r {
+                Ok(()) => py.None().into_bound(py),
+                Err(e) => object_err(py, &e).into_value(py).into_bound(py).into_any(),
+            };
+            out.append((n, value))?;
+        }
+        Ok(out)
+    }
+
+    /// Parts queued or being sent.
+    #[getter]
+    fn outstanding(&self) -> usize {
+        self.mp.outstanding()
+    }
+
+    #[getter]
+    fn upload_id(&self) -> String {
+        self.mp.upload_id().to_string()
+    }
+
+    /// Waits for every part and completes the upload: the object appears
+    /// now (under the upload's conditions). A failed part, or a failed
+    /// completion, aborts it and raises. Returns the ETag.
+    fn complete(&self, py: Python<'_>) -> PyResult<String> {
+        let r = py.detach(|| self.mp.complete());
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        r.map_err(|e| py_error(py, e))
+    }
+
+    /// Drops what is queued, waits for what is being sent, and aborts the
+    /// upload: the object does not change.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        let r = py.detach(|| self.mp.abort());
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        r.map_err(|e| py_error(py, e))
     }
 }
 

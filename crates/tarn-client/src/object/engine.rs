@@ -23,6 +23,7 @@ use super::plan;
 use super::upload::PartJob;
 use super::{
     xml, Counters, Error, Failure, Listed, ObjectError, ObjectInfo, ReadState, RingState, Stats,
+    UploadInfo,
 };
 use crate::sigv4::{uri_encode, Signer};
 
@@ -511,6 +512,64 @@ impl Shared {
         }
     }
 
+    /// Deletes an object (one that is not there is not an error, as in S3).
+    pub(crate) fn delete(&self, bucket: &str, key: &str) -> Result<(), Error> {
+        match self.control(&Call::new("DELETE", bucket, key), &[]) {
+            Ok(_) | Err((Failure::NotFound { .. }, _)) => Ok(()),
+            Err((f, attempts)) => Err(ObjectError::new(bucket, key, None, f, attempts).into()),
+        }
+    }
+
+    /// Multipart uploads in progress under `prefix` (ListMultipartUploads,
+    /// all pages).
+    pub(crate) fn list_uploads(
+        &self,
+        bucket: &str,
+        prefix: &str,
+    ) -> Result<Vec<UploadInfo>, Error> {
+        let mut out = Vec::new();
+        let mut markers: Option<(String, String)> = None;
+        loop {
+            let mut q: Vec<(&str, &str)> = vec![("uploads", ""), ("prefix", prefix)];
+            if let Some((k, u)) = &markers {
+                q.push(("key-marker", k));
+                q.push(("upload-id-marker", u));
+            }
+            let (_, body) = self
+                .control(&Call::new("GET", bucket, "").query(&q), &[])
+                .map_err(|(f, a)| ObjectError::new(bucket, prefix, None, f, a))?;
+            let doc = String::from_utf8_lossy(&body);
+            for u in xml::blocks(&doc, "Upload") {
+                out.push(UploadInfo {
+                    key: xml::first(u, "Key").unwrap_or_default(),
+                    upload_id: xml::first(u, "UploadId").unwrap_or_default(),
+                    initiated: xml::first(u, "Initiated").unwrap_or_default(),
+                });
+            }
+            let truncated = xml::first(&doc, "IsTruncated").as_deref() == Some("true");
+            let next =
+                xml::first(&doc, "NextKeyMarker").zip(xml::first(&doc, "NextUploadIdMarker"));
+            if !truncated || next.is_none() || next == markers {
+                return Ok(out);
+            }
+            markers = next;
+        }
+    }
+
+    /// Aborts a multipart upload (one already gone is not an error).
+    pub(crate) fn abort_upload(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> Result<(), Error> {
+        let q = [("uploadId", upload_id)];
+        match self.control(&Call::new("DELETE", bucket, key).query(&q), &[]) {
+            Ok(_) | Err((Failure::NotFound { .. }, _)) => Ok(()),
+            Err((f, attempts)) => Err(ObjectError::new(bucket, key, None, f, attempts).into()),
+        }
+    }
+
     /// The first `len` bytes of an object (fewer if it is shorter) with its
     /// size and ETag, in one request: what a loader needs of a file's header.
     pub(crate) fn read_prefix(
@@ -568,6 +627,7 @@ impl Shared {
                         .and_then(|s| s.parse().ok())
                         .unwrap_or(0),
                     etag: xml::first(c, "ETag").unwrap_or_default(),
+                    last_modified: xml::first(c, "LastModified").unwrap_or_default(),
                 });
             }
             let truncated = xml::first(&doc, "IsTruncated").as_deref() == Some("true");

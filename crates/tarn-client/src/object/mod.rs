@@ -40,7 +40,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use config::{Addressing, ClientConfig, S3Credentials};
-pub use upload::PutOptions;
+pub use upload::{Multipart, PutOptions};
 
 use engine::{Chunk, Shared};
 
@@ -353,6 +353,17 @@ pub struct Listed {
     pub key: String,
     pub size: u64,
     pub etag: String,
+    /// As the listing gives it (ISO 8601, UTC).
+    pub last_modified: String,
+}
+
+/// A multipart upload in progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UploadInfo {
+    pub key: String,
+    pub upload_id: String,
+    /// When it was created, as the listing gives it (ISO 8601, UTC).
+    pub initiated: String,
 }
 
 /// Counters of one client since it was made.
@@ -477,6 +488,33 @@ impl ObjectClient {
         self.shared().list(bucket, prefix)
     }
 
+    /// Deletes an object (one that is not there is not an error).
+    pub fn delete(&self, bucket: &str, key: &str) -> Result<(), Error> {
+        self.shared().delete(bucket, key)
+    }
+
+    /// Multipart uploads in progress under `prefix`.
+    pub fn list_uploads(&self, bucket: &str, prefix: &str) -> Result<Vec<UploadInfo>, Error> {
+        self.shared().list_uploads(bucket, prefix)
+    }
+
+    /// Aborts a multipart upload: its parts are dropped.
+    pub fn abort_upload(&self, bucket: &str, key: &str, upload_id: &str) -> Result<(), Error> {
+        self.shared().abort_upload(bucket, key, upload_id)
+    }
+
+    /// Starts a multipart upload whose parts the caller sends one at a time
+    /// (see [`Multipart`]); `opts` gives its content type and the
+    /// conditions its completion carries.
+    pub fn multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        opts: &PutOptions,
+    ) -> Result<Multipart, Error> {
+        upload::Multipart::create(self.shared(), bucket, key, opts)
+    }
+
     /// Writes `buffer[offset..offset + len]` as object `key`: one PUT when it
     /// fits in a part, else a multipart upload whose parts go out in parallel
     /// (aborted if any part fails for good). Returns the ETag.
@@ -502,7 +540,7 @@ type ObjectName = (Arc<str>, Arc<str>, Option<Arc<str>>);
 
 /// Completions not yet taken, and reads still running.
 #[derive(Default)]
-struct RingState {
+pub(crate) struct RingState {
     done: Mutex<RingDone>,
     changed: Condvar,
     cancelled: AtomicBool,
