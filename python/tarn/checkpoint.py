@@ -164,6 +164,9 @@ class _ObjectWriter:
     def __init__(self, client: Client, bucket: str, key: str, *, part_bytes: int, memory: int, **conditions: Any):
         self.client, self.bucket, self.key = client, bucket, key
         self.part = max(int(part_bytes), PART_MIN)
+        # Parts may be shorter than `part` (a slot sent before a large
+        # tensor), never shorter than this.
+        self.min_part = max(PART_MIN, self.part // 2)
         self.nslots = max(2, int(memory) // self.part)
         self.conditions = conditions
         self.slots: list[Optional[torch.Tensor]] = [None] * self.nslots
@@ -257,16 +260,20 @@ class _ObjectWriter:
         start = self.pos
         flat = _flat_bytes(t.detach())
         n = flat.numel()
-        if flat.device.type == "cpu" and n >= self.part + PART_MIN:
-            # Large host tensors go out from their own memory: top the
-            # current slot up to a whole part, then parts of the tensor,
-            # and the tail (under 5 MiB) through a slot again.
+        lo = self.min_part
+        if flat.device.type == "cpu" and n >= 2 * lo:
+            # A large host tensor goes out from its own memory: the slot
+            # being filled is sent first (topped up to the smallest part
+            # when short), then parts of the tensor, and a tail too short
+            # for a part through a slot again. At most two short copies.
             at = 0
-            if self.cur is not None:
-                at = self.part - self.fill
+            if self.cur is not None and self.fill < lo:
+                at = lo - self.fill
                 self._copy_in(flat[:at])
-            while n - at >= self.part + PART_MIN or (n - at >= PART_MIN and n - at <= self.part):
-                take = min(self.part, n - at)
+            if self.cur is not None:
+                self._send_current()
+            while n - at >= lo:
+                take = n - at if n - at < self.part + lo else self.part
                 self.number += 1
                 piece = flat[at : at + take]
                 self.busy[self.number] = piece
@@ -452,14 +459,15 @@ class StorageWriter(dcp.StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = plan.storage_data.name
-        # Parts big enough that the rank's tensors fit in S3's 10,000 (with
-        # room for the small items).
+        # Parts big enough that the rank's bytes fit in S3's 10,000 parts
+        # even when all are of the smallest size (half a part), with room
+        # for the small items.
         total = sum(
             item.tensor_data.size.numel() * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
             for item in plan.items
             if item.tensor_data is not None
         )
-        part = max(self.part_size, -(-total // (9000 * MIB)) * MIB)
+        part = max(self.part_size, 2 * -(-total // (9000 * MIB)) * MIB)
         w = _ObjectWriter(
             self.client, self.bucket, self.prefix + name, part_bytes=part, memory=max(self.upload_memory, 2 * part)
         )

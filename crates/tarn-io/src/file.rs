@@ -87,6 +87,60 @@ impl File {
         .await
     }
 
+    /// Creates (truncating) a file for writing with O_DIRECT: writes go from
+    /// the (4 KiB-aligned) buffers to the device, not through the page
+    /// cache. On a filesystem that refuses O_DIRECT the file is opened for
+    /// buffered I/O instead; the flag says which.
+    pub async fn create_direct(path: impl Into<PathBuf>) -> io::Result<(File, bool)> {
+        crate::fault::check("create")?;
+        let path = path.into();
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC;
+        let attempt = if uring::available() {
+            uring_open(&path, flags | libc::O_DIRECT, 0o644).await
+        } else {
+            let p = path.clone();
+            blocking(move || {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
+                    .open(&p)
+                    .map(OwnedFd::from)
+            })
+            .await
+        };
+        match attempt {
+            Ok(fd) => Ok((File { fd: Arc::new(fd) }, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Ok((File::create(path).await?, false))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Turns O_DIRECT off (or on) for later I/O on this descriptor: what a
+    /// writer does before a tail that is not a whole number of blocks.
+    pub fn set_direct(&self, on: bool) -> io::Result<()> {
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: fcntl on a descriptor we own.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let want = if on {
+            flags | libc::O_DIRECT
+        } else {
+            flags & !libc::O_DIRECT
+        };
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd, libc::F_SETFL, want) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     pub async fn open(path: impl Into<PathBuf>) -> io::Result<File> {
         let path = path.into();
         if uring::available() {

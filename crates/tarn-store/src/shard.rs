@@ -1,11 +1,13 @@
 //! Shard files: one per drive per part, holding that drive's shard of every stripe.
 //!
 //! ```text
-//! [block 0][block 1]…[block n-1]   shard blocks, lengths from StripeGeometry
-//! [crc32c u32 LE × n]              checksum of each block
+//! [block 0][block 1]…[block n-1]   shard blocks, lengths from StripeGeometry;
+//!                                  format 2: each padded with zeros to a
+//!                                  multiple of 4 KiB (written with O_DIRECT)
+//! [crc32c u32 LE × n]              checksum of each block (its bytes, not the padding)
 //! footer, 32 bytes:
 //!   0  4  magic "TRNS"
-//!   4  2  shard format version, u16 LE (1)
+//!   4  2  shard format version, u16 LE (1 or 2)
 //!   6  1  shard index in the layout
 //!   7  1  reserved, 0
 //!   8  8  block count n, u64 LE
@@ -16,6 +18,9 @@
 //! ```
 //!
 //! Every block read is checked against its table entry before its bytes are used.
+//! Readers tell the formats apart by the file's length (which the geometry
+//! gives for each); when both lengths agree (blocks already a multiple of
+//! 4 KiB) the two layouts are the same bytes, and the footer says which.
 
 use std::io;
 use std::path::Path;
@@ -26,8 +31,11 @@ use crate::checksum::crc32c;
 use crate::codec::StripeGeometry;
 
 pub const SHARD_MAGIC: [u8; 4] = *b"TRNS";
-pub const SHARD_FORMAT_VERSION: u16 = 1;
+/// What new shard files are written as.
+pub const SHARD_FORMAT_VERSION: u16 = 2;
 pub const FOOTER_BYTES: u64 = 32;
+/// Format 2 pads every block to a multiple of this.
+pub const BLOCK_ALIGN: u64 = tarn_io::ALIGNMENT_BYTES as u64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
@@ -43,13 +51,55 @@ pub enum ShardError {
     Io(#[from] io::Error),
 }
 
-pub fn shard_file_len(g: &StripeGeometry) -> u64 {
-    g.shard_blocks_len() + 4 * g.stripe_count() + FOOTER_BYTES
+/// Where blocks lie in a shard file of a given format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardLayout {
+    pub version: u16,
+    geometry: StripeGeometry,
 }
 
-/// Writes one shard file block by block; the caller renames it into place.
+impl ShardLayout {
+    pub fn new(geometry: StripeGeometry, version: u16) -> ShardLayout {
+        ShardLayout { version, geometry }
+    }
+
+    fn padded(&self, len: u64) -> u64 {
+        if self.version >= 2 {
+            len.next_multiple_of(BLOCK_ALIGN)
+        } else {
+            len
+        }
+    }
+
+    /// Offset of block `j` (every earlier block is full).
+    pub fn block_offset(&self, j: u64) -> u64 {
+        j * self.padded(self.geometry.shard_len_for(self.geometry.stripe_size))
+    }
+
+    /// Bytes of the blocks, padding included: where the checksum table starts.
+    pub fn blocks_len(&self) -> u64 {
+        match self.geometry.stripe_count() {
+            0 => 0,
+            n => self.block_offset(n - 1) + self.padded(self.geometry.shard_len(n - 1)),
+        }
+    }
+
+    pub fn file_len(&self) -> u64 {
+        self.blocks_len() + 4 * self.geometry.stripe_count() + FOOTER_BYTES
+    }
+}
+
+/// Length of a shard file as written now (format 2).
+pub fn shard_file_len(g: &StripeGeometry) -> u64 {
+    ShardLayout::new(*g, SHARD_FORMAT_VERSION).file_len()
+}
+
+/// Writes one shard file block by block, in format 2: each block padded to
+/// a multiple of 4 KiB and written with O_DIRECT (straight from the pool
+/// buffer to the device) where the filesystem allows it.
 pub struct ShardWriter {
     file: File,
+    direct: bool,
     offset: u64,
     crcs: Vec<u32>,
     shard_index: u8,
@@ -59,9 +109,10 @@ pub struct ShardWriter {
 
 impl ShardWriter {
     pub async fn create(path: &Path, shard_index: u8) -> io::Result<Self> {
-        let file = File::create(path).await?;
+        let (file, direct) = File::create_direct(path).await?;
         Ok(ShardWriter {
             file,
+            direct,
             offset: 0,
             crcs: Vec::new(),
             shard_index,
@@ -70,17 +121,36 @@ impl ShardWriter {
         })
     }
 
-    pub async fn write_block(&mut self, buf: AlignedBuf) -> (io::Result<()>, AlignedBuf) {
+    /// Whether blocks bypass the page cache.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Appends a block (padded with zeros to a multiple of 4 KiB on disk;
+    /// the buffer comes back with its own length).
+    pub async fn write_block(&mut self, mut buf: AlignedBuf) -> (io::Result<()>, AlignedBuf) {
         let crc = crc32c(&buf);
-        let len = buf.len() as u32;
-        let (res, buf) = self.file.write_all_at(buf, self.offset).await;
+        let len = buf.len();
+        let padded = (len as u64).next_multiple_of(BLOCK_ALIGN) as usize;
+        if padded > buf.capacity() {
+            // Pool buffers are whole 4 KiB multiples; a buffer that is not
+            // gets a copy that is.
+            let mut b = AlignedBuf::with_capacity(padded);
+            b.extend_from_slice(&buf);
+            let (res, _) = Box::pin(self.write_block(b)).await;
+            return (res, buf);
+        }
+        buf.set_len(padded);
+        buf[len..].fill(0);
+        let (res, mut buf) = self.file.write_all_at(buf, self.offset).await;
+        buf.set_len(len);
         if res.is_ok() {
             if self.crcs.is_empty() {
-                self.full_block_len = len;
+                self.full_block_len = len as u32;
             }
-            self.last_block_len = len;
+            self.last_block_len = len as u32;
             self.crcs.push(crc);
-            self.offset += len as u64;
+            self.offset += padded as u64;
         }
         (res, buf)
     }
@@ -105,23 +175,30 @@ impl ShardWriter {
         let fcrc = crc32c(&footer);
         footer.extend_from_slice(&fcrc.to_le_bytes());
         tail.extend_from_slice(&footer);
+        if self.direct {
+            // The tail is not a whole number of blocks: a buffered write,
+            // made durable by the fsync with the rest.
+            self.file.set_direct(false)?;
+        }
         let (res, _) = self.file.write_all_at(tail, self.offset).await;
         res?;
         self.file.sync_all().await
     }
 }
 
-/// Reads verified blocks of one shard file.
+/// Reads verified blocks of one shard file (format 1 or 2).
 pub struct ShardReader {
     file: File,
     geometry: StripeGeometry,
+    layout: ShardLayout,
     /// Checksums of blocks `table_first..table_first + table.len()`.
     table: Vec<u32>,
     table_first: u64,
 }
 
 impl ShardReader {
-    /// Opens and checks the length, so a truncated file is caught before any read.
+    /// Opens and checks the length, so a truncated file is caught before
+    /// any read; the length says the format.
     pub async fn open(path: &Path, geometry: StripeGeometry) -> Result<Self, ShardError> {
         let file = match File::open(path).await {
             Ok(f) => f,
@@ -129,13 +206,18 @@ impl ShardReader {
             Err(e) => return Err(e.into()),
         };
         let actual = file.len().await?;
-        let expected = shard_file_len(&geometry);
-        if actual != expected {
-            return Err(ShardError::WrongLength { expected, actual });
-        }
+        let layout = [SHARD_FORMAT_VERSION, 1]
+            .into_iter()
+            .map(|v| ShardLayout::new(geometry, v))
+            .find(|l| l.file_len() == actual)
+            .ok_or(ShardError::WrongLength {
+                expected: shard_file_len(&geometry),
+                actual,
+            })?;
         Ok(ShardReader {
             file,
             geometry,
+            layout,
             table: Vec::new(),
             table_first: 0,
         })
@@ -144,7 +226,7 @@ impl ShardReader {
     /// Loads the checksums of blocks `first..=last` with one read.
     pub async fn load_checksums(&mut self, first: u64, last: u64) -> Result<(), ShardError> {
         let n = (last - first + 1) as usize;
-        let off = self.geometry.shard_blocks_len() + 4 * first;
+        let off = self.layout.blocks_len() + 4 * first;
         let (res, buf) = self
             .file
             .read_exact_at(AlignedBuf::with_capacity(n * 4), n * 4, off)
@@ -167,7 +249,7 @@ impl ShardReader {
         let len = self.geometry.shard_len(j) as usize;
         let (res, buf) = self
             .file
-            .read_exact_at(buf, len, self.geometry.shard_offset(j))
+            .read_exact_at(buf, len, self.layout.block_offset(j))
             .await;
         if let Err(e) = res {
             return (Err(e.into()), buf);
@@ -189,7 +271,7 @@ impl ShardReader {
 
     /// Checks the footer, the table and every block: the heal scanner's deep check.
     pub async fn verify_all(&mut self, shard_index: u8) -> Result<(), ShardError> {
-        let blocks_len = self.geometry.shard_blocks_len();
+        let blocks_len = self.layout.blocks_len();
         let n = self.geometry.stripe_count();
         let tail_len = (4 * n + FOOTER_BYTES) as usize;
         let (res, tail) = self
@@ -204,7 +286,11 @@ impl ShardReader {
         if u32::from_le_bytes(footer[28..32].try_into().expect("4")) != crc32c(&footer[..28]) {
             return Err(ShardError::BadFooter("footer checksum"));
         }
-        if u16::from_le_bytes([footer[4], footer[5]]) != SHARD_FORMAT_VERSION {
+        // Format 1 and 2 have the same bytes when no block needed padding.
+        let version = u16::from_le_bytes([footer[4], footer[5]]);
+        let same_bytes = ShardLayout::new(self.geometry, 1).file_len()
+            == ShardLayout::new(self.geometry, 2).file_len();
+        if !(version == self.layout.version || same_bytes && (version == 1 || version == 2)) {
             return Err(ShardError::BadFooter("version"));
         }
         if footer[6] != shard_index {
@@ -227,5 +313,151 @@ impl ShardReader {
             buf = b;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    fn blocks(g: &StripeGeometry) -> Vec<Vec<u8>> {
+        (0..g.stripe_count())
+            .map(|j| data(g.shard_len(j) as usize, j as u8))
+            .collect()
+    }
+
+    async fn write(path: &Path, g: &StripeGeometry) {
+        let mut w = ShardWriter::create(path, 3).await.unwrap();
+        for b in blocks(g) {
+            let mut buf = AlignedBuf::with_capacity(b.len());
+            buf.extend_from_slice(&b);
+            let (res, back) = w.write_block(buf).await;
+            res.unwrap();
+            assert_eq!(
+                back.len(),
+                b.len(),
+                "the buffer comes back with its own length"
+            );
+        }
+        w.finish().await.unwrap();
+    }
+
+    /// The format-1 writer as it was: blocks back to back, no padding.
+    fn write_v1(path: &Path, g: &StripeGeometry) {
+        let mut file = Vec::new();
+        let mut table = Vec::new();
+        for b in blocks(g) {
+            table.extend_from_slice(&crc32c(&b).to_le_bytes());
+            file.extend_from_slice(&b);
+        }
+        file.extend_from_slice(&table);
+        let mut footer = Vec::new();
+        footer.extend_from_slice(&SHARD_MAGIC);
+        footer.extend_from_slice(&1u16.to_le_bytes());
+        footer.push(3);
+        footer.push(0);
+        footer.extend_from_slice(&g.stripe_count().to_le_bytes());
+        footer.extend_from_slice(&(g.shard_len(0) as u32).to_le_bytes());
+        footer.extend_from_slice(&(g.shard_len(g.stripe_count().max(1) - 1) as u32).to_le_bytes());
+        footer.extend_from_slice(&crc32c(&table).to_le_bytes());
+        let fcrc = crc32c(&footer);
+        footer.extend_from_slice(&fcrc.to_le_bytes());
+        file.extend_from_slice(&footer);
+        std::fs::write(path, file).unwrap();
+    }
+
+    async fn read_all(path: &Path, g: StripeGeometry) -> Vec<Vec<u8>> {
+        let mut r = ShardReader::open(path, g).await.unwrap();
+        r.verify_all(3).await.unwrap();
+        let n = g.stripe_count();
+        if n > 0 {
+            r.load_checksums(0, n - 1).await.unwrap();
+        }
+        let mut out = Vec::new();
+        for j in 0..n {
+            let buf = AlignedBuf::with_capacity(g.shard_len(j) as usize);
+            let (res, buf) = r.read_block(j, buf).await;
+            res.unwrap();
+            out.push(buf.to_vec());
+        }
+        out
+    }
+
+    // Geometries whose blocks are and are not multiples of 4 KiB: 2+2 of
+    // 1 MiB stripes, k = 3 (349,526-byte blocks), a part shorter than a
+    // stripe, an empty part.
+    fn geometries() -> Vec<StripeGeometry> {
+        vec![
+            StripeGeometry::new(5 << 20, 1 << 20, 2),
+            StripeGeometry::new((3 << 20) + 12_345, 1 << 20, 3),
+            StripeGeometry::new(1000, 1 << 20, 4),
+            StripeGeometry::new(0, 1 << 20, 2),
+        ]
+    }
+
+    #[tokio::test]
+    async fn format_2_pads_blocks_and_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        for (i, g) in geometries().into_iter().enumerate() {
+            let path = dir.path().join(format!("v2-{i}"));
+            write(&path, &g).await;
+            let len = std::fs::metadata(&path).unwrap().len();
+            let v2 = ShardLayout::new(g, 2);
+            assert_eq!(len, v2.file_len());
+            for j in 0..g.stripe_count() {
+                assert_eq!(v2.block_offset(j) % BLOCK_ALIGN, 0);
+            }
+            assert_eq!(v2.blocks_len() % BLOCK_ALIGN, 0);
+            assert_eq!(read_all(&path, g).await, blocks(&g));
+        }
+    }
+
+    #[tokio::test]
+    async fn format_1_files_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        for (i, g) in geometries().into_iter().enumerate() {
+            let path = dir.path().join(format!("v1-{i}"));
+            write_v1(&path, &g);
+            assert_eq!(read_all(&path, g).await, blocks(&g));
+        }
+    }
+
+    #[tokio::test]
+    async fn corruption_and_wrong_lengths_are_caught_in_both_formats() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = StripeGeometry::new((3 << 20) + 12_345, 1 << 20, 3);
+        let (v1, v2) = (dir.path().join("v1"), dir.path().join("v2"));
+        write_v1(&v1, &g);
+        write(&v2, &g).await;
+        for (path, layout) in [(&v1, ShardLayout::new(g, 1)), (&v2, ShardLayout::new(g, 2))] {
+            // A flipped byte in block 2 fails that block only.
+            let mut bytes = std::fs::read(path).unwrap();
+            let at = (layout.block_offset(2) + 77) as usize;
+            bytes[at] ^= 1;
+            std::fs::write(path, &bytes).unwrap();
+            let mut r = ShardReader::open(path, g).await.unwrap();
+            r.load_checksums(0, g.stripe_count() - 1).await.unwrap();
+            let (ok, buf) = r.read_block(1, AlignedBuf::with_capacity(1 << 20)).await;
+            ok.unwrap();
+            let (bad, _) = r.read_block(2, buf).await;
+            assert!(
+                matches!(bad, Err(ShardError::Corrupt { block: 2 })),
+                "{bad:?}"
+            );
+            assert!(r.verify_all(3).await.is_err());
+            // Cut short: refused at open.
+            bytes.truncate(bytes.len() - 1);
+            std::fs::write(path, &bytes).unwrap();
+            assert!(matches!(
+                ShardReader::open(path, g).await,
+                Err(ShardError::WrongLength { .. })
+            ));
+        }
     }
 }

@@ -217,55 +217,50 @@ impl Store {
 
         // A stripe's body bytes are kept as the chunks they came in (the
         // HTTP layer's own buffers) until the stripe is complete; pool
-        // buffers are taken only then, for the copy into shards, the parity
-        // and the writes, and given back before the next stripe's body is
-        // awaited. A client that stops sending mid-stripe holds no pool
-        // buffer, so slow clients cannot starve the others of the pool.
+        // buffers are taken only then, for the copy into shards and the
+        // parity, and go back as soon as the stripe's blocks are written.
+        // The writes of one stripe run while the next stripe's body
+        // arrives (two stripes in flight: the network and the drives
+        // overlap). A client that stops sending mid-stripe holds no pool
+        // buffer once the last stripe's writes are done, so slow clients
+        // cannot starve the others of the pool.
         let wait = self.buffer_wait();
         let mut pending: Vec<Bytes> = Vec::new();
-        let mut pending_len = 0usize;
         let mut size = 0u64;
+        let mut writing: Option<StripeWrite<'_>> = None;
         loop {
-            let mut ended = false;
-            while pending_len < stripe {
-                match reader.next().await? {
-                    None => {
-                        ended = true;
-                        break;
-                    }
-                    Some(chunk) => {
-                        let room = stripe - pending_len;
-                        if chunk.len() > room {
-                            pending.push(chunk.slice(..room));
-                            reader.push_back(chunk.slice(room..));
-                            pending_len += room;
-                        } else {
-                            pending_len += chunk.len();
-                            pending.push(chunk);
-                        }
-                    }
+            let receive = receive_stripe(reader, &mut pending, stripe);
+            let received = match writing.take() {
+                Some(w) => {
+                    let (received, (ws, written)) = futures::join!(receive, w);
+                    writers = ws;
+                    written?;
+                    received
                 }
-            }
+                None => receive.await,
+            };
+            let (pending_len, ended) = received?;
             if pending_len > 0 {
                 size += pending_len as u64;
                 let mut shard_bufs: Vec<PooledBuf> = self.pool().acquire_many(n, wait).await?;
-                self.write_stripe(
-                    &pending,
-                    pending_len,
-                    &mut shard_bufs,
-                    &mut writers,
-                    &slots,
-                    codec.as_ref(),
-                    k,
-                    quorum,
-                )
-                .await?;
+                let sl = fill_stripe(&pending, pending_len, &mut shard_bufs, codec.as_ref(), k)?;
                 pending.clear();
-                pending_len = 0;
+                writing = Some(Box::pin(self.write_blocks(
+                    std::mem::take(&mut writers),
+                    shard_bufs,
+                    sl,
+                    &slots,
+                    quorum,
+                )));
             }
             if ended {
                 break;
             }
+        }
+        if let Some(w) = writing.take() {
+            let (ws, written) = w.await;
+            writers = ws;
+            written?;
         }
 
         // Footers, then the file's fsync and its directory entry's fsync in
@@ -298,55 +293,17 @@ impl Store {
         Ok((data_id, size))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn write_stripe(
+    /// Writes one stripe's blocks to their drives (concurrently) and gives
+    /// the buffers back to the pool; returns the writers, a drive that
+    /// failed or filled up taken out.
+    async fn write_blocks(
         &self,
-        chunks: &[Bytes],
-        len: usize,
-        shard_bufs: &mut [PooledBuf],
-        writers: &mut [Option<Box<dyn ShardSink>>],
+        mut writers: Vec<Option<Box<dyn ShardSink>>>,
+        mut shard_bufs: Vec<PooledBuf>,
+        sl: usize,
         slots: &[std::sync::Arc<super::DriveSlot>],
-        codec: &dyn crate::codec::Codec,
-        k: usize,
         quorum: usize,
-    ) -> Result<(), StoreError> {
-        let g = StripeGeometry {
-            part_size: len as u64,
-            stripe_size: len as u64,
-            data_shards: k as u64,
-        };
-        let sl = g.shard_len_for(len as u64) as usize;
-        for buf in shard_bufs.iter_mut() {
-            buf.clear();
-        }
-        // The chunks, in order, cut into k data shards of sl bytes.
-        let mut shard = 0;
-        for chunk in chunks {
-            let mut c = &chunk[..];
-            while !c.is_empty() {
-                let buf = &mut shard_bufs[shard];
-                let take = (sl - buf.len()).min(c.len());
-                buf.extend_from_slice(&c[..take]);
-                c = &c[take..];
-                if buf.len() == sl {
-                    shard += 1;
-                }
-            }
-        }
-        for buf in shard_bufs.iter_mut() {
-            // Zero padding of the last data shard, and room for parity.
-            let filled = buf.len();
-            buf.set_len(sl);
-            buf[filled..].fill(0);
-        }
-        {
-            let (data_shards, parity_shards) = shard_bufs.split_at_mut(k);
-            let refs: Vec<&[u8]> = data_shards.iter().map(|b| &b[..]).collect();
-            let mut outs: Vec<&mut [u8]> = parity_shards.iter_mut().map(|b| &mut b[..]).collect();
-            codec
-                .encode(&refs, &mut outs)
-                .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
-        }
+    ) -> (Vec<Option<Box<dyn ShardSink>>>, Result<(), StoreError>) {
         let writes = writers
             .iter_mut()
             .zip(shard_bufs.iter_mut())
@@ -368,7 +325,9 @@ impl Store {
                 }
             });
         futures::future::join_all(writes).await;
-        check_alive(writers, quorum)
+        drop(shard_bufs);
+        let alive = check_alive(&writers, quorum);
+        (writers, alive)
     }
 
     async fn remove_tmp_and_data(&self, set: usize, layout: &Layout, data_id: Id128) {
@@ -579,6 +538,90 @@ pub fn etag_matches(condition: &str, etag: &str) -> bool {
         .split(',')
         .map(|c| c.trim().trim_start_matches("W/").trim_matches('"'))
         .any(|c| c == "*" || c == etag)
+}
+
+/// The writes of one stripe, in flight while the next stripe arrives.
+type StripeWrite<'a> = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = (Vec<Option<Box<dyn ShardSink>>>, Result<(), StoreError>)>
+            + Send
+            + 'a,
+    >,
+>;
+
+/// Reads body chunks into `pending` until it holds a stripe or the body
+/// ends; returns the bytes pending and whether the body ended.
+async fn receive_stripe(
+    reader: &mut BodyReader,
+    pending: &mut Vec<Bytes>,
+    stripe: usize,
+) -> Result<(usize, bool), StoreError> {
+    let mut len: usize = pending.iter().map(|b| b.len()).sum();
+    while len < stripe {
+        match reader.next().await? {
+            None => return Ok((len, true)),
+            Some(chunk) => {
+                let room = stripe - len;
+                if chunk.len() > room {
+                    pending.push(chunk.slice(..room));
+                    reader.push_back(chunk.slice(room..));
+                    len += room;
+                } else {
+                    len += chunk.len();
+                    pending.push(chunk);
+                }
+            }
+        }
+    }
+    Ok((len, false))
+}
+
+/// Cuts a stripe's chunks into k data shards of equal, even length (the
+/// last zero-padded) and computes the parity into the rest of `shard_bufs`;
+/// returns the shard length.
+fn fill_stripe(
+    chunks: &[Bytes],
+    len: usize,
+    shard_bufs: &mut [PooledBuf],
+    codec: &dyn crate::codec::Codec,
+    k: usize,
+) -> Result<usize, StoreError> {
+    let g = StripeGeometry {
+        part_size: len as u64,
+        stripe_size: len as u64,
+        data_shards: k as u64,
+    };
+    let sl = g.shard_len_for(len as u64) as usize;
+    for buf in shard_bufs.iter_mut() {
+        buf.clear();
+    }
+    // The chunks, in order, cut into k data shards of sl bytes.
+    let mut shard = 0;
+    for chunk in chunks {
+        let mut c = &chunk[..];
+        while !c.is_empty() {
+            let buf = &mut shard_bufs[shard];
+            let take = (sl - buf.len()).min(c.len());
+            buf.extend_from_slice(&c[..take]);
+            c = &c[take..];
+            if buf.len() == sl {
+                shard += 1;
+            }
+        }
+    }
+    for buf in shard_bufs.iter_mut() {
+        // Zero padding of the last data shard, and room for parity.
+        let filled = buf.len();
+        buf.set_len(sl);
+        buf[filled..].fill(0);
+    }
+    let (data_shards, parity_shards) = shard_bufs.split_at_mut(k);
+    let refs: Vec<&[u8]> = data_shards.iter().map(|b| &b[..]).collect();
+    let mut outs: Vec<&mut [u8]> = parity_shards.iter_mut().map(|b| &mut b[..]).collect();
+    codec
+        .encode(&refs, &mut outs)
+        .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+    Ok(sl)
 }
 
 fn check_alive<W>(writers: &[Option<W>], quorum: usize) -> Result<(), StoreError> {
