@@ -181,6 +181,21 @@ def test_a_commit_another_writer_beat_is_refused(store):
         second.finish(Metadata(state_dict_metadata={}), [])
 
 
+def test_a_writer_used_again_never_writes_over_the_committed_checkpoint(store):
+    _, c = store
+    uri = "s3://ckpt/again/step-1"
+    w = ckpt.StorageWriter(uri, client=c, overwrite=True)
+    dcp.save({"x": torch.zeros(3)}, storage_writer=w)
+    first = {o.key for o in c.list("ckpt", "again/step-1/")}
+    dcp.save({"x": torch.ones(3)}, storage_writer=w)  # same writer, no new checkpoint_id
+    second = {o.key for o in c.list("ckpt", "again/step-1/")}
+    # The second save's object is a new one; the first stays until removed.
+    assert len(second - first) == 1 and first <= second, (first, second)
+    got = {"x": torch.zeros(3)}
+    dcp.load(got, storage_reader=ckpt.StorageReader(uri, client=c))
+    assert torch.equal(got["x"], torch.ones(3))
+
+
 def test_a_prefix_without_metadata_is_refused(store):
     _, c = store
     c.put("ckpt", "half/step-5/__0_abc.distcp", b"x" * 100)
@@ -343,3 +358,37 @@ def test_failures_name_the_object(store):
                 f.write(b"abc")
     finally:
         proxy.close()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU host)")
+
+
+@cuda
+def test_gpu_state_saves_and_loads_through_pinned_staging(store):
+    """GPU tensors go out through pinned slots copied on a side stream, and
+    come back into CUDA tensors through the ring's staging; async_save
+    stages into pinned host buffers reused by the next save."""
+    _, c = store
+    g = torch.Generator().manual_seed(5)
+    sd = {
+        "w": torch.randn(1000, 1027, generator=g).cuda(),
+        "b": torch.randn(3 * MIB + 1, generator=g).to(torch.bfloat16).cuda(),
+        "odd": torch.randn(7, 9, generator=g).cuda().t(),
+        "host": torch.arange(100),
+    }
+    uri = "s3://ckpt/gpu/step-1"
+    dcp.save(sd, storage_writer=ckpt.StorageWriter(uri, client=c, part_size=5 * MIB, upload_memory=10 * MIB))
+    got = {k: torch.zeros(v.shape, dtype=v.dtype, device=v.device) for k, v in sd.items()}
+    dcp.load(got, storage_reader=ckpt.StorageReader(uri, client=c))
+    for k in sd:
+        assert torch.equal(got[k].cpu(), sd[k].cpu()), k
+    w = ckpt.StorageWriter("s3://ckpt/gpu/a", client=c)
+    dcp.async_save(sd, storage_writer=w).result()
+    first = w._staged
+    assert all(t.is_pinned() for t in first.buffers.values() if isinstance(t, torch.Tensor) and t.numel())
+    sd["w"].add_(1)
+    dcp.async_save(sd, storage_writer=w, checkpoint_id="s3://ckpt/gpu/b").result()
+    assert w._staged is first
+    got = {k: torch.zeros(v.shape, dtype=v.dtype, device=v.device) for k, v in sd.items()}
+    dcp.load(got, storage_reader=ckpt.StorageReader("s3://ckpt/gpu/b", client=c))
+    assert torch.equal(got["w"], sd["w"])

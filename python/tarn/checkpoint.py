@@ -437,6 +437,10 @@ class StorageWriter(dcp.StorageWriter, AsyncStager):
                 ".metadata written by the coordinator after every rank's upload)"
             )
         self.is_coordinator = is_coordinator
+        # A fresh id names this save's objects even when the writer is used
+        # again without a new checkpoint_id (DCP calls reset only with
+        # one): never an object of a committed checkpoint written over.
+        self.save_id = uuid.uuid4().hex
         if is_coordinator:
             self._old_etag = None
             try:
