@@ -392,3 +392,28 @@ def test_gpu_state_saves_and_loads_through_pinned_staging(store):
     got = {k: torch.zeros(v.shape, dtype=v.dtype, device=v.device) for k, v in sd.items()}
     dcp.load(got, storage_reader=ckpt.StorageReader("s3://ckpt/gpu/b", client=c))
     assert torch.equal(got["w"], sd["w"])
+
+
+def test_a_full_server_and_lost_connections_name_the_object(make_server, tmp_path):
+    cfg = tmp_path / "full.toml"
+    cfg.write_text("drive_reserve_bytes = 1125899906842624\n")  # 1 PiB: no drive has room for shard data
+    server = make_server(drives=1, extra_args=["--config", str(cfg)],
+                         expected_errors=[r"drive full", r"quorum", r"shard write"])
+    c = client_for(server.endpoint, retries=1)
+    c.create_bucket("ckpt")
+    e = dcp_error(ObjectError, r"s3://ckpt/full/1/__0_\S+\.distcp",
+                  dcp.save, {"x": torch.ones(2 * MIB)}, storage_writer=ckpt.StorageWriter("s3://ckpt/full/1", client=c))
+    assert e.status is not None and e.status >= 500, e
+    assert [o.key for o in c.list("ckpt", "full/")] == []
+    # Every answer cut off: a connection error naming the object, not a hang.
+    host, port = server.endpoint.rsplit("//", 1)[1].split(":")
+    proxy = FaultProxy(host, int(port))
+    try:
+        proxy.always(("reset", 0))
+        bad = client_for(proxy.endpoint, retries=1)
+        with pytest.raises(ObjectError, match=r"s3://ckpt/cut\.pt") as e:
+            with ckpt.open_write("s3://ckpt/cut.pt", client=bad) as f:
+                torch.save({"x": torch.ones(10)}, f)
+        assert e.value.status is None
+    finally:
+        proxy.close()
