@@ -23,7 +23,7 @@ Nothing is copied or deleted on the way. A reader refuses a prefix without
 ``.metadata``. :func:`leftovers` and :func:`remove_leftovers` find and remove
 what failed saves (and overwritten checkpoints) left behind.
 
-Tested with torch 2.13 (the storage interfaces of torch 2.4 and later).
+Supported: torch 2.13 (tested; the storage interfaces as it defines them).
 """
 
 from __future__ import annotations
@@ -978,10 +978,16 @@ def leftovers(uri: str, *, client: Optional[Client] = None, older_than: float = 
     bucket, prefix = _prefix_of(uri)
     named: set[str] = set()
     try:
-        md = pickle.loads(c.get(bucket, prefix + METADATA))
-        named = {prefix + s.name for s in md.storage_data.values()} | {prefix + METADATA}
+        raw = c.get(bucket, prefix + METADATA)
     except ObjectNotFoundError:
-        pass
+        raw = None
+    if raw is not None:
+        try:
+            md = pickle.loads(raw)
+            named = {prefix + s.name for s in md.storage_data.values()} | {prefix + METADATA}
+        except Exception as e:
+            # Not knowing what it names, nothing under it counts as left over.
+            raise CheckpointError(f"{uri}: {METADATA} was not written by tarn.checkpoint ({e}); nothing listed") from e
     now = datetime.datetime.now(datetime.timezone.utc)
     objects = [
         o.key

@@ -26,6 +26,10 @@ enum Fault {
     Stall(usize, Duration),
     /// Closes without answering.
     Close,
+    /// A PUT answered with this status right after its head, the body left
+    /// unread (the connection held open a while): the early answer of a
+    /// server that refuses a body.
+    Refuse(u16, &'static str),
 }
 
 #[derive(Default)]
@@ -166,6 +170,18 @@ fn serve(s: TcpStream, st: Arc<Mutex<State>>, stop: Arc<AtomicBool>) {
             .get("content-length")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let (path0, _) = target.split_once('?').unwrap_or((&target, ""));
+        let refuse = st
+            .lock()
+            .unwrap()
+            .always
+            .get(path0.trim_start_matches('/'))
+            .cloned();
+        if let (Some(Fault::Refuse(code, name)), "PUT") = (refuse, method.as_str()) {
+            let _ = respond(&mut w, code, &[], &error_body(name));
+            std::thread::sleep(Duration::from_secs(2));
+            return;
+        }
         let mut body = vec![0u8; len];
         if r.read_exact(&mut body).is_err() {
             return;
@@ -271,7 +287,7 @@ fn get(
     };
     let ok = match fault {
         None => w.write_all(head.as_bytes()).is_ok() && last(w, 0),
-        Some(Fault::Status(code, name)) => {
+        Some(Fault::Status(code, name)) | Some(Fault::Refuse(code, name)) => {
             done(st);
             respond(w, code, &[], &error_body(name)).is_ok()
         }
@@ -868,6 +884,40 @@ fn a_streamed_upload_reuses_its_buffers_and_appears_only_when_completed() {
         .unwrap_err()
         .to_string()
         .contains("at least one part"));
+}
+
+#[test]
+fn a_body_refused_early_reports_the_server_s_answer() {
+    let server = Server::start();
+    let client = ObjectClient::new(ClientConfig {
+        io_timeout: Duration::from_millis(300),
+        retries: 1,
+        ..config(&server)
+    })
+    .unwrap();
+    server
+        .state
+        .lock()
+        .unwrap()
+        .always
+        .insert("b/refused".into(), Fault::Refuse(503, "ServiceUnavailable"));
+    // The server answers and stops reading: the send stalls, and the
+    // answer, not the stalled send, is what the error says.
+    let data = pattern(16 << 20, 3);
+    let buf = Buffer::from_vec(data);
+    let opts = PutOptions {
+        part_bytes: Some(64 << 20),
+        ..PutOptions::default()
+    };
+    let e = client
+        .put("b", "refused", &buf, 0, 16 << 20, &opts)
+        .unwrap_err();
+    let Error::Object(o) = &e else { panic!("{e}") };
+    assert!(
+        matches!(o.failure, Failure::Status { status: 503, .. }),
+        "{e}"
+    );
+    assert_eq!(o.attempts, 2, "{e}");
 }
 
 #[test]

@@ -152,6 +152,16 @@ impl Conn {
         }
     }
 
+    /// After a failed send: the response head the server may have sent
+    /// before it closed (an early answer to a body it refused), waiting at
+    /// most `wait` for it. The connection is not reused either way.
+    pub fn read_early_head(&mut self, wait: Duration) -> io::Result<Head> {
+        self.broken = true;
+        self.stream
+            .set_read_timeout(Some(wait.max(Duration::from_millis(1))))?;
+        self.read_head()
+    }
+
     /// Reads body bytes into `dst`: first what came with the head, then from
     /// the socket. Returns the count read (0 at end of stream).
     pub fn read_body(&mut self, dst: &mut [u8]) -> io::Result<usize> {

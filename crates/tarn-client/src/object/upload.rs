@@ -17,6 +17,9 @@ use super::{xml, Buffer, Error, Failure, ObjectError};
 const PARTS_MAX: u64 = 10_000;
 /// Smallest part S3 allows (all but the last).
 const PART_MIN: u64 = 5 << 20;
+/// How long a send that failed waits for the answer the server may have
+/// sent before closing.
+const EARLY_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// How to write an object.
 #[derive(Debug, Clone, Default)]
@@ -484,11 +487,20 @@ pub(crate) fn run_part(sh: &Shared, conn: &mut Option<Conn>, p: &PartJob, index:
                     stale,
                 )
             };
-            if let Err(e) = cn.send(&head, body) {
-                return Err(io(cn, e));
-            }
-            sh.counters.bytes_sent.fetch_add(p.len, Ordering::Relaxed);
-            let h = cn.read_head().map_err(|e| io(cn, e))?;
+            let h = match cn.send(&head, body) {
+                Ok(()) => {
+                    sh.counters.bytes_sent.fetch_add(p.len, Ordering::Relaxed);
+                    cn.read_head().map_err(|e| io(cn, e))?
+                }
+                // A server that refuses a body answers before reading it
+                // all and closes: its answer (a full drive, a denied
+                // write) says more than the broken pipe, when it came in
+                // before the close.
+                Err(e) => match cn.read_early_head(EARLY_ANSWER_WAIT) {
+                    Ok(h) if !(200..300).contains(&h.status) => h,
+                    _ => return Err(io(cn, e)),
+                },
+            };
             let b = cn.read_body_to_vec(&h, 1 << 20).map_err(|e| io(cn, e))?;
             if (200..300).contains(&h.status) {
                 return Ok(h.header("etag").unwrap_or_default().to_string());

@@ -472,7 +472,7 @@ impl Store {
         opts: &PutOptions,
         upload_delete: Option<(Id128, Vec<u32>)>,
     ) -> Result<ObjectInfo, StoreError> {
-        let _g = self.lock_write(bucket, key).await?;
+        let guard = self.lock_write(bucket, key).await?;
         // The bucket may have been deleted while the body streamed.
         self.bucket_record(bucket)?;
         let loc = self.locate(bucket, key).await?;
@@ -524,10 +524,14 @@ impl Store {
             missed: Vec::new(),
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
-        self.retire_data(set, data_ids_of(&superseded)).await;
         for (s, r) in stale {
             self.remove_stale(s, bucket, key, r).await;
         }
+        // The superseded data is no record's any more: its files go after
+        // the key is free for the next writer (readers that found the old
+        // version before the commit hold pins the removal respects).
+        drop(guard);
+        self.retire_data(set, data_ids_of(&superseded)).await;
         Ok(self.info_from(bucket, key, &meta, true))
     }
 }
