@@ -325,9 +325,13 @@ class _ObjectWriter:
                 self.busy.clear()
 
 
-def _tensor_bytes(sd: Any) -> int:
-    """Bytes of the tensors in a (nested) state dict, DTensors by their local shard."""
-    total = 0
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_tensors(sd: Any):
+    """The (local) tensors of a nested state dict."""
     stack = [sd]
     while stack:
         x = stack.pop()
@@ -336,9 +340,12 @@ def _tensor_bytes(sd: Any) -> int:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
         elif isinstance(x, torch.Tensor):
-            local = x.to_local() if hasattr(x, "to_local") else x
-            total += local.numel() * local.element_size()
-    return total
+            yield _local(x)
+
+
+def _tensor_bytes(sd: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict, DTensors by their local shard."""
+    return sum(t.numel() * t.element_size() for t in _local_tensors(sd))
 
 
 def _layout(sd: Any) -> Any:
@@ -349,7 +356,7 @@ def _layout(sd: Any) -> Any:
     if isinstance(sd, (list, tuple)):
         return (type(sd).__name__, tuple(_layout(v) for v in sd))
     if isinstance(sd, torch.Tensor):
-        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        local = _local(sd)
         return (type(sd).__name__, tuple(sd.shape), tuple(local.shape), sd.dtype, str(local.device))
     return type(sd).__name__
 
@@ -366,18 +373,7 @@ class _StagedSet:
 
 def _storages(sd: Any) -> set:
     """Addresses of the storages of the (local) tensors in a state dict."""
-    out = set()
-    stack = [sd]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, torch.Tensor):
-            local = x.to_local() if hasattr(x, "to_local") else x
-            out.add(local.untyped_storage().data_ptr())
-    return out
+    return {t.untyped_storage().data_ptr() for t in _local_tensors(sd)}
 
 
 class StorageWriter(dcp.StorageWriter, AsyncStager):

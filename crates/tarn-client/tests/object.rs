@@ -91,6 +91,11 @@ impl Server {
         self.state.lock().unwrap().faults.push_back(f);
     }
 
+    /// A fault for every request on `key` ("bucket/key"), for good.
+    fn always(&self, key: &str, f: Fault) {
+        self.state.lock().unwrap().always.insert(key.into(), f);
+    }
+
     fn log(&self) -> Vec<(String, String, Option<String>)> {
         self.state.lock().unwrap().log.clone()
     }
@@ -779,12 +784,7 @@ fn uploads_go_in_parallel_parts_with_checksums() {
     );
 
     // A part that fails for good aborts the upload.
-    server
-        .state
-        .lock()
-        .unwrap()
-        .always
-        .insert("b/doomed".into(), Fault::Status(400, "InvalidPart"));
+    server.always("b/doomed", Fault::Status(400, "InvalidPart"));
     let e = client
         .put("b", "doomed", &buf, 0, 12 << 20, &opts)
         .unwrap_err();
@@ -860,12 +860,7 @@ fn a_streamed_upload_reuses_its_buffers_and_appears_only_when_completed() {
 
     // A part that fails for good: its completion says so, and completing
     // reports it (naming the bytes) and aborts.
-    server
-        .state
-        .lock()
-        .unwrap()
-        .always
-        .insert("b/doomed".into(), Fault::Status(400, "InvalidPart"));
+    server.always("b/doomed", Fault::Status(400, "InvalidPart"));
     let mp = client
         .multipart("b", "doomed", &PutOptions::default())
         .unwrap();
@@ -895,12 +890,7 @@ fn a_body_refused_early_reports_the_server_s_answer() {
         ..config(&server)
     })
     .unwrap();
-    server
-        .state
-        .lock()
-        .unwrap()
-        .always
-        .insert("b/refused".into(), Fault::Refuse(503, "ServiceUnavailable"));
+    server.always("b/refused", Fault::Refuse(503, "ServiceUnavailable"));
     // The server answers and stops reading: the send stalls, and the
     // answer, not the stalled send, is what the error says.
     let data = pattern(16 << 20, 3);

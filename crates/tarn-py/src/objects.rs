@@ -144,6 +144,15 @@ fn secs(v: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
     }
 }
 
+/// A `wait`'s timeout: None waits for good, 0 polls.
+fn wait_timeout(v: Option<f64>) -> PyResult<Option<Duration>> {
+    match v {
+        Some(t) if t >= 0.0 && t.is_finite() => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) => Err(PyValueError::new_err(format!("timeout {t}"))),
+        None => Ok(None),
+    }
+}
+
 /// The native object client; `tarn.objects.Client` derives from it.
 #[pyclass(subclass, frozen, module = "tarn._native", name = "ObjectClient")]
 pub struct ObjectClient {
@@ -531,11 +540,7 @@ impl Multipart {
         min: usize,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let timeout = match timeout {
-            Some(t) if t >= 0.0 && t.is_finite() => Some(Duration::from_secs_f64(t)),
-            Some(t) => return Err(PyValueError::new_err(format!("timeout {t}"))),
-            None => None,
-        };
+        let timeout = wait_timeout(timeout)?;
         let done = py.detach(|| self.mp.wait_parts(min, timeout));
         let out = PyList::empty(py);
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
@@ -627,11 +632,7 @@ impl Ring {
         min: usize,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let timeout = match timeout {
-            Some(t) if t >= 0.0 && t.is_finite() => Some(Duration::from_secs_f64(t)),
-            Some(t) => return Err(PyValueError::new_err(format!("timeout {t}"))),
-            None => None,
-        };
+        let timeout = wait_timeout(timeout)?;
         let done: Vec<Completion> = py.detach(|| self.ring.wait(min, timeout));
         let out = PyList::empty(py);
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());

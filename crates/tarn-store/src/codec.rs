@@ -222,19 +222,6 @@ impl StripeGeometry {
     pub fn shard_len(&self, j: u64) -> u64 {
         self.shard_len_for(self.stripe_data_len(j))
     }
-
-    /// Offset of stripe `j`'s block in a shard file (all earlier blocks are full).
-    pub fn shard_offset(&self, j: u64) -> u64 {
-        j * self.shard_len_for(self.stripe_size)
-    }
-
-    /// Total bytes of blocks in one shard file.
-    pub fn shard_blocks_len(&self) -> u64 {
-        match self.stripe_count() {
-            0 => 0,
-            n => self.shard_offset(n - 1) + self.shard_len(n - 1),
-        }
-    }
 }
 
 #[cfg(test)]

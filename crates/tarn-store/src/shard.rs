@@ -121,25 +121,13 @@ impl ShardWriter {
         })
     }
 
-    /// Whether blocks bypass the page cache.
-    pub fn direct(&self) -> bool {
-        self.direct
-    }
-
     /// Appends a block (padded with zeros to a multiple of 4 KiB on disk;
     /// the buffer comes back with its own length).
     pub async fn write_block(&mut self, mut buf: AlignedBuf) -> (io::Result<()>, AlignedBuf) {
         let crc = crc32c(&buf);
         let len = buf.len();
+        // Fits: an AlignedBuf's capacity is a whole number of 4 KiB blocks.
         let padded = (len as u64).next_multiple_of(BLOCK_ALIGN) as usize;
-        if padded > buf.capacity() {
-            // Pool buffers are whole 4 KiB multiples; a buffer that is not
-            // gets a copy that is.
-            let mut b = AlignedBuf::with_capacity(padded);
-            b.extend_from_slice(&buf);
-            let (res, _) = Box::pin(self.write_block(b)).await;
-            return (res, buf);
-        }
         buf.set_len(padded);
         buf[len..].fill(0);
         let (res, mut buf) = self.file.write_all_at(buf, self.offset).await;

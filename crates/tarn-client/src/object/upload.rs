@@ -19,7 +19,7 @@ const PARTS_MAX: u64 = 10_000;
 const PART_MIN: u64 = 5 << 20;
 /// How long a send that failed waits for the answer the server may have
 /// sent before closing.
-const EARLY_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+const EARLY_ANSWER_WAIT: Duration = Duration::from_millis(500);
 
 /// How to write an object.
 #[derive(Debug, Clone, Default)]
@@ -225,7 +225,7 @@ impl Multipart {
         }
         {
             let mut s = self.up.lock();
-            if s.results.contains_key(&number) || s.fresh.contains(&number) {
+            if s.results.contains_key(&number) {
                 return Err(Error::Usage(format!("part {number} was sent already")));
             }
             // Reserved until it finishes: a second send of the number is refused.
@@ -322,11 +322,11 @@ impl Multipart {
             .or_else(|| results.values().find_map(|r| r.as_ref().err()))
             .cloned();
         if let Some(e) = first_failure {
-            self.abort_now();
+            let _ = self.abort_request();
             return Err(e.into());
         }
         if results.is_empty() {
-            self.abort_now();
+            let _ = self.abort_request();
             return Err(Error::Usage(format!(
                 "s3://{bucket}/{key}: a multipart upload needs at least one part"
             )));
@@ -349,7 +349,7 @@ impl Multipart {
                 xml_body.as_bytes(),
             )
             .map_err(|(f, a)| {
-                self.abort_now();
+                let _ = self.abort_request();
                 Error::from(ObjectError::new(bucket, key, None, f, a))
             })?;
         Ok(xml::first(&String::from_utf8_lossy(&body), "ETag").unwrap_or_default())
@@ -364,10 +364,6 @@ impl Multipart {
         self.up.failed.store(true, Ordering::Relaxed);
         self.up.wait_all();
         self.abort_request()
-    }
-
-    fn abort_now(&self) {
-        let _ = self.abort_request();
     }
 
     fn abort_request(&self) -> Result<(), Error> {
