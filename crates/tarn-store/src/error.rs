@@ -1,6 +1,8 @@
 //! Errors of the object engine. The S3 layer maps each to one S3 error code.
 
-#[derive(Debug, thiserror::Error)]
+/// Clone, so that one failure of a commit shared by several writers
+/// (`store::commit`) reaches each of them.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("bucket {0} does not exist")]
     NoSuchBucket(String),
@@ -98,7 +100,13 @@ pub enum StoreError {
     #[error("configuration: {0}")]
     Config(String),
     #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::sync::Arc<std::io::Error>),
+}
+
+impl From<std::io::Error> for StoreError {
+    fn from(e: std::io::Error) -> Self {
+        StoreError::Io(std::sync::Arc::new(e))
+    }
 }
 
 impl From<tarn_io::PoolExhausted> for StoreError {

@@ -85,7 +85,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-pub async fn put(store: &Store, bucket: &str, key: &str, body: &[u8]) -> tarn_store::ObjectInfo {
+pub async fn put(
+    store: &Arc<Store>,
+    bucket: &str,
+    key: &str,
+    body: &[u8],
+) -> tarn_store::ObjectInfo {
     store
         .put_object(
             bucket,
@@ -99,7 +104,7 @@ pub async fn put(store: &Store, bucket: &str, key: &str, body: &[u8]) -> tarn_st
 
 /// Puts a body in chunks of `chunk` bytes with no declared length.
 pub async fn put_chunked(
-    store: &Store,
+    store: &Arc<Store>,
     bucket: &str,
     key: &str,
     body: &[u8],

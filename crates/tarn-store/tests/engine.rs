@@ -963,3 +963,137 @@ fn objects_stay_readable_after_the_stripe_size_shrinks() {
         assert_eq!(store.heal_all().await.failures, 0);
     });
 }
+
+/// Writers of one key at once share its durable writes (group commit):
+/// each is answered as if committed alone in some order, conditions are
+/// checked against the writers before it, versions superseded within a
+/// round leave nothing behind, and a versioned key keeps every one.
+#[test]
+fn concurrent_writers_of_one_key_share_its_commits() {
+    use futures::future::join_all;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Cluster::new(4);
+    let store = c.open();
+    let s = store.clone();
+    run(async move {
+        let store = s;
+        bucket(&store, "bk-g").await;
+        // Half the bodies inline, half in shard files.
+        let bodies: Vec<Vec<u8>> = (0..24u64)
+            .map(|i| {
+                data(
+                    i,
+                    if i % 2 == 0 { 1000 } else { INLINE + 4096 } + i as usize,
+                )
+            })
+            .collect();
+        let puts = bodies.iter().map(|b| {
+            store.put_object(
+                "bk-g",
+                "k",
+                ObjectBody::from_bytes(b.clone()),
+                PutOptions::default(),
+            )
+        });
+        let infos: Vec<_> = join_all(puts)
+            .await
+            .into_iter()
+            .map(|r| r.expect("put"))
+            .collect();
+        let rounds = store.stats.commit_rounds.load(Relaxed);
+        let versions = store.stats.commit_versions.load(Relaxed);
+        assert_eq!(versions, 24);
+        assert!(rounds < versions, "{rounds} durable writes for 24 writers");
+        let mut times: Vec<u64> = infos.iter().map(|i| i.last_modified_ns).collect();
+        times.sort();
+        times.dedup();
+        assert_eq!(times.len(), 24, "each writer has a commit time of its own");
+        let newest = (0..24).max_by_key(|&i| infos[i].last_modified_ns).unwrap();
+        assert_eq!(get(&store, "bk-g", "k").await, bodies[newest]);
+        let head = store.head_object("bk-g", "k", None).await.unwrap();
+        assert_eq!(head.etag, infos[newest].etag);
+        // The superseded versions' shard files are gone before the answers.
+        let want = if newest % 2 == 1 { 1 } else { 0 };
+        for d in 0..4 {
+            assert_eq!(c.shard_files(d).len(), want, "shard files on drive {d}");
+        }
+
+        // Creating a key: exactly one writer wins, the others are refused
+        // and leave no data.
+        let create = PutOptions {
+            if_none_match: Some("*".into()),
+            ..Default::default()
+        };
+        let puts = bodies.iter().map(|b| {
+            store.put_object(
+                "bk-g",
+                "new",
+                ObjectBody::from_bytes(b.clone()),
+                create.clone(),
+            )
+        });
+        let results = join_all(puts).await;
+        let won: Vec<usize> = (0..24).filter(|&i| results[i].is_ok()).collect();
+        assert_eq!(won.len(), 1, "one creator wins");
+        for r in &results {
+            if let Err(e) = r {
+                assert!(matches!(e, StoreError::PreconditionFailed), "{e}");
+            }
+        }
+        assert_eq!(get(&store, "bk-g", "new").await, bodies[won[0]]);
+        let files: usize = (0..4).map(|d| c.shard_files(d).len()).sum();
+        assert_eq!(files, 4 * (want + won[0] % 2));
+
+        // Replacing one ETag: one writer wins, the rest see it changed.
+        let current = store.head_object("bk-g", "k", None).await.unwrap().etag;
+        let swap = PutOptions {
+            if_match: Some(current),
+            ..Default::default()
+        };
+        let puts = bodies.iter().map(|b| {
+            store.put_object("bk-g", "k", ObjectBody::from_bytes(b.clone()), swap.clone())
+        });
+        let won = join_all(puts).await.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(won, 1, "one compare-and-swap wins");
+
+        // A versioned key keeps every writer's version.
+        store.set_bucket_versioning("bk-g", true).await.unwrap();
+        let puts = bodies.iter().take(12).map(|b| {
+            store.put_object(
+                "bk-g",
+                "v",
+                ObjectBody::from_bytes(b.clone()),
+                PutOptions::default(),
+            )
+        });
+        let infos: Vec<_> = join_all(puts)
+            .await
+            .into_iter()
+            .map(|r| r.expect("versioned put"))
+            .collect();
+        for (i, info) in infos.iter().enumerate() {
+            let vid = info.version_id.clone().expect("a version id");
+            let got = store
+                .get_object("bk-g", "v", Some(&vid), None, None)
+                .await
+                .unwrap()
+                .stream
+                .collect()
+                .await
+                .unwrap();
+            assert_eq!(got, bodies[i], "version of writer {i}");
+        }
+        let page = store
+            .list_object_versions(
+                "bk-g",
+                VersionListParams {
+                    prefix: "v".into(),
+                    max_keys: 100,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(page.versions.len(), 12);
+    });
+}

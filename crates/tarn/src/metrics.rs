@@ -95,7 +95,7 @@ impl Metrics {
         drop(ops);
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 18] = [
+        let scalars: [(&str, &str, &str, u64); 20] = [
             (
                 "tarn_request_bytes_in_total",
                 "Declared request body bytes.",
@@ -161,6 +161,18 @@ impl Metrics {
                 "Objects some write missed on a drive of their set and no replay or backfill has healed yet (cluster status's under_replicated).",
                 "gauge",
                 under_replicated,
+            ),
+            (
+                "tarn_commit_rounds_total",
+                "Durable writes of a key's record that committed new versions (PUT, CompleteMultipartUpload, CopyObject): writers of one key queued meanwhile share the next.",
+                "counter",
+                load(&st.commit_rounds),
+            ),
+            (
+                "tarn_commit_versions_total",
+                "New versions those writes committed (over tarn_commit_rounds_total: writers per durable write).",
+                "counter",
+                load(&st.commit_versions),
             ),
             (
                 "tarn_backfill_objects_visited_total",

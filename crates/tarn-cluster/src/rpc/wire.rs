@@ -859,7 +859,7 @@ pub mod drive {
             match self {
                 Failure::IndexCorrupt(reason) => StoreError::IndexCorrupt { drive, reason },
                 Failure::CorruptMetadata(what) => StoreError::CorruptMetadata { drive, what },
-                Failure::Io(..) => StoreError::Io(self.into_io()),
+                Failure::Io(..) => StoreError::from(self.into_io()),
                 Failure::Offline(reason) => StoreError::Drive { drive, reason },
                 other => StoreError::Drive {
                     drive,

@@ -211,7 +211,7 @@ impl Store {
                         remaining,
                     }),
                     Some(Err(e)) => Err(e),
-                    None => Err(StoreError::Io(std::io::Error::other(
+                    None => Err(StoreError::from(std::io::Error::other(
                         "the object's read ended before any data",
                     ))),
                 }

@@ -531,7 +531,7 @@ impl Store {
                         .collect();
                     codec
                         .reconstruct(&present, &mut wanted)
-                        .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+                        .map_err(|e| StoreError::from(std::io::Error::other(e.to_string())))?;
                 }
                 for ((_, _, w), out) in writers.iter_mut().zip(outs.iter_mut()) {
                     let buf = std::mem::replace(out, tarn_io::AlignedBuf::with_capacity(0));

@@ -190,7 +190,7 @@ impl Head {
                         let got = tokio::runtime::Handle::current()
                             .spawn(async move { d.list_page(b, p, start, limit).await })
                             .await
-                            .map_err(|e| StoreError::Io(std::io::Error::other(e)))??;
+                            .map_err(|e| StoreError::from(std::io::Error::other(e)))??;
                         if got.len() == *size {
                             let mut after = got.last().expect("full page").0.as_bytes().to_vec();
                             after.push(0);
@@ -225,7 +225,7 @@ async fn reread(store: &Arc<Store>, bucket: &str, key: &str) -> Result<ObjectRec
             Ok(loc.rec)
         })
         .await
-        .map_err(|e| StoreError::Io(std::io::Error::other(e)))?
+        .map_err(|e| StoreError::from(std::io::Error::other(e)))?
 }
 
 /// Visits the resolved records of `bucket` with keys starting with `prefix`

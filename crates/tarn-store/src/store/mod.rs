@@ -7,6 +7,7 @@
 //! without also having all of its data durably written first.
 
 mod backfill;
+mod commit;
 pub mod drain;
 pub mod get;
 mod heal;
@@ -532,6 +533,10 @@ pub struct StoreStats {
     /// Objects a backfill visited (filled or verified), and their bytes.
     pub backfill_objects: AtomicU64,
     pub backfill_bytes: AtomicU64,
+    /// Group commits of new versions (`commit`): rounds, each one durable
+    /// write of a key's record, and the versions they committed.
+    pub commit_rounds: AtomicU64,
+    pub commit_versions: AtomicU64,
 }
 
 /// Data ids whose shards are being written and not yet committed (or cleaned
@@ -611,6 +616,8 @@ pub struct Store {
     catalog: Option<Arc<dyn Catalog>>,
     buckets: RwLock<BTreeMap<String, BucketRecord>>,
     locks: LockTable,
+    /// New versions waiting for their key's group commit (`commit`).
+    commits: commit::CommitQueues,
     /// Other nodes reach drives of this engine's sets (or this node reaches
     /// theirs): keys are locked on the drives too (`locking`).
     distributed: bool,
@@ -1304,6 +1311,7 @@ impl Store {
             catalog,
             buckets: RwLock::new(buckets),
             locks: LockTable::new(hash_seed),
+            commits: commit::CommitQueues::default(),
             pool,
             heal_tx,
             heal_rx: Mutex::new(Some(heal_rx)),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::drive_io::Drive;
 use md5::{Digest, Md5};
 
+use super::commit::NewVersion;
 use super::put::{single_etag, BodyReader};
 use super::{now_ns, validate_key, Store};
 use crate::checksum::{multipart_checksum, ChecksumType};
@@ -155,7 +156,7 @@ impl Store {
             });
             let results = futures::future::join_all(futs).await;
             if self.count_index_writes("upload heal", targets, &results) < targets.len() {
-                return Err(StoreError::Io(std::io::Error::other(
+                return Err(StoreError::from(std::io::Error::other(
                     "copying an upload to a rebuilding drive failed",
                 )));
             }
@@ -407,7 +408,7 @@ impl Store {
             let (copy, _) = self
                 .copy_version(meta, (from, to), (bucket, key), &mut written)
                 .await?;
-            self.commit_version(to, bucket, key, copy, None, opts, None)
+            self.commit_version(bucket, key, NewVersion::new(to, copy, None, opts))
                 .await
         }
         .await;
@@ -527,15 +528,11 @@ impl Store {
         };
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let info = match self
-            .commit_version(
-                set,
-                bucket,
-                key,
-                meta.clone(),
-                None,
-                opts,
-                Some((id, numbers)),
-            )
+            .commit_version(bucket, key, {
+                let mut v = NewVersion::new(set, meta.clone(), None, opts);
+                v.upload_delete = Some((id, numbers));
+                v
+            })
             .await
         {
             Err(StoreError::SlowDown(why)) => {

@@ -6,11 +6,11 @@ use futures::StreamExt;
 use md5::{Digest, Md5};
 use tarn_io::PooledBuf;
 
-use super::{data_ids_of, inline_keys_of, validate_key, Store, NULL_VERSION};
+use super::commit::NewVersion;
+use super::{validate_key, Store, NULL_VERSION};
 use crate::checksum::crc32c;
 use crate::codec::{codec_for, StripeGeometry};
 use crate::config::EtagMode;
-use crate::drive::ObjectWrite;
 use crate::drive_io::{ShardPlace, ShardSink};
 use crate::error::StoreError;
 use crate::format::{new_id, Id128, Layout, PartMeta, Storage, VersionMeta, Versioning};
@@ -341,7 +341,7 @@ impl Store {
 
     /// PUT: stores the body as a new version of bucket/key.
     pub async fn put_object(
-        &self,
+        self: &std::sync::Arc<Self>,
         bucket: &str,
         key: &str,
         body: ObjectBody,
@@ -447,8 +447,9 @@ impl Store {
                 layout: written_layout,
                 storage,
             };
-            self.commit_version(set, bucket, key, meta, inline, &opts, None)
-                .await
+            let mut version = NewVersion::new(set, meta, inline, &opts);
+            version.inflight = inflight.take();
+            self.commit_version(bucket, key, version).await
         }
         .await;
         if result.is_err() {
@@ -456,83 +457,6 @@ impl Store {
         }
         drop(inflight);
         result
-    }
-
-    /// The commit point of a new version: under the key's write lock, merge it
-    /// into the resolved record and write that to a quorum of the set's drives.
-    /// Superseded data is removed only after the commit succeeded.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) async fn commit_version(
-        &self,
-        set: usize,
-        bucket: &str,
-        key: &str,
-        mut meta: VersionMeta,
-        inline: Option<Vec<u8>>,
-        opts: &PutOptions,
-        upload_delete: Option<(Id128, Vec<u32>)>,
-    ) -> Result<ObjectInfo, StoreError> {
-        let guard = self.lock_write(bucket, key).await?;
-        // The bucket may have been deleted while the body streamed.
-        self.bucket_record(bucket)?;
-        let loc = self.locate(bucket, key).await?;
-        let current = loc.rec.versions.first().filter(|v| !v.delete_marker);
-        if let Some(none) = &opts.if_none_match {
-            if current.is_some_and(|v| etag_matches(none, &v.etag)) {
-                return Err(StoreError::PreconditionFailed);
-            }
-        }
-        if let Some(want) = &opts.if_match {
-            let ok = current.is_some_and(|v| etag_matches(want, &v.etag));
-            if !ok {
-                return Err(StoreError::PreconditionFailed);
-            }
-        }
-        let after = loc
-            .rec
-            .versions
-            .iter()
-            .map(|v| v.mod_time_ns)
-            .max()
-            .unwrap_or(0);
-        let (mut rec, stale) =
-            Store::commit_record(set, loc, meta.version_id == NULL_VERSION, (bucket, key))?;
-        let after = rec
-            .versions
-            .iter()
-            .map(|v| v.mod_time_ns)
-            .fold(after, u64::max);
-        meta.mod_time_ns = self.next_mod_time(after);
-        let mut superseded = Vec::new();
-        if meta.version_id == NULL_VERSION {
-            if let Some(pos) = rec
-                .versions
-                .iter()
-                .position(|v| v.version_id == NULL_VERSION)
-            {
-                superseded.push(rec.versions.remove(pos));
-            }
-        }
-        rec.versions.insert(0, meta.clone());
-        let w = ObjectWrite {
-            record: Some(rec),
-            inline_put: inline
-                .map(|d| vec![(meta.version_id, meta.mod_time_ns, d)])
-                .unwrap_or_default(),
-            inline_delete: inline_keys_of(&superseded),
-            upload_delete,
-            missed: Vec::new(),
-        };
-        self.write_object_everywhere(set, bucket, key, w).await?;
-        for (s, r) in stale {
-            self.remove_stale(s, bucket, key, r).await;
-        }
-        // The superseded data is no record's any more: its files go after
-        // the key is free for the next writer (readers that found the old
-        // version before the commit hold pins the removal respects).
-        drop(guard);
-        self.retire_data(set, data_ids_of(&superseded)).await;
-        Ok(self.info_from(bucket, key, &meta, true))
     }
 }
 
@@ -624,7 +548,7 @@ fn fill_stripe(
     let mut outs: Vec<&mut [u8]> = parity_shards.iter_mut().map(|b| &mut b[..]).collect();
     codec
         .encode(&refs, &mut outs)
-        .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+        .map_err(|e| StoreError::from(std::io::Error::other(e.to_string())))?;
     Ok(sl)
 }
 
