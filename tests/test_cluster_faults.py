@@ -28,6 +28,7 @@ class Load:
         self.nodes, self.bucket = nodes, bucket
         self.stop = threading.Event()
         self.acked, self.failed, self.latencies = {}, [], []
+        self.written = {}  # key: (node, time acknowledged), for failures' messages
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self.write, args=(w,)) for w in range(writers)]
         self.threads += [threading.Thread(target=self.read, args=(r,)) for r in range(readers)]
@@ -41,7 +42,8 @@ class Load:
                 self.failed.append(error)
 
     def write(self, w):
-        cl = self.nodes[w % len(self.nodes)].client()
+        node = self.nodes[w % len(self.nodes)]
+        cl = node.client()
         j = 0
         while not self.stop.is_set():
             key = f"w{w}/{j}"
@@ -51,13 +53,15 @@ class Load:
                 cl.put_object(Bucket=self.bucket, Key=key, Body=body)
                 with self.lock:
                     self.acked[key] = body
+                    self.written[key] = f"n{node.i} acked {time.time():.3f}"
                 self.record(t0)
             except Exception as e:  # noqa: BLE001
-                self.record(t0, repr(e))
+                self.record(t0, f"PUT {key} through n{node.i} at {t0:.3f}: {e!r}")
             j += 1
 
     def read(self, r):
-        cl = self.nodes[r % len(self.nodes)].client()
+        node = self.nodes[r % len(self.nodes)]
+        cl = node.client()
         while not self.stop.is_set():
             with self.lock:
                 keys = list(self.acked)[-50:]
@@ -69,11 +73,11 @@ class Load:
             try:
                 body = cl.get_object(Bucket=self.bucket, Key=key)["Body"].read()
                 if body != self.acked[key]:
-                    self.record(t0, f"{key}: wrong bytes")
+                    self.record(t0, f"GET {key} through n{node.i} at {t0:.3f}: wrong bytes")
                 else:
                     self.record(t0)
             except Exception as e:  # noqa: BLE001
-                self.record(t0, repr(e))
+                self.record(t0, f"GET {key} through n{node.i} at {t0:.3f} (put through {self.written[key]}): {e!r}")
 
     def finish(self):
         self.stop.set()

@@ -11,6 +11,7 @@
 //! All methods here block; the store calls them from blocking threads.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 
@@ -155,8 +156,12 @@ pub fn format_drive(path: &Path, format: &DriveFormat) -> Result<(), StoreError>
 
 /// Group commit: concurrent writers on a drive share journal fsyncs. A writer
 /// commits its batch (visible, not yet durable), takes a ticket, and waits until
-/// a sync covering its ticket finished; the first waiter with no sync running
-/// becomes the leader and fsyncs for everyone committed before it started.
+/// a sync covering its ticket finished. A blocking writer with no sync running
+/// becomes the leader and fsyncs for everyone committed before it started; an
+/// async writer (`DriveDb::durable`) registers its ticket and waits without a
+/// thread, a leader started on the blocking pool for it if none runs. A
+/// leader keeps syncing while async writers wait for tickets its last sync
+/// did not cover.
 #[derive(Default)]
 struct GroupCommit {
     state: std::sync::Mutex<SyncState>,
@@ -169,6 +174,8 @@ struct SyncState {
     synced: u64,
     leader: bool,
     failed: Option<String>,
+    /// Async writers: their ticket, and where to answer.
+    waiters: Vec<(u64, futures::channel::oneshot::Sender<Result<(), String>>)>,
 }
 
 /// The metadata index of one drive.
@@ -678,11 +685,13 @@ impl DriveDb {
     /// Commits `batch` and returns once it is durable, sharing the fsync with
     /// concurrent committers on this drive.
     fn commit_durable(&self, batch: fjall::OwnedWriteBatch, what: &str) -> Result<(), StoreError> {
-        use std::sync::atomic::Ordering;
-        batch.commit().map_err(|e| self.fail(what, e))?;
-        // The ticket is taken after the commit, so a sync that starts later
-        // covers this batch.
-        let ticket = self.group.tickets.fetch_add(1, Ordering::SeqCst) + 1;
+        let ticket = self.commit_visible(batch, what)?;
+        self.wait_synced(ticket)
+    }
+
+    /// Blocks until the commit of `ticket` is durable, leading a sync
+    /// when none runs.
+    fn wait_synced(&self, ticket: u64) -> Result<(), StoreError> {
         let mut st = self.group.state.lock().expect("group commit lock");
         loop {
             if st.synced >= ticket {
@@ -693,21 +702,89 @@ impl DriveDb {
             }
             if !st.leader {
                 st.leader = true;
-                let target = self.group.tickets.load(Ordering::SeqCst);
-                drop(st);
-                let res = self.db.persist(PersistMode::SyncAll);
-                st = self.group.state.lock().expect("group commit lock");
-                st.leader = false;
-                match res {
-                    Ok(()) => st.synced = st.synced.max(target),
-                    // A failed fsync leaves the journal in an unknown state: every
-                    // later commit on this drive fails too.
-                    Err(e) => st.failed = Some(e.to_string()),
-                }
-                self.group.done.notify_all();
+                st = self.lead_syncs(st);
                 continue;
             }
             st = self.group.done.wait(st).expect("group commit lock");
+        }
+    }
+
+    /// Commits `batch` (visible, not durable yet): the ticket a sync must
+    /// cover. Taken after the commit, so a sync that starts later covers it.
+    fn commit_visible(&self, batch: fjall::OwnedWriteBatch, what: &str) -> Result<u64, StoreError> {
+        use std::sync::atomic::Ordering;
+        batch.commit().map_err(|e| self.fail(what, e))?;
+        Ok(self.group.tickets.fetch_add(1, Ordering::SeqCst) + 1)
+    }
+
+    /// Returns once the commit of `ticket` is durable, without holding a
+    /// thread while it waits.
+    pub async fn durable(self: &Arc<Self>, ticket: u64, what: &str) -> Result<(), StoreError> {
+        let rx = {
+            let mut st = self.group.state.lock().expect("group commit lock");
+            if st.synced >= ticket {
+                return Ok(());
+            }
+            if let Some(e) = &st.failed {
+                return Err(self.fail(what, format!("persist: {e}")));
+            }
+            let (tx, rx) = futures::channel::oneshot::channel();
+            st.waiters.push((ticket, tx));
+            if !st.leader {
+                st.leader = true;
+                let db = self.clone();
+                drop(st);
+                // A sync runs on the blocking pool; without a runtime, here.
+                let lead =
+                    move || drop(db.lead_syncs(db.group.state.lock().expect("group commit lock")));
+                match tokio::runtime::Handle::try_current() {
+                    Ok(rt) => drop(rt.spawn_blocking(lead)),
+                    Err(_) => lead(),
+                }
+            }
+            rx
+        };
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(self.fail(what, format!("persist: {e}"))),
+            Err(_) => Err(self.fail(what, "the journal sync was abandoned")),
+        }
+    }
+
+    /// Syncs the journal for everyone committed, as the leader (`st.leader`
+    /// set by the caller), until no async writer waits for a later ticket;
+    /// answers them and wakes the blocking ones after each sync.
+    fn lead_syncs<'a>(
+        &'a self,
+        mut st: std::sync::MutexGuard<'a, SyncState>,
+    ) -> std::sync::MutexGuard<'a, SyncState> {
+        use std::sync::atomic::Ordering;
+        loop {
+            let target = self.group.tickets.load(Ordering::SeqCst);
+            drop(st);
+            let res = self.db.persist(PersistMode::SyncAll);
+            st = self.group.state.lock().expect("group commit lock");
+            match res {
+                Ok(()) => st.synced = st.synced.max(target),
+                // A failed fsync leaves the journal in an unknown state: every
+                // later commit on this drive fails too.
+                Err(e) => st.failed = Some(e.to_string()),
+            }
+            let synced = st.synced;
+            let failed = st.failed.clone();
+            let waiters = std::mem::take(&mut st.waiters);
+            for (ticket, tx) in waiters {
+                match &failed {
+                    Some(e) => drop(tx.send(Err(e.clone()))),
+                    None if ticket <= synced => drop(tx.send(Ok(()))),
+                    None => st.waiters.push((ticket, tx)),
+                }
+            }
+            self.group.done.notify_all();
+            if st.waiters.is_empty() {
+                st.leader = false;
+                return st;
+            }
         }
     }
 
@@ -801,6 +878,18 @@ impl DriveDb {
 
     /// Applies one object change atomically and durably.
     pub fn write_object(&self, bucket: &str, key: &str, w: &ObjectWrite) -> Result<(), StoreError> {
+        let ticket = self.write_object_visible(bucket, key, w)?;
+        self.wait_synced(ticket)
+    }
+
+    /// Applies one object change atomically, visible at once: the ticket
+    /// `durable` waits for.
+    pub fn write_object_visible(
+        &self,
+        bucket: &str,
+        key: &str,
+        w: &ObjectWrite,
+    ) -> Result<u64, StoreError> {
         self.check_fault("write object")?;
         let mut batch = self.db.batch();
         let ok = object_key(bucket, key);
@@ -828,7 +917,7 @@ impl DriveDb {
         for &pos in &w.missed {
             self.add_missed(&mut batch, pos, bucket, key, now)?;
         }
-        self.commit_durable(batch, "commit object")
+        self.commit_visible(batch, "commit object")
     }
 
     /// Puts one missed-write entry into `batch`, or the position's overflow
@@ -1317,6 +1406,74 @@ mod tests {
         let db = DriveDb::open(dir.path()).unwrap();
         assert_eq!(db.missed(1, None, 10).unwrap().entries.len(), 1);
         assert_eq!(db.missed(2, None, 10).unwrap().entries.len(), 1);
+    }
+
+    #[test]
+    fn async_and_blocking_writers_share_syncs() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        {
+            let db = Arc::new(DriveDb::open(dir.path()).unwrap());
+            // Blocking writers on threads and async ones on a runtime at
+            // once: each kind leads syncs the other waits for.
+            let threads: Vec<_> = (0..4u8)
+                .map(|t| {
+                    let db = db.clone();
+                    std::thread::spawn(move || {
+                        for i in 0..50 {
+                            let part = UploadPartRecord {
+                                number: i,
+                                size: 1,
+                                etag: "e".into(),
+                                data_id: [t; 16],
+                                mod_time_ns: 1,
+                                checksum: None,
+                            };
+                            db.put_part(&[t; 16], &part).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let writes = (0..200u64).map(|i| {
+                    let db = db.clone();
+                    async move {
+                        let w = ObjectWrite {
+                            inline_put: vec![([7; 16], i, vec![i as u8; 10])],
+                            ..Default::default()
+                        };
+                        let commit = db.clone();
+                        let ticket = tokio::task::spawn_blocking(move || {
+                            commit.write_object_visible("b", &format!("k{i}"), &w)
+                        })
+                        .await
+                        .unwrap()
+                        .unwrap();
+                        db.durable(ticket, "test write").await.unwrap();
+                    }
+                });
+                futures::future::join_all(writes).await;
+            });
+            for t in threads {
+                t.join().unwrap();
+            }
+        }
+        let db = DriveDb::open(dir.path()).unwrap();
+        for i in 0..200u64 {
+            let got = db.inline_data("b", &format!("k{i}"), &[7; 16], i).unwrap();
+            assert_eq!(got, Some(vec![i as u8; 10]), "async write {i} lost");
+        }
+        for t in 0..4u8 {
+            assert_eq!(
+                db.parts(&[t; 16]).unwrap().len(),
+                50,
+                "writer {t} lost commits"
+            );
+        }
     }
 
     #[test]

@@ -302,7 +302,14 @@ impl Drive for LocalDrive {
         key: String,
         w: Arc<ObjectWrite>,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.index(move |db| db.write_object(&bucket, &key, &w))
+        // Committed on a blocking thread, then made durable with the
+        // drive's other writers without holding one.
+        Box::pin(async move {
+            let ticket = self
+                .index(move |db| db.write_object_visible(&bucket, &key, &w))
+                .await?;
+            self.db.durable(ticket, "commit object").await
+        })
     }
 
     fn write_objects_bulk(
