@@ -205,14 +205,17 @@ def test_faults_during_a_load(server, s3, tmp_path):
     host, port = server.endpoint[len("http://"):].split(":")
     proxy = FaultProxy(host, int(port))
     try:
-        c = client(proxy.endpoint, connections=4, chunk_size=MIB)
+        c = client(proxy.endpoint, connections=4, chunk_size=MIB, io_timeout=5.0)
         proxy.script(("status", 503), ("reset", 500_000), ("status", 503), ("reset", 50))
         ld = loader.Loader("s3://models/faulty/", client=c)
         same(dict(ld), weights)
         assert ld.stats["retries"] >= 1, ld.stats
         # The server goes away mid-load: an error naming what failed, no hang.
         proxy.always(("stall", 100_000, 3))
-        c2 = client(proxy.endpoint, connections=4, chunk_size=MIB, retries=2, hedge=False, connect_timeout=1.0)
+        # A short I/O timeout: a connection the closed proxy leaves silent
+        # (not reset) costs each attempt that long.
+        c2 = client(proxy.endpoint, connections=4, chunk_size=MIB, retries=2, hedge=False, connect_timeout=1.0,
+                    io_timeout=5.0)
         errors = []
 
         def run():

@@ -219,7 +219,10 @@ def test_a_server_that_stops_mid_read_gives_a_clear_error(stored):
     host, port = server.endpoint[len("http://") :].split(":")
     proxy = FaultProxy(host, int(port))
     try:
-        c = client_for(proxy.endpoint, connections=2, chunk_size=MIB, retries=2, hedge=False, connect_timeout=1.0)
+        # A short I/O timeout: the proxy's closed side can leave a connection
+        # silent rather than reset, and each attempt then waits it out.
+        c = client_for(proxy.endpoint, connections=2, chunk_size=MIB, retries=2, hedge=False, connect_timeout=1.0,
+                       io_timeout=5.0)
         proxy.always(("stall", 1000, 2))
         buf = np.zeros(len(big), dtype=np.uint8)
         errors = []
