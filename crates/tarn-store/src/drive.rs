@@ -1419,19 +1419,7 @@ mod tests {
             let threads: Vec<_> = (0..4u8)
                 .map(|t| {
                     let db = db.clone();
-                    std::thread::spawn(move || {
-                        for i in 0..50 {
-                            let part = UploadPartRecord {
-                                number: i,
-                                size: 1,
-                                etag: "e".into(),
-                                data_id: [t; 16],
-                                mod_time_ns: 1,
-                                checksum: None,
-                            };
-                            db.put_part(&[t; 16], &part).unwrap();
-                        }
-                    })
+                    std::thread::spawn(move || put_parts(&db, t, 50))
                 })
                 .collect();
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -1536,6 +1524,21 @@ mod tests {
         )));
     }
 
+    /// Parts 0..n of upload [t; 16], each committed durably on its own.
+    fn put_parts(db: &DriveDb, t: u8, n: u32) {
+        for i in 0..n {
+            let part = UploadPartRecord {
+                number: i,
+                size: 1,
+                etag: "e".into(),
+                data_id: [t; 16],
+                mod_time_ns: 1,
+                checksum: None,
+            };
+            db.put_part(&[t; 16], &part).unwrap();
+        }
+    }
+
     #[test]
     fn group_commit_keeps_every_concurrent_write() {
         let dir = tempfile::tempdir().unwrap();
@@ -1545,19 +1548,7 @@ mod tests {
             let threads: Vec<_> = (0..8)
                 .map(|t| {
                     let db = db.clone();
-                    std::thread::spawn(move || {
-                        for i in 0..50 {
-                            let part = UploadPartRecord {
-                                number: i,
-                                size: 1,
-                                etag: "e".into(),
-                                data_id: [t as u8; 16],
-                                mod_time_ns: 1,
-                                checksum: None,
-                            };
-                            db.put_part(&[t as u8; 16], &part).unwrap();
-                        }
-                    })
+                    std::thread::spawn(move || put_parts(&db, t as u8, 50))
                 })
                 .collect();
             for t in threads {

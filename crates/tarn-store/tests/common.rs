@@ -136,6 +136,18 @@ pub async fn get(store: &Arc<Store>, bucket: &str, key: &str) -> Vec<u8> {
         .expect("read body")
 }
 
+/// The bytes of one version of bucket/key.
+pub async fn get_version(store: &Arc<Store>, bucket: &str, key: &str, version: &str) -> Vec<u8> {
+    store
+        .get_object(bucket, key, Some(version), None, None)
+        .await
+        .expect("get version")
+        .stream
+        .collect()
+        .await
+        .expect("read body")
+}
+
 pub async fn get_range(store: &Arc<Store>, bucket: &str, key: &str, a: u64, b: u64) -> Vec<u8> {
     store
         .get_object(bucket, key, None, Some(ByteRange::Closed(a, b)), None)

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use std::sync::Arc;
 use tarn_store::{
     Durability, ListParams, ObjectBody, PutOptions, Store, StoreError, VersionListParams,
 };
@@ -514,24 +515,11 @@ fn versioning_and_delete_markers() {
             store.get_object("bk-v", "k", None, None, None).await,
             Err(StoreError::DeleteMarker { .. })
         ));
-        let old = store
-            .get_object("bk-v", "k", Some(&v1), None, None)
-            .await
-            .unwrap()
-            .stream
-            .collect()
-            .await
-            .unwrap();
-        assert_eq!(old, b"one");
-        let null = store
-            .get_object("bk-v", "k", Some("null"), None, None)
-            .await
-            .unwrap()
-            .stream
-            .collect()
-            .await
-            .unwrap();
-        assert_eq!(null, b"null-version");
+        assert_eq!(get_version(&store, "bk-v", "k", &v1).await, b"one");
+        assert_eq!(
+            get_version(&store, "bk-v", "k", "null").await,
+            b"null-version"
+        );
         let page = store
             .list_object_versions(
                 "bk-v",
@@ -964,13 +952,25 @@ fn objects_stay_readable_after_the_stripe_size_shrinks() {
     });
 }
 
+/// Every body PUT to bucket/key at once.
+async fn put_all(
+    store: &Arc<Store>,
+    (bucket, key): (&str, &str),
+    bodies: &[Vec<u8>],
+    opts: &PutOptions,
+) -> Vec<Result<tarn_store::ObjectInfo, StoreError>> {
+    let puts = bodies
+        .iter()
+        .map(|b| store.put_object(bucket, key, ObjectBody::from_bytes(b.clone()), opts.clone()));
+    futures::future::join_all(puts).await
+}
+
 /// Writers of one key at once share its durable writes (group commit):
 /// each is answered as if committed alone in some order, conditions are
 /// checked against the writers before it, versions superseded within a
 /// round leave nothing behind, and a versioned key keeps every one.
 #[test]
 fn concurrent_writers_of_one_key_share_its_commits() {
-    use futures::future::join_all;
     use std::sync::atomic::Ordering::Relaxed;
     let c = Cluster::new(4);
     let store = c.open();
@@ -987,15 +987,7 @@ fn concurrent_writers_of_one_key_share_its_commits() {
                 )
             })
             .collect();
-        let puts = bodies.iter().map(|b| {
-            store.put_object(
-                "bk-g",
-                "k",
-                ObjectBody::from_bytes(b.clone()),
-                PutOptions::default(),
-            )
-        });
-        let infos: Vec<_> = join_all(puts)
+        let infos: Vec<_> = put_all(&store, ("bk-g", "k"), &bodies, &PutOptions::default())
             .await
             .into_iter()
             .map(|r| r.expect("put"))
@@ -1024,15 +1016,7 @@ fn concurrent_writers_of_one_key_share_its_commits() {
             if_none_match: Some("*".into()),
             ..Default::default()
         };
-        let puts = bodies.iter().map(|b| {
-            store.put_object(
-                "bk-g",
-                "new",
-                ObjectBody::from_bytes(b.clone()),
-                create.clone(),
-            )
-        });
-        let results = join_all(puts).await;
+        let results = put_all(&store, ("bk-g", "new"), &bodies, &create).await;
         let won: Vec<usize> = (0..24).filter(|&i| results[i].is_ok()).collect();
         assert_eq!(won.len(), 1, "one creator wins");
         for r in &results {
@@ -1050,37 +1034,23 @@ fn concurrent_writers_of_one_key_share_its_commits() {
             if_match: Some(current),
             ..Default::default()
         };
-        let puts = bodies.iter().map(|b| {
-            store.put_object("bk-g", "k", ObjectBody::from_bytes(b.clone()), swap.clone())
-        });
-        let won = join_all(puts).await.iter().filter(|r| r.is_ok()).count();
+        let won = put_all(&store, ("bk-g", "k"), &bodies, &swap)
+            .await
+            .iter()
+            .filter(|r| r.is_ok())
+            .count();
         assert_eq!(won, 1, "one compare-and-swap wins");
 
         // A versioned key keeps every writer's version.
         store.set_bucket_versioning("bk-g", true).await.unwrap();
-        let puts = bodies.iter().take(12).map(|b| {
-            store.put_object(
-                "bk-g",
-                "v",
-                ObjectBody::from_bytes(b.clone()),
-                PutOptions::default(),
-            )
-        });
-        let infos: Vec<_> = join_all(puts)
+        let infos: Vec<_> = put_all(&store, ("bk-g", "v"), &bodies[..12], &PutOptions::default())
             .await
             .into_iter()
             .map(|r| r.expect("versioned put"))
             .collect();
         for (i, info) in infos.iter().enumerate() {
             let vid = info.version_id.clone().expect("a version id");
-            let got = store
-                .get_object("bk-g", "v", Some(&vid), None, None)
-                .await
-                .unwrap()
-                .stream
-                .collect()
-                .await
-                .unwrap();
+            let got = get_version(&store, "bk-g", "v", &vid).await;
             assert_eq!(got, bodies[i], "version of writer {i}");
         }
         let page = store
