@@ -108,9 +108,9 @@ impl CommitQueues {
 
     /// The first queued version and every later one that joins it, in
     /// queue order; the others stay queued in theirs.
-    fn take_round(&self, bucket: &str, key: &str) -> Vec<Queued> {
+    fn take_round(&self, k: &(String, String)) -> Vec<Queued> {
         let mut map = self.0.lock().expect("commit queues");
-        let Some(queue) = map.get_mut(&(bucket.to_string(), key.to_string())) else {
+        let Some(queue) = map.get_mut(k) else {
             return Vec::new();
         };
         let Some(first) = queue.pop_front() else {
@@ -130,13 +130,12 @@ impl CommitQueues {
     }
 
     /// Ends the key's committer if nothing is queued; false otherwise.
-    fn finish(&self, bucket: &str, key: &str) -> bool {
+    fn finish(&self, k: &(String, String)) -> bool {
         let mut map = self.0.lock().expect("commit queues");
-        let k = (bucket.to_string(), key.to_string());
-        if map.get(&k).is_some_and(|q| !q.is_empty()) {
+        if map.get(k).is_some_and(|q| !q.is_empty()) {
             return false;
         }
-        map.remove(&k);
+        map.remove(k);
         true
     }
 }
@@ -204,7 +203,7 @@ impl Store {
             let lock = self.lock_write(&bucket, &key).await;
             // Taken once the lock is held: every writer that came while
             // the last round wrote is in this one.
-            let round = self.commits.take_round(&bucket, &key);
+            let round = self.commits.take_round(&guard.key);
             let (versions, answers): (Vec<NewVersion>, Vec<_>) =
                 round.into_iter().map(|q| (q.version, q.answer)).unzip();
             let set = versions.first().map(|v| v.set).unwrap_or(0);
@@ -246,7 +245,7 @@ impl Store {
                     }
                 }
             }
-            if self.commits.finish(&bucket, &key) {
+            if self.commits.finish(&guard.key) {
                 guard.finished = true;
                 return;
             }
