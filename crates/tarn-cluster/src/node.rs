@@ -41,6 +41,8 @@ const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
 /// published one outlives the node.
 const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 const PROGRESS_TTL_SECS: i64 = 10;
+/// How a drain leader that was fenced off says so (tests wait for it).
+const LOST_DRAIN: &str = "lost the drain leadership";
 /// Free space is published to this grain (64 MiB), so that every write
 /// does not rewrite it.
 const SPACE_GRAIN: u64 = (64 << 20) - 1;
@@ -881,6 +883,15 @@ impl Node {
         match self.run_drain(&store, pool, &lead).await {
             Ok(()) => tracing::info!(pool, "pool drained and retired"),
             Err(error) => {
+                // A step that failed because this leader was paused past its
+                // lease (a peer took the job over) is the fence at work.
+                let error = if !error.starts_with(LOST_DRAIN)
+                    && matches!(lead.still_leader().await, Ok(false))
+                {
+                    format!("{LOST_DRAIN} (token {}): {error}", lead.token)
+                } else {
+                    error
+                };
                 tracing::warn!(pool, token = lead.token, %error, "the drain stopped; it resumes with the next leader")
             }
         }
@@ -915,7 +926,7 @@ impl Node {
             moved_before: before("moved"),
             bytes_before: before("bytes_moved"),
         });
-        let lost = || format!("lost the drain leadership (token {})", lead.token);
+        let lost = || format!("{LOST_DRAIN} (token {})", lead.token);
         // Checkpointed at once, not only at the first tick: a leader killed
         // right after it took the job still leaves it for the next to resume.
         let job = self
