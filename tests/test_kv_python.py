@@ -252,6 +252,32 @@ def test_server_restart(kv_server):
     assert c.exists(new) == [False] * 4
 
 
+def test_a_clean_restart_keeps_the_store_with_an_nvme_tier(make_server, tmp_path):
+    """SIGTERM writes the blocks held only in RAM to the NVMe tier: the
+    next start serves them. A kill -9 loses what only RAM held."""
+    disk = tmp_path / "kv-nvme"
+    disk.mkdir()
+    s = make_server(drives=1, extra_args=KV_ARGS + ["--kv-disk", str(disk), "--kv-disk-size", "256MiB"],
+                    name="kv-nvme")  # fmt: skip
+    c = kv.Client(s.kv_endpoint, namespace="keep")
+    ks = keys(6, "keep")
+    vals = [payload(i, 4096 * (i + 1) + i).tobytes() for i in range(6)]
+    assert c.put_from(ks, vals) == [Status.OK] * 6
+    s.restart()
+    bufs = [bytearray(len(v)) for v in vals]
+    assert c.get_into(ks, bufs) == [len(v) for v in vals]
+    assert bufs == vals
+    c.delete(ks[:1])
+    s.restart()
+    assert c.exists(ks) == [False] + [True] * 5
+    late = keys(2, "late")
+    assert c.put_from(late, [b"z" * 8192] * 2) == [Status.OK] * 2
+    s.kill()
+    s.start()
+    assert c.exists(late) == [False, False]
+    assert c.exists(ks[1:]) == [True] * 5
+
+
 def test_forked_child_opens_its_own_connections(kv_server):
     import os
 

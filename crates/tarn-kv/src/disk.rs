@@ -590,6 +590,11 @@ impl DiskTier {
         Some(RecordSource::File(seg.io.clone(), loc.offset))
     }
 
+    /// Whether buffers handed to the flusher are not written yet.
+    pub fn writes_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// A flush finished: the buffer's records are now read from the file.
     pub fn flushed(&mut self, f: &Flushed) {
         if let Some(i) = self

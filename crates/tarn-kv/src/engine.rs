@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tarn_io::AlignedBuf;
 
@@ -47,6 +47,8 @@ pub const NAMESPACES_MAX: usize = 65_536;
 pub const PIN_LEASE_MAX_MS: u64 = 10 * 60 * 1000;
 /// Lease of a PIN that names none.
 pub const PIN_LEASE_DEFAULT_MS: u64 = 30 * 1000;
+/// Tries (1 ms apart) a shutdown spill waits for the flusher, per block.
+const SPILL_RETRIES: usize = 5_000;
 
 const _: () = assert!(PAGE_MIN_BYTES / SLOT_MIN_BYTES <= 1 << 16);
 
@@ -993,6 +995,75 @@ impl Engine {
         }
     }
 
+    /// At a clean shutdown, with an NVMe tier: writes every block held only
+    /// in RAM to it, oldest first, so that a restart finds the whole store
+    /// (the tier keeps its newest records when they do not all fit). Waits
+    /// for the flusher rather than dropping blocks; gives up on a block the
+    /// tier cannot take (a write error) after [`SPILL_RETRIES`]. Returns the
+    /// blocks and bytes written.
+    pub fn spill_to_disk(&self) -> (u64, u64) {
+        let mut st = self.lock();
+        if st.disk.is_none() {
+            return (0, 0);
+        }
+        let mut order: Vec<(u64, Key)> = st
+            .index
+            .iter()
+            .filter(|(_, e)| e.ram != NO_SLOT && e.disk.is_none())
+            .map(|(k, e)| (st.meta(e.ram).stamp, *k))
+            .collect();
+        order.sort_unstable_by_key(|(stamp, _)| *stamp);
+        let dropped_before = st.stats.demote_dropped;
+        let (mut blocks, mut bytes) = (0u64, 0u64);
+        'blocks: for (_, key) in order {
+            for _ in 0..SPILL_RETRIES {
+                // Looked up again each try: the lock was let go in between.
+                let Some(mut e) = st
+                    .index
+                    .get(&key)
+                    .copied()
+                    .filter(|e| e.ram != NO_SLOT && e.disk.is_none())
+                else {
+                    continue 'blocks;
+                };
+                let offset = st.slot_offset(&self.arena, e.ram);
+                // SAFETY: a live slot holds e.len committed bytes; under the
+                // lock nobody frees it while we copy.
+                let value = unsafe { self.arena.slice(offset, e.len as usize) };
+                if let Some(loc) = st.disk_append(RecordKind::Block, key, value, e.crc) {
+                    e.disk = Some(loc);
+                    st.index.insert(key, e);
+                    blocks += 1;
+                    bytes += e.len;
+                    continue 'blocks;
+                }
+                // The flusher is behind: let it hand its buffers back.
+                drop(st);
+                std::thread::sleep(Duration::from_millis(1));
+                st = self.lock();
+            }
+            tracing::warn!("the KV NVMe tier takes no more blocks; the rest stay in RAM only");
+            break;
+        }
+        // Waiting is not dropping: only what was given up counts as dropped.
+        st.stats.demote_dropped = dropped_before;
+        // The open buffer too, and every write finished: the tier's own
+        // shutdown then has nothing left that could need a spare buffer.
+        for _ in 0..SPILL_RETRIES {
+            let done = st
+                .disk
+                .as_mut()
+                .is_none_or(|d| d.seal_buffer().is_ok() && !d.writes_pending());
+            if done {
+                break;
+            }
+            drop(st);
+            std::thread::sleep(Duration::from_millis(1));
+            st = self.lock();
+        }
+        (blocks, bytes)
+    }
+
     fn flushed(&self, f: disk::Flushed) {
         if let Err(error) = &f.result {
             // The records in that buffer read back as garbage and are caught by
@@ -1920,5 +1991,76 @@ mod mixed_history {
     fn a_full_store_keeps_new_blocks_after_a_mixed_history_with_nvme() {
         let dir = tempfile::tempdir().unwrap();
         new_blocks_stay(Some(dir.path()), 0x1234_5678_9abc_def1);
+    }
+
+    /// Reads a block whole through the engine (RAM or NVMe tier) and
+    /// checks it holds what `put` stored.
+    fn read_back(e: &Engine, ns: u32, d: &Digest, len: usize) -> bool {
+        let mut plan = Vec::new();
+        let entry = GetEntry {
+            digest: *d,
+            offset: 0,
+            length: 0,
+        };
+        e.plan_reads(ns, &[entry], false, &mut plan);
+        let want = vec![d[8] ^ d[0]; len];
+        match plan.pop() {
+            Some(ReadPlan::Ram(r)) => {
+                // SAFETY: a planned RAM read's range holds the committed value.
+                let v = unsafe { e.arena().slice(r.value_offset, r.value_len as usize) };
+                v == want.as_slice()
+            }
+            Some(ReadPlan::Disk(read)) => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap();
+                rt.block_on(e.read_disk(&read))
+                    .is_ok_and(|b| b.value() == want.as_slice())
+            }
+            _ => false,
+        }
+    }
+
+    #[test]
+    fn a_clean_stop_writes_ram_only_blocks_to_nvme_and_a_restart_finds_them() {
+        let dir = tempfile::tempdir().unwrap();
+        // More than the flusher's buffers hold at once: the spill waits.
+        let blocks: Vec<(Digest, usize)> = (0..120u64)
+            .map(|i| (digest(7, i), [4096, 300 << 10, 1 << 20][i as usize % 3]))
+            .collect();
+        let deleted = digest(7, 1_000);
+        {
+            let e = Engine::open(config(Some(dir.path()))).unwrap();
+            let ns = e.namespace(b"spill").unwrap();
+            for (d, len) in &blocks {
+                assert_eq!(put(&e, ns, d, *len), Status::Ok);
+            }
+            assert_eq!(put(&e, ns, &deleted, 4096), Status::Ok);
+            e.delete(ns, &[deleted], &mut Vec::new());
+            assert_eq!(stat(&e, "evicted_demoted"), 0, "everything fits in RAM");
+            let total: u64 = blocks.iter().map(|(_, l)| *l as u64).sum();
+            assert_eq!(e.spill_to_disk(), (blocks.len() as u64, total));
+            // Spilled blocks stay served from RAM; a second spill has nothing to do.
+            assert!(blocks.iter().all(|(d, _)| in_ram(&e, ns, d)));
+            assert_eq!(e.spill_to_disk(), (0, 0));
+            assert_eq!(stat(&e, "demote_dropped"), 0);
+        }
+        let e = Engine::open(config(Some(dir.path()))).unwrap();
+        let ns = e.namespace(b"spill").unwrap();
+        for (d, len) in &blocks {
+            assert!(
+                read_back(&e, ns, d, *len),
+                "block {} lost by the restart",
+                d[8]
+            );
+        }
+        let mut out = Vec::new();
+        e.exists(ns, &[deleted], &mut out);
+        assert_eq!(out, [false], "a deleted block must not come back");
+        // Without an NVMe tier there is nothing to write to.
+        let ram = Engine::open(config(None)).unwrap();
+        let ns = ram.namespace(b"spill").unwrap();
+        assert_eq!(put(&ram, ns, &blocks[0].0, 4096), Status::Ok);
+        assert_eq!(ram.spill_to_disk(), (0, 0));
     }
 }

@@ -628,8 +628,21 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         )?,
     };
     let result = server::run(store, s3, settings);
-    if let Some((_, kv_server)) = kv {
+    if let Some((engines, kv_server)) = kv {
         kv_server.stop();
+        // A clean stop keeps the KV store for the next start when it has
+        // an NVMe tier: the blocks only in RAM are written there.
+        for (tenant, engine) in &engines {
+            let (blocks, bytes) = engine.spill_to_disk();
+            if blocks > 0 {
+                tracing::info!(
+                    tenant,
+                    blocks,
+                    bytes,
+                    "KV blocks held only in RAM written to the NVMe tier"
+                );
+            }
+        }
     }
     if let Some(node) = node {
         node.stop();
