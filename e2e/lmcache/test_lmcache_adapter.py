@@ -180,3 +180,145 @@ def test_parameters_it_cannot_honour_are_refused():
         TarnL2Adapter(access_key="half")
     with pytest.raises(ValueError, match="workers"):
         TarnL2Adapter(workers=0)
+
+
+CHUNK = 16
+
+
+class InProcess:
+    """LMCache's own RemoteBackend (the in-process path: LMCache inside an
+    engine) with Tarn as its `remote_storage_plugins` entry, on CPU."""
+
+    def __init__(self, endpoint, **extra):
+        import asyncio
+        import threading
+
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+        plugin = {f"remote_storage_plugin.tarn.{k}": v for k, v in extra.items() if k != "save_chunk_meta"}
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05, remote_serde="naive",
+            remote_storage_plugins=["tarn"],
+            extra_config={"remote_storage_plugin.tarn.module_path": "tarn.lmcache",
+                          "remote_storage_plugin.tarn.class_name": "TarnConnectorAdapter",
+                          "remote_storage_plugin.tarn.endpoint": endpoint,
+                          "save_chunk_meta": extra.get("save_chunk_meta", True), **plugin},
+        )  # fmt: skip
+        self.meta = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0,
+                                    local_worker_id=0, kv_dtype=torch.float32, kv_shape=(2, 2, CHUNK, 4, 8))  # fmt: skip
+        self.fmt = MemoryFormat.KV_2LTD
+        self.local = LocalCPUBackend(config, self.meta, dst_device="cpu")
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.remote = RemoteBackend(config, self.meta, self.loop, self.local, "cpu", plugin_name="tarn")
+
+    def chunk(self, value, tokens=CHUNK):
+        shapes = self.meta.get_shapes()
+        if tokens != CHUNK:
+            shapes = [torch.Size([*s[:2], tokens, *s[3:]]) for s in shapes]
+        o = self.local.allocate(shapes, self.meta.get_dtypes(), self.fmt)
+        o.tensor.fill_(value)
+        return o
+
+    def put(self, keys, objs):
+        """LMCache's batched put, which runs in the background (and keeps
+        no record of its keys in flight): until they are all stored."""
+        self.remote.batched_submit_put_task(keys, objs)
+        deadline = time.monotonic() + 30
+        while self.remote.batched_contains(keys) < len(keys):
+            assert time.monotonic() < deadline, "puts not finished"
+            time.sleep(0.01)
+
+    def close(self):
+        self.remote.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def engine_key(i):
+    from lmcache.utils import CacheEngineKey
+
+    return CacheEngineKey("tiny", 1, 0, i, torch.float32)
+
+
+def values(objs):
+    """Each chunk's fill value (None for a miss); the objects are released."""
+    out = []
+    for o in objs:
+        out.append(None if o is None else float(o.tensor.flatten()[0]))
+        if o is not None:
+            assert torch.all(o.tensor == out[-1])
+            o.ref_count_down()
+    return out
+
+
+@pytest.mark.parametrize("save_chunk_meta", [True, False])
+def test_lmcache_in_process_remote_plugin(tarn_server, save_chunk_meta):
+    lm = InProcess(tarn_server.kv_endpoint, namespace="inproc", save_chunk_meta=save_chunk_meta)
+    try:
+        keys = [engine_key(i) for i in range(5)]
+        objs = [lm.chunk(i + 1) for i in range(4)]
+        lm.put(keys[:4], objs)
+        for o in objs:
+            o.ref_count_down()
+        assert lm.remote.put_failed_count == 0
+        assert [lm.remote.contains(k) for k in keys] == [True] * 4 + [False]
+        assert lm.remote.batched_contains(keys) == 4
+        assert lm.remote.batched_contains([keys[4]] + keys[:4]) == 0
+        assert values([lm.remote.get_blocking(keys[2])]) == [3.0]
+        assert values(lm.remote.batched_get_blocking([keys[0], keys[4], keys[3]])) == [1.0, None, 4.0]
+        # A partial last chunk comes back with its own length.
+        part = lm.chunk(9.0, tokens=CHUNK // 2)
+        lm.put([engine_key(100)], [part])
+        part.ref_count_down()
+        got = lm.remote.get_blocking(engine_key(100))
+        assert got is not None and got.tensor.shape[2] == CHUNK // 2
+        assert values([got]) == [9.0]
+        lm.remote.remove(keys[0])
+        assert not lm.remote.contains(keys[0])
+        assert lm.remote.get_blocking(keys[0]) is None
+        with pytest.raises(NotImplementedError, match="does not list"):
+            __import__("asyncio").run_coroutine_threadsafe(lm.remote.connection.list(), lm.loop).result(10)
+    finally:
+        lm.close()
+    # Its chunks are in their namespace, with their metadata when saved.
+    st = tarn.kv.Client(tarn_server.kv_endpoint, "inproc").stats()
+    assert st["namespace.puts_stored"] == 5 * (2 if save_chunk_meta else 1)
+
+
+def test_lmcache_in_process_plugin_with_the_store_down(tarn_server):
+    down = InProcess(closed_port(), retry_seconds=60)
+    try:
+        obj = down.chunk(1.0)
+        # One chunk's put goes through LMCache's per-key path, which counts
+        # failed puts (its batched path only logs them).
+        down.remote.submit_put_task(engine_key(1), obj)
+        deadline = time.monotonic() + 30
+        while down.remote.put_failed_count == 0:
+            assert time.monotonic() < deadline, "the failed put was not counted"
+            time.sleep(0.01)
+        obj.ref_count_down()
+        assert not down.remote.contains(engine_key(1))
+        assert down.remote.batched_contains([engine_key(1)]) == 0
+        assert down.remote.get_blocking(engine_key(1)) is None
+    finally:
+        down.close()
+
+
+def test_lmcache_in_process_non_blocking_gets_stop_at_the_first_miss(tarn_server):
+    import asyncio
+
+    lm = InProcess(tarn_server.kv_endpoint, namespace="nb")
+    try:
+        objs = [lm.chunk(i + 1) for i in range(3)]
+        keys = [engine_key(i) for i in range(4)]
+        lm.put([keys[0], keys[1], keys[3]], objs)
+        for o in objs:
+            o.ref_count_down()
+        got = asyncio.run_coroutine_threadsafe(lm.remote.batched_get_non_blocking("l1", keys), lm.loop).result(30)
+        assert values(got) == [1.0, 2.0]
+    finally:
+        lm.close()

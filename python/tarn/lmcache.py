@@ -27,6 +27,10 @@ looked up next; the pin keeps eviction off it until then). A batch that
 cannot be served (the server down, a value of another size) completes
 with those keys failed, never with an exception in LMCache's threads.
 
+LMCache inside an engine (no multi-process server) takes the same store as
+an in-process remote storage plugin, ``tarn.lmcache.TarnConnectorAdapter``
+(``tarn/lmcache_remote.py`` has the configuration).
+
 Tested with LMCache 0.5.6.
 """
 
@@ -237,3 +241,15 @@ class TarnL2Adapter:
         with self._lock:
             self._done.append(c)
         os.eventfd_write(self._efd, 1)
+
+
+def __getattr__(name: str) -> Any:
+    """The in-process remote storage plugin (``TarnConnectorAdapter``,
+    ``TarnRemoteConnector``) subclasses LMCache's own classes: imported from
+    ``tarn.lmcache_remote`` on first use, so the L2 adapter does not pull in
+    LMCache's storage backends."""
+    if name in ("TarnConnectorAdapter", "TarnRemoteConnector"):
+        from . import lmcache_remote
+
+        return getattr(lmcache_remote, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
