@@ -497,3 +497,8 @@ class TarnConnector(KVConnectorBase_V1):
             self._save_pool.shutdown(wait=True)
             self._load_pool.shutdown(wait=True)
         self._store.close()
+
+
+# vLLM's tiered offloading loads secondary tiers as {"type": "TarnTier",
+# "module_path": "tarn.vllm"}.
+from .vllm_tier import TarnTier  # noqa: E402,F401
