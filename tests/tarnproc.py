@@ -118,6 +118,18 @@ class Server:
         )
 
 
+def kv_server(tmp_path, extra_args):
+    """A one-drive server with the KV store under `tmp_path/tarn`, for a
+    pytest fixture to `yield from`: stopped by its PID afterwards, and no
+    unexpected error in its log."""
+    root = tmp_path / "tarn"
+    root.mkdir()
+    s = Server(str(root), drives=1, extra_args=list(extra_args))
+    yield s
+    s.stop()
+    assert not s.unexpected_errors()
+
+
 def admin(server, *args, check=True):
     """`tarn admin` against `server` with the root token."""
     r = subprocess.run(

@@ -10,16 +10,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 
-from tarnproc import Server  # noqa: E402
+from tarnproc import kv_server  # noqa: E402
 
 KV_ARGS = ["--kv", "--kv-listen", "127.0.0.1:0", "--kv-memory", "256MiB"]
 
 
 @pytest.fixture
 def tarn_server(tmp_path):
-    root = tmp_path / "tarn"
-    root.mkdir()
-    s = Server(str(root), drives=1, extra_args=KV_ARGS)
-    yield s
-    s.stop()
-    assert not s.unexpected_errors()
+    yield from kv_server(tmp_path, KV_ARGS)

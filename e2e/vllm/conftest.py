@@ -18,7 +18,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 
-from tarnproc import Server  # noqa: E402
+from tarnproc import kv_server  # noqa: E402
 
 import make_model  # noqa: E402
 
@@ -34,12 +34,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def tarn_server(tmp_path):
-    root = tmp_path / "tarn"
-    root.mkdir()
-    s = Server(str(root), drives=1, extra_args=KV_ARGS)
-    yield s
-    s.stop()
-    assert not s.unexpected_errors()
+    yield from kv_server(tmp_path, KV_ARGS)
 
 
 def wait_stored(server, blocks: int, timeout: float = 60.0) -> None:

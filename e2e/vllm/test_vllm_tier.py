@@ -95,6 +95,17 @@ class Engine:
         self.manager.shutdown()
 
 
+def run_job(tier, load, job_id, ks, chunk_ids):
+    """One store or load job straight on the tier, to its result."""
+    job = TransferJob(job_id=job_id, keys=ks, chunk_ids=np.array(chunk_ids, dtype=np.int32), is_promotion=load,
+                      req_context=ReqContext(f"job-{job_id}"))  # fmt: skip
+    (tier.submit_load if load else tier.submit_store)(job)
+    tier.drain_jobs()
+    (result,) = list(tier.get_finished_jobs())
+    assert result.job_id == job_id
+    return result
+
+
 def keys(n, tag):
     return [make_offload_key(bytes([tag, i]) * 16, 0) for i in range(n)]
 
@@ -148,13 +159,8 @@ def test_a_load_that_cannot_be_served_fails_and_the_chunk_becomes_a_miss(tarn_se
         with tarn.kv.Client(ep, "offload-test") as c:
             assert c.put_from([e.tier._digest(ks[0])], [b"x" * 100]) == [tarn.kv.Status.OK]
         e.store("w", ks[1:], [5])
-        tier = e.tier
-        ctx = ReqContext("r")
-        tier.submit_load(TransferJob(job_id=10_001, keys=ks, chunk_ids=np.array([60, 61], dtype=np.int32),
-                                     is_promotion=True, req_context=ctx))  # fmt: skip
-        tier.drain_jobs()
-        (result,) = list(tier.get_finished_jobs())
-        assert result.job_id == 10_001 and not result.success
+        result = run_job(e.tier, True, 10_001, ks, [60, 61])
+        assert not result.success
         assert list(result.successful_keys) == [ks[1]]
         assert (e.chunks[61] == 5).all()
     finally:
@@ -171,13 +177,8 @@ def test_a_store_that_is_down_fails_its_jobs_and_lookups_miss(tarn_server):
     e = Engine(closed_port(), "engine-e", retry_seconds=60)
     try:
         ks = keys(2, 4)
-        tier = e.tier
+        assert not run_job(e.tier, False, 1, ks, [0, 1]).success
         ctx = ReqContext("r")
-        tier.submit_store(TransferJob(job_id=1, keys=ks, chunk_ids=np.array([0, 1], dtype=np.int32),
-                                      is_promotion=False, req_context=ctx))  # fmt: skip
-        tier.drain_jobs()
-        (result,) = list(tier.get_finished_jobs())
-        assert not result.success
         e.manager.on_new_request(ctx)
         assert e.lookups(ctx, ks) == [LookupResult.MISS] * 2
     finally:

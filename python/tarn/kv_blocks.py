@@ -23,6 +23,15 @@ from . import kv as tarn_kv
 _log = logging.getLogger(__name__)
 
 
+def credentials(access_key: Optional[object], secret_key: Optional[object], who: str) -> Optional[tuple[str, str]]:
+    """A plugin's configured credentials: both keys, or None for the
+    environment's (``TARN_ACCESS_KEY``/``TARN_SECRET_KEY``) or the loopback
+    defaults. One without the other is refused (``who`` names the plugin)."""
+    if (access_key is None) != (secret_key is None):
+        raise ValueError(f"{who}: give both access_key and secret_key, or neither")
+    return None if access_key is None else (str(access_key), str(secret_key))
+
+
 class Store:
     """Clients (one per namespace) opened on first use. After a failure to
     reach the server, none is attempted for ``retry_s`` seconds, and then

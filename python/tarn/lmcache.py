@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 from . import kv as tarn_kv
-from .kv_blocks import Store
+from .kv_blocks import Store, credentials
 
 logger = logging.getLogger("lmcache.tarn")
 
@@ -90,8 +90,7 @@ class TarnL2Adapter:
         call_timeout_seconds: float = 30.0,
         retry_seconds: float = 5.0,
     ):
-        if (access_key is None) != (secret_key is None):
-            raise ValueError("TarnL2Adapter: give both access_key and secret_key, or neither")
+        creds = credentials(access_key, secret_key, "TarnL2Adapter")
         if int(workers) < 1:
             raise ValueError("TarnL2Adapter: workers must be at least 1")
         if float(lock_seconds) < 0:
@@ -102,7 +101,7 @@ class TarnL2Adapter:
         self.endpoint = str(endpoint)
         self.namespace = base
         self._transport = str(transport)
-        self._credentials = (str(access_key), str(secret_key)) if access_key is not None else None
+        self._credentials = creds
         self._workers = int(workers)
         self._lock_s = float(lock_seconds)
         self._timeout = float(call_timeout_seconds)

@@ -36,7 +36,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from . import kv as tarn_kv
-from .kv_blocks import Store
+from .kv_blocks import Store, credentials
 
 logger = logging.getLogger("lmcache.tarn")
 
@@ -86,9 +86,7 @@ class TarnRemoteConnector(RemoteConnector):
         def opt(name: str, default: Any) -> Any:
             return extra.get(prefix + name, default)
 
-        access, secret = opt("access_key", None), opt("secret_key", None)
-        if (access is None) != (secret is None):
-            raise ValueError(f"{prefix}access_key and secret_key: give both, or neither")
+        creds = credentials(opt("access_key", None), opt("secret_key", None), f"{prefix}*")
         workers = int(opt("workers", 4))
         if workers < 1:
             raise ValueError(f"{prefix}workers must be at least 1")
@@ -105,7 +103,7 @@ class TarnRemoteConnector(RemoteConnector):
             logger,
             max_connections=workers,
             timeout_s=float(opt("call_timeout_seconds", 30.0)),
-            credentials=(str(access), str(secret)) if access is not None else None,
+            credentials=creds,
         )
         self._store.clients()  # connect at start: a wrong endpoint is logged now
 

@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - only without SGLang
     raise ImportError(f"tarn.sglang is SGLang's HiCache backend and needs SGLang (0.5.23) installed: {e}") from e
 
 from . import kv as tarn_kv
-from .kv_blocks import Store
+from .kv_blocks import Store, credentials
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -142,17 +142,13 @@ class TarnHiCacheStorage(HiCacheStorage):
                 "TarnHiCacheStorage: heterogeneous TP (tp_lcm_size with the page_head layout) is not "
                 "supported; each TP size stores its own pages"
             )
-        if ("access_key" in extra) != ("secret_key" in extra):
-            raise ValueError("TarnHiCacheStorage: give both access_key and secret_key, or neither")
+        self._credentials = credentials(extra.get("access_key"), extra.get("secret_key"), "TarnHiCacheStorage")
         self._prefix = str(extra.get("namespace", "sglang"))
         self._endpoint = str(extra.get("endpoint", tarn_kv.DEFAULT_ENDPOINT))
         self._transport = str(extra.get("transport", "auto"))
         self._retry = float(extra.get("retry_seconds", 5.0))
         self._timeout = float(extra.get("call_timeout_seconds", 30.0))
         self._max_connections = int(extra.get("max_connections", 4))
-        self._credentials = (
-            (str(extra["access_key"]), str(extra["secret_key"])) if "access_key" in extra else None
-        )
         self._zero_copy = bool(extra.get("interface_v1", 0))
         self._writer = storage_config.is_storage_writer if storage_config is not None else True
         self._metrics = bool(storage_config.enable_storage_metrics) if storage_config is not None else False

@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - only without vLLM
     raise ImportError(f"tarn.vllm is the vLLM connector and needs vLLM (0.32) installed: {e}") from e
 
 from . import kv as tarn_kv
-from .kv_blocks import PagedBlocks, Store
+from .kv_blocks import PagedBlocks, Store, credentials
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -212,11 +212,7 @@ class TarnConnector(KVConnectorBase_V1):
         retry = float(extra.get("retry_seconds", 5.0))
         timeout = float(extra.get("call_timeout_seconds", 30.0))
         # Else TARN_ACCESS_KEY / TARN_SECRET_KEY, else the loopback defaults.
-        creds = None
-        if "access_key" in extra or "secret_key" in extra:
-            if not ("access_key" in extra and "secret_key" in extra):
-                raise ValueError("TarnConnector: give both access_key and secret_key, or neither")
-            creds = (str(extra["access_key"]), str(extra["secret_key"]))
+        creds = credentials(extra.get("access_key"), extra.get("secret_key"), "TarnConnector")
         if role == KVConnectorRole.SCHEDULER:
             # A block counts as stored only if every rank stored its part.
             namespaces = [f"{base}/r{r}of{world}" for r in range(world)]

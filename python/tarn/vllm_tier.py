@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - only without vLLM
     raise ImportError(f"tarn.vllm_tier is a vLLM offloading tier and needs vLLM (0.32) installed: {e}") from e
 
 from . import kv as tarn_kv
-from .kv_blocks import Store
+from .kv_blocks import Store, credentials
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -108,8 +108,7 @@ class TarnTier(SecondaryTierManager):
         backpressure_detector: "BackpressureDetector | None" = None,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if (access_key is None) != (secret_key is None):
-            raise ValueError("TarnTier: give both access_key and secret_key, or neither")
+        creds = credentials(access_key, secret_key, "TarnTier")
         if int(io_threads) < 1:
             raise ValueError("TarnTier: io_threads must be at least 1")
         self.locality = Locality(locality) if locality is not None else None
@@ -126,7 +125,7 @@ class TarnTier(SecondaryTierManager):
             logger,
             max_connections=int(io_threads),
             timeout_s=float(call_timeout_seconds),
-            credentials=(str(access_key), str(secret_key)) if access_key is not None else None,
+            credentials=creds,
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(int(io_threads), thread_name_prefix="tarn-tier")
         self._lock = threading.Lock()
