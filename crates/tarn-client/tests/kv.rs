@@ -1111,12 +1111,23 @@ mod shm_raw {
 
     /// A memfd put window of `len` bytes, mapped writable here.
     pub fn window(len: usize) -> (OwnedFd, &'static mut [u8]) {
+        window_sealed(len, 0)
+    }
+
+    /// A put window with `seals` added after it is sized (0: none).
+    pub fn window_sealed(len: usize, seals: i32) -> (OwnedFd, &'static mut [u8]) {
         use std::os::fd::FromRawFd;
         // SAFETY: plain syscalls; the mapping is leaked for the test's life.
         unsafe {
-            let fd = libc::memfd_create(c"test-window".as_ptr(), libc::MFD_CLOEXEC);
+            let fd = libc::memfd_create(
+                c"test-window".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            );
             assert!(fd >= 0);
             assert_eq!(libc::ftruncate(fd, len as i64), 0);
+            if seals != 0 {
+                assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, seals), 0);
+            }
             let p = libc::mmap(
                 std::ptr::null_mut(),
                 len,
@@ -1176,6 +1187,71 @@ mod shm_raw {
         .encode(&mut p);
         frame(Op::PutShm as u16, id, &p)
     }
+}
+
+/// A window sealed against shrinking, which the daemon maps: its client
+/// still cannot make the daemon fault or store bytes it did not checksum.
+/// It cannot shrink the window; a hole it punches reads as zeros (a
+/// checksum mismatch on its own put); values outside the window are refused.
+#[test]
+fn hostile_puts_through_a_sealed_window() {
+    use shm_raw::*;
+    use std::os::fd::AsRawFd;
+    let (_engine, server) = start(small_config());
+    let (wfd, w) = window_sealed(1 << 20, libc::F_SEAL_SHRINK);
+    let s = open(&server);
+    let (reply, _) = handshake(&s, &Credentials::loopback_default(), 0, Some(&wfd)).unwrap();
+    assert_ne!(reply.flags & AUTH_WINDOW_ACCEPTED, 0);
+    let status = |f: Vec<u8>| {
+        send(&s, &f, &[]);
+        let (op, p, _) = recv(&s);
+        assert_eq!(op, Op::PutShm as u16 | RESPONSE_BIT);
+        decode_statuses(&p, 1).unwrap()[0]
+    };
+    let v = value(7, 100_000);
+    w[4096..4096 + v.len()].copy_from_slice(&v);
+    let crc = crc32c(&v);
+    assert_eq!(
+        status(put_shm_frame(1, digest(7), v.len() as u64, 4096, crc ^ 1)),
+        Status::ChecksumMismatch
+    );
+    assert_eq!(
+        status(put_shm_frame(
+            2,
+            digest(7),
+            v.len() as u64,
+            (1 << 20) - 10,
+            crc
+        )),
+        Status::BadWindow
+    );
+    assert_eq!(
+        status(put_shm_frame(3, digest(7), v.len() as u64, 4096, crc)),
+        Status::Ok
+    );
+    // The seal holds: no shrinking under the daemon's mapping.
+    assert_eq!(unsafe { libc::ftruncate(wfd.as_raw_fd(), 4096) }, -1);
+    // A hole punched under a value: the daemon reads zeros, not a fault.
+    let punched = unsafe {
+        libc::fallocate(
+            wfd.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            0,
+            1 << 20,
+        )
+    };
+    assert_eq!(punched, 0);
+    assert_eq!(
+        status(put_shm_frame(4, digest(8), v.len() as u64, 4096, crc)),
+        Status::ChecksumMismatch
+    );
+    let mut c = crate::connect(&server, TransportChoice::Tcp, b"ns");
+    let mut buf = vec![0u8; v.len()];
+    let out = c
+        .get_into(&mut [GetInto::whole(digest(7), &mut buf)])
+        .unwrap();
+    assert_eq!((out[0].status, &buf), (Status::Ok, &v));
+    assert_eq!(c.exists(&[digest(8)]).unwrap().present, vec![false]);
 }
 
 /// PUT_SHM from a hostile client: values outside its window, a window it

@@ -452,16 +452,65 @@ impl Drop for WatchGuard {
 }
 
 /// A shared-memory client's put window: a memfd it owns, passed with AUTH.
-/// The daemon only ever reads it with `pread` into a reserved slot, never
-/// maps it: a client that truncates or rewrites its window while the daemon
-/// reads gets a short read or a checksum mismatch on its own put, and cannot
-/// make the daemon fault.
+/// A window sealed against shrinking (`F_SEAL_SHRINK`, as Tarn's clients
+/// seal theirs) is mapped read-only and copied from with a plain memcpy:
+/// its size can never drop below the mapping, so no read of it can fault
+/// (a hole punched in it reads as zeros). Any other window is only read
+/// with `pread`, which turns a truncated window into a short read. Either
+/// way a client that rewrites its window while the daemon reads gets a
+/// checksum mismatch on its own put, and cannot make the daemon fault.
 /// What PUT_SHM reads from a put window per `pread` before checksumming it.
 const WINDOW_READ_PIECE_BYTES: usize = 64 << 10;
 
 struct Window {
     fd: OwnedFd,
     len: u64,
+    /// The window mapped read-only, when it is sealed against shrinking.
+    map: Option<WindowMap>,
+}
+
+/// A read-only mapping of a sealed put window.
+struct WindowMap {
+    base: *const u8,
+    len: usize,
+}
+
+// SAFETY: a read-only mapping owned by one connection, unmapped in Drop.
+unsafe impl Send for WindowMap {}
+unsafe impl Sync for WindowMap {}
+
+impl WindowMap {
+    /// Maps `fd` read-only if its seals forbid shrinking it; None otherwise
+    /// (or if the mapping fails), and the window is read with `pread`.
+    fn sealed(fd: &OwnedFd, len: u64) -> Option<WindowMap> {
+        // SAFETY: fcntl and mmap on a descriptor we own; the mapping is
+        // owned by the returned value.
+        unsafe {
+            let seals = libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS);
+            if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+                return None;
+            }
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            );
+            (p != libc::MAP_FAILED).then(|| WindowMap {
+                base: p.cast(),
+                len: len as usize,
+            })
+        }
+    }
+}
+
+impl Drop for WindowMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
 }
 
 impl Window {
@@ -492,13 +541,27 @@ impl Window {
                 "put window of {len} bytes (1 to {PUT_WINDOW_MAX_BYTES})"
             ));
         }
-        Ok(Window { fd, len })
+        let map = WindowMap::sealed(&fd, len);
+        Ok(Window { fd, len, map })
     }
 
     /// Reads `dst.len()` bytes at `offset` of the window and returns their
     /// CRC32C, computed a piece at a time right after each piece is read,
     /// while it is in the cache (one pass over memory, not two).
     fn read_into(&self, offset: u64, dst: &mut [u8]) -> io::Result<u32> {
+        if let Some(m) = &self.map {
+            let end = (offset as usize)
+                .checked_add(dst.len())
+                .filter(|&e| e <= m.len)
+                .ok_or(io::ErrorKind::UnexpectedEof)?;
+            // SAFETY: inside the mapping (checked above), which the seal keeps
+            // backed by the file; the client may write it meanwhile, which
+            // only makes its own checksum fail.
+            let src = unsafe {
+                std::slice::from_raw_parts(m.base.add(offset as usize), end - offset as usize)
+            };
+            return Ok(copy_with_crc(dst, src));
+        }
         let mut crc = Crc32c::default();
         for (i, piece) in dst.chunks_mut(WINDOW_READ_PIECE_BYTES).enumerate() {
             self.read_exact_at(offset + (i * WINDOW_READ_PIECE_BYTES) as u64, piece)?;
