@@ -11,16 +11,31 @@ client) and scattered for a load. Only torch is needed, not the engine.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import kv as tarn_kv
 
 _log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _bytes_type(n: int) -> type:
+    # ctypes makes a new array type per `c_ubyte * n` it is asked for; one
+    # per size is enough (a plugin sees a few sizes, over and over).
+    return ctypes.c_ubyte * n
+
+
+def host_memory(address: int, nbytes: int) -> Any:
+    """``nbytes`` of host memory at ``address`` as a writable buffer, without
+    a copy (the caller keeps the memory alive while it is used)."""
+    return _bytes_type(int(nbytes)).from_address(int(address))
 
 
 def credentials(access_key: Optional[object], secret_key: Optional[object], who: str) -> Optional[tuple[str, str]]:

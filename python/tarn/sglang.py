@@ -34,7 +34,6 @@ SWA side pools) are not supported: SGLang's base class raises for them.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import threading
@@ -53,7 +52,7 @@ except ImportError as e:  # pragma: no cover - only without SGLang
     raise ImportError(f"tarn.sglang is SGLang's HiCache backend and needs SGLang (0.5.23) installed: {e}") from e
 
 from . import kv as tarn_kv
-from .kv_blocks import Store, credentials
+from .kv_blocks import Store, credentials, host_memory
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -107,13 +106,13 @@ def _flat(items: Sequence[Any]) -> list:
 
 def _memory(ptrs: Sequence[int], sizes: Sequence[int]) -> list:
     """Host memory at each address as a buffer, without a copy."""
-    return [(ctypes.c_ubyte * int(n)).from_address(int(p)) for p, n in zip(ptrs, sizes)]
+    return [host_memory(p, n) for p, n in zip(ptrs, sizes)]
 
 
 def _tensor_memory(t: "torch.Tensor") -> Any:
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("a page must be a contiguous tensor in host memory")
-    return (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return host_memory(t.data_ptr(), t.numel() * t.element_size())
 
 
 class TarnHiCacheStorage(HiCacheStorage):
@@ -363,7 +362,7 @@ class TarnHiCacheStorage(HiCacheStorage):
         if isinstance(target, torch.Tensor):
             return _tensor_memory(target)
         if isinstance(target, int) and isinstance(size, int):
-            return (ctypes.c_ubyte * size).from_address(target)
+            return host_memory(target, size)
         raise ValueError(f"a page target must be a tensor or an address and a size, not {type(target).__name__}")
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Optional["torch.Tensor"]:

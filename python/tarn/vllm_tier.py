@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - only without vLLM
     raise ImportError(f"tarn.vllm_tier is a vLLM offloading tier and needs vLLM (0.32) installed: {e}") from e
 
 from . import kv as tarn_kv
-from .kv_blocks import Store, credentials
+from .kv_blocks import Store, credentials, host_memory
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -143,7 +143,7 @@ class TarnTier(SecondaryTierManager):
         """The primary tier's slot ``chunk_id`` as a buffer (no copy)."""
         if not 0 <= chunk_id < self._chunks:
             raise ValueError(f"chunk {chunk_id} outside the primary tier's {self._chunks}")
-        return (ctypes.c_ubyte * self.block_size_bytes).from_address(self._base + chunk_id * self.block_size_bytes)
+        return host_memory(self._base + chunk_id * self.block_size_bytes, self.block_size_bytes)
 
     def _client(self) -> Optional[tarn_kv.Client]:
         clients = self._store.clients()
