@@ -130,6 +130,17 @@ def drain_job(node):
     return next((j for j in status(node)["jobs"] if j["kind"] == "drain"), None)
 
 
+def leading_drain(nodes):
+    """The node that leads the drain now by its own status (a node lists its
+    own job first; others' published ones may be a few seconds stale), and
+    that job; None if none does."""
+    for n in nodes:
+        j = drain_job(n)
+        if j and j["node"] == f"n{n.i}":
+            return n, j
+    return None
+
+
 def log_has(node, text):
     return any(text in line for p in node.logs for line in open(p))
 
@@ -212,8 +223,9 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
                               lambda: (lambda j: j if j and j["node"] != first["node"] else None)(drain_job(clients[0])),
                               timeout=60)
             assert second["token"] > first["token"], (first, second)
-            nxt = next(n for n in nodes if f"n{n.i}" == second["node"])
-            wait_for("the resumed drain logged", lambda: log_has(nxt, "resuming a drain another leader began"), timeout=30)
+            resumed = next(n for n in nodes if f"n{n.i}" == second["node"])
+            wait_for("the resumed drain logged",
+                     lambda: log_has(resumed, "resuming a drain another leader began"), timeout=30)
             # Back before the next fault: two nodes out at once would take
             # pool 0's sets (2+2) below write quorum.
             leader.start()
@@ -224,20 +236,22 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
             for c in clients:
                 wait_for(f"n{c.i} seeing the restarted node synced",
                          lambda c=c: set(drive_states(c)) == {"online"}, timeout=120)
-            # That one paused past its lease: another (the restarted first one,
-            # maybe) takes over; woken, the paused one finds its token fenced
-            # off and stops.
+            # The node leading now (that one, or another if its drain stopped
+            # on the killed node's drives meanwhile and a new leader took over)
+            # paused past its lease: another takes over; woken, the paused one
+            # finds its token fenced off and stops.
+            nxt, current = wait_for("the node leading the drain now", lambda: leading_drain(nodes), timeout=60)
             nxt.signal(signal.SIGSTOP)
             try:
                 third = wait_for("a third drain leader",
-                                 lambda: (lambda j: j if j and j["node"] != second["node"] else None)(
+                                 lambda: (lambda j: j if j and j["node"] != current["node"] else None)(
                                      drain_job(next(c for c in clients if c is not nxt))),
                                  timeout=60)
-                assert third["token"] > second["token"], (second, third)
+                assert third["token"] > current["token"], (current, third)
             finally:
                 nxt.signal(signal.SIGCONT)
             wait_for("the paused leader fenced off",
-                     lambda: log_has(nxt, f"lost the drain leadership (token {second['token']})"), timeout=30)
+                     lambda: log_has(nxt, f"lost the drain leadership (token {current['token']})"), timeout=30)
             watcher = next(c for c in clients if c is not nxt)
             # Every key moved, the drain waits for the uploads still in the
             # pool (its status says how many). Completed now, each commits
