@@ -142,10 +142,7 @@ class TarnRemoteConnector(RemoteConnector):
         return await self.loop.run_in_executor(self._pool, self.exists_sync, key)
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        try:
-            return all(self._call(lambda c: c.exists(self._keys([key]))))
-        except tarn_kv.TarnError:
-            return False
+        return all(self._store.stored(self._keys([key])) or [False])
 
     def support_batched_contains(self) -> bool:
         return True

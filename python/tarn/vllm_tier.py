@@ -150,14 +150,7 @@ class TarnTier(SecondaryTierManager):
         return clients[0] if clients else None
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool]:
-        c = self._client()
-        if c is None:
-            return [False] * len(keys)
-        try:
-            return c.exists([self._digest(k) for k in keys])
-        except tarn_kv.TarnError as e:
-            self._store.failed(e)
-            return [False] * len(keys)
+        return self._store.stored([self._digest(k) for k in keys]) or [False] * len(keys)
 
     def _submit(self, fn: Any, job: TransferJob, load: bool) -> None:
         keys = list(job.keys)
