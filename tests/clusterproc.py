@@ -79,9 +79,10 @@ class Etcd:
 class Node:
     """`tarn server` as node n<i>, on 127.0.0.<i> unless `ip` is given; run
     inside network namespace `netns` when given (`ip netns exec`, which
-    execs: the PID is the server's)."""
+    execs: the PID is the server's). With `kv` (a list of further KV
+    flags) it also runs the KV store, at `kv_endpoint`."""
 
-    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None):
+    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None, kv=None):
         self.i = i
         # Off loopback, a server refuses the built-in default credentials.
         self.access_key, self.secret_key = keys or (ACCESS_KEY, SECRET_KEY)
@@ -102,6 +103,11 @@ class Node:
                      "--advertise", f"{self.ip}:{self.rpc_port}",
                      "--listen", f"{self.ip}:{self.s3_port}", "--admin-listen", f"{self.ip}:{self.admin_port}",
                      "--cores", "1"]
+        self.kv_endpoint = None
+        if kv is not None:
+            kv_port = self.rpc_port + 1 if netns else free_port(self.ip)
+            self.kv_endpoint = f"{self.ip}:{kv_port}"
+            self.args += ["--kv", "--kv-listen", self.kv_endpoint, *kv]
         for d in range(drives):
             self.args += ["--drive", os.path.join(self.root, f"d{d}")]
         if drives == 0:
@@ -166,7 +172,7 @@ class Node:
         return out
 
 
-def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra=(), link=None):
+def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra=(), link=None, kv=None):
     """etcd and `count` nodes on 127.0.0.first…, formed into one pool of
     data+parity sets and serving; with a `Link`, etcd and every node but
     the last on its host addresses, the last inside its namespace. The
@@ -180,7 +186,7 @@ def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra
             if link:
                 place = dict(ip=link.ns_ip, netns=link.ns) if i == last else dict(ip=link.host_ip(i))
                 place["keys"] = LINK_KEYS
-            nodes.append(Node(root, i, etcd.url, drives=drives, extra=extra, **place))
+            nodes.append(Node(root, i, etcd.url, drives=drives, extra=extra, kv=kv, **place))
         out = nodes[0].admin_cmd("cluster", "init", "--data-shards", str(data_shards),
                                  "--parity-shards", str(parity_shards)).stdout
         assert "cluster formed" in out, out

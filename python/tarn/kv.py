@@ -96,7 +96,7 @@ class Client(_native.Client):
 
     ``Client(endpoint="127.0.0.1:9400", namespace=None, *, transport="auto",
     connect_timeout=5.0, timeout=None, max_connections=4, shm_mailbox=True,
-    access_key=None, secret_key=None)``
+    access_key=None, secret_key=None, cluster=True)``
 
     Credentials are ``access_key``/``secret_key``, else the environment's
     ``TARN_ACCESS_KEY``/``TARN_SECRET_KEY``, else the built-in ones a server
@@ -111,6 +111,18 @@ class Client(_native.Client):
     raises ``KvConnectionError`` then instead of blocking forever.
     A call on a connection the server dropped (say it restarted) is retried
     once on a new connection.
+
+    When the endpoint is a node of a cluster whose nodes run the KV store
+    (and ``cluster`` is true), the client routes: each key goes to the
+    member that ranks first for it (weighted rendezvous hashing over the
+    members the node names, ``members``), one batch per member, sent
+    concurrently. A miss there is asked of the next-ranked member (a node
+    that restarted empty owns few keys at first and ramps up), and found
+    blocks are written back; a block the server reports hot gets a second
+    copy and its reads alternate between the two. A member whose view of
+    the cluster is newer refuses a batch routed by the old one, and the
+    client refreshes and routes again; a member it cannot reach is left out
+    for a moment. ``owners(keys)`` and ``routing_stats()`` show the routing.
     """
 
     def exists(self, keys: Keys) -> list[bool]:
@@ -156,8 +168,31 @@ class Client(_native.Client):
         return super().delete(keys)
 
     def stats(self) -> dict[str, int]:
-        """Server counters, and this namespace's (keys ``namespace.*``)."""
+        """Server counters, and this namespace's (keys ``namespace.*``): of
+        the endpoint given, in a cluster too."""
         return super().stats()
+
+    @property
+    def members(self) -> list[dict[str, Any]]:
+        """The cluster's KV members routed over: ``id``, ``endpoint``,
+        ``weight`` (per mille of a full share). Empty outside a cluster."""
+        return super().members
+
+    @property
+    def cluster_epoch(self) -> int:
+        """Epoch of the cluster view routed by (0 outside a cluster)."""
+        return super().cluster_epoch
+
+    def owners(self, keys: Keys) -> list[Optional[str]]:
+        """Each key's first-ranked member id (None outside a cluster)."""
+        return super().owners(keys)
+
+    def routing_stats(self) -> dict[str, int]:
+        """What routing did: ``refreshes`` (views asked again after a
+        ``NotOwner``), ``fallback_gets``/``fallback_hits``,
+        ``copies_written`` (fallback hits written back, hot copies),
+        ``hot_copies``, ``member_failures``. Empty outside a cluster."""
+        return super().routing_stats()
 
     def __enter__(self) -> "Client":
         return self

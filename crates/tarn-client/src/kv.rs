@@ -108,6 +108,29 @@ impl Default for ConnectOptions {
     }
 }
 
+/// What every batch of a call carries besides its keys: the namespace, and
+/// for a client routing over a cluster the view it routed by and the
+/// batch's flags (`BATCH_FALLBACK`, `BATCH_COPY`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scope {
+    pub namespace: Vec<u8>,
+    pub flags: u16,
+    pub route: Option<Route>,
+}
+
+impl Scope {
+    pub fn new(namespace: Vec<u8>) -> Scope {
+        Scope {
+            namespace,
+            ..Scope::default()
+        }
+    }
+
+    fn head(&self, out: &mut Vec<u8>, count: usize, arg: u32) {
+        put_batch_head_with(out, &self.namespace, count, arg, self.flags, self.route);
+    }
+}
+
 /// One GET: `len` bytes from `offset` of the value (None: to its end) into
 /// the front of `buf`.
 pub struct GetInto<'a> {
@@ -137,6 +160,8 @@ pub struct GetOutcome {
     pub len: u64,
     /// Length of the whole stored value (0 on a miss).
     pub value_len: u64,
+    /// The server counts the block as read often (`RESULT_HOT`).
+    pub hot: bool,
 }
 
 impl GetOutcome {
@@ -145,6 +170,7 @@ impl GetOutcome {
             status,
             len: 0,
             value_len: 0,
+            hot: false,
         }
     }
 
@@ -154,6 +180,7 @@ impl GetOutcome {
             status: Status::BufferTooSmall,
             len,
             value_len,
+            hot: false,
         }
     }
 }
@@ -467,9 +494,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
         Ok(reply)
     }
 
-    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+    async fn exists(&mut self, ns: &Scope, digests: &[Digest]) -> Result<ExistsReply> {
         let id = self.begin(Op::Exists);
-        put_batch_head(&mut self.out, ns, digests.len(), 0);
+        ns.head(&mut self.out, digests.len(), 0);
         for d in digests {
             self.out.extend_from_slice(d);
         }
@@ -481,12 +508,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     async fn keys_op(
         &mut self,
         op: Op,
-        ns: &[u8],
+        ns: &Scope,
         digests: &[Digest],
         arg: u32,
     ) -> Result<Vec<Status>> {
         let id = self.begin(op);
-        put_batch_head(&mut self.out, ns, digests.len(), arg);
+        ns.head(&mut self.out, digests.len(), arg);
         for d in digests {
             self.out.extend_from_slice(d);
         }
@@ -495,16 +522,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
         decode_statuses(&self.inp, digests.len()).map_err(|e| Error::Protocol(e.to_string()))
     }
 
-    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+    async fn cluster(&mut self) -> Result<ClusterView> {
+        let id = self.begin(Op::Cluster);
+        self.send(&[]).await?;
+        self.recv(id, Op::Cluster).await?;
+        ClusterView::decode(&self.inp).map_err(proto)
+    }
+
+    async fn stats(&mut self, ns: &Scope) -> Result<Vec<(String, u64)>> {
         let id = self.begin(Op::Stats);
-        put_batch_head(&mut self.out, ns, 0, 0);
+        ns.head(&mut self.out, 0, 0);
         self.send(&[]).await?;
         self.recv(id, Op::Stats).await?;
         decode_stats(&self.inp).map_err(|e| Error::Protocol(e.to_string()))
     }
 
-    fn encode_gets(&mut self, ns: &[u8], reqs: &[GetInto<'_>]) {
-        put_batch_head(&mut self.out, ns, reqs.len(), 0);
+    fn encode_gets(&mut self, ns: &Scope, reqs: &[GetInto<'_>]) {
+        ns.head(&mut self.out, reqs.len(), 0);
         for r in reqs {
             GetEntry {
                 digest: r.digest,
@@ -516,7 +550,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     }
 
     /// GET with the data in the response, read straight into the caller's buffers.
-    async fn get_tcp(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+    async fn get_tcp(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         let id = self.begin(Op::Get);
         self.encode_gets(ns, reqs);
         self.send(&[]).await?;
@@ -563,6 +597,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
                 status: Status::Ok,
                 len: g.data_len,
                 value_len: g.value_len,
+                hot: g.hot,
             });
         }
         self.broken = false;
@@ -570,9 +605,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     }
 
     /// PUT with the values in the frame.
-    async fn put_tcp(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put_tcp(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         let id = self.begin(Op::Put);
-        put_batch_head(&mut self.out, ns, items.len(), 0);
+        ns.head(&mut self.out, items.len(), 0);
         for it in items {
             PutEntry {
                 digest: it.digest,
@@ -693,6 +728,7 @@ impl CopyOut for Arena {
             status: Status::Ok,
             len: g.data_len,
             value_len: g.value_len,
+            hot: g.hot,
         })
     }
 }
@@ -802,7 +838,7 @@ pub struct ShmTransport {
 }
 
 impl ShmTransport {
-    async fn get(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+    async fn get(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         let id = self.ch.begin(Op::GetShm);
         self.ch.encode_gets(ns, reqs);
         self.ch.send(&[]).await?;
@@ -854,7 +890,7 @@ impl ShmTransport {
     /// copies the last request's out of the other, so the two copies of a
     /// put overlap instead of adding up. A value larger than half the
     /// window goes alone, through the whole window.
-    async fn put(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         let mut out = Vec::with_capacity(items.len());
         let half = self.window.half();
         let chunk = half.min(PUT_PIPELINE_BYTES);
@@ -914,9 +950,9 @@ impl ShmTransport {
     /// are copied) and builds their PUT_SHM in the channel's buffer; returns
     /// its request id. The caller makes sure the daemon is not reading that
     /// part of the window.
-    fn encode_put(&mut self, ns: &[u8], items: &[PutFrom<'_>], base: usize) -> u64 {
+    fn encode_put(&mut self, ns: &Scope, items: &[PutFrom<'_>], base: usize) -> u64 {
         let id = self.ch.begin(Op::PutShm);
-        put_batch_head(&mut self.ch.out, ns, items.len(), 0);
+        ns.head(&mut self.ch.out, items.len(), 0);
         let mut at = base;
         for it in items {
             at = at.next_multiple_of(WINDOW_ALIGN);
@@ -958,17 +994,18 @@ pub trait Transport {
     fn kind(&self) -> TransportKind;
     /// True after an I/O or protocol error: the stream may be mid-frame.
     fn broken(&mut self) -> &mut bool;
-    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply>;
-    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>>;
-    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>>;
+    async fn exists(&mut self, ns: &Scope, digests: &[Digest]) -> Result<ExistsReply>;
+    async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>>;
+    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>>;
     async fn keys_op(
         &mut self,
         op: Op,
-        ns: &[u8],
+        ns: &Scope,
         digests: &[Digest],
         arg: u32,
     ) -> Result<Vec<Status>>;
-    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>>;
+    async fn stats(&mut self, ns: &Scope) -> Result<Vec<(String, u64)>>;
+    async fn cluster(&mut self) -> Result<ClusterView>;
 }
 
 /// TCP: values inside the frames, read straight into the caller's buffers.
@@ -983,26 +1020,29 @@ impl Transport for TcpTransport {
     fn broken(&mut self) -> &mut bool {
         &mut self.ch.broken
     }
-    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+    async fn exists(&mut self, ns: &Scope, digests: &[Digest]) -> Result<ExistsReply> {
         self.ch.exists(ns, digests).await
     }
-    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+    async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         self.ch.get_tcp(ns, reqs).await
     }
-    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         self.ch.put_tcp(ns, items).await
     }
     async fn keys_op(
         &mut self,
         op: Op,
-        ns: &[u8],
+        ns: &Scope,
         digests: &[Digest],
         arg: u32,
     ) -> Result<Vec<Status>> {
         self.ch.keys_op(op, ns, digests, arg).await
     }
-    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+    async fn stats(&mut self, ns: &Scope) -> Result<Vec<(String, u64)>> {
         self.ch.stats(ns).await
+    }
+    async fn cluster(&mut self) -> Result<ClusterView> {
+        self.ch.cluster().await
     }
 }
 
@@ -1013,26 +1053,29 @@ impl Transport for ShmTransport {
     fn broken(&mut self) -> &mut bool {
         &mut self.ch.broken
     }
-    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+    async fn exists(&mut self, ns: &Scope, digests: &[Digest]) -> Result<ExistsReply> {
         self.ch.exists(ns, digests).await
     }
-    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+    async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         self.get(ns, reqs).await
     }
-    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         self.put(ns, items).await
     }
     async fn keys_op(
         &mut self,
         op: Op,
-        ns: &[u8],
+        ns: &Scope,
         digests: &[Digest],
         arg: u32,
     ) -> Result<Vec<Status>> {
         self.ch.keys_op(op, ns, digests, arg).await
     }
-    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+    async fn stats(&mut self, ns: &Scope) -> Result<Vec<(String, u64)>> {
         self.ch.stats(ns).await
+    }
+    async fn cluster(&mut self) -> Result<ClusterView> {
+        self.ch.cluster().await
     }
 }
 
@@ -1058,26 +1101,29 @@ impl Transport for AnyTransport {
     fn broken(&mut self) -> &mut bool {
         each!(self, t => t.broken())
     }
-    async fn exists(&mut self, ns: &[u8], digests: &[Digest]) -> Result<ExistsReply> {
+    async fn exists(&mut self, ns: &Scope, digests: &[Digest]) -> Result<ExistsReply> {
         each!(self, t => t.exists(ns, digests).await)
     }
-    async fn get_into(&mut self, ns: &[u8], reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
+    async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         each!(self, t => t.get_into(ns, reqs).await)
     }
-    async fn put_from(&mut self, ns: &[u8], items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         each!(self, t => t.put_from(ns, items).await)
     }
     async fn keys_op(
         &mut self,
         op: Op,
-        ns: &[u8],
+        ns: &Scope,
         digests: &[Digest],
         arg: u32,
     ) -> Result<Vec<Status>> {
         each!(self, t => t.keys_op(op, ns, digests, arg).await)
     }
-    async fn stats(&mut self, ns: &[u8]) -> Result<Vec<(String, u64)>> {
+    async fn stats(&mut self, ns: &Scope) -> Result<Vec<(String, u64)>> {
         each!(self, t => t.stats(ns).await)
+    }
+    async fn cluster(&mut self) -> Result<ClusterView> {
+        each!(self, t => t.cluster().await)
     }
 }
 
@@ -1085,7 +1131,7 @@ impl Transport for AnyTransport {
 pub struct KvClient {
     t: AnyTransport,
     call_timeout: Option<Duration>,
-    namespace: Vec<u8>,
+    scope: Scope,
     server: HelloReply,
     auth: AuthReply,
 }
@@ -1093,6 +1139,12 @@ pub struct KvClient {
 /// True for the server's refusal of the credentials.
 pub fn denied(e: &Error) -> bool {
     matches!(e, Error::Server(p) if p.code == ErrorCode::Denied)
+}
+
+/// True when a node refused a batch routed by an older view of the
+/// cluster: ask it for CLUSTER and route again.
+pub fn not_owner(e: &Error) -> bool {
+    matches!(e, Error::Server(p) if p.code == ErrorCode::NotOwner)
 }
 
 fn parse_endpoint(endpoint: &str) -> Result<String> {
@@ -1146,7 +1198,7 @@ impl KvClient {
                     return Ok(KvClient {
                         t: AnyTransport::Shm(Box::new(shm)),
                         call_timeout: opts.call_timeout,
-                        namespace: opts.namespace,
+                        scope: Scope::new(opts.namespace),
                         server: hello,
                         auth,
                     })
@@ -1165,7 +1217,7 @@ impl KvClient {
         Ok(KvClient {
             t: AnyTransport::Tcp(TcpTransport { ch }),
             call_timeout: opts.call_timeout,
-            namespace: opts.namespace,
+            scope: Scope::new(opts.namespace),
             server: hello,
             auth,
         })
@@ -1186,15 +1238,41 @@ impl KvClient {
     }
 
     pub fn namespace(&self) -> &[u8] {
-        &self.namespace
+        &self.scope.namespace
     }
 
     pub fn set_namespace(&mut self, namespace: &[u8]) -> Result<()> {
         if namespace.len() > NAMESPACE_MAX_BYTES {
             return Err(Error::Usage("namespace too long".into()));
         }
-        self.namespace = namespace.to_vec();
+        self.scope.namespace = namespace.to_vec();
         Ok(())
+    }
+
+    /// The cluster's KV members as this server routes by them (CLUSTER). A
+    /// server outside a cluster, or one too old to know CLUSTER, answers
+    /// an empty view (epoch 0, no members).
+    pub async fn cluster_view(&mut self) -> Result<ClusterView> {
+        self.check()?;
+        let limit = self.call_timeout;
+        let r = bounded(limit, SERVER, self.t.cluster()).await;
+        match self.settle(r) {
+            Err(Error::Server(e)) if e.code == ErrorCode::UnknownOp => Ok(ClusterView::default()),
+            r => r,
+        }
+    }
+
+    /// Routes the following calls' batches by `route` (None: unrouted).
+    /// A node whose view is newer and different refuses them with
+    /// `NotOwner` ([`not_owner`]).
+    pub fn set_route(&mut self, route: Option<Route>) {
+        self.scope.route = route;
+    }
+
+    /// Flags of the following calls' batches (`BATCH_FALLBACK`,
+    /// `BATCH_COPY`; `BATCH_ROUTED` follows [`KvClient::set_route`]).
+    pub fn set_batch_flags(&mut self, flags: u16) {
+        self.scope.flags = flags & !BATCH_ROUTED;
     }
 
     /// Largest value the server accepts.
@@ -1242,7 +1320,7 @@ impl KvClient {
             present: Vec::with_capacity(digests.len()),
         };
         for chunk in digests.chunks(self.batch()) {
-            let ns = self.namespace.clone();
+            let ns = self.scope.clone();
             let limit = self.call_timeout;
             let r = bounded(limit, SERVER, self.t.exists(&ns, chunk)).await;
             let r = self.settle(r)?;
@@ -1258,7 +1336,7 @@ impl KvClient {
         let mut out = Vec::with_capacity(reqs.len());
         let batch = self.batch();
         for chunk in reqs.chunks_mut(batch) {
-            let ns = self.namespace.clone();
+            let ns = self.scope.clone();
             let limit = self.call_timeout;
             let r = bounded(limit, SERVER, self.t.get_into(&ns, chunk)).await;
             out.extend(self.settle(r)?);
@@ -1281,7 +1359,7 @@ impl KvClient {
         }
         let mut out = Vec::with_capacity(items.len());
         for chunk in items.chunks(self.batch()) {
-            let ns = self.namespace.clone();
+            let ns = self.scope.clone();
             let limit = self.call_timeout;
             let r = bounded(limit, SERVER, self.t.put_from(&ns, chunk)).await;
             out.extend(self.settle(r)?);
@@ -1356,7 +1434,7 @@ impl KvClient {
         self.check()?;
         let mut out = Vec::with_capacity(digests.len());
         for chunk in digests.chunks(self.batch()) {
-            let ns = self.namespace.clone();
+            let ns = self.scope.clone();
             let limit = self.call_timeout;
             let r = bounded(limit, SERVER, self.t.keys_op(op, &ns, chunk, arg)).await;
             out.extend(self.settle(r)?);
@@ -1387,7 +1465,7 @@ impl KvClient {
     /// Server counters, with this client's namespace's (prefixed `namespace.`).
     pub async fn stats(&mut self) -> Result<Vec<(String, u64)>> {
         self.check()?;
-        let ns = self.namespace.clone();
+        let ns = self.scope.clone();
         let limit = self.call_timeout;
         let r = bounded(limit, SERVER, self.t.stats(&ns)).await;
         self.settle(r)
@@ -1620,6 +1698,9 @@ impl BlockingKvClient {
     }
     pub fn delete(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
         self.rt.block_on(self.inner.delete(digests))
+    }
+    pub fn cluster_view(&mut self) -> Result<ClusterView> {
+        self.rt.block_on(self.inner.cluster_view())
     }
     pub fn stats(&mut self) -> Result<Vec<(String, u64)>> {
         self.rt.block_on(self.inner.stats())

@@ -5,6 +5,7 @@
 
 pub mod kv;
 pub mod object;
+pub mod route;
 pub mod sigv4;
 
 pub use kv::{
@@ -14,4 +15,6 @@ pub use kv::{
 };
 pub use object::{ObjectClient, ObjectError};
 pub use tarn_wire::auth::Credentials;
-pub use tarn_wire::proto::{Digest, ExistsReply, Status};
+pub use tarn_wire::proto::{
+    ClusterView, Digest, ExistsReply, Route, Status, ViewMember, BATCH_COPY, BATCH_FALLBACK,
+};

@@ -56,6 +56,18 @@ pub struct Member {
     pub incarnation: u64,
     /// The binary's version.
     pub version: String,
+    /// Its KV-cache store, when it runs one (`--kv`): clients route keys
+    /// over the members that have one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv: Option<KvMember>,
+}
+
+/// A member's KV endpoint and its weight in rendezvous hashing (per mille
+/// of a full share; a node that starts with an empty store ramps up).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvMember {
+    pub endpoint: String,
+    pub weight: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,7 +7,7 @@
 //! until it has registered again on a new lease.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,12 +17,35 @@ use crate::etcd::Etcd;
 pub struct Membership {
     stop: Arc<AtomicBool>,
     lease: Arc<Held>,
+    value: Arc<Value>,
     thread: Option<JoinHandle<()>>,
 }
 
 /// When the lease was last known good, as milliseconds after `base` (0:
 /// no lease). Read by whoever asks, so that a renewal stuck on an etcd that
 /// does not answer cannot keep the node a member past its TTL.
+/// The record's value, and whether it changed since it was last written.
+#[derive(Default)]
+struct Value(Mutex<(Vec<u8>, bool)>);
+
+impl Value {
+    fn get(&self) -> Vec<u8> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).0.clone()
+    }
+
+    /// The new value if it was not written yet (marked written).
+    fn take_changed(&self) -> Option<Vec<u8>> {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut v.1).then(|| v.0.clone())
+    }
+
+    fn set(&self, value: Vec<u8>, changed: bool) {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        v.0 = value;
+        v.1 |= changed;
+    }
+}
+
 struct Held {
     base: Instant,
     since_ms: AtomicU64,
@@ -60,7 +83,9 @@ impl Membership {
             since_ms: AtomicU64::new(0),
             ttl: Duration::from_secs(ttl as u64),
         });
-        let (s, m) = (stop.clone(), lease.clone());
+        let held_value = Arc::new(Value::default());
+        held_value.set(value, false);
+        let (s, m, v) = (stop.clone(), lease.clone(), held_value.clone());
         let thread = std::thread::Builder::new()
             .name("tarn-membership".into())
             .spawn(move || {
@@ -68,13 +93,20 @@ impl Membership {
                     .enable_all()
                     .build()
                     .expect("membership runtime");
-                rt.block_on(hold(etcd, key, value, ttl, s, m));
+                rt.block_on(hold(etcd, key, v, ttl, s, m));
             })?;
         Ok(Membership {
             stop,
             lease,
+            value: held_value,
             thread: Some(thread),
         })
+    }
+
+    /// Changes the record's value: written on the lease held (within a
+    /// renewal tick), or with the next registration.
+    pub fn update(&self, value: Vec<u8>) {
+        self.value.set(value, true);
     }
 
     /// Whether the node holds a live lease now.
@@ -105,7 +137,7 @@ impl Drop for Membership {
 async fn hold(
     etcd: Etcd,
     key: String,
-    value: Vec<u8>,
+    value: Arc<Value>,
     ttl: i64,
     stop: Arc<AtomicBool>,
     held: Arc<Held>,
@@ -114,12 +146,25 @@ async fn hold(
     let tick = Duration::from_millis(100);
     let mut lease: Option<i64> = None;
     let mut next = Instant::now();
+    let mut update_at = Instant::now();
     while !stop.load(Ordering::Acquire) {
+        let changed = match lease {
+            Some(_) if Instant::now() >= update_at => value.take_changed(),
+            _ => None,
+        };
+        if let (Some(id), Some(v)) = (lease, changed) {
+            if let Err(e) = etcd.put(&key, &v, Some(id)).await {
+                tracing::warn!(key = %key, error = %e, "cannot update the membership record");
+                // Tried again in a second, or written by the next registration.
+                value.set(v, true);
+                update_at = Instant::now() + Duration::from_secs(1);
+            }
+        }
         if Instant::now() >= next {
             next = Instant::now() + every;
             let asked = Instant::now();
             match lease {
-                None => match register(&etcd, &key, &value, ttl).await {
+                None => match register(&etcd, &key, &value.get(), ttl).await {
                     Ok(id) => {
                         tracing::info!(key = %key, lease = id, "joined as a member");
                         held.renewed(asked);

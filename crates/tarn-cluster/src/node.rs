@@ -26,7 +26,7 @@ use crate::catalog::{decode_bucket, EtcdCatalog};
 use crate::etcd::{Etcd, EtcdError, Event};
 use crate::jobs::Leadership;
 use crate::keys::{valid_name, Keys, LAYOUT_VERSION};
-use crate::map::{self, ClusterMap, Member, NodeRecord, NodeState, FORMAT};
+use crate::map::{self, ClusterMap, KvMember, Member, NodeRecord, NodeState, FORMAT};
 use crate::membership::Membership;
 use crate::remote::{DriveProvider, DriveService, RemoteDrive};
 use crate::rpc::client::ClientLimits;
@@ -259,7 +259,26 @@ pub struct Node {
     /// Drives found empty at start that took the place of the drive the
     /// map placed here (`lost_drives`): backfilled in full.
     reclaimed: std::collections::HashSet<Id128>,
+    /// This node's membership record (its KV part changes as it ramps up).
+    member: Mutex<Option<Member>>,
+    /// Told the cluster's KV members whenever they change.
+    kv_members: OnceLock<Box<dyn Fn(KvMembers) + Send + Sync>>,
 }
+
+/// The members that run a KV store, as of an etcd revision: what a KV
+/// server routes by and answers CLUSTER with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvMembers {
+    pub epoch: u64,
+    /// (node id, its KV endpoint and weight), by id.
+    pub members: Vec<(String, KvMember)>,
+}
+
+/// Weights a node whose KV store started empty publishes, one after the
+/// other over its ramp: a restarted node takes a small share of the keys
+/// first (its misses fall back to the node that had them), never a third
+/// of every lookup at once.
+pub const KV_RAMP_WEIGHTS: [u32; 4] = [100, 250, 500, 1000];
 
 /// Serves this node's drives from the engine once it is open.
 struct Provider(Arc<Node>);
@@ -364,6 +383,8 @@ impl Node {
             started: AtomicBool::new(false),
             reclaimed,
             drain: Mutex::default(),
+            member: Mutex::default(),
+            kv_members: OnceLock::new(),
             cfg,
         });
         rt.block_on(node.register())?;
@@ -373,7 +394,9 @@ impl Node {
             address: node.cfg.advertise.clone(),
             incarnation: u64::from_le_bytes(new_id()[..8].try_into().expect("8 bytes")),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            kv: None,
         };
+        *node.member.lock().expect("member") = Some(member.clone());
         let m = Membership::start(
             node.etcd.clone(),
             node.keys.member(&node.cfg.node_id),
@@ -693,6 +716,87 @@ impl Node {
             out.insert(name.to_string(), rec);
         }
         Ok(out)
+    }
+
+    /// Publishes this node's KV store at `endpoint` in its membership
+    /// record. With a `ramp` its weight climbs through [`KV_RAMP_WEIGHTS`]
+    /// over that time (a store that starts empty); without, it is full at
+    /// once.
+    pub fn publish_kv(self: &Arc<Self>, endpoint: String, ramp: Option<Duration>) {
+        let steps: Vec<u32> = match ramp {
+            Some(_) => KV_RAMP_WEIGHTS.to_vec(),
+            None => vec![*KV_RAMP_WEIGHTS.last().expect("steps")],
+        };
+        let every = ramp.unwrap_or_default() / (steps.len() as u32 - 1).max(1);
+        let node = self.clone();
+        let mut stop = self.stop.subscribe();
+        let publish = move |weight: u32| {
+            let mut rec = node.member.lock().expect("member");
+            let Some(m) = rec.as_mut() else {
+                return;
+            };
+            m.kv = Some(KvMember {
+                endpoint: endpoint.clone(),
+                weight,
+            });
+            let value = serde_json::to_vec(&*m).expect("json");
+            if let Some(ms) = node.membership.lock().expect("membership").as_ref() {
+                ms.update(value);
+            }
+            tracing::info!(weight, "KV store published to the cluster");
+        };
+        publish(steps[0]);
+        if steps.len() > 1 {
+            std::thread::Builder::new()
+                .name("tarn-kv-ramp".into())
+                .spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("ramp runtime");
+                    for w in &steps[1..] {
+                        if !rt.block_on(pace(&mut stop, every)) {
+                            return;
+                        }
+                        publish(*w);
+                    }
+                })
+                .expect("spawning the KV ramp thread");
+        }
+    }
+
+    /// Called with the cluster's KV members whenever they change.
+    pub fn on_kv_members(&self, f: Box<dyn Fn(KvMembers) + Send + Sync>) {
+        let _ = self.kv_members.set(f);
+    }
+
+    /// Reads the members that run a KV store and tells `on_kv_members`.
+    async fn read_kv_members(&self) -> Result<(), String> {
+        let Some(f) = self.kv_members.get() else {
+            return Ok(());
+        };
+        let (kvs, revision) = self
+            .etcd
+            .get_prefix(&self.keys.members())
+            .await
+            .map_err(etcd_err)?;
+        let mut members = Vec::new();
+        for kv in kvs {
+            let Some(id) = kv.key.strip_prefix(&self.keys.members()) else {
+                continue;
+            };
+            match map::decode::<Member>("member record", &kv.value) {
+                Ok(Member { kv: Some(k), .. }) => members.push((id.to_string(), k)),
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%error, member = id, "unreadable member record"),
+            }
+        }
+        members.sort_by(|a, b| a.0.cmp(&b.0));
+        f(KvMembers {
+            epoch: revision.max(0) as u64,
+            members,
+        });
+        Ok(())
     }
 
     /// Called after another node changed system documents.
@@ -1063,6 +1167,7 @@ impl Node {
         if let Some((m, _)) = self.read_map().await? {
             self.map_changed(m).await;
         }
+        self.read_kv_members().await?;
         let mut watch = self
             .etcd
             .watch_prefix(self.keys.root(), revision + 1)
@@ -1071,6 +1176,7 @@ impl Node {
         loop {
             let events = watch.next().await.map_err(etcd_err)?;
             let mut docs = false;
+            let mut members = false;
             for ev in events {
                 let key = match &ev {
                     Event::Put(kv) => kv.key.clone(),
@@ -1088,6 +1194,8 @@ impl Node {
                     }
                 } else if key.starts_with(&self.keys.docs()) {
                     docs = true;
+                } else if key.starts_with(&self.keys.members()) {
+                    members = true;
                 } else if key == self.keys.map() {
                     if let Event::Put(kv) = &ev {
                         match map::decode::<ClusterMap>("cluster map", &kv.value) {
@@ -1101,6 +1209,9 @@ impl Node {
             }
             if docs {
                 self.docs_were_changed();
+            }
+            if members {
+                self.read_kv_members().await?;
             }
         }
     }

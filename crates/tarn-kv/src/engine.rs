@@ -164,6 +164,8 @@ struct SlotMeta {
     state: SlotState,
     visited: bool,
     readers: u16,
+    /// Reads since it was stored, saturating: [`HOT_READS`] make it hot.
+    reads: u8,
     /// When the block was last stored or read (the engine's clock).
     stamp: u64,
     /// Toward the head (newer).
@@ -180,6 +182,7 @@ const EMPTY_SLOT: SlotMeta = SlotMeta {
     state: SlotState::Free,
     visited: false,
     readers: 0,
+    reads: 0,
     stamp: 0,
     prev: NO_SLOT,
     next: NO_SLOT,
@@ -286,7 +289,59 @@ pub struct NamespaceStats {
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub blocks: u64,
+    /// Keys of batches refused because the client routed them by an older
+    /// view of the cluster's KV members (it re-routes and asks again).
+    pub misses_not_owner: u64,
+    /// Gets asked of this node as the next-ranked one after the first
+    /// missed, and how many it had.
+    pub fallback_gets: u64,
+    pub fallback_hits: u64,
+    /// Blocks stored as copies: fallback hits written back to their owner
+    /// and second copies of hot blocks.
+    pub copies_stored: u64,
+    /// Blocks that became hot (read [`HOT_READS`] times).
+    pub hot_marked: u64,
 }
+
+impl NamespaceStats {
+    /// Every counter by name, as STATS and `/metrics` report them.
+    pub fn named(&self) -> [(&'static str, u64); 18] {
+        [
+            ("gets", self.gets),
+            ("hits_ram", self.hits_ram),
+            ("hits_disk", self.hits_disk),
+            ("misses_not_found", self.misses_not_found),
+            ("misses_corrupt", self.misses_corrupt),
+            ("misses_no_space", self.misses_no_space),
+            ("misses_not_owner", self.misses_not_owner),
+            ("exists_keys", self.exists_keys),
+            ("exists_hits", self.exists_hits),
+            ("puts_stored", self.puts_stored),
+            ("puts_existing", self.puts_existing),
+            ("bytes_read", self.bytes_read),
+            ("bytes_written", self.bytes_written),
+            ("blocks", self.blocks),
+            ("fallback_gets", self.fallback_gets),
+            ("fallback_hits", self.fallback_hits),
+            ("copies_stored", self.copies_stored),
+            ("hot_marked", self.hot_marked),
+        ]
+    }
+}
+
+/// Routing outcomes of one batch ([`Engine::count_routing`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RoutingCounts {
+    pub not_owner: u64,
+    pub fallback_gets: u64,
+    pub fallback_hits: u64,
+    pub copies_stored: u64,
+}
+
+/// Reads of a block since it was stored that make it hot: its get results
+/// say so ([`tarn_wire::proto::RESULT_HOT`]) and routing clients keep a
+/// second copy on the next-ranked node.
+pub const HOT_READS: u8 = 8;
 
 #[derive(Debug, Default, Clone)]
 struct GlobalStats {
@@ -332,6 +387,8 @@ pub enum ReadPlan {
 
 #[derive(Debug, Clone, Copy)]
 pub struct RamRef {
+    /// Read [`HOT_READS`] times or more since stored.
+    pub hot: bool,
     pub slot: u32,
     /// Index into the arena's generation table.
     pub generation_index: u32,
@@ -556,6 +613,12 @@ impl Engine {
 
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// True when it holds no block (a fresh start, or an NVMe tier that
+    /// held nothing).
+    pub fn is_empty(&self) -> bool {
+        self.lock().index.is_empty()
     }
 
     pub fn config(&self) -> &KvConfig {
@@ -1119,22 +1182,7 @@ impl Engine {
             v.push(("disk_direct_io".into(), d.direct_io as u64));
         }
         if let Some(ns) = namespace {
-            let s = &st.ns_stats[ns as usize];
-            for (name, val) in [
-                ("gets", s.gets),
-                ("hits_ram", s.hits_ram),
-                ("hits_disk", s.hits_disk),
-                ("misses_not_found", s.misses_not_found),
-                ("misses_corrupt", s.misses_corrupt),
-                ("misses_no_space", s.misses_no_space),
-                ("exists_keys", s.exists_keys),
-                ("exists_hits", s.exists_hits),
-                ("puts_stored", s.puts_stored),
-                ("puts_existing", s.puts_existing),
-                ("bytes_read", s.bytes_read),
-                ("bytes_written", s.bytes_written),
-                ("blocks", s.blocks),
-            ] {
+            for (name, val) in st.ns_stats[ns as usize].named() {
                 v.push((format!("namespace.{name}"), val));
             }
         }
@@ -1153,6 +1201,18 @@ impl Engine {
         let s = &mut st.ns_stats[namespace as usize];
         s.bytes_read += bytes;
         s.misses_no_space += no_space_misses;
+    }
+
+    /// Counts the cluster's routing outcomes (server bookkeeping): keys
+    /// refused as routed by a stale view, fallback gets and their hits,
+    /// copies stored.
+    pub fn count_routing(&self, namespace: u32, c: RoutingCounts) {
+        let mut st = self.lock();
+        let s = &mut st.ns_stats[namespace as usize];
+        s.misses_not_owner += c.not_owner;
+        s.fallback_gets += c.fallback_gets;
+        s.fallback_hits += c.fallback_hits;
+        s.copies_stored += c.copies_stored;
     }
 }
 
@@ -1221,14 +1281,22 @@ impl State {
 
     fn ram_ref(&mut self, arena: &Arena, slot: u32, e: &Entry, hold: bool) -> RamRef {
         let gi = State::generation_index(arena, slot);
+        let mut reads = 0;
         self.with_slot(slot, |m| {
             m.visited = true;
+            m.reads = m.reads.saturating_add(1);
+            reads = m.reads;
             if hold {
                 m.readers += 1;
             }
         });
         self.stamp(slot);
+        if reads == HOT_READS {
+            let ns = self.meta(slot).key.namespace as usize;
+            self.ns_stats[ns].hot_marked += 1;
+        }
         RamRef {
+            hot: reads >= HOT_READS,
             slot,
             generation_index: gi as u32,
             generation: arena
@@ -1673,6 +1741,7 @@ impl State {
             m.key = key;
             m.state = SlotState::Live;
             m.visited = false;
+            m.reads = 0;
         });
         self.stamp(slot);
         let class = self.slot_class(slot);

@@ -31,7 +31,7 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::auth::{self, Side, Tenant, Tenants};
-use crate::engine::{Engine, Key, ReadPlan};
+use crate::engine::{Engine, Key, ReadPlan, RoutingCounts};
 use crate::fdpass;
 use crate::mailbox::{self, Area, Mailbox};
 use crate::park;
@@ -162,9 +162,31 @@ impl Default for ServerOptions {
     }
 }
 
+/// The view of the cluster's KV members this node routes by: what CLUSTER
+/// answers, and what routed batches are checked against. Outside a cluster
+/// it stays empty (epoch 0, no members).
+#[derive(Default)]
+pub struct Views(std::sync::RwLock<Arc<ClusterView>>);
+
+impl Views {
+    pub fn get(&self) -> Arc<ClusterView> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Takes `view` unless it is older than the one held.
+    pub fn set(&self, view: ClusterView) {
+        let mut cur = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if view.epoch >= cur.epoch {
+            *cur = Arc::new(view);
+        }
+    }
+}
+
 /// A running KV server; stops when dropped.
 pub struct Server {
     pub tcp_addr: SocketAddr,
+    /// The cluster view it routes by (set by the node's membership watch).
+    pub views: Arc<Views>,
     /// Abstract Unix socket name of the shared-memory transport.
     pub shm_socket: Option<String>,
     stop: watch::Sender<bool>,
@@ -187,6 +209,7 @@ struct Shared {
     instance_id: [u8; 16],
     value_max_bytes: u64,
     timeouts: Timeouts,
+    views: Arc<Views>,
 }
 
 impl Shared {
@@ -203,6 +226,7 @@ impl Shared {
             instance_id: auth::nonce()[..16].try_into().expect("16 bytes"),
             value_max_bytes,
             timeouts,
+            views: Arc::default(),
         }
     }
 }
@@ -285,6 +309,7 @@ impl Server {
         }
         Ok(Server {
             tcp_addr,
+            views: shared.views.clone(),
             shm_socket,
             stop,
             threads,
@@ -628,6 +653,8 @@ struct Connection {
     statuses: Vec<Status>,
     present: Vec<bool>,
     held: Vec<u32>,
+    /// Flags of the batch being served (`BATCH_FALLBACK`, `BATCH_COPY`).
+    batch_flags: u16,
 }
 
 /// How a frame ended for the connection.
@@ -705,6 +732,7 @@ impl Connection {
             statuses: Vec::new(),
             present: Vec::new(),
             held: Vec::new(),
+            batch_flags: 0,
         }
     }
 
@@ -1105,6 +1133,8 @@ impl Connection {
             Some(Op::Exists) => self.digest_batch(payload).map(|ns| {
                 let mut present = std::mem::take(&mut self.present);
                 self.engine().exists(ns, &self.digests, &mut present);
+                let hits = present.iter().filter(|p| **p).count();
+                self.count_routed(ns, present.len(), hits);
                 reply(out);
                 ExistsReply::encode_from(out, &present);
                 self.present = present;
@@ -1113,6 +1143,17 @@ impl Connection {
                 self.status_batch(o, payload, out, reply)
             }
             Some(Op::PutShm) => self.put_shm(payload, out, reply),
+            Some(Op::Cluster) => {
+                if !payload.is_empty() {
+                    return Err(ProtoError::new(
+                        ErrorCode::BadFrame,
+                        "CLUSTER takes no payload",
+                    ));
+                }
+                reply(out);
+                self.shared.views.get().encode(out);
+                Ok(())
+            }
             Some(Op::Stats) => {
                 let mut r = Reader::new(payload);
                 read_batch_head(&mut r, 0).and_then(|b| {
@@ -1256,6 +1297,49 @@ impl Connection {
             .map_err(|_| ProtoError::new(ErrorCode::Limit, "too many namespaces"))
     }
 
+    /// A batch's namespace id, once its route (if any) is current: a batch
+    /// routed by a view older than this node's and different from it is
+    /// refused (`NotOwner`), the client re-routes with the new one.
+    fn batch_namespace(&mut self, b: &BatchHead<'_>) -> Result<u32, ProtoError> {
+        let ns = self.namespace(b.namespace)?;
+        self.batch_flags = b.flags;
+        if let Some(route) = b.route {
+            let v = self.shared.views.get();
+            if route.view != v.view && route.epoch < v.epoch {
+                let c = RoutingCounts {
+                    not_owner: b.count as u64,
+                    ..RoutingCounts::default()
+                };
+                self.engine().count_routing(ns, c);
+                return Err(ProtoError::new(
+                    ErrorCode::NotOwner,
+                    format!(
+                        "routed by the KV members of epoch {}; this node has epoch {} ({} members): ask CLUSTER again",
+                        route.epoch,
+                        v.epoch,
+                        v.members.len()
+                    ),
+                ));
+            }
+        }
+        Ok(ns)
+    }
+
+    /// Counts a fallback batch's gets and hits, or a copy batch's stores.
+    fn count_routed(&self, ns: u32, keys: usize, done: usize) {
+        let mut c = RoutingCounts::default();
+        if self.batch_flags & BATCH_FALLBACK != 0 {
+            c.fallback_gets = keys as u64;
+            c.fallback_hits = done as u64;
+        }
+        if self.batch_flags & BATCH_COPY != 0 {
+            c.copies_stored = done as u64;
+        }
+        if self.batch_flags & (BATCH_FALLBACK | BATCH_COPY) != 0 {
+            self.engine().count_routing(ns, c);
+        }
+    }
+
     /// Parses `ns + count digests` into self.digests; returns the namespace id.
     fn digest_batch(&mut self, payload: &[u8]) -> Result<u32, ProtoError> {
         let mut r = Reader::new(payload);
@@ -1265,7 +1349,7 @@ impl Connection {
             self.digests.push(r.digest()?);
         }
         r.finish()?;
-        self.namespace(b.namespace)
+        self.batch_namespace(&b)
     }
 
     fn status_batch(
@@ -1308,7 +1392,7 @@ impl Connection {
             self.gets.push(GetEntry::decode(&mut r)?);
         }
         r.finish()?;
-        self.namespace(b.namespace)
+        self.batch_namespace(&b)
     }
 
     /// GET with the data in the response: result table, then the bytes of
@@ -1342,6 +1426,7 @@ impl Connection {
         out.put_u32(self.gets.len() as u32);
         let mut slices: Vec<&[u8]> = Vec::with_capacity(self.gets.len());
         let mut bulk = 0u64;
+        let mut hits = 0;
         let mut disk_iter = disk.iter();
         for (g, plan) in self.gets.iter().zip(&plans) {
             let res = match plan {
@@ -1359,6 +1444,7 @@ impl Connection {
                         bulk += len;
                         GetResult {
                             status: Status::Ok,
+                            hot: r.hot,
                             crc: r.crc,
                             value_len: r.value_len,
                             data_len: len,
@@ -1372,6 +1458,7 @@ impl Connection {
                         bulk += len;
                         GetResult {
                             status: Status::Ok,
+                            hot: false,
                             crc: d.crc,
                             value_len: d.value_len,
                             data_len: len,
@@ -1380,6 +1467,7 @@ impl Connection {
                     Err(s) => GetResult::miss(*s),
                 },
             };
+            hits += (res.status == Status::Ok) as usize;
             res.encode(out);
         }
         finish_frame(out, bulk);
@@ -1395,6 +1483,7 @@ impl Connection {
         drop(slices);
         engine.release(&self.held);
         engine.count_read(ns, bulk, 0);
+        self.count_routed(ns, self.gets.len(), hits);
         // Promote what came from the NVMe tier, after the client has its bytes.
         for bytes in disk.iter().flatten() {
             engine.promote(bytes, false);
@@ -1431,7 +1520,7 @@ impl Connection {
         let mut plans = std::mem::take(&mut self.plans);
         reply(out);
         out.put_u32(self.gets.len() as u32);
-        let (mut bytes_read, mut no_space) = (0u64, 0u64);
+        let (mut bytes_read, mut no_space, mut hits) = (0u64, 0u64, 0);
         let (mut done, mut chunk, mut published) = (0, STREAM_FIRST_KEYS, 0);
         while done < self.gets.len() {
             let n = match stream {
@@ -1467,6 +1556,7 @@ impl Connection {
                             bytes_read += len;
                             ShmGetResult {
                                 status: Status::Ok,
+                                hot: r.hot,
                                 crc: r.crc,
                                 value_len: r.value_len,
                                 data_len: len,
@@ -1477,6 +1567,7 @@ impl Connection {
                         }
                     }
                 };
+                hits += (res.status == Status::Ok) as usize;
                 res.encode(out);
             }
             done += n;
@@ -1489,6 +1580,7 @@ impl Connection {
             }
         }
         engine.count_read(ns, bytes_read, no_space);
+        self.count_routed(ns, self.gets.len(), hits);
         self.plans = plans;
         Ok(())
     }
@@ -1510,12 +1602,12 @@ impl Connection {
                 "PUT_SHM needs the shared-memory socket",
             ));
         }
-        let Some(window) = &self.window else {
+        if self.window.is_none() {
             return Err(ProtoError::new(
                 ErrorCode::NotShm,
                 "PUT_SHM needs a put window, passed with AUTH",
             ));
-        };
+        }
         let mut r = Reader::new(payload);
         let b = read_batch_head(&mut r, PUT_SHM_ENTRY_BYTES)?;
         let count = b.count as usize;
@@ -1525,9 +1617,10 @@ impl Connection {
                 "PUT_SHM length does not match its count",
             ));
         }
-        let ns = self.namespace(b.namespace)?;
+        let ns = self.batch_namespace(&b)?;
         let engine = self.engine();
         let value_max = self.shared.value_max_bytes;
+        let window = self.window.as_ref().expect("checked above");
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
         for _ in 0..count {
@@ -1558,6 +1651,8 @@ impl Connection {
             };
             st.push(s);
         }
+        let stored = st.iter().filter(|s| **s == Status::Ok).count();
+        self.count_routed(ns, count, stored);
         reply(out);
         encode_statuses(out, &st);
         self.statuses = st;
@@ -1591,9 +1686,15 @@ impl Connection {
         timed(limit, io.read_exact(&mut fixed)).await?;
         let mut r = Reader::new(&fixed);
         let ns_len = r.u16().expect("fixed") as usize;
-        let _flags = r.u16().expect("fixed");
+        let flags = r.u16().expect("fixed");
         let count = r.u32().expect("fixed") as usize;
-        let table_len = BATCH_HEADER_BYTES + ns_len + count * PUT_ENTRY_BYTES;
+        let route_len = if flags & BATCH_ROUTED != 0 {
+            ROUTE_BYTES
+        } else {
+            0
+        };
+        let head_len = ns_len + route_len;
+        let table_len = BATCH_HEADER_BYTES + head_len + count * PUT_ENTRY_BYTES;
         if ns_len > NAMESPACE_MAX_BYTES || count > BATCH_MAX_KEYS || (table_len as u64) > h.len {
             close(
                 out,
@@ -1605,7 +1706,7 @@ impl Connection {
         let mut payload = std::mem::take(&mut self.payload);
         payload.resize(table_len - BATCH_HEADER_BYTES, 0);
         timed(limit, io.read_exact(&mut payload)).await?;
-        let mut r = Reader::new(&payload[ns_len..]);
+        let mut r = Reader::new(&payload[head_len..]);
         let data: u128 = (0..count)
             .map(|_| PutEntry::decode(&mut r).expect("length checked").len as u128)
             .sum();
@@ -1621,9 +1722,18 @@ impl Connection {
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
-        let ns = match self.namespace(&payload[..ns_len]) {
+        // The head again, whole, through the common parser (flags, route).
+        let mut whole = fixed.to_vec();
+        whole.extend_from_slice(&payload[..head_len]);
+        let head = read_batch_head(&mut Reader::new(&whole), 0);
+        let ns = match head.and_then(|b| self.batch_namespace(&b)) {
             Ok(ns) => Some(ns),
-            Err(e) if e.code == ErrorCode::Denied => {
+            Err(e)
+                if matches!(
+                    e.code,
+                    ErrorCode::Denied | ErrorCode::NotOwner | ErrorCode::BadFrame
+                ) =>
+            {
                 // Refused as a whole; the values are read past to keep the
                 // framing, and the connection stays usable.
                 self.payload = payload;
@@ -1637,7 +1747,7 @@ impl Connection {
         let engine = self.engine();
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
-        let mut r = Reader::new(&payload[ns_len..]);
+        let mut r = Reader::new(&payload[head_len..]);
         for _ in 0..count {
             let e = PutEntry::decode(&mut r).expect("length checked");
             let reserved = match ns {
@@ -1662,6 +1772,10 @@ impl Connection {
             }
         }
         self.payload = payload;
+        if let Some(ns) = ns {
+            let stored = st.iter().filter(|s| **s == Status::Ok).count();
+            self.count_routed(ns, count, stored);
+        }
         begin_frame(out, h.op | RESPONSE_BIT, h.request_id);
         encode_statuses(out, &st);
         finish_frame(out, 0);

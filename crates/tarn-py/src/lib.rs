@@ -12,7 +12,8 @@
 //! fails is dropped; a call that failed on a pooled connection (say the
 //! server restarted since it was opened) is retried once on a fresh one.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -26,6 +27,7 @@ use tarn_client::{Digest, Status, TransportKind};
 
 mod buffers;
 mod objects;
+mod routing;
 
 use buffers::{borrow, raise, Borrowed, Region};
 
@@ -87,6 +89,21 @@ struct Pool {
 }
 
 impl Pool {
+    fn new(endpoint: &str, opts: ConnectOptions, max: usize) -> Pool {
+        Pool {
+            endpoint: endpoint.to_string(),
+            opts,
+            max,
+            state: Mutex::new(PoolState {
+                idle: Vec::new(),
+                open: 0,
+                closed: false,
+                pid: std::process::id(),
+            }),
+            freed: Condvar::new(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, PoolState> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let pid = std::process::id();
@@ -252,7 +269,10 @@ fn bools(statuses: &[Status]) -> Vec<bool> {
 /// The native KV client; `tarn.kv.Client` derives from it.
 #[pyclass(subclass, frozen, module = "tarn._native", name = "Client")]
 struct Client {
-    pool: Pool,
+    /// The endpoint given: the only one, or the first member asked.
+    pool: Arc<Pool>,
+    /// Set when that endpoint is a member of a cluster's KV store.
+    router: Option<routing::Router>,
     namespace: Vec<u8>,
     transport: TransportKind,
     value_max_bytes: u64,
@@ -265,7 +285,7 @@ impl Client {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (endpoint = "127.0.0.1:9400", namespace = None, *, transport = "auto",
         connect_timeout = 5.0, timeout = None, max_connections = 4, shm_mailbox = true,
-        access_key = None, secret_key = None))]
+        access_key = None, secret_key = None, cluster = true))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
@@ -277,6 +297,7 @@ impl Client {
         shm_mailbox: bool,
         access_key: Option<String>,
         secret_key: Option<String>,
+        cluster: bool,
     ) -> PyResult<Self> {
         let namespace = match namespace {
             None => Vec::new(),
@@ -338,27 +359,33 @@ impl Client {
             credentials: Some(credentials),
             ..ConnectOptions::default()
         };
-        let pool = Pool {
-            endpoint: endpoint.to_string(),
-            opts,
-            max: max_connections,
-            state: Mutex::new(PoolState {
-                idle: Vec::new(),
-                open: 0,
-                closed: false,
-                pid: std::process::id(),
-            }),
-            freed: Condvar::new(),
-        };
+        let pool = Arc::new(Pool::new(endpoint, opts.clone(), max_connections));
         // Connect now: a wrong endpoint or namespace fails here, not at the
         // first call, and the transport is known.
         let first = py.detach(|| pool.checkout());
         let (mut c, _) = first.map_err(|e| py_err(py, e))?;
         let transport = c.transport();
         let value_max_bytes = c.client().value_max_bytes();
+        // A member of a cluster names the others: keys are routed over them.
+        let view = if cluster {
+            let v = py.detach(|| c.cluster_view());
+            match v {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    pool.checkin(c, !fatal(&e));
+                    return Err(py_err(py, Failure::Call(e)));
+                }
+            }
+        } else {
+            None
+        };
         pool.checkin(c, true);
+        let router = view
+            .filter(|v| !v.members.is_empty())
+            .map(|v| routing::Router::new(v, opts, max_connections));
         Ok(Client {
             pool,
+            router,
             namespace,
             transport,
             value_max_bytes,
@@ -393,16 +420,14 @@ impl Client {
     /// Which keys are stored: a list of bools.
     fn exists(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let d = digests(keys)?;
-        py.detach(|| self.pool.run(|c| c.exists(&d)))
-            .map(|r| r.present)
-            .map_err(|e| py_err(py, e))
+        py.detach(|| self.present(&d)).map_err(|e| py_err(py, e))
     }
 
     /// How many leading keys are all stored (a prompt's cached prefix).
     fn prefix_hits(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let d = digests(keys)?;
-        py.detach(|| self.pool.run(|c| c.exists(&d)))
-            .map(|r| r.leading_hits as usize)
+        py.detach(|| self.present(&d))
+            .map(|p| p.iter().take_while(|p| **p).count())
             .map_err(|e| py_err(py, e))
     }
 
@@ -421,6 +446,9 @@ impl Client {
         check_disjoint(&regions)?;
         let outcomes = py
             .detach(|| {
+                if let Some(r) = &self.router {
+                    return r.get_into(&d, &regions);
+                }
                 self.pool.run(|c| {
                     let mut reqs: Vec<GetInto<'_>> = d
                         .iter()
@@ -476,6 +504,9 @@ impl Client {
         let regions: Vec<Region> = held.iter().map(Borrowed::region).collect();
         let statuses = py
             .detach(|| {
+                if let Some(r) = &self.router {
+                    return r.put_from(&d, &regions);
+                }
                 self.pool.run(|c| {
                     let items: Vec<PutFrom<'_>> = d
                         .iter()
@@ -498,7 +529,7 @@ impl Client {
     /// Marks blocks recently used; per key, whether it was stored.
     fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let d = digests(keys)?;
-        py.detach(|| self.pool.run(|c| c.touch(&d)))
+        py.detach(|| self.keys_call(&d, &|c, d| c.touch(d), false))
             .map(|s| bools(&s))
             .map_err(|e| py_err(py, e))
     }
@@ -514,14 +545,14 @@ impl Client {
         }
         let d = digests(keys)?;
         let lease = Duration::from_secs_f64(lease.min(u32::MAX as f64 / 1000.0));
-        py.detach(|| self.pool.run(|c| c.pin(&d, lease)))
+        py.detach(|| self.keys_call(&d, &|c, d| c.pin(d, lease), false))
             .map(|s| bools(&s))
             .map_err(|e| py_err(py, e))
     }
 
     fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let d = digests(keys)?;
-        py.detach(|| self.pool.run(|c| c.unpin(&d)))
+        py.detach(|| self.keys_call(&d, &|c, d| c.unpin(d), false))
             .map(|s| bools(&s))
             .map_err(|e| py_err(py, e))
     }
@@ -529,7 +560,7 @@ impl Client {
     /// Deletes blocks; per key, whether it was stored.
     fn delete(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let d = digests(keys)?;
-        py.detach(|| self.pool.run(|c| c.delete(&d)))
+        py.detach(|| self.keys_call(&d, &|c, d| c.delete(d), true))
             .map(|s| bools(&s))
             .map_err(|e| py_err(py, e))
     }
@@ -546,9 +577,101 @@ impl Client {
         Ok(d)
     }
 
+    /// The cluster's KV members this client routes over, as dicts (`id`,
+    /// `endpoint`, `weight` per mille of a full share); empty when the
+    /// server is not a cluster member (or `cluster=False`).
+    #[getter]
+    fn members<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        if let Some(r) = &self.router {
+            for m in r.view().members {
+                let d = PyDict::new(py);
+                d.set_item("id", m.id)?;
+                d.set_item("endpoint", m.endpoint)?;
+                d.set_item("weight", m.weight)?;
+                out.append(d)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The epoch of the view routed by (0 outside a cluster).
+    #[getter]
+    fn cluster_epoch(&self) -> u64 {
+        self.router.as_ref().map_or(0, |r| r.view().epoch)
+    }
+
+    /// Each key's first-ranked member id (None outside a cluster).
+    fn owners(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<String>>> {
+        let d = digests(keys)?;
+        Ok(match &self.router {
+            Some(r) => r.owners(&d),
+            None => vec![None; d.len()],
+        })
+    }
+
+    /// What routing did so far: view refreshes, fallback gets and hits,
+    /// copies written back, hot blocks copied, member failures.
+    fn routing_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(r) = &self.router {
+            let c = &r.counters;
+            for (k, v) in [
+                ("refreshes", &c.refreshes),
+                ("fallback_gets", &c.fallback_gets),
+                ("fallback_hits", &c.fallback_hits),
+                ("copies_written", &c.copies_written),
+                ("hot_copies", &c.hot_copies),
+                ("member_failures", &c.member_failures),
+            ] {
+                d.set_item(k, v.load(Ordering::Relaxed))?;
+            }
+        }
+        Ok(d)
+    }
+
     /// Closes idle connections; calls after this raise.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| self.pool.close())
+        py.detach(|| {
+            self.pool.close();
+            if let Some(r) = &self.router {
+                r.close();
+            }
+        })
+    }
+}
+
+/// A per-key status call on a connection (touch, pin, unpin, delete).
+type KeysCall<'a> =
+    dyn Fn(&mut BlockingKvClient, &[Digest]) -> Result<Vec<Status>, Error> + Sync + 'a;
+
+impl Client {
+    /// Which keys are stored, through the router when there is one.
+    fn present(&self, d: &[Digest]) -> Result<Vec<bool>, Failure> {
+        match &self.router {
+            Some(r) => r.exists(d),
+            None => self.pool.run(|c| c.exists(d)).map(|r| r.present),
+        }
+    }
+
+    /// A per-key status call, through the router when there is one (`both`:
+    /// at a key's second-ranked member too).
+    fn keys_call(
+        &self,
+        d: &[Digest],
+        f: &KeysCall<'_>,
+        both: bool,
+    ) -> Result<Vec<Status>, Failure> {
+        match &self.router {
+            Some(r) => {
+                let sub = |c: &mut BlockingKvClient, idx: &[usize]| {
+                    let keys: Vec<Digest> = idx.iter().map(|i| d[*i]).collect();
+                    f(c, &keys)
+                };
+                r.statuses(d, &sub, both)
+            }
+            None => self.pool.run(|c| f(c, d)),
+        }
     }
 }
 

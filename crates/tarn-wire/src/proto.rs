@@ -30,7 +30,7 @@ pub const BATCH_MAX_KEYS: usize = 1024;
 /// Largest control part of any frame (everything but PUT's bulk data): the
 /// biggest is a full batch of PUT_SHM entries plus the namespace.
 pub const CONTROL_MAX_BYTES: usize =
-    BATCH_HEADER_BYTES + NAMESPACE_MAX_BYTES + BATCH_MAX_KEYS * PUT_SHM_ENTRY_BYTES;
+    BATCH_HEADER_BYTES + NAMESPACE_MAX_BYTES + ROUTE_BYTES + BATCH_MAX_KEYS * PUT_SHM_ENTRY_BYTES;
 /// Fixed part of a batch: ns_len u16, flags u16, count u32, arg u32.
 pub const BATCH_HEADER_BYTES: usize = 12;
 pub const GET_ENTRY_BYTES: usize = DIGEST_BYTES + 16;
@@ -54,6 +54,23 @@ pub const AUTH_WINDOW: u16 = 1;
 pub const AUTH_SHM: u16 = 1;
 pub const AUTH_MAILBOX: u16 = 2;
 pub const AUTH_WINDOW_ACCEPTED: u16 = 4;
+/// Batch head flag: a [`Route`] (16 bytes) follows the namespace; the node
+/// refuses the batch with `NotOwner` when it routes by a newer, different
+/// view of the cluster's KV members.
+pub const BATCH_ROUTED: u16 = 1;
+/// Batch head flag: the keys' first-ranked node missed them and the client
+/// asks the next one (counted per namespace as fallback gets and hits).
+pub const BATCH_FALLBACK: u16 = 2;
+/// Batch head flag: a put copying blocks found elsewhere (a fallback hit
+/// written back to its owner, or a hot block's second copy).
+pub const BATCH_COPY: u16 = 4;
+const BATCH_FLAGS_KNOWN: u16 = BATCH_ROUTED | BATCH_FALLBACK | BATCH_COPY;
+/// Bytes of a [`Route`] in a batch head.
+pub const ROUTE_BYTES: usize = 16;
+/// Get result flag (byte 1 of a GET or GET_SHM result): the block is read
+/// often; a client routing over a cluster may keep a second copy of it on
+/// the next-ranked node and spread its reads over both.
+pub const RESULT_HOT: u8 = 1;
 
 const _: () = assert!(CONTROL_MAX_BYTES < 1 << 20);
 const _: () = assert!(BATCH_MAX_KEYS >= 128);
@@ -77,6 +94,7 @@ pub enum Op {
     Stats = 12,
     Auth = 13,
     PutShm = 14,
+    Cluster = 15,
     Error = 0x7fff,
 }
 
@@ -97,6 +115,7 @@ impl Op {
             12 => Op::Stats,
             13 => Op::Auth,
             14 => Op::PutShm,
+            15 => Op::Cluster,
             0x7fff => Op::Error,
             _ => return None,
         })
@@ -179,6 +198,9 @@ pub enum ErrorCode {
     /// AUTH failed (unknown access key, wrong proof): closed after this. On
     /// a batch, the namespace is not granted to the connection's tenant.
     Denied = 9,
+    /// The batch was routed by a view of the cluster's KV members older than
+    /// the node's and different from it: ask CLUSTER again and re-route.
+    NotOwner = 10,
 }
 
 impl ErrorCode {
@@ -192,6 +214,7 @@ impl ErrorCode {
             6 => ErrorCode::HandshakeRequired,
             8 => ErrorCode::BadHeader,
             9 => ErrorCode::Denied,
+            10 => ErrorCode::NotOwner,
             _ => ErrorCode::Internal,
         }
     }
@@ -372,14 +395,44 @@ pub struct BatchHead<'a> {
     pub count: u32,
     /// Operation-specific: the lease in milliseconds for PIN, else 0.
     pub arg: u32,
+    /// With [`BATCH_ROUTED`]: the view the client routed by.
+    pub route: Option<Route>,
+}
+
+/// The view of the cluster's KV members a client routed a batch by: the
+/// epoch it was published at (an etcd revision; larger is newer) and a hash
+/// of its contents (two nodes may publish the same members at different
+/// epochs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Route {
+    pub epoch: u64,
+    pub view: u64,
 }
 
 pub fn put_batch_head(out: &mut Vec<u8>, namespace: &[u8], count: usize, arg: u32) {
+    put_batch_head_with(out, namespace, count, arg, 0, None);
+}
+
+/// A batch head with flags, and the route when `route` is given (which sets
+/// [`BATCH_ROUTED`]).
+pub fn put_batch_head_with(
+    out: &mut Vec<u8>,
+    namespace: &[u8],
+    count: usize,
+    arg: u32,
+    flags: u16,
+    route: Option<Route>,
+) {
+    let flags = (flags & !BATCH_ROUTED) | if route.is_some() { BATCH_ROUTED } else { 0 };
     out.put_u16(namespace.len() as u16);
-    out.put_u16(0);
+    out.put_u16(flags);
     out.put_u32(count as u32);
     out.put_u32(arg);
     out.extend_from_slice(namespace);
+    if let Some(r) = route {
+        out.put_u64(r.epoch);
+        out.put_u64(r.view);
+    }
 }
 
 /// Parses a batch head; checks the namespace length and the key count against
@@ -404,7 +457,21 @@ pub fn read_batch_head<'a>(
             format!("batch of {count} keys exceeds {BATCH_MAX_KEYS}"),
         ));
     }
+    if flags & !BATCH_FLAGS_KNOWN != 0 {
+        return Err(ProtoError::bad(format!(
+            "unknown batch flags {:#06x}",
+            flags & !BATCH_FLAGS_KNOWN
+        )));
+    }
     let namespace = r.bytes(ns_len)?;
+    let route = if flags & BATCH_ROUTED != 0 {
+        Some(Route {
+            epoch: r.u64()?,
+            view: r.u64()?,
+        })
+    } else {
+        None
+    };
     if r.remaining() < count as usize * entry_bytes {
         return Err(ProtoError::bad(format!(
             "batch says {count} entries but carries {} bytes",
@@ -416,6 +483,7 @@ pub fn read_batch_head<'a>(
         flags,
         count,
         arg,
+        route,
     })
 }
 
@@ -652,6 +720,8 @@ impl GetEntry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GetResult {
     pub status: Status,
+    /// The block is read often ([`RESULT_HOT`]).
+    pub hot: bool,
     /// CRC32C of the whole value.
     pub crc: u32,
     pub value_len: u64,
@@ -662,6 +732,7 @@ impl GetResult {
     pub fn miss(status: Status) -> Self {
         GetResult {
             status,
+            hot: false,
             crc: 0,
             value_len: 0,
             data_len: 0,
@@ -669,16 +740,19 @@ impl GetResult {
     }
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.put_u8(self.status as u8);
-        out.extend_from_slice(&[0; 3]);
+        out.put_u8(if self.hot { RESULT_HOT } else { 0 });
+        out.extend_from_slice(&[0; 2]);
         out.put_u32(self.crc);
         out.put_u64(self.value_len);
         out.put_u64(self.data_len);
     }
     pub fn decode(r: &mut Reader<'_>) -> Result<GetResult, ProtoError> {
         let status = status(r.u8()?)?;
-        r.bytes(3)?;
+        let flags = r.u8()?;
+        r.bytes(2)?;
         let g = GetResult {
             status,
+            hot: flags & RESULT_HOT != 0,
             crc: r.u32()?,
             value_len: r.u64()?,
             data_len: r.u64()?,
@@ -695,6 +769,8 @@ impl GetResult {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShmGetResult {
     pub status: Status,
+    /// The block is read often ([`RESULT_HOT`]).
+    pub hot: bool,
     pub crc: u32,
     pub value_len: u64,
     pub data_len: u64,
@@ -710,6 +786,7 @@ impl ShmGetResult {
     pub fn miss(status: Status) -> Self {
         ShmGetResult {
             status,
+            hot: false,
             crc: 0,
             value_len: 0,
             data_len: 0,
@@ -720,7 +797,8 @@ impl ShmGetResult {
     }
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.put_u8(self.status as u8);
-        out.extend_from_slice(&[0; 3]);
+        out.put_u8(if self.hot { RESULT_HOT } else { 0 });
+        out.extend_from_slice(&[0; 2]);
         out.put_u32(self.crc);
         out.put_u64(self.value_len);
         out.put_u64(self.data_len);
@@ -730,9 +808,11 @@ impl ShmGetResult {
     }
     pub fn decode(r: &mut Reader<'_>) -> Result<ShmGetResult, ProtoError> {
         let status = status(r.u8()?)?;
-        r.bytes(3)?;
+        let flags = r.u8()?;
+        r.bytes(2)?;
         Ok(ShmGetResult {
             status,
+            hot: flags & RESULT_HOT != 0,
             crc: r.u32()?,
             value_len: r.u64()?,
             data_len: r.u64()?,
@@ -826,6 +906,147 @@ pub fn decode_statuses(payload: &[u8], expect: usize) -> Result<Vec<Status>, Pro
         .collect::<Result<Vec<_>, _>>()?;
     r.finish()?;
     Ok(s)
+}
+
+/// Most KV members a CLUSTER answer lists.
+pub const VIEW_MEMBERS_MAX: usize = 1024;
+/// Longest member id and endpoint in a CLUSTER answer.
+pub const VIEW_ID_MAX_BYTES: usize = 64;
+pub const VIEW_ENDPOINT_MAX_BYTES: usize = 256;
+/// A member's weight at full share; a node that starts empty ramps up to it.
+pub const WEIGHT_FULL: u32 = 1000;
+
+/// One KV member of a cluster: its node id, its KV endpoint and its weight
+/// in rendezvous hashing (per mille of a full share).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ViewMember {
+    pub id: String,
+    pub endpoint: String,
+    pub weight: u32,
+}
+
+/// CLUSTER (15) response: the KV members this node routes by. A node outside
+/// a cluster answers epoch 0 and no members.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ClusterView {
+    pub epoch: u64,
+    /// Hash of the members ([`view_digest`]).
+    pub view: u64,
+    /// Index of the answering node in `members`.
+    pub this: Option<u32>,
+    /// Sorted by id.
+    pub members: Vec<ViewMember>,
+}
+
+/// FNV-1a, 64 bits: stable across builds and platforms, for view digests
+/// and rendezvous ids.
+pub fn fnv1a64(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in (p.len() as u64).to_le_bytes().iter().chain(p.iter()) {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// The hash of a member list that names a view: equal lists, equal digests.
+pub fn view_digest(members: &[ViewMember]) -> u64 {
+    let mut h = fnv1a64(&[b"tarn-kv-view"]);
+    for m in members {
+        h ^= fnv1a64(&[
+            m.id.as_bytes(),
+            m.endpoint.as_bytes(),
+            &m.weight.to_le_bytes(),
+        ]);
+        h = h.rotate_left(17).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    h
+}
+
+impl ClusterView {
+    /// A view of `members` (sorted here) published at `epoch`, answered by
+    /// node `this_id`.
+    pub fn new(epoch: u64, mut members: Vec<ViewMember>, this_id: &str) -> ClusterView {
+        members.sort_by(|a, b| a.id.cmp(&b.id));
+        members.dedup_by(|a, b| a.id == b.id);
+        members.truncate(VIEW_MEMBERS_MAX);
+        ClusterView {
+            epoch,
+            view: view_digest(&members),
+            this: members
+                .iter()
+                .position(|m| m.id == this_id)
+                .map(|i| i as u32),
+            members,
+        }
+    }
+
+    pub fn route(&self) -> Route {
+        Route {
+            epoch: self.epoch,
+            view: self.view,
+        }
+    }
+
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u64(self.epoch);
+        out.put_u64(self.view);
+        out.put_u32(self.members.len() as u32);
+        out.put_u32(self.this.unwrap_or(u32::MAX));
+        for m in &self.members {
+            out.put_u16(m.id.len() as u16);
+            out.put_u16(m.endpoint.len() as u16);
+            out.put_u32(m.weight);
+            out.extend_from_slice(m.id.as_bytes());
+            out.extend_from_slice(m.endpoint.as_bytes());
+        }
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<ClusterView, ProtoError> {
+        let mut r = Reader::new(payload);
+        let epoch = r.u64()?;
+        let view = r.u64()?;
+        let count = r.u32()? as usize;
+        let this = r.u32()?;
+        if count > VIEW_MEMBERS_MAX {
+            return Err(ProtoError::bad(format!("{count} members in a view")));
+        }
+        let mut members = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id_len = r.u16()? as usize;
+            let ep_len = r.u16()? as usize;
+            let weight = r.u32()?;
+            if id_len == 0 || id_len > VIEW_ID_MAX_BYTES || ep_len > VIEW_ENDPOINT_MAX_BYTES {
+                return Err(ProtoError::bad("member id or endpoint length out of range"));
+            }
+            let text = |b: &[u8]| {
+                std::str::from_utf8(b)
+                    .map(str::to_string)
+                    .map_err(|_| ProtoError::bad("member id or endpoint is not UTF-8"))
+            };
+            let id = text(r.bytes(id_len)?)?;
+            let endpoint = text(r.bytes(ep_len)?)?;
+            members.push(ViewMember {
+                id,
+                endpoint,
+                weight,
+            });
+        }
+        r.finish()?;
+        let this = match this {
+            u32::MAX => None,
+            i if (i as usize) < count => Some(i),
+            i => return Err(ProtoError::bad(format!("member index {i} of {count}"))),
+        };
+        Ok(ClusterView {
+            epoch,
+            view,
+            this,
+            members,
+        })
+    }
 }
 
 /// EXISTS response: how many keys from the first are all present (the prefix

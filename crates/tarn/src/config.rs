@@ -80,6 +80,11 @@ pub struct KvFileConfig {
     pub frame_timeout_secs: Option<u64>,
     /// Seconds from accept to a completed HELLO and AUTH.
     pub handshake_timeout_secs: Option<u64>,
+    /// In a cluster: the KV endpoint other hosts reach this node at.
+    pub advertise: Option<String>,
+    /// In a cluster: seconds a node whose KV store starts empty ramps its
+    /// routing weight over.
+    pub ramp_secs: Option<u64>,
     /// Tenants besides the default one (whose credentials are the server's).
     pub tenants: Option<Vec<KvTenantConfig>>,
 }

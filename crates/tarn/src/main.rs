@@ -141,6 +141,15 @@ struct ServerArgs {
     /// (refuse to start without), off.
     #[arg(long)]
     kv_huge_pages: Option<String>,
+    /// In a cluster: the KV endpoint other hosts' clients reach this node's
+    /// KV store at (default: the KV listen address, or with an unspecified
+    /// IP the --advertise host and the KV port).
+    #[arg(long)]
+    kv_advertise: Option<String>,
+    /// In a cluster: seconds over which a node whose KV store starts empty
+    /// ramps its routing weight up to a full share (default 60; 0: at once).
+    #[arg(long)]
+    kv_ramp_secs: Option<u64>,
     /// Join the cluster of this name (with --etcd, --node-id, --advertise;
     /// the cluster secret comes from TARN_CLUSTER_SECRET or the config).
     #[arg(long, env = "TARN_CLUSTER")]
@@ -252,6 +261,8 @@ struct KvSettings {
     idle_timeout: Duration,
     frame_timeout: Duration,
     handshake_timeout: Duration,
+    advertise: Option<String>,
+    ramp: Duration,
     /// Further tenants: name, credentials, grants, engine settings.
     tenants: Vec<(
         String,
@@ -370,8 +381,42 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
             tarn_kv::server::HANDSHAKE_TIMEOUT_DEFAULT,
             "handshake_timeout_secs",
         )?,
+        advertise: args
+            .kv_advertise
+            .clone()
+            .or(f.and_then(|k| k.advertise.clone())),
+        ramp: Duration::from_secs(
+            args.kv_ramp_secs
+                .or(f.and_then(|k| k.ramp_secs))
+                .unwrap_or(KV_RAMP_DEFAULT_SECS),
+        ),
         tenants,
     }))
+}
+
+/// Seconds a cluster node whose KV store starts empty takes to reach a full
+/// routing weight.
+const KV_RAMP_DEFAULT_SECS: u64 = 60;
+
+/// Where other hosts reach this node's KV store: as configured, else the
+/// listen address, else (listening on every address) the node's advertised
+/// host with the KV port.
+fn kv_endpoint(
+    configured: Option<&str>,
+    bound: std::net::SocketAddr,
+    node_advertise: &str,
+) -> String {
+    if let Some(a) = configured {
+        return a.to_string();
+    }
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let host = node_advertise
+        .rsplit_once(':')
+        .map(|(h, _)| h)
+        .unwrap_or(node_advertise);
+    format!("{host}:{}", bound.port())
 }
 
 /// Each tenant's name and engine (for /metrics).
@@ -568,6 +613,10 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     let kv = match kv {
         Some(kv) => {
             let shm_wanted = kv.shm;
+            let (kv_advertise, kv_ramp) = (kv.advertise.clone(), kv.ramp);
+            if node.is_none() && (kv_advertise.is_some() || args.kv_ramp_secs.is_some()) {
+                bail!("--kv-advertise and --kv-ramp-secs are for a cluster node (--cluster)");
+            }
             let (engines, server) = start_kv(kv, root, cores, io_uring)?;
             let e = &engines[0].1;
             println!(
@@ -594,6 +643,42 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
                     n => format!(", {} more tenant(s)", n - 1),
                 }
             );
+            if let Some(node) = &node {
+                // Clients route keys over the members that run a KV store:
+                // this node answers CLUSTER with them and checks routed
+                // batches against them.
+                let views = server.views.clone();
+                let me = node.cfg.node_id.clone();
+                node.on_kv_members(Box::new(move |m| {
+                    let members = m
+                        .members
+                        .into_iter()
+                        .map(|(id, k)| tarn_kv::proto::ViewMember {
+                            id,
+                            endpoint: k.endpoint,
+                            weight: k.weight,
+                        })
+                        .collect();
+                    views.set(tarn_kv::proto::ClusterView::new(m.epoch, members, &me));
+                }));
+                // A store that starts empty takes a full share of the keys
+                // only gradually; its misses fall back to the next node.
+                let empty = engines.iter().all(|(_, e)| e.is_empty());
+                let ramp = (empty && !kv_ramp.is_zero()).then_some(kv_ramp);
+                let endpoint = kv_endpoint(
+                    kv_advertise.as_deref(),
+                    server.tcp_addr,
+                    &node.cfg.advertise,
+                );
+                println!(
+                    "KV cluster member at {endpoint}{}",
+                    match ramp {
+                        Some(r) => format!(" (empty: weight ramps up over {} s)", r.as_secs()),
+                        None => String::new(),
+                    }
+                );
+                node.publish_kv(endpoint, ramp);
+            }
             Some((engines, server))
         }
         None => None,

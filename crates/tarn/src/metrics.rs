@@ -466,7 +466,7 @@ fn render_kv(out: &mut String, engines: &[(String, std::sync::Arc<tarn_kv::Engin
             }
         }
     }
-    out.push_str("# HELP tarn_kv_namespace KV counters per namespace (gets, hits by tier, misses by reason, puts).\n# TYPE tarn_kv_namespace counter\n");
+    out.push_str("# HELP tarn_kv_namespace KV counters per namespace (gets, hits by tier, misses by reason, puts, cluster routing: fallback gets and hits, copies, hot blocks).\n# TYPE tarn_kv_namespace counter\n");
     for (tenant, kv) in engines {
         render_namespaces(out, tenant, kv);
     }
@@ -484,21 +484,7 @@ fn render_namespaces(out: &mut String, tenant: &str, kv: &tarn_kv::Engine) {
                 c => vec![c],
             })
             .collect();
-        for (what, v) in [
-            ("gets", s.gets),
-            ("hits_ram", s.hits_ram),
-            ("hits_disk", s.hits_disk),
-            ("misses_not_found", s.misses_not_found),
-            ("misses_corrupt", s.misses_corrupt),
-            ("misses_no_space", s.misses_no_space),
-            ("exists_keys", s.exists_keys),
-            ("exists_hits", s.exists_hits),
-            ("puts_stored", s.puts_stored),
-            ("puts_existing", s.puts_existing),
-            ("bytes_read", s.bytes_read),
-            ("bytes_written", s.bytes_written),
-            ("blocks", s.blocks),
-        ] {
+        for (what, v) in s.named() {
             let _ = writeln!(
                 out,
                 "tarn_kv_namespace{{tenant=\"{tenant}\",namespace=\"{label}\",counter=\"{what}\"}} {v}"
