@@ -29,6 +29,9 @@ const DOWN_FOR: Duration = Duration::from_secs(2);
 /// Tries of a call whose routing changed under it (a refreshed view, a
 /// member found down) before its error is the caller's.
 const ATTEMPTS: usize = 4;
+/// How often a call asks a member for its view even without a `NotOwner`
+/// (a client talking only to members as stale as itself catches up).
+const VIEW_CHECK_EVERY: Duration = Duration::from_secs(5);
 /// Hot blocks remembered; the set starts over when full.
 const HOT_KEYS_MAX: usize = 65_536;
 
@@ -62,6 +65,8 @@ pub struct Router {
     down: Mutex<HashMap<String, Instant>>,
     hot: Mutex<HashSet<Digest>>,
     turn: AtomicU64,
+    /// When the view was last asked for.
+    checked: Mutex<Instant>,
     pub counters: Counters,
 }
 
@@ -74,6 +79,20 @@ enum Outcome<T> {
 
 fn copy_status_ok(s: &Status) -> bool {
     s.is_stored()
+}
+
+/// Puts each member's answers back at their keys' places in `out`, through
+/// `put(slot, answer, key index)`.
+fn scatter<T>(
+    out: &mut [T],
+    done: Vec<(Vec<usize>, Vec<T>)>,
+    mut put: impl FnMut(&mut T, T, usize),
+) {
+    for (idx, answers) in done {
+        for (i, a) in idx.into_iter().zip(answers) {
+            put(&mut out[i], a, i);
+        }
+    }
 }
 
 impl Router {
@@ -91,6 +110,7 @@ impl Router {
             down: Mutex::default(),
             hot: Mutex::default(),
             turn: AtomicU64::new(0),
+            checked: Mutex::new(Instant::now()),
             counters: Counters::default(),
         };
         r.install(view);
@@ -140,8 +160,30 @@ impl Router {
     fn refresh(&self, pool: &Pool) -> Result<(), Failure> {
         let view = pool.run(|c| c.cluster_view())?;
         self.counters.refreshes.fetch_add(1, Ordering::Relaxed);
+        *self.checked.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         self.install(view);
         Ok(())
+    }
+
+    /// Every [`VIEW_CHECK_EVERY`], asks one usable member (in turn) for its
+    /// view; a member that does not answer is left to the call to find.
+    fn check_view(&self) {
+        {
+            let mut at = self.checked.lock().unwrap_or_else(|p| p.into_inner());
+            if at.elapsed() < VIEW_CHECK_EVERY {
+                return;
+            }
+            *at = Instant::now();
+        }
+        let r = self.routing();
+        let usable = self.usable(&r);
+        let n = r.pools.len().max(1);
+        let start = self.turn.fetch_add(1, Ordering::Relaxed) as usize % n;
+        if let Some(m) = (0..n).map(|i| (start + i) % n).find(|m| usable[*m]) {
+            if let Ok(view) = r.pools[m].run(|c| c.cluster_view()) {
+                self.install(view);
+            }
+        }
     }
 
     fn usable(&self, r: &Routing) -> Vec<bool> {
@@ -276,6 +318,7 @@ impl Router {
         &self,
         mut call: impl FnMut(&Routing) -> Result<Option<T>, Failure>,
     ) -> Result<T, Failure> {
+        self.check_view();
         for _ in 0..ATTEMPTS {
             let r = self.routing();
             if let Some(v) = call(&r)? {
@@ -302,11 +345,7 @@ impl Router {
                 return Ok(None);
             };
             let mut present = vec![false; keys.len()];
-            for (idx, p) in done {
-                for (i, hit) in idx.into_iter().zip(p) {
-                    present[i] = hit;
-                }
-            }
+            scatter(&mut present, done, |p, hit, _| *p = hit);
             let second: Vec<_> = ranks
                 .iter()
                 .zip(&present)
@@ -314,11 +353,7 @@ impl Router {
                 .collect();
             if second.iter().any(Option::is_some) {
                 if let Outcome::Done(done) = self.fan_out(r, &second, BATCH_FALLBACK, &exists)? {
-                    for (idx, p) in done {
-                        for (i, hit) in idx.into_iter().zip(p) {
-                            present[i] |= hit;
-                        }
-                    }
+                    scatter(&mut present, done, |p, hit, _| *p |= hit);
                 }
             }
             Ok(Some(present))
@@ -360,11 +395,7 @@ impl Router {
                 hot: false,
             };
             let mut out = vec![miss; keys.len()];
-            for (idx, o) in done {
-                for (i, g) in idx.into_iter().zip(o) {
-                    out[i] = g;
-                }
-            }
+            scatter(&mut out, done, |o, g, _| *o = g);
             let second: Vec<_> = ranks
                 .iter()
                 .zip(&out)
@@ -377,15 +408,13 @@ impl Router {
                     .fallback_gets
                     .fetch_add(asked, Ordering::Relaxed);
                 if let Outcome::Done(done) = self.fan_out(r, &second, BATCH_FALLBACK, &get)? {
-                    for (idx, o) in done {
-                        for (i, g) in idx.into_iter().zip(o) {
-                            if g.status == Status::Ok {
-                                found_second[i] = true;
-                                self.counters.fallback_hits.fetch_add(1, Ordering::Relaxed);
-                            }
-                            out[i] = g;
+                    scatter(&mut out, done, |o, g, i| {
+                        if g.status == Status::Ok {
+                            found_second[i] = true;
+                            self.counters.fallback_hits.fetch_add(1, Ordering::Relaxed);
                         }
-                    }
+                        *o = g;
+                    });
                 }
             }
             self.copy_where_needed(r, keys, regions, &ranks, &out, &found_second);
@@ -508,13 +537,11 @@ impl Router {
                 let Outcome::Done(done) = self.fan_out(r, &which, 0, f)? else {
                     return Ok(None);
                 };
-                for (idx, st) in done {
-                    for (i, s) in idx.into_iter().zip(st) {
-                        if rank == 0 || s == Status::Ok {
-                            out[i] = s;
-                        }
+                scatter(&mut out, done, |o, s, _| {
+                    if rank == 0 || s == Status::Ok {
+                        *o = s;
                     }
-                }
+                });
             }
             Ok(Some(out))
         })
