@@ -194,5 +194,18 @@ def test_kv_routing_off_and_stale_routes_refused(kv_cluster):
         assert c.routing_stats()["refreshes"] >= 1
         assert ns_counter(nodes[1], "misses_not_owner", "model-b") >= 1
         assert c.exists(keys) == [True] * 40
+        # The parts of one value, put from two hosts (two ranks of a TP
+        # engine), meet at its owner; either reads it whole or a range.
+        with tkv.Client(nodes[2].kv_endpoint, "model-b") as d:
+            whole = bytes(range(256)) * 256
+            k = tkv.key("parts")
+            assert c.owners([k]) == d.owners([k])
+            assert c.put_parts([k], [whole[:30000]], [len(whole)], [0]) == [tkv.Status.OK]
+            assert d.get_into([k], [bytearray(len(whole))]) == [None]
+            assert d.put_parts([k], [whole[30000:]], [len(whole)], [30000]) == [tkv.Status.OK]
+            out = bytearray(len(whole))
+            assert c.get_into([k], [out]) == [len(whole)] and out == whole
+            part = bytearray(1000)
+            assert d.get_into([k], [part], offsets=[40000]) == [1000] and part == whole[40000:41000]
     finally:
         c.close()

@@ -133,11 +133,15 @@ class Client(_native.Client):
         """How many leading keys are all stored: a prompt's cached prefix."""
         return super().prefix_hits(keys)
 
-    def get_into(self, keys: Keys, buffers: Buffers) -> list[Optional[int]]:
+    def get_into(self, keys: Keys, buffers: Buffers, offsets: Optional[list[int]] = None) -> list[Optional[int]]:
         """Reads each key's whole value into the front of its (writable)
         buffer. Per key: bytes read, or None for a miss. A buffer smaller
-        than its value raises ValueError; buffers must not overlap."""
-        return super().get_into(keys, buffers)
+        than its value raises ValueError; buffers must not overlap.
+
+        With ``offsets`` (one per key) each buffer is filled with the
+        value's bytes from its offset on (a tensor-parallel rank's heads);
+        a value too short for that range is None, like a miss."""
+        return super().get_into(keys, buffers, offsets)
 
     def put_from(self, keys: Keys, buffers: Buffers) -> list[Status]:
         """Stores each buffer under its key. Per key a ``Status``:
@@ -145,6 +149,19 @@ class Client(_native.Client):
         everything evictable is pinned, ``CHECKSUM_MISMATCH`` if the bytes
         changed in flight. A value over ``value_max_bytes`` raises."""
         return [_STATUS[s] for s in super().put_from(keys, buffers)]
+
+    def put_parts(
+        self, keys: Keys, buffers: Buffers, value_lens: list[int], offsets: list[int]
+    ) -> list[Status]:
+        """Stores parts of values: buffer i holds bytes ``offsets[i] ..
+        offsets[i] + len`` of key i's value of ``value_lens[i]`` bytes.
+        Several clients (one per tensor-parallel rank) put the parts of one
+        value; it becomes visible, checksummed whole, once every byte is in,
+        and is a miss until then (one still missing parts 60 s after its
+        first is dropped). Per part a ``Status``: ``OK`` (the part is in),
+        ``ALREADY_EXISTS`` (the value is complete), ``BAD_RANGE`` (another
+        writer gave the value another length)."""
+        return [_STATUS[s] for s in super().put_parts(keys, buffers, list(value_lens), list(offsets))]
 
     def touch(self, keys: Keys) -> list[bool]:
         """Marks blocks recently used. Per key: whether it is stored."""
@@ -262,11 +279,16 @@ class AsyncClient:
     async def prefix_hits(self, keys: Keys) -> int:
         return await self._run(self._client.prefix_hits, list(keys))
 
-    async def get_into(self, keys: Keys, buffers: Buffers) -> list[Optional[int]]:
-        return await self._run(self._client.get_into, list(keys), list(buffers))
+    async def get_into(self, keys: Keys, buffers: Buffers, offsets: Optional[list[int]] = None) -> list[Optional[int]]:
+        return await self._run(self._client.get_into, list(keys), list(buffers), offsets)
 
     async def put_from(self, keys: Keys, buffers: Buffers) -> list[Status]:
         return await self._run(self._client.put_from, list(keys), list(buffers))
+
+    async def put_parts(
+        self, keys: Keys, buffers: Buffers, value_lens: list[int], offsets: list[int]
+    ) -> list[Status]:
+        return await self._run(self._client.put_parts, list(keys), list(buffers), value_lens, offsets)
 
     async def touch(self, keys: Keys) -> list[bool]:
         return await self._run(self._client.touch, list(keys))

@@ -7,6 +7,13 @@ blocks of a paged KV cache (one tensor per layer, block index first) as one
 value per block holding every layer: gathered into host staging memory for a
 put, read into staging (each value checked against its checksum by the
 client) and scattered for a load. Only torch is needed, not the engine.
+
+With a ``HeadSplit`` the value does not depend on tensor parallelism: it
+holds every KV head of the model, head by head (each head's bytes of every
+layer together), and each rank puts and reads only the byte range of the
+heads it holds. A value put by two TP=2 ranks is read whole by a TP=1
+engine and by quarters by TP=4 ranks; it becomes visible only once every
+head is in.
 """
 
 from __future__ import annotations
@@ -200,6 +207,35 @@ def _rows(buf: torch.Tensor) -> list[memoryview]:
     return [mv[i * w : (i + 1) * w] for i in range(buf.shape[0])]
 
 
+class HeadSplit:
+    """Which of a model's ``total`` KV heads a rank holds, and whether it
+    writes them: ranks are given heads in order, ``tp // total`` ranks
+    sharing each head when there are fewer heads than ranks (then only the
+    first of them writes it). MLA models have one latent "head" every rank
+    holds (``total=1``): rank 0 writes the value, every rank reads it."""
+
+    def __init__(self, total: int, tp_size: int, tp_rank: int):
+        if total < 1 or tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"no head split for {total} heads, rank {tp_rank} of {tp_size}")
+        if total >= tp_size:
+            if total % tp_size:
+                raise ValueError(f"{total} KV heads do not divide among {tp_size} ranks")
+            self.count = total // tp_size
+            self.first = tp_rank * self.count
+            self.writer = True
+        else:
+            if tp_size % total:
+                raise ValueError(f"{tp_size} ranks do not share {total} KV heads evenly")
+            replicas = tp_size // total
+            self.count = 1
+            self.first = tp_rank // replicas
+            self.writer = tp_rank % replicas == 0
+        self.total = total
+
+    def __repr__(self) -> str:
+        return f"HeadSplit(heads {self.first}..{self.first + self.count} of {self.total}, writer={self.writer})"
+
+
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 #: Staging memory kept for reuse per PagedBlocks.
@@ -219,6 +255,11 @@ class _Layer:
         self.u8 = t.view(torch.uint8)
         self.page = self.u8[0].numel()
         self.offset = offset
+        # With a head split (PagedBlocks): the heads' dim, and where this
+        # layer's bytes of one head sit among every layer's.
+        self.head_dim = 0
+        self.head_offset = 0
+        self.head_bytes = 0
         self.word = 1
         self.rows: Optional[torch.Tensor] = None
         if self.u8[0].is_contiguous():
@@ -243,24 +284,62 @@ class _Layer:
 class PagedBlocks:
     """A paged KV cache seen as blocks: ``layers`` are (name, tensor) with
     the block index as dim 0. A block's value is each layer's block bytes,
-    in layer order."""
+    in layer order.
 
-    def __init__(self, layers: Sequence[tuple[str, torch.Tensor]], log: logging.Logger = _log):
+    With ``heads`` each layer's tensor has its KV heads at dim
+    ``tensor.dim() - 3`` (vLLM's ``[blocks, (kernel blocks,) heads, tokens,
+    bytes]``), ``heads.count`` of them: the value holds all ``heads.total``
+    heads, each head's bytes of every layer together, and this rank moves
+    bytes ``part_offset .. part_offset + value_bytes`` of it."""
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, torch.Tensor]],
+        log: logging.Logger = _log,
+        heads: Optional[HeadSplit] = None,
+    ):
         self.log = log
         if not layers:
             raise ValueError("no KV-cache layers")
         pages = [t.view(torch.uint8)[0].numel() for _, t in layers]
         self.value_bytes = sum(pages)
+        self.heads = heads
+        #: Where this rank's bytes start in the value, and the value's length.
+        self.part_offset, self.value_len = 0, self.value_bytes
         self.layers: list[_Layer] = []
         off = 0
         for (name, t), page in zip(layers, pages):
             self.layers.append(_Layer(name, t, off, self.value_bytes))
             off += page
+        if heads is not None:
+            off = 0
+            for layer, (name, t) in zip(self.layers, layers):
+                dim = t.dim() - 3
+                if dim < 1 or t.shape[dim] != heads.count:
+                    raise ValueError(
+                        f"layer {name}'s KV cache {tuple(t.shape)} does not hold "
+                        f"{heads.count} heads at dim {dim}"
+                    )
+                layer.head_dim = dim
+                layer.head_offset = off
+                layer.head_bytes = layer.page // heads.count
+                off += layer.head_bytes
+            #: Bytes of one head across every layer.
+            self.head_bytes = off
+            self.part_offset = heads.first * off
+            self.value_len = heads.total * off
+
         self.device = self.layers[0].u8.device
         # Staging buffers are reused: fresh host memory costs a page fault per
         # 4 KiB, as much as the copy itself.
         self._free: list[torch.Tensor] = []
         self._free_lock = threading.Lock()
+
+    @property
+    def whole(self) -> bool:
+        """This rank moves whole values (no TP split, or TP=1): plain puts,
+        and gets the client checksums itself."""
+        return self.part_offset == 0 and self.value_bytes == self.value_len
 
     def staging(self, n: int) -> torch.Tensor:
         """Host memory for n values (pinned when a GPU will copy from it);
@@ -286,6 +365,13 @@ class PagedBlocks:
         n = len(block_ids)
         buf = self.staging(n)
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if self.heads is not None:
+            rows = buf.view(n, self.heads.count, self.head_bytes)
+            for layer in self.layers:
+                src = layer.u8.index_select(0, idx).movedim(layer.head_dim, 1)
+                dst = rows[:, :, layer.head_offset : layer.head_offset + layer.head_bytes]
+                dst.copy_(src.reshape(n, self.heads.count, layer.head_bytes))
+            return buf
         for layer in self.layers:
             dst = layer.staging_view(buf, n)
             if layer.rows is not None:
@@ -298,6 +384,15 @@ class PagedBlocks:
         """Copies rows of ``buf`` into the cache's blocks."""
         n = len(block_ids)
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if self.heads is not None:
+            rows = buf[:n].view(n, self.heads.count, self.head_bytes)
+            for layer in self.layers:
+                part = rows[:, :, layer.head_offset : layer.head_offset + layer.head_bytes]
+                shape = list(layer.u8.shape[1:])
+                head_first = [shape[layer.head_dim - 1]] + shape[: layer.head_dim - 1] + shape[layer.head_dim :]
+                src = part.reshape(n, *head_first).movedim(1, layer.head_dim).to(self.device)
+                layer.u8.index_copy_(0, idx, src)
+            return
         for layer in self.layers:
             src = layer.staging_view(buf, n).to(self.device)
             if layer.rows is not None:
@@ -315,8 +410,9 @@ class PagedBlocks:
             return set(block_ids)
         buf = self.staging(len(keys))
         t0 = time.perf_counter()
+        offsets = None if self.whole else [self.part_offset] * len(keys)
         try:
-            got = clients[0].get_into(keys, _rows(buf))
+            got = clients[0].get_into(keys, _rows(buf), offsets)
         except (tarn_kv.TarnError, ValueError) as e:
             store.failed(e)
             self.release(buf)
@@ -353,8 +449,16 @@ class PagedBlocks:
         if clients is None:
             self.release(buf)
             return 0
+        if self.heads is not None and not self.heads.writer:
+            # Another rank holding the same heads writes them.
+            self.release(buf)
+            return len(keys)
         try:
-            statuses = clients[0].put_from(keys, _rows(buf))
+            if self.whole:
+                statuses = clients[0].put_from(keys, _rows(buf))
+            else:
+                n = len(keys)
+                statuses = clients[0].put_parts(keys, _rows(buf), [self.value_len] * n, [self.part_offset] * n)
         except (tarn_kv.TarnError, ValueError) as e:
             store.failed(e)
             return 0

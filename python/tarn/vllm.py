@@ -7,12 +7,18 @@ Load it with::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"endpoint": "127.0.0.1:9400"}}'
 
-One value per vLLM block holds that block's KV for every attention layer,
-under vLLM's block hash (a chained hash of the prefix, so a key names the
-whole prefix up to its block). The namespace fingerprints everything that
-changes the bytes: model, revision, dtypes, block size, per-layer layout,
-parallel rank, vLLM version and the prefix hash algorithm. A different
-model or layout never reads another's blocks.
+One value per vLLM block holds that block's KV for every attention layer
+and every KV head of the model, under vLLM's block hash (a chained hash of
+the prefix, so a key names the whole prefix up to its block). The value
+does not depend on tensor parallelism: it holds the heads in order, each
+head's bytes of every layer together, and each TP rank puts and reads only
+the byte range of the heads it holds (``tarn.kv_blocks.HeadSplit``), so
+engines of any TP size share stored prefixes; a block is a hit once every
+head is in. (A model whose layers hold different head counts falls back to
+one value per rank.) The namespace fingerprints everything else that
+changes the bytes: model, revision, dtypes, block size, per-layer,
+per-head layout, pipeline stage, vLLM version and the prefix hash
+algorithm. A different model or layout never reads another's blocks.
 
 Scheduler side: ``get_num_new_matched_tokens`` asks Tarn which of the
 prompt's full blocks are stored and reports the leading run past vLLM's own
@@ -54,7 +60,7 @@ except ImportError as e:  # pragma: no cover - only without vLLM
     raise ImportError(f"tarn.vllm is the vLLM connector and needs vLLM (0.32) installed: {e}") from e
 
 from . import kv as tarn_kv
-from .kv_blocks import PagedBlocks, Store, credentials
+from .kv_blocks import HeadSplit, PagedBlocks, Store, credentials
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,7 +75,8 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.tarn")
 
 #: Version of the value layout (bumped when the bytes of a block change).
-VALUE_FORMAT = 1
+#: 2: every KV head of the model, head by head, for any TP size.
+VALUE_FORMAT = 2
 
 _EXTRA_KEYS = {
     "endpoint",
@@ -118,28 +125,53 @@ def _layer_names(kv_cache_config: "KVCacheConfig") -> list[str]:
     return names
 
 
-def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+def _layer_specs(kv_cache_config: "KVCacheConfig") -> list[tuple[str, Any]]:
+    out = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        for n in g.layer_names:
+            out.append((n, getattr(spec, "kv_cache_specs", {}).get(n, spec)))
+    return out
+
+
+def _total_kv_heads(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Optional[int]:
+    """The model's KV heads when every layer holds this rank's even share of
+    them (one latent for MLA): blocks are then stored TP-independent.
+    None: one value per rank."""
+    mc = vllm_config.model_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    try:
+        total = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+        share = HeadSplit(total, tp, 0).count
+    except (AttributeError, TypeError, ValueError):
+        return None
+    heads = {getattr(s, "num_kv_heads", None) for _, s in _layer_specs(kv_cache_config)}
+    return total if heads == {share} else None
+
+
+def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", total_heads: Optional[int]) -> str:
+    """What changes the bytes of a value. With ``total_heads`` (values hold
+    every head) the TP size and the heads per rank are left out, and each
+    layer is described per head."""
     import vllm
 
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     pc = vllm_config.parallel_config
     layers = []
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        for n in g.layer_names:
-            s = getattr(spec, "kv_cache_specs", {}).get(n, spec)
-            layers.append(
-                [
-                    n,
-                    type(s).__name__,
-                    getattr(s, "num_kv_heads", None),
-                    getattr(s, "head_size", None),
-                    getattr(s, "head_size_v", None),
-                    str(getattr(s, "dtype", "")),
-                    s.page_size_bytes,
-                ]
-            )
+    for n, s in _layer_specs(kv_cache_config):
+        heads = getattr(s, "num_kv_heads", None)
+        layers.append(
+            [
+                n,
+                type(s).__name__,
+                None if total_heads else heads,
+                getattr(s, "head_size", None),
+                getattr(s, "head_size_v", None),
+                str(getattr(s, "dtype", "")),
+                s.page_size_bytes // heads if total_heads else s.page_size_bytes,
+            ]
+        )
     parts = {
         "format": VALUE_FORMAT,
         "vllm": vllm.__version__,
@@ -150,9 +182,12 @@ def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") ->
         "block_size": cc.block_size,
         "hash": cc.prefix_caching_hash_algo,
         "layers": layers,
-        "tp": pc.tensor_parallel_size,
         "pp": pc.pipeline_parallel_size,
     }
+    if total_heads:
+        parts["kv_heads"] = total_heads
+    else:
+        parts["tp"] = pc.tensor_parallel_size
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -200,13 +235,20 @@ class TarnConnector(KVConnectorBase_V1):
             )
         pc = vllm_config.parallel_config
         world = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        self._total_heads = _total_kv_heads(vllm_config, kv_cache_config)
         base = "{}/{}/{}".format(
             extra.get("namespace", "vllm"),
             str(vllm_config.model_config.model).rstrip("/").rsplit("/", 1)[-1][:128],
-            _fingerprint(vllm_config, kv_cache_config),
+            _fingerprint(vllm_config, kv_cache_config, self._total_heads),
         )
         if len(base.encode()) + len(f"/r{world}of{world}") > 512:
             raise ValueError(f"TarnConnector: namespace {base!r} is too long (at most 512 bytes with the rank)")
+        if self._total_heads:
+            # One value per block per pipeline stage, whatever the TP size.
+            pp = pc.pipeline_parallel_size
+            namespaces = [f"{base}/pp{p}of{pp}" for p in range(pp)]
+        else:
+            namespaces = [f"{base}/r{r}of{world}" for r in range(world)]
         endpoint = str(extra.get("endpoint", tarn_kv.DEFAULT_ENDPOINT))
         transport = str(extra.get("transport", "auto"))
         retry = float(extra.get("retry_seconds", 5.0))
@@ -214,8 +256,8 @@ class TarnConnector(KVConnectorBase_V1):
         # Else TARN_ACCESS_KEY / TARN_SECRET_KEY, else the loopback defaults.
         creds = credentials(extra.get("access_key"), extra.get("secret_key"), "TarnConnector")
         if role == KVConnectorRole.SCHEDULER:
-            # A block counts as stored only if every rank stored its part.
-            namespaces = [f"{base}/r{r}of{world}" for r in range(world)]
+            # A block counts as stored only if every rank (or stage) stored
+            # its part.
             # One connection: the scheduler is one thread, and a pin belongs
             # to the connection that took it (unpinned over the same one).
             self._store = Store(
@@ -235,9 +277,13 @@ class TarnConnector(KVConnectorBase_V1):
             self._store.clients()  # connect at start, not on the first request
         else:
             rank = self._worker_rank(pc)
-            self._store = Store(
-                endpoint, [f"{base}/r{rank}of{world}"], transport, retry, logger, timeout_s=timeout, credentials=creds
+            tp_rank = rank % pc.tensor_parallel_size
+            # Its stage's values (a rank's heads of them), or its own.
+            own = namespaces[rank // pc.tensor_parallel_size] if self._total_heads else namespaces[rank]
+            self._heads = (
+                HeadSplit(self._total_heads, pc.tensor_parallel_size, tp_rank) if self._total_heads else None
             )
+            self._store = Store(endpoint, [own], transport, retry, logger, timeout_s=timeout, credentials=creds)
             self._blocks: Optional[PagedBlocks] = None
             self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="tarn-load")
             self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="tarn-save")
@@ -394,11 +440,18 @@ class TarnConnector(KVConnectorBase_V1):
             (name, group_kernel_blocks(kv_caches[name], num_blocks))
             for name in _layer_names(self._kv_cache_config)
         ]
-        self._blocks = PagedBlocks(layers, logger)
+        self._blocks = PagedBlocks(layers, logger, heads=self._heads)
         # Connect now, not on the first save (which would then land late).
         self._store.clients()
+        b = self._blocks
         logger.info(
-            "TarnConnector: %d layers, %d bytes per block", len(layers), self._blocks.value_bytes
+            "TarnConnector: %d layers, %d bytes per block%s",
+            len(layers),
+            b.value_len,
+            f", this rank's heads {self._heads.first}..{self._heads.first + self._heads.count} "
+            f"({b.value_bytes} bytes at {b.part_offset})"
+            if self._heads
+            else "",
         )
 
     def _load(self, t: Transfer) -> set[int]:

@@ -129,6 +129,12 @@ impl Scope {
     fn head(&self, out: &mut Vec<u8>, count: usize, arg: u32) {
         put_batch_head_with(out, &self.namespace, count, arg, self.flags, self.route);
     }
+
+    /// A put's head: with `parts`, every entry is followed by its [`Part`].
+    fn head_parts(&self, out: &mut Vec<u8>, count: usize, parts: bool) {
+        let flags = self.flags | if parts { BATCH_PARTS } else { 0 };
+        put_batch_head_with(out, &self.namespace, count, 0, flags, self.route);
+    }
 }
 
 /// One GET: `len` bytes from `offset` of the value (None: to its end) into
@@ -605,16 +611,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
     }
 
     /// PUT with the values in the frame.
-    async fn put_tcp(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put_tcp(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>> {
         let id = self.begin(Op::Put);
-        ns.head(&mut self.out, items.len(), 0);
-        for it in items {
+        ns.head_parts(&mut self.out, items.len(), parts.is_some());
+        for (i, it) in items.iter().enumerate() {
             PutEntry {
                 digest: it.digest,
                 len: it.data.len() as u64,
                 crc: crc32c(it.data),
             }
             .encode(&mut self.out);
+            if let Some(p) = parts {
+                p[i].encode(&mut self.out);
+            }
         }
         let bulk: Vec<&[u8]> = items.iter().map(|i| i.data).collect();
         self.send(&bulk).await?;
@@ -890,7 +904,12 @@ impl ShmTransport {
     /// copies the last request's out of the other, so the two copies of a
     /// put overlap instead of adding up. A value larger than half the
     /// window goes alone, through the whole window.
-    async fn put(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+    async fn put(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>> {
         let mut out = Vec::with_capacity(items.len());
         let half = self.window.half();
         let chunk = half.min(PUT_PIPELINE_BYTES);
@@ -927,7 +946,7 @@ impl ShmTransport {
                 used = at + items[end].data.len();
                 end += 1;
             }
-            let id = self.encode_put(ns, &items[start..end], base);
+            let id = self.encode_put(ns, &items[start..end], parts.map(|p| &p[start..end]), base);
             if let Some((pid, n)) = pending.take() {
                 out.extend(self.finish_put(pid, n).await?);
             }
@@ -950,11 +969,17 @@ impl ShmTransport {
     /// are copied) and builds their PUT_SHM in the channel's buffer; returns
     /// its request id. The caller makes sure the daemon is not reading that
     /// part of the window.
-    fn encode_put(&mut self, ns: &Scope, items: &[PutFrom<'_>], base: usize) -> u64 {
+    fn encode_put(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+        base: usize,
+    ) -> u64 {
         let id = self.ch.begin(Op::PutShm);
-        ns.head(&mut self.ch.out, items.len(), 0);
+        ns.head_parts(&mut self.ch.out, items.len(), parts.is_some());
         let mut at = base;
-        for it in items {
+        for (i, it) in items.iter().enumerate() {
             at = at.next_multiple_of(WINDOW_ALIGN);
             let len = it.data.len();
             // SAFETY: the ranges fit the window (checked by `put`), do not
@@ -968,6 +993,9 @@ impl ShmTransport {
                 crc,
             }
             .encode(&mut self.ch.out);
+            if let Some(p) = parts {
+                p[i].encode(&mut self.ch.out);
+            }
             at += len;
         }
         id
@@ -996,7 +1024,12 @@ pub trait Transport {
     fn broken(&mut self) -> &mut bool;
     async fn exists(&mut self, ns: &Scope, digests: &[Digest]) -> Result<ExistsReply>;
     async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>>;
-    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>>;
+    async fn put_from(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>>;
     async fn keys_op(
         &mut self,
         op: Op,
@@ -1026,8 +1059,13 @@ impl Transport for TcpTransport {
     async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         self.ch.get_tcp(ns, reqs).await
     }
-    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
-        self.ch.put_tcp(ns, items).await
+    async fn put_from(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>> {
+        self.ch.put_tcp(ns, items, parts).await
     }
     async fn keys_op(
         &mut self,
@@ -1059,8 +1097,13 @@ impl Transport for ShmTransport {
     async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         self.get(ns, reqs).await
     }
-    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
-        self.put(ns, items).await
+    async fn put_from(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>> {
+        self.put(ns, items, parts).await
     }
     async fn keys_op(
         &mut self,
@@ -1107,8 +1150,13 @@ impl Transport for AnyTransport {
     async fn get_into(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         each!(self, t => t.get_into(ns, reqs).await)
     }
-    async fn put_from(&mut self, ns: &Scope, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
-        each!(self, t => t.put_from(ns, items).await)
+    async fn put_from(
+        &mut self,
+        ns: &Scope,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>> {
+        each!(self, t => t.put_from(ns, items, parts).await)
     }
     async fn keys_op(
         &mut self,
@@ -1346,6 +1394,44 @@ impl KvClient {
 
     /// Stores values. A key already stored answers `AlreadyExists` (success).
     pub async fn put_from(&mut self, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
+        self.put_any(items, None).await
+    }
+
+    /// Stores parts of values: `items[i].data` is bytes `[parts[i].offset,
+    /// parts[i].offset + len)` of a value of `parts[i].value_len` bytes. A
+    /// value becomes visible once every byte of it was put, by this client
+    /// or others (each tensor-parallel rank puts the heads it holds); until
+    /// then it is a miss, and one missing parts 60 s after its first is
+    /// dropped. `Ok` per part: it is in.
+    pub async fn put_parts(
+        &mut self,
+        items: &[PutFrom<'_>],
+        parts: &[Part],
+    ) -> Result<Vec<Status>> {
+        if parts.len() != items.len() {
+            return Err(Error::Usage(format!(
+                "{} parts for {} values",
+                parts.len(),
+                items.len()
+            )));
+        }
+        if let Some(p) = parts
+            .iter()
+            .find(|p| p.value_len > self.server.value_max_bytes)
+        {
+            return Err(Error::Usage(format!(
+                "value of {} bytes exceeds the server's maximum of {}",
+                p.value_len, self.server.value_max_bytes
+            )));
+        }
+        self.put_any(items, Some(parts)).await
+    }
+
+    async fn put_any(
+        &mut self,
+        items: &[PutFrom<'_>],
+        parts: Option<&[Part]>,
+    ) -> Result<Vec<Status>> {
         self.check()?;
         if let Some(big) = items
             .iter()
@@ -1358,10 +1444,12 @@ impl KvClient {
             )));
         }
         let mut out = Vec::with_capacity(items.len());
-        for chunk in items.chunks(self.batch()) {
+        let batch = self.batch();
+        for (n, chunk) in items.chunks(batch).enumerate() {
             let ns = self.scope.clone();
             let limit = self.call_timeout;
-            let r = bounded(limit, SERVER, self.t.put_from(&ns, chunk)).await;
+            let p = parts.map(|p| &p[n * batch..n * batch + chunk.len()]);
+            let r = bounded(limit, SERVER, self.t.put_from(&ns, chunk, p)).await;
             out.extend(self.settle(r)?);
         }
         Ok(out)
@@ -1672,6 +1760,9 @@ impl BlockingKvClient {
     }
     pub fn put_from(&mut self, items: &[PutFrom<'_>]) -> Result<Vec<Status>> {
         self.rt.block_on(self.inner.put_from(items))
+    }
+    pub fn put_parts(&mut self, items: &[PutFrom<'_>], parts: &[Part]) -> Result<Vec<Status>> {
+        self.rt.block_on(self.inner.put_parts(items, parts))
     }
     pub fn touch(&mut self, digests: &[Digest]) -> Result<Vec<Status>> {
         self.rt.block_on(self.inner.touch(digests))

@@ -16,5 +16,5 @@ pub use kv::{
 pub use object::{ObjectClient, ObjectError};
 pub use tarn_wire::auth::Credentials;
 pub use tarn_wire::proto::{
-    ClusterView, Digest, ExistsReply, Route, Status, ViewMember, BATCH_COPY, BATCH_FALLBACK,
+    ClusterView, Digest, ExistsReply, Part, Route, Status, ViewMember, BATCH_COPY, BATCH_FALLBACK,
 };

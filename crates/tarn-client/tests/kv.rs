@@ -2159,3 +2159,55 @@ fn puts_through_a_small_window() {
         "{e}"
     );
 }
+
+#[test]
+fn a_part_whose_bytes_do_not_match_its_checksum_is_refused() {
+    let (_engine, server) = start(small_config());
+    let whole = value(9, 8192);
+    let put = |id: u64, range: std::ops::Range<usize>, crc: u32| {
+        let mut p = Vec::new();
+        put_batch_head_with(&mut p, b"ns", 1, 0, BATCH_PARTS, None);
+        PutEntry {
+            digest: digest(77),
+            len: range.len() as u64,
+            crc,
+        }
+        .encode(&mut p);
+        Part {
+            value_len: whole.len() as u64,
+            offset: range.start as u64,
+        }
+        .encode(&mut p);
+        p.extend_from_slice(&whole[range]);
+        frame(Op::Put as u16, id, &p)
+    };
+    let status = |s: &mut std::net::TcpStream| {
+        let (op, _, p) = read_frame(s).expect("a response");
+        assert_eq!(op, Op::Put as u16 | RESPONSE_BIT);
+        decode_statuses(&p, 1).expect("statuses")[0]
+    };
+    let mut s = raw_authed(&server);
+    let good = crc32c(&whole[..4096]);
+    s.write_all(&put(2, 0..4096, good ^ 1)).unwrap();
+    assert_eq!(status(&mut s), Status::ChecksumMismatch);
+    s.write_all(&put(3, 4096..8192, crc32c(&whole[4096..])))
+        .unwrap();
+    assert_eq!(status(&mut s), Status::Ok);
+    let mut c = connect(&server, TransportChoice::Tcp, b"ns");
+    let mut buf = vec![0u8; 8192];
+    let o = c
+        .get_into(&mut [GetInto::whole(digest(77), &mut buf)])
+        .unwrap();
+    assert_eq!(
+        o[0].status,
+        Status::NotFound,
+        "half of it never arrived intact"
+    );
+    s.write_all(&put(4, 0..4096, good)).unwrap();
+    assert_eq!(status(&mut s), Status::Ok);
+    let o = c
+        .get_into(&mut [GetInto::whole(digest(77), &mut buf)])
+        .unwrap();
+    assert_eq!(o[0].status, Status::Ok);
+    assert_eq!(buf, whole);
+}

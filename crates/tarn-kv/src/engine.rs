@@ -67,6 +67,9 @@ pub struct KvConfig {
     pub segment_bytes: u64,
     /// Whether the RAM tier's arena is on huge pages.
     pub huge_pages: HugePages,
+    /// A value put in parts that still misses some this long after its
+    /// first, with none being written, is dropped (a writer died).
+    pub part_timeout: Duration,
 }
 
 impl Default for KvConfig {
@@ -78,6 +81,7 @@ impl Default for KvConfig {
             disk_bytes: 64 << 30,
             segment_bytes: 256 << 20,
             huge_pages: HugePages::Auto,
+            part_timeout: PART_TIMEOUT_DEFAULT,
         }
     }
 }
@@ -357,6 +361,7 @@ struct GlobalStats {
     reservations_aborted: u64,
     checksum_mismatches: u64,
     pages_stolen: u64,
+    parts_abandoned: u64,
 }
 
 struct State {
@@ -372,6 +377,62 @@ struct State {
     reservation_seq: u32,
     /// Advances on every store and read of a RAM block: the stamps' clock.
     clock: u64,
+    /// Values being put in parts, by slot, and the slot of each key.
+    assemblies: HashMap<u32, Assembly>,
+    assembling: HashMap<Key, u32>,
+}
+
+/// A value put in byte ranges by several writers (tensor-parallel ranks
+/// each holding some of a block's heads): its slot is reserved by no
+/// connection, and it becomes visible once every byte was written and no
+/// writer is still copying.
+struct Assembly {
+    key: Key,
+    seq: u32,
+    len: u64,
+    /// Written ranges, sorted and merged.
+    filled: Vec<(u64, u64)>,
+    /// Parts being copied in now.
+    writers: u32,
+    started_ms: u64,
+    complete: bool,
+}
+
+impl Assembly {
+    fn fill(&mut self, start: u64, end: u64) {
+        self.filled.push((start, end));
+        self.filled.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.filled.len());
+        for &(a, b) in &self.filled {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        self.filled = merged;
+    }
+
+    fn covered(&self) -> bool {
+        self.filled == [(0, self.len)]
+    }
+}
+
+/// Marks a part's token (a reservation of an assembly, not of a connection).
+pub const PART_TOKEN: u64 = 1 << 63;
+/// The connection id an assembly's slot is reserved by: none.
+const ASSEMBLY_CONN: u64 = u64::MAX;
+/// [`KvConfig::part_timeout`] unless told otherwise: longer than a frame's
+/// timeout, so no part is still being read from a socket when it ends.
+pub const PART_TIMEOUT_DEFAULT: Duration = Duration::from_secs(60);
+
+/// What storing one part did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartCommit {
+    /// `Ok`: the part is in, the value still misses some; or a failure.
+    Status(Status),
+    /// The last part is in: checksum the value at `value_offset` and call
+    /// [`Engine::finish_value`].
+    Complete { value_offset: u64, len: u64 },
 }
 
 /// Where a GET's bytes come from, decided under the lock.
@@ -527,6 +588,8 @@ impl Engine {
             stats: GlobalStats::default(),
             reservation_seq: 0,
             clock: 0,
+            assemblies: HashMap::new(),
+            assembling: HashMap::new(),
         };
         let engine = Arc::new(Engine {
             arena,
@@ -939,6 +1002,148 @@ impl Engine {
         Status::Ok
     }
 
+    /// Reserves room for a part, bytes `[offset, offset + len)` of a value
+    /// of `value_len` bytes that several writers put: the first part of a
+    /// key reserves the whole value's slot. Returns the part's token and
+    /// the arena offset its bytes go to.
+    pub fn reserve_part(
+        &self,
+        namespace: u32,
+        digest: &Digest,
+        value_len: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u64, u64), Status> {
+        if value_len > self.config.value_max_bytes {
+            return Err(Status::TooLarge);
+        }
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > value_len) {
+            return Err(Status::BadRange);
+        }
+        let key = Key {
+            namespace,
+            digest: *digest,
+        };
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        if st.index.contains_key(&key) {
+            st.ns_stats[namespace as usize].puts_existing += 1;
+            return Err(Status::AlreadyExists);
+        }
+        if let Some(&slot) = st.assembling.get(&key) {
+            let a = st.assemblies.get_mut(&slot).expect("assembly of a key");
+            if a.complete {
+                return Err(Status::AlreadyExists);
+            }
+            if a.len != value_len {
+                return Err(Status::BadRange);
+            }
+            a.writers += 1;
+            let token = PART_TOKEN | ((slot as u64) << 32) | a.seq as u64;
+            return Ok((token, st.slot_offset(&self.arena, slot) + offset));
+        }
+        st.drop_abandoned(&self.arena, now, self.config.part_timeout);
+        let class = st.class_for(value_len).ok_or(Status::TooLarge)?;
+        let slot = st.alloc(&self.arena, class, now).ok_or(Status::NoSpace)?;
+        debug_assert!(slot < 1 << 31, "slot numbers leave the part bit free");
+        st.reservation_seq = st.reservation_seq.wrapping_add(1);
+        let seq = st.reservation_seq;
+        st.with_slot(slot, |m| {
+            m.key = key;
+            m.state = SlotState::Reserved {
+                conn: ASSEMBLY_CONN,
+                seq,
+                len: value_len,
+            };
+        });
+        st.assemblies.insert(
+            slot,
+            Assembly {
+                key,
+                seq,
+                len: value_len,
+                filled: Vec::new(),
+                writers: 1,
+                started_ms: now,
+                complete: false,
+            },
+        );
+        st.assembling.insert(key, slot);
+        let token = PART_TOKEN | ((slot as u64) << 32) | seq as u64;
+        Ok((token, st.slot_offset(&self.arena, slot) + offset))
+    }
+
+    /// Records a part copied in (`checksum_ok`: its bytes matched the
+    /// writer's CRC). The part that completes the value, with no other
+    /// still being written, answers `Complete`.
+    pub fn commit_part(&self, token: u64, offset: u64, len: u64, checksum_ok: bool) -> PartCommit {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(a) = st.assembly(token) else {
+            return PartCommit::Status(Status::NoSpace);
+        };
+        a.writers -= 1;
+        if !checksum_ok {
+            st.stats.checksum_mismatches += 1;
+            return PartCommit::Status(Status::ChecksumMismatch);
+        }
+        a.fill(offset, offset + len);
+        if a.covered() && a.writers == 0 && !a.complete {
+            a.complete = true;
+            let len = a.len;
+            let slot = ((token & !PART_TOKEN) >> 32) as u32;
+            return PartCommit::Complete {
+                value_offset: st.slot_offset(&self.arena, slot),
+                len,
+            };
+        }
+        PartCommit::Status(Status::Ok)
+    }
+
+    /// Makes a complete value visible with its checksum (computed by the
+    /// caller over the whole slot).
+    pub fn finish_value(&self, token: u64, crc: u32) -> Status {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let slot = ((token & !PART_TOKEN) >> 32) as u32;
+        let Some(a) = st.assemblies.remove(&slot) else {
+            return Status::NoSpace;
+        };
+        st.assembling.remove(&a.key);
+        let ns = a.key.namespace as usize;
+        if st.index.contains_key(&a.key) {
+            st.free_slot(&self.arena, slot);
+            st.ns_stats[ns].puts_existing += 1;
+            return Status::AlreadyExists;
+        }
+        st.index.insert(
+            a.key,
+            Entry {
+                len: a.len,
+                crc,
+                ram: slot,
+                disk: None,
+                pins: 0,
+                pin_until_ms: 0,
+            },
+        );
+        st.make_live(slot, a.key, a.len);
+        st.ns_stats[ns].puts_stored += 1;
+        st.ns_stats[ns].bytes_written += a.len;
+        st.ns_stats[ns].blocks += 1;
+        Status::Ok
+    }
+
+    /// A part whose copy failed (its connection went away): the value
+    /// waits for it again, or is dropped after [`KvConfig::part_timeout`].
+    pub fn abort_part(&self, token: u64) {
+        let mut st = self.lock();
+        if let Some(a) = st.assembly(token) {
+            a.writers -= 1;
+        }
+    }
+
     /// Gives back a reservation without storing (a connection that went away).
     pub fn abort(&self, conn: u64, token: u64) {
         let mut st = self.lock();
@@ -1050,7 +1255,11 @@ impl Engine {
     /// pins never released.
     pub fn release_connection(&self, conn: u64, tokens: &[u64], pins: &[Key]) {
         for t in tokens {
-            self.abort(conn, *t);
+            if t & PART_TOKEN != 0 {
+                self.abort_part(*t);
+            } else {
+                self.abort(conn, *t);
+            }
         }
         let mut st = self.lock();
         for k in pins {
@@ -1167,6 +1376,7 @@ impl Engine {
             ("corrupt_disk".into(), g.corrupt_disk),
             ("reservations_aborted".into(), g.reservations_aborted),
             ("checksum_mismatches".into(), g.checksum_mismatches),
+            ("parts_abandoned".into(), g.parts_abandoned),
             ("pages_stolen".into(), g.pages_stolen),
             ("value_max_bytes".into(), self.config.value_max_bytes),
         ];
@@ -1217,6 +1427,31 @@ impl Engine {
 }
 
 impl State {
+    /// The assembly a part token names, if it is still there.
+    fn assembly(&mut self, token: u64) -> Option<&mut Assembly> {
+        let slot = ((token & !PART_TOKEN) >> 32) as u32;
+        let seq = token as u32;
+        self.assemblies.get_mut(&slot).filter(|a| a.seq == seq)
+    }
+
+    /// Frees the slots of values whose writers went away before the last
+    /// part (`timeout` after the first, none being written).
+    fn drop_abandoned(&mut self, arena: &Arena, now_ms: u64, timeout: Duration) {
+        let limit = timeout.as_millis() as u64;
+        let stale: Vec<u32> = self
+            .assemblies
+            .iter()
+            .filter(|(_, a)| a.writers == 0 && !a.complete && now_ms - a.started_ms > limit)
+            .map(|(slot, _)| *slot)
+            .collect();
+        for slot in stale {
+            let a = self.assemblies.remove(&slot).expect("listed");
+            self.assembling.remove(&a.key);
+            self.stats.parts_abandoned += 1;
+            self.free_slot(arena, slot);
+        }
+    }
+
     fn class_reports(&self) -> Vec<ClassReport> {
         self.classes
             .iter()
@@ -1885,6 +2120,7 @@ mod mixed_history {
             disk_bytes: 256 << 20,
             segment_bytes: 32 << 20,
             huge_pages: HugePages::Auto,
+            part_timeout: PART_TIMEOUT_DEFAULT,
         }
     }
 

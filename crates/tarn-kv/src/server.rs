@@ -31,7 +31,7 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::auth::{self, Side, Tenant, Tenants};
-use crate::engine::{Engine, Key, ReadPlan, RoutingCounts};
+use crate::engine::{Engine, Key, PartCommit, ReadPlan, RoutingCounts};
 use crate::fdpass;
 use crate::mailbox::{self, Area, Mailbox};
 use crate::park;
@@ -1611,7 +1611,9 @@ impl Connection {
         let mut r = Reader::new(payload);
         let b = read_batch_head(&mut r, PUT_SHM_ENTRY_BYTES)?;
         let count = b.count as usize;
-        if r.remaining() != count * PUT_SHM_ENTRY_BYTES {
+        let parts = b.flags & BATCH_PARTS != 0;
+        let entry_bytes = PUT_SHM_ENTRY_BYTES + if parts { PART_BYTES } else { 0 };
+        if r.remaining() != count * entry_bytes {
             return Err(ProtoError::new(
                 ErrorCode::BadFrame,
                 "PUT_SHM length does not match its count",
@@ -1625,6 +1627,11 @@ impl Connection {
         st.clear();
         for _ in 0..count {
             let e = PutShmEntry::decode(&mut r)?;
+            let part = if parts {
+                Some(Part::decode(&mut r)?)
+            } else {
+                None
+            };
             let in_window = e
                 .window_offset
                 .checked_add(e.len)
@@ -1633,6 +1640,19 @@ impl Connection {
                 Status::TooLarge
             } else if !in_window {
                 Status::BadWindow
+            } else if let Some(part) = part {
+                match engine.reserve_part(ns, &e.digest, part.value_len, part.offset, e.len) {
+                    Err(s) => s,
+                    Ok((token, offset)) => {
+                        // SAFETY: the part's bytes of a slot reserved for
+                        // the value, inside the arena.
+                        let dst = unsafe { engine.arena().slice_mut(offset, e.len as usize) };
+                        let ok = window
+                            .read_into(e.window_offset, dst)
+                            .is_ok_and(|crc| crc == e.crc);
+                        finish_part(&engine, token, part.offset, e.len, ok)
+                    }
+                }
             } else {
                 match engine.reserve(self.id, ns, &e.digest, e.len) {
                     Err(s) => s,
@@ -1693,8 +1713,10 @@ impl Connection {
         } else {
             0
         };
+        let parts = flags & BATCH_PARTS != 0;
+        let entry_bytes = PUT_ENTRY_BYTES + if parts { PART_BYTES } else { 0 };
         let head_len = ns_len + route_len;
-        let table_len = BATCH_HEADER_BYTES + head_len + count * PUT_ENTRY_BYTES;
+        let table_len = BATCH_HEADER_BYTES + head_len + count * entry_bytes;
         if ns_len > NAMESPACE_MAX_BYTES || count > BATCH_MAX_KEYS || (table_len as u64) > h.len {
             close(
                 out,
@@ -1708,7 +1730,13 @@ impl Connection {
         timed(limit, io.read_exact(&mut payload)).await?;
         let mut r = Reader::new(&payload[head_len..]);
         let data: u128 = (0..count)
-            .map(|_| PutEntry::decode(&mut r).expect("length checked").len as u128)
+            .map(|_| {
+                let e = PutEntry::decode(&mut r).expect("length checked");
+                if parts {
+                    Part::decode(&mut r).expect("length checked");
+                }
+                e.len as u128
+            })
             .sum();
         if table_len as u128 + data != h.len as u128 {
             self.payload = payload;
@@ -1750,20 +1778,29 @@ impl Connection {
         let mut r = Reader::new(&payload[head_len..]);
         for _ in 0..count {
             let e = PutEntry::decode(&mut r).expect("length checked");
-            let reserved = match ns {
-                None => Err(Status::NoSpace),
-                Some(_) if e.len > value_max => Err(Status::TooLarge),
-                Some(ns) => engine.reserve(self.id, ns, &e.digest, e.len),
+            let part = parts.then(|| Part::decode(&mut r).expect("length checked"));
+            let reserved = match (ns, part) {
+                (None, _) => Err(Status::NoSpace),
+                (Some(_), _) if e.len > value_max => Err(Status::TooLarge),
+                (Some(ns), Some(p)) => {
+                    engine.reserve_part(ns, &e.digest, p.value_len, p.offset, e.len)
+                }
+                (Some(ns), None) => engine.reserve(self.id, ns, &e.digest, e.len),
             };
             match reserved {
                 Ok((token, offset)) => {
+                    // Given back if the connection ends mid-read.
                     self.reservations.push(token);
-                    // SAFETY: our reservation, inside the arena.
+                    // SAFETY: our reservation (or our part of an assembly's
+                    // slot), inside the arena.
                     let slot = unsafe { engine.arena().slice_mut(offset, e.len as usize) };
                     timed(limit, io.read_exact(slot)).await?;
                     let crc = crc32c(slot);
                     self.reservations.pop();
-                    st.push(engine.commit(self.id, token, crc, crc == e.crc));
+                    st.push(match part {
+                        Some(p) => finish_part(&engine, token, p.offset, e.len, crc == e.crc),
+                        None => engine.commit(self.id, token, crc, crc == e.crc),
+                    });
                 }
                 Err(s) => {
                     discard(io, e.len, limit).await?;
@@ -1782,6 +1819,19 @@ impl Connection {
         self.statuses = st;
         io.get_mut().write_all(out).await?;
         Ok(Next::Continue)
+    }
+}
+
+/// Records a part copied into its value's slot; the one that completes the
+/// value checksums it whole and makes it visible.
+fn finish_part(engine: &Engine, token: u64, offset: u64, len: u64, ok: bool) -> Status {
+    match engine.commit_part(token, offset, len, ok) {
+        PartCommit::Status(s) => s,
+        PartCommit::Complete { value_offset, len } => {
+            // SAFETY: the assembly's slot, complete and written by no one.
+            let crc = crc32c(unsafe { engine.arena().slice(value_offset, len as usize) });
+            engine.finish_value(token, crc)
+        }
     }
 }
 

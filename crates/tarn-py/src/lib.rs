@@ -19,11 +19,9 @@ use std::time::Duration;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use tarn_client::kv::{
-    denied, BlockingKvClient, ConnectOptions, Error, GetInto, PutFrom, TransportChoice,
-};
+use tarn_client::kv::{denied, BlockingKvClient, ConnectOptions, Error, TransportChoice};
 use tarn_client::Credentials;
-use tarn_client::{Digest, Status, TransportKind};
+use tarn_client::{Digest, Part, Status, TransportKind};
 
 mod buffers;
 mod objects;
@@ -434,36 +432,30 @@ impl Client {
     /// Reads each key's whole value into the front of its buffer. Returns,
     /// per key, the number of bytes read or None for a miss (never stored,
     /// evicted, or dropped because it failed its checksum).
+    #[pyo3(signature = (keys, buffers, offsets = None))]
     fn get_into<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         buffers: &Bound<'py, PyAny>,
+        offsets: Option<Vec<u64>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let d = digests(keys)?;
         let held = self::buffers(buffers, true, d.len())?;
         let regions: Vec<Region> = held.iter().map(Borrowed::region).collect();
         check_disjoint(&regions)?;
+        if offsets.as_ref().is_some_and(|o| o.len() != d.len()) {
+            return Err(PyValueError::new_err("one offset per key"));
+        }
+        let offsets = offsets.as_deref();
         let outcomes = py
             .detach(|| {
                 if let Some(r) = &self.router {
-                    return r.get_into(&d, &regions);
+                    return r.get_into(&d, &regions, offsets);
                 }
                 self.pool.run(|c| {
-                    let mut reqs: Vec<GetInto<'_>> = d
-                        .iter()
-                        .zip(&regions)
-                        .map(|(digest, r)| {
-                            // SAFETY: each region is caller memory held
-                            // (buffer view or tensor reference) until this
-                            // call returns, writable, and disjoint from the
-                            // others (checked above).
-                            let buf =
-                                unsafe { std::slice::from_raw_parts_mut(r.0 as *mut u8, r.1) };
-                            GetInto::whole(*digest, buf)
-                        })
-                        .collect();
-                    c.get_into(&mut reqs)
+                    let all: Vec<usize> = (0..d.len()).collect();
+                    c.get_into(&mut routing::get_requests(&d, &regions, offsets, &all))
                 })
             })
             .map_err(|e| py_err(py, e))?;
@@ -477,6 +469,15 @@ impl Client {
                     return Err(PyValueError::new_err(format!(
                         "buffer {i} holds {} bytes but key {i}'s value is {} bytes",
                         regions[i].1, o.len
+                    )))
+                }
+                // A range past a value's end: not the layout asked for.
+                Status::BadRange if offsets.is_some() => out.append(py.None())?,
+                Status::BadRange => {
+                    return Err(PyValueError::new_err(format!(
+                        "key {i}: bytes {}..{} lie outside its value",
+                        offsets.map_or(0, |o| o[i]),
+                        offsets.map_or(0, |o| o[i]) + regions[i].1 as u64
                     )))
                 }
                 s => {
@@ -508,17 +509,63 @@ impl Client {
                     return r.put_from(&d, &regions);
                 }
                 self.pool.run(|c| {
-                    let items: Vec<PutFrom<'_>> = d
-                        .iter()
-                        .zip(&regions)
-                        .map(|(digest, r)| PutFrom {
-                            digest: *digest,
-                            // SAFETY: caller memory held until this call
-                            // returns; only read.
-                            data: unsafe { std::slice::from_raw_parts(r.0 as *const u8, r.1) },
-                        })
-                        .collect();
-                    c.put_from(&items)
+                    let all: Vec<usize> = (0..d.len()).collect();
+                    c.put_from(&routing::put_items(&d, &regions, &all))
+                })
+            })
+            .map_err(|e| py_err(py, e))?;
+        drop(held);
+        Ok(statuses.iter().map(|s| *s as u8).collect())
+    }
+
+    /// Stores parts of values: buffer i is bytes `[offsets[i], offsets[i] +
+    /// len)` of key i's value of `value_lens[i]` bytes, which becomes
+    /// visible once every byte was put (by any clients). Status codes as
+    /// `put_from`.
+    fn put_parts(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        buffers: &Bound<'_, PyAny>,
+        value_lens: Vec<u64>,
+        offsets: Vec<u64>,
+    ) -> PyResult<Vec<u8>> {
+        let d = digests(keys)?;
+        let held = self::buffers(buffers, false, d.len())?;
+        let regions: Vec<Region> = held.iter().map(Borrowed::region).collect();
+        if value_lens.len() != d.len() || offsets.len() != d.len() {
+            return Err(PyValueError::new_err(
+                "one value length and one offset per key",
+            ));
+        }
+        let parts: Vec<Part> = value_lens
+            .iter()
+            .zip(&offsets)
+            .map(|(v, o)| Part {
+                value_len: *v,
+                offset: *o,
+            })
+            .collect();
+        for (i, (p, r)) in parts.iter().zip(&regions).enumerate() {
+            if r.1 == 0
+                || p.offset
+                    .checked_add(r.1 as u64)
+                    .is_none_or(|e| e > p.value_len)
+            {
+                return Err(PyValueError::new_err(format!(
+                    "part {i}: {} bytes at offset {} do not fit a value of {} bytes",
+                    r.1, p.offset, p.value_len
+                )));
+            }
+        }
+        let statuses = py
+            .detach(|| {
+                if let Some(r) = &self.router {
+                    return r.put_parts(&d, &regions, &parts);
+                }
+                self.pool.run(|c| {
+                    let all: Vec<usize> = (0..d.len()).collect();
+                    c.put_parts(&routing::put_items(&d, &regions, &all), &parts)
                 })
             })
             .map_err(|e| py_err(py, e))?;

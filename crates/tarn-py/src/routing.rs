@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tarn_client::kv::{not_owner, BlockingKvClient, ConnectOptions, Error, GetInto, PutFrom};
 use tarn_client::route::{key_hash, namespace_hash, Ring};
-use tarn_client::{ClusterView, Digest, GetOutcome, Status, BATCH_COPY, BATCH_FALLBACK};
+use tarn_client::{ClusterView, Digest, GetOutcome, Part, Status, BATCH_COPY, BATCH_FALLBACK};
 
 use crate::buffers::Region;
 use crate::{Failure, Pool};
@@ -79,6 +79,55 @@ enum Outcome<T> {
 
 fn copy_status_ok(s: &Status) -> bool {
     s.is_stored()
+}
+
+/// The gets of keys `idx` into their regions: whole values, or with
+/// `offsets` each region's length from its offset.
+pub fn get_requests<'a>(
+    keys: &[Digest],
+    regions: &[Region],
+    offsets: Option<&[u64]>,
+    idx: &[usize],
+) -> Vec<GetInto<'a>> {
+    idx.iter()
+        .map(|i| {
+            let r = regions[*i];
+            // SAFETY: each region is caller memory held (buffer view or
+            // tensor reference) until the call returns, writable, disjoint
+            // from the others (checked by the caller), and each key is in
+            // one member's share only.
+            let buf = unsafe { std::slice::from_raw_parts_mut(r.0 as *mut u8, r.1) };
+            match offsets {
+                None => GetInto::whole(keys[*i], buf),
+                Some(o) => GetInto {
+                    digest: keys[*i],
+                    offset: o[*i],
+                    len: Some(r.1 as u64),
+                    buf,
+                },
+            }
+        })
+        .collect()
+}
+
+/// The puts of keys `idx` from their whole regions.
+pub fn put_items<'a>(keys: &[Digest], regions: &[Region], idx: &[usize]) -> Vec<PutFrom<'a>> {
+    put_prefixes(keys, regions, idx, |i| regions[i].1)
+}
+
+fn put_prefixes<'a>(
+    keys: &[Digest],
+    regions: &[Region],
+    idx: &[usize],
+    len: impl Fn(usize) -> usize,
+) -> Vec<PutFrom<'a>> {
+    idx.iter()
+        .map(|i| PutFrom {
+            digest: keys[*i],
+            // SAFETY: caller memory held until the call returns; only read.
+            data: unsafe { std::slice::from_raw_parts(regions[*i].0 as *const u8, len(*i)) },
+        })
+        .collect()
 }
 
 /// Puts each member's answers back at their keys' places in `out`, through
@@ -367,20 +416,10 @@ impl Router {
         &self,
         keys: &[Digest],
         regions: &[Region],
+        offsets: Option<&[u64]>,
     ) -> Result<Vec<GetOutcome>, Failure> {
         let get = |c: &mut BlockingKvClient, idx: &[usize]| {
-            let mut reqs: Vec<GetInto<'_>> = idx
-                .iter()
-                .map(|i| {
-                    let r = regions[*i];
-                    // SAFETY: each region is caller memory held until the
-                    // call returns, writable, and disjoint from the others;
-                    // each key is in one member's share only.
-                    let buf = unsafe { std::slice::from_raw_parts_mut(r.0 as *mut u8, r.1) };
-                    GetInto::whole(keys[*i], buf)
-                })
-                .collect();
-            c.get_into(&mut reqs)
+            c.get_into(&mut get_requests(keys, regions, offsets, idx))
         };
         self.routed(|r| {
             let ranks = self.ranks(r, keys, true);
@@ -417,7 +456,10 @@ impl Router {
                     });
                 }
             }
-            self.copy_where_needed(r, keys, regions, &ranks, &out, &found_second);
+            // Ranges are not whole values: nothing to copy from them.
+            if offsets.is_none() {
+                self.copy_where_needed(r, keys, regions, &ranks, &out, &found_second);
+            }
             Ok(Some(out))
         })
     }
@@ -454,18 +496,8 @@ impl Router {
             return;
         }
         let put = |c: &mut BlockingKvClient, idx: &[usize]| {
-            let items: Vec<PutFrom<'_>> = idx
-                .iter()
-                .map(|i| PutFrom {
-                    digest: keys[*i],
-                    // SAFETY: caller memory held until the call returns;
-                    // the get just filled its first `len` bytes.
-                    data: unsafe {
-                        std::slice::from_raw_parts(regions[*i].0 as *const u8, out[*i].len as usize)
-                    },
-                })
-                .collect();
-            c.put_from(&items)
+            // The get just filled the first `len` bytes of each region.
+            c.put_from(&put_prefixes(keys, regions, idx, |i| out[i].len as usize))
         };
         // A copy that fails costs a later fallback, nothing more.
         if let Ok(Outcome::Done(done)) = self.fan_out(r, &to, BATCH_COPY, &put) {
@@ -504,18 +536,21 @@ impl Router {
 
     /// Stores each value at its key's first-ranked member.
     pub fn put_from(&self, keys: &[Digest], regions: &[Region]) -> Result<Vec<Status>, Failure> {
+        let put =
+            |c: &mut BlockingKvClient, idx: &[usize]| c.put_from(&put_items(keys, regions, idx));
+        self.statuses(keys, &put, false)
+    }
+
+    /// Stores parts of values at their keys' first-ranked members.
+    pub fn put_parts(
+        &self,
+        keys: &[Digest],
+        regions: &[Region],
+        parts: &[Part],
+    ) -> Result<Vec<Status>, Failure> {
         let put = |c: &mut BlockingKvClient, idx: &[usize]| {
-            let items: Vec<PutFrom<'_>> = idx
-                .iter()
-                .map(|i| PutFrom {
-                    digest: keys[*i],
-                    // SAFETY: caller memory held until the call returns; read only.
-                    data: unsafe {
-                        std::slice::from_raw_parts(regions[*i].0 as *const u8, regions[*i].1)
-                    },
-                })
-                .collect();
-            c.put_from(&items)
+            let p: Vec<Part> = idx.iter().map(|i| parts[*i]).collect();
+            c.put_parts(&put_items(keys, regions, idx), &p)
         };
         self.statuses(keys, &put, false)
     }

@@ -29,8 +29,10 @@ pub const NAMESPACE_MAX_BYTES: usize = 512;
 pub const BATCH_MAX_KEYS: usize = 1024;
 /// Largest control part of any frame (everything but PUT's bulk data): the
 /// biggest is a full batch of PUT_SHM entries plus the namespace.
-pub const CONTROL_MAX_BYTES: usize =
-    BATCH_HEADER_BYTES + NAMESPACE_MAX_BYTES + ROUTE_BYTES + BATCH_MAX_KEYS * PUT_SHM_ENTRY_BYTES;
+pub const CONTROL_MAX_BYTES: usize = BATCH_HEADER_BYTES
+    + NAMESPACE_MAX_BYTES
+    + ROUTE_BYTES
+    + BATCH_MAX_KEYS * (PUT_SHM_ENTRY_BYTES + PART_BYTES);
 /// Fixed part of a batch: ns_len u16, flags u16, count u32, arg u32.
 pub const BATCH_HEADER_BYTES: usize = 12;
 pub const GET_ENTRY_BYTES: usize = DIGEST_BYTES + 16;
@@ -64,7 +66,13 @@ pub const BATCH_FALLBACK: u16 = 2;
 /// Batch head flag: a put copying blocks found elsewhere (a fallback hit
 /// written back to its owner, or a hot block's second copy).
 pub const BATCH_COPY: u16 = 4;
-const BATCH_FLAGS_KNOWN: u16 = BATCH_ROUTED | BATCH_FALLBACK | BATCH_COPY;
+/// Batch head flag on PUT and PUT_SHM: every entry is followed by a
+/// [`Part`] (16 bytes); the entry's length and CRC are the part's, and the
+/// value becomes visible once every byte of it was put (by any writers).
+pub const BATCH_PARTS: u16 = 8;
+/// Bytes of a [`Part`] after a PUT or PUT_SHM entry.
+pub const PART_BYTES: usize = 16;
+const BATCH_FLAGS_KNOWN: u16 = BATCH_ROUTED | BATCH_FALLBACK | BATCH_COPY | BATCH_PARTS;
 /// Bytes of a [`Route`] in a batch head.
 pub const ROUTE_BYTES: usize = 16;
 /// Get result flag (byte 1 of a GET or GET_SHM result): the block is read
@@ -879,6 +887,28 @@ impl PutShmEntry {
         };
         r.u32()?;
         Ok(e)
+    }
+}
+
+/// Where a put entry's bytes go in its value, with [`BATCH_PARTS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    /// Length of the whole value.
+    pub value_len: u64,
+    /// Offset of this part's first byte in the value.
+    pub offset: u64,
+}
+
+impl Part {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u64(self.value_len);
+        out.put_u64(self.offset);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<Part, ProtoError> {
+        Ok(Part {
+            value_len: r.u64()?,
+            offset: r.u64()?,
+        })
     }
 }
 
