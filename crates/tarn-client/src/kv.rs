@@ -15,6 +15,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tarn_wire::arena::Arena;
@@ -87,6 +88,10 @@ pub struct ConnectOptions {
     /// largest value when smaller). A batch whose values do not fit goes in
     /// several requests. Pages are allocated as they are first written.
     pub put_window_bytes: usize,
+    /// Over shared memory: this memfd (sealed against shrinking) of that
+    /// many bytes is the put window instead of one of the connection's own
+    /// (a [`RegisteredBuffer`]'s: its puts are one copy, the daemon's).
+    pub put_window_fd: Option<(Arc<OwnedFd>, usize)>,
 }
 
 /// Put window of a shared-memory connection unless told otherwise: a batch
@@ -104,6 +109,7 @@ impl Default for ConnectOptions {
             call_timeout: None,
             credentials: None,
             put_window_bytes: PUT_WINDOW_DEFAULT_BYTES,
+            put_window_fd: None,
         }
     }
 }
@@ -207,6 +213,13 @@ pub struct RegisteredBuffer {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
     locked: bool,
+    /// The memfd behind it, sealed against shrinking: on the same host a
+    /// connection takes it as its put window, so a put is one copy (the
+    /// daemon's, from here into its arena).
+    fd: Arc<OwnedFd>,
+    /// Dropped with the buffer: a client's connection attached to it goes
+    /// with it.
+    alive: Arc<()>,
 }
 
 // SAFETY: plain owned memory.
@@ -219,14 +232,15 @@ impl RegisteredBuffer {
             return Err(Error::Usage("a registered buffer needs a length".into()));
         }
         let map_len = len.next_multiple_of(4096);
-        // SAFETY: a fresh private anonymous mapping, faulted in now.
+        let fd = sealed_memfd(c"tarn-kv-registered", map_len)?;
+        // SAFETY: a shared mapping of our own sealed memfd, faulted in now.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
                 0,
             )
         };
@@ -239,6 +253,8 @@ impl RegisteredBuffer {
             ptr: std::ptr::NonNull::new(p.cast()).expect("mmap never returns null"),
             len,
             locked,
+            fd: Arc::new(fd),
+            alive: Arc::new(()),
         })
     }
     pub fn len(&self) -> usize {
@@ -769,30 +785,22 @@ impl PutWindow {
     /// pays for it once instead of the first puts one fault per 4 KiB.
     fn create(len: usize, populate: usize) -> io::Result<PutWindow> {
         let len = len.next_multiple_of(4096);
-        // SAFETY: plain syscalls; the descriptor is owned at once.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"tarn-kv-put-window".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
+        let window = PutWindow::map(sealed_memfd(c"tarn-kv-put-window", len)?, len)?;
+        let half = window.half();
+        for start in [0, half] {
+            let n = populate.min(half).next_multiple_of(4096).min(len - start);
+            // SAFETY: advice on a range of our own mapping. An old kernel
+            // without MADV_POPULATE_WRITE faults the pages in on first use.
+            unsafe { libc::madvise(window.base.add(start).cast(), n, libc::MADV_POPULATE_WRITE) };
         }
-        // SAFETY: fresh descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: plain syscalls on our descriptor; the mapping is unmapped
-        // in Drop. Sealed against shrinking, so our own mapping cannot fault.
+        Ok(window)
+    }
+
+    /// Maps `fd` (a sealed memfd of `len` bytes) as a window.
+    fn map(fd: OwnedFd, len: usize) -> io::Result<PutWindow> {
+        // SAFETY: a shared mapping of a memfd sealed against shrinking, so
+        // it cannot fault; unmapped in Drop.
         let p = unsafe {
-            if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) < 0
-                || libc::fcntl(
-                    fd.as_raw_fd(),
-                    libc::F_ADD_SEALS,
-                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
-                ) < 0
-            {
-                return Err(io::Error::last_os_error());
-            }
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
@@ -805,19 +813,11 @@ impl PutWindow {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let window = PutWindow {
+        Ok(PutWindow {
             fd,
             base: p.cast(),
             len,
-        };
-        let half = window.half();
-        for start in [0, half] {
-            let n = populate.min(half).next_multiple_of(4096).min(len - start);
-            // SAFETY: advice on a range of our own mapping. An old kernel
-            // without MADV_POPULATE_WRITE faults the pages in on first use.
-            unsafe { libc::madvise(window.base.add(start).cast(), n, libc::MADV_POPULATE_WRITE) };
-        }
-        Ok(window)
+        })
     }
 
     /// Where the second half of the window starts (see `ShmTransport::put`).
@@ -1001,11 +1001,89 @@ impl ShmTransport {
         id
     }
 
+    /// PUT_SHM of values already in the window (a registered buffer's:
+    /// `items[i]` is `ios[i]`'s bytes of it), in requests of about
+    /// [`REGISTERED_PIPELINE_BYTES`]: the checksums of the next request's values
+    /// are computed while the daemon copies the previous one's.
+    async fn put_in_window(
+        &mut self,
+        ns: &Scope,
+        ios: &[WriteIo],
+        items: &[PutFrom<'_>],
+        batch: usize,
+    ) -> Result<Vec<Status>> {
+        let mut out = Vec::with_capacity(ios.len());
+        let mut pending: Option<(u64, usize)> = None;
+        let mut start = 0;
+        while start < ios.len() {
+            let mut end = start;
+            let mut bytes = 0;
+            while end < ios.len()
+                && end - start < batch
+                && (end == start || bytes + ios[end].len <= REGISTERED_PIPELINE_BYTES)
+            {
+                bytes += ios[end].len;
+                end += 1;
+            }
+            let id = self.ch.begin(Op::PutShm);
+            ns.head(&mut self.ch.out, end - start, 0);
+            for (io, it) in ios[start..end].iter().zip(&items[start..end]) {
+                PutShmEntry {
+                    digest: io.digest,
+                    len: io.len as u64,
+                    window_offset: io.buf_offset as u64,
+                    crc: crc32c(it.data),
+                }
+                .encode(&mut self.ch.out);
+            }
+            if let Some((pid, n)) = pending.take() {
+                out.extend(self.finish_put(pid, n).await?);
+            }
+            self.ch.send(&[]).await?;
+            pending = Some((id, end - start));
+            start = end;
+        }
+        if let Some((id, n)) = pending {
+            out.extend(self.finish_put(id, n).await?);
+        }
+        Ok(out)
+    }
+
     async fn finish_put(&mut self, id: u64, count: usize) -> Result<Vec<Status>> {
         self.ch.recv(id, Op::PutShm).await?;
         decode_statuses(&self.ch.inp, count).map_err(proto)
     }
 }
+
+/// A memfd of `len` bytes sealed against shrinking and growing: a daemon
+/// that maps it can never fault on it.
+fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscalls; the descriptor is owned at once.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptor.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain syscalls on our descriptor.
+    let ok = unsafe {
+        libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) == 0
+            && libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+            ) == 0
+    };
+    if !ok {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Most bytes of one PUT_SHM request of a registered buffer's values: the
+/// client checksums the next request's while the daemon copies.
+const REGISTERED_PIPELINE_BYTES: usize = 4 << 20;
 
 /// Most bytes of one PUT_SHM request when a put is split to overlap the
 /// client's and the daemon's copies.
@@ -1182,6 +1260,12 @@ pub struct KvClient {
     scope: Scope,
     server: HelloReply,
     auth: AuthReply,
+    /// Where and how it connected (credentials resolved): for the
+    /// connections attached to registered buffers.
+    endpoint: String,
+    opts: ConnectOptions,
+    /// Connections whose put window is a registered buffer, by buffer.
+    attached: Vec<(Weak<()>, KvClient)>,
 }
 
 /// True for the server's refusal of the credentials.
@@ -1246,9 +1330,15 @@ impl KvClient {
                     return Ok(KvClient {
                         t: AnyTransport::Shm(Box::new(shm)),
                         call_timeout: opts.call_timeout,
-                        scope: Scope::new(opts.namespace),
+                        scope: Scope::new(opts.namespace.clone()),
                         server: hello,
                         auth,
+                        endpoint: endpoint.to_string(),
+                        opts: ConnectOptions {
+                            credentials: Some(creds),
+                            ..opts
+                        },
+                        attached: Vec::new(),
                     })
                 }
                 // Refused credentials are refused over TCP too.
@@ -1265,9 +1355,15 @@ impl KvClient {
         Ok(KvClient {
             t: AnyTransport::Tcp(TcpTransport { ch }),
             call_timeout: opts.call_timeout,
-            scope: Scope::new(opts.namespace),
+            scope: Scope::new(opts.namespace.clone()),
             server: hello,
             auth,
+            endpoint: endpoint.to_string(),
+            opts: ConnectOptions {
+                credentials: Some(creds),
+                ..opts
+            },
+            attached: Vec::new(),
         })
     }
 
@@ -1495,6 +1591,11 @@ impl KvClient {
     }
 
     /// Stores values from regions of a registered buffer (regions may overlap).
+    /// Stores regions of a registered buffer. Over shared memory the
+    /// buffer is the put window of a connection of its own (opened on the
+    /// first put from it, closed after the buffer is dropped): the daemon
+    /// copies each value straight from it, one copy in all. Over TCP the
+    /// values travel in the frames as for `put_from`.
     pub async fn put_registered(
         &mut self,
         buf: &RegisteredBuffer,
@@ -1515,7 +1616,62 @@ impl KvClient {
                 data: slice,
             });
         }
-        self.put_from(&items).await
+        if self.transport() != TransportKind::Shm {
+            return self.put_from(&items).await;
+        }
+        self.check()?;
+        if let Some(big) = items
+            .iter()
+            .find(|i| i.data.len() as u64 > self.server.value_max_bytes)
+        {
+            return Err(Error::Usage(format!(
+                "value of {} bytes exceeds the server's maximum of {}",
+                big.data.len(),
+                self.server.value_max_bytes
+            )));
+        }
+        let scope = self.scope.clone();
+        let side = self.attached_to(buf).await?;
+        side.scope = scope;
+        let ns = side.scope.clone();
+        let (limit, batch) = (side.call_timeout, side.batch());
+        let AnyTransport::Shm(t) = &mut side.t else {
+            unreachable!("attached connections are over shared memory")
+        };
+        let r = bounded(limit, SERVER, t.put_in_window(&ns, ios, &items, batch)).await;
+        side.settle(r)
+    }
+
+    /// The connection whose put window is `buf`, opened the first time;
+    /// those of buffers dropped since are closed.
+    async fn attached_to(&mut self, buf: &RegisteredBuffer) -> Result<&mut KvClient> {
+        self.attached
+            .retain(|(alive, c)| alive.strong_count() > 0 && !*c.t_broken());
+        let at = self
+            .attached
+            .iter()
+            .position(|(alive, _)| std::ptr::eq(alive.as_ptr(), Arc::as_ptr(&buf.alive)));
+        let at = match at {
+            Some(i) => i,
+            None => {
+                let opts = ConnectOptions {
+                    transport: TransportChoice::Shm,
+                    put_window_fd: Some((buf.fd.clone(), buf.len.next_multiple_of(4096))),
+                    ..self.opts.clone()
+                };
+                let c = Box::pin(KvClient::connect(&self.endpoint, opts)).await?;
+                self.attached.push((Arc::downgrade(&buf.alive), c));
+                self.attached.len() - 1
+            }
+        };
+        Ok(&mut self.attached[at].1)
+    }
+
+    fn t_broken(&self) -> &bool {
+        match &self.t {
+            AnyTransport::Tcp(t) => &t.ch.broken,
+            AnyTransport::Shm(t) => &t.ch.broken,
+        }
     }
 
     async fn keys_op(&mut self, op: Op, digests: &[Digest], arg: u32) -> Result<Vec<Status>> {
@@ -1629,10 +1785,13 @@ async fn connect_shm(
     // The put window goes to the daemon with AUTH; the arena (and the
     // mailbox) come back with the reply.
     let value_max = usize::try_from(tcp_hello.value_max_bytes).unwrap_or(usize::MAX);
-    let window = PutWindow::create(
-        opts.put_window_bytes.max(value_max),
-        value_max.clamp(PUT_PIPELINE_BYTES, PUT_POPULATE_MAX_BYTES),
-    )?;
+    let window = match &opts.put_window_fd {
+        Some((fd, len)) => PutWindow::map(fd.try_clone()?, *len)?,
+        None => PutWindow::create(
+            opts.put_window_bytes.max(value_max),
+            value_max.clamp(PUT_PIPELINE_BYTES, PUT_POPULATE_MAX_BYTES),
+        )?,
+    };
     let client_nonce = auth::nonce();
     begin_frame(&mut out, Op::Auth as u16, 2);
     auth_request(creds, &hello.nonce, &client_nonce, AUTH_WINDOW).encode(&mut out);

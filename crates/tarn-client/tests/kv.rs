@@ -2211,3 +2211,54 @@ fn a_part_whose_bytes_do_not_match_its_checksum_is_refused() {
     assert_eq!(o[0].status, Status::Ok);
     assert_eq!(buf, whole);
 }
+
+#[test]
+fn registered_puts_from_several_buffers_over_shared_memory() {
+    use tarn_client::{RegisteredBuffer, WriteIo};
+    let (engine, server) = start(small_config());
+    let mut c = connect(&server, TransportChoice::Shm, b"reg");
+    let block = 256 << 10;
+    let mut bufs: Vec<RegisteredBuffer> = (0..3)
+        .map(|_| RegisteredBuffer::new(4 * block).unwrap())
+        .collect();
+    for (n, b) in bufs.iter_mut().enumerate() {
+        for (i, chunk) in b.as_mut_slice().chunks_mut(block).enumerate() {
+            chunk.copy_from_slice(&value((n * 4 + i) as u64 + 500, block));
+        }
+    }
+    let ios = |n: usize| -> Vec<WriteIo> {
+        (0..4)
+            .map(|i| WriteIo {
+                digest: digest((n * 4 + i) as u64 + 500),
+                buf_offset: i * block,
+                len: block,
+            })
+            .collect()
+    };
+    // Each buffer is the put window of a connection of its own; a buffer
+    // dropped takes its connection with it at the next registered put.
+    for (n, b) in bufs.iter().enumerate() {
+        assert_eq!(c.put_registered(b, &ios(n)).unwrap(), vec![Status::Ok; 4]);
+    }
+    let last = bufs.pop().unwrap();
+    bufs.clear();
+    // The values are the daemon's copies: the buffers are gone.
+    for n in 0..3 {
+        for i in 0..4 {
+            let mut out = vec![0u8; block];
+            let k = (n * 4 + i) as u64 + 500;
+            let o = c
+                .get_into(&mut [GetInto::whole(digest(k), &mut out)])
+                .unwrap();
+            assert_eq!(o[0].status, Status::Ok);
+            assert_eq!(out, value(k, block));
+        }
+    }
+    assert_eq!(
+        c.put_registered(&last, &ios(2)).unwrap(),
+        vec![Status::AlreadyExists; 4]
+    );
+    let stats = engine.stats(None);
+    let stored = stats.iter().find(|(k, _)| k == "blocks").map(|(_, v)| *v);
+    assert_eq!(stored, Some(12));
+}

@@ -585,7 +585,7 @@ impl Window {
             let src = unsafe {
                 std::slice::from_raw_parts(m.base.add(offset as usize), end - offset as usize)
             };
-            return Ok(copy_with_crc(dst, src));
+            return Ok(copy_with_crc_into_arena(dst, src));
         }
         let mut crc = Crc32c::default();
         for (i, piece) in dst.chunks_mut(WINDOW_READ_PIECE_BYTES).enumerate() {

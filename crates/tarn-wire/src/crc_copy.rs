@@ -73,18 +73,27 @@ mod x86 {
 
     /// # Safety
     /// The CPU must have AVX-512F, VPCLMULQDQ and SSE4.2 ([`available`]), and
-    /// `dst` and `src` must have the same length.
+    /// `dst` and `src` must have the same length; with `STREAM`, `dst` must
+    /// start on a 64-byte boundary.
     #[target_feature(enable = "avx512f,vpclmulqdq,sse4.2")]
-    pub unsafe fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> u32 {
+    pub unsafe fn copy_with_crc<const STREAM: bool>(dst: &mut [u8], src: &[u8]) -> u32 {
         let len = src.len();
         let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
         // The register form of the CRC before the final inversion.
         let mut crc: u64 = 0xFFFF_FFFF;
         let mut at = 0;
         if len >= 256 {
-            // SAFETY: every offset below is < len - 63, for both slices.
+            // SAFETY: every offset below is < len - 63, for both slices;
+            // streamed stores go to 64-byte aligned addresses (the caller's
+            // promise, and every offset is a multiple of 64).
             let load = |i: usize| unsafe { _mm512_loadu_si512(s.add(i).cast()) };
-            let store = |i: usize, v: __m512i| unsafe { _mm512_storeu_si512(d.add(i).cast(), v) };
+            let store = |i: usize, v: __m512i| unsafe {
+                if STREAM {
+                    _mm512_stream_si512(d.add(i).cast(), v)
+                } else {
+                    _mm512_storeu_si512(d.add(i).cast(), v)
+                }
+            };
             let (v0, v1, v2, v3) = (load(0), load(64), load(128), load(192));
             store(0, v0);
             store(64, v1);
@@ -121,6 +130,11 @@ mod x86 {
             }
             // The folded 64 bytes stand for everything so far; the crc32
             // instruction reduces them, starting from a zero register.
+            if STREAM {
+                // Streamed stores are weakly ordered: they land before
+                // anything the caller does next (publishing the block).
+                _mm_sfence();
+            }
             let mut lanes = [0u64; 8];
             // SAFETY: 64 bytes into a 64-byte array.
             unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), x) };
@@ -152,7 +166,32 @@ pub fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> Option<u32> {
         static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if *AVAILABLE.get_or_init(x86::available) {
             // SAFETY: features checked above; lengths equal (asserted).
-            return Some(unsafe { x86::copy_with_crc(dst, src) });
+            return Some(unsafe { x86::copy_with_crc::<false>(dst, src) });
+        }
+    }
+    None
+}
+
+/// The same, with the stores going around the caches (non-temporal) when
+/// `dst` is 64-byte aligned: for large copies into memory read later by
+/// someone else (the daemon filling an arena slot from a put window), which
+/// then skip reading each destination line before writing it.
+#[inline]
+pub fn copy_with_crc_streaming(dst: &mut [u8], src: &[u8]) -> Option<u32> {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *AVAILABLE.get_or_init(x86::available) {
+            // SAFETY: features checked above; lengths equal (asserted);
+            // streamed only to an aligned destination.
+            return Some(unsafe {
+                if dst.as_ptr().align_offset(64) == 0 {
+                    x86::copy_with_crc::<true>(dst, src)
+                } else {
+                    x86::copy_with_crc::<false>(dst, src)
+                }
+            });
         }
     }
     None
@@ -184,6 +223,14 @@ mod tests {
                     None => return, // no AVX-512 here: the chunked path serves
                 }
                 assert_eq!(&dst[3..], s);
+                // Streamed, to an aligned destination and not.
+                let mut aligned = vec![0u8; len + 128];
+                let off = aligned.as_ptr().align_offset(64);
+                let c = copy_with_crc_streaming(&mut aligned[off..off + len], s).expect("checked");
+                assert_eq!(c, crc32c(s), "streamed len {len} shift {shift}");
+                assert_eq!(&aligned[off..off + len], s);
+                let c = copy_with_crc_streaming(&mut dst[3..], s).expect("checked");
+                assert_eq!(c, crc32c(s));
             }
         }
     }

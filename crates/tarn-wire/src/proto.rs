@@ -1205,6 +1205,25 @@ pub fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> u32 {
     if let Some(crc) = crate::crc_copy::copy_with_crc(dst, src) {
         return crc;
     }
+    copy_with_crc_chunked(dst, src)
+}
+
+/// [`copy_with_crc`] with non-temporal stores for a copy of
+/// [`STREAM_MIN_BYTES`] or more (`crc_copy::copy_with_crc_streaming`): the
+/// daemon filling an arena slot, which no one reads right after.
+pub fn copy_with_crc_into_arena(dst: &mut [u8], src: &[u8]) -> u32 {
+    if dst.len() >= STREAM_MIN_BYTES {
+        if let Some(crc) = crate::crc_copy::copy_with_crc_streaming(dst, src) {
+            return crc;
+        }
+    }
+    copy_with_crc(dst, src)
+}
+
+/// Copies from this size on stream past the caches into the arena.
+pub const STREAM_MIN_BYTES: usize = 256 << 10;
+
+fn copy_with_crc_chunked(dst: &mut [u8], src: &[u8]) -> u32 {
     let mut crc = Crc32c::default();
     for (d, s) in dst
         .chunks_mut(COPY_CHUNK_BYTES)

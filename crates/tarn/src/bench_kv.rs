@@ -18,6 +18,7 @@ use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
 use tarn_client::{
     BlockingKvClient, ConnectOptions, GetInto, PutFrom, RegisteredBuffer, Status, TransportChoice,
+    WriteIo,
 };
 use tarn_kv::Credentials;
 
@@ -69,6 +70,14 @@ pub struct KvBenchArgs {
     /// Check every byte read against what was written.
     #[arg(long)]
     pub verify: bool,
+    /// Puts from the client's registered buffer (`put_registered`): over
+    /// shared memory the buffer is the put window of a connection of its
+    /// own, and the daemon copies each value straight out of it (one copy,
+    /// as with Mooncake's segment in the writing process). Without it puts
+    /// are `put_from` of any memory: the client copies into its window,
+    /// the daemon from there.
+    #[arg(long)]
+    pub registered: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -110,6 +119,7 @@ struct Plan {
     blocks: u64,
     op: KvOp,
     verify: bool,
+    registered: bool,
     zipf: Option<Zipf>,
     /// Key series of this run's puts (never 0, the working set's).
     put_series: u64,
@@ -261,6 +271,7 @@ pub fn run(args: KvBenchArgs) -> anyhow::Result<()> {
         blocks,
         op,
         verify: args.verify,
+        registered: args.registered,
         zipf: (args.zipf > 0.0).then(|| Zipf::new(blocks, args.zipf)),
         put_series: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -523,15 +534,29 @@ fn client_loop(
                 }
                 put_filled = true;
                 let t0 = Instant::now();
-                let items: Vec<PutFrom> = keys
-                    .iter()
-                    .zip(buf.as_slice().chunks(plan.block))
-                    .map(|(k, d)| PutFrom {
-                        digest: digest(plan.put_series, *k),
-                        data: d,
-                    })
-                    .collect();
-                match client.put_from(&items) {
+                let put = if plan.registered {
+                    let ios: Vec<WriteIo> = keys
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| WriteIo {
+                            digest: digest(plan.put_series, *k),
+                            buf_offset: i * plan.block,
+                            len: plan.block,
+                        })
+                        .collect();
+                    client.put_registered(&buf, &ios)
+                } else {
+                    let items: Vec<PutFrom> = keys
+                        .iter()
+                        .zip(buf.as_slice().chunks(plan.block))
+                        .map(|(k, d)| PutFrom {
+                            digest: digest(plan.put_series, *k),
+                            data: d,
+                        })
+                        .collect();
+                    client.put_from(&items)
+                };
+                match put {
                     Ok(st) => {
                         hist.record(t0.elapsed().as_nanos().max(1) as u64).ok();
                         let mut stored = 0;
