@@ -344,3 +344,36 @@ def test_a_server_that_stops_answering_times_out(kv_server, transport):
     assert c.exists(ks) == [True, True]
     with pytest.raises(ValueError, match="timeout"):
         kv.Client(kv_server.kv_endpoint, timeout=0)
+
+
+def test_gets_straight_from_the_arena_into_tensors(kv_server):
+    """The path CUDA tensors take (tested here with CPU tensors): blocks
+    located in the server's arena without a copy, copied from this
+    process's read-only mapping of it into the tensors, checked against
+    their checksums in the arena and their slots after the copy."""
+    import torch
+
+    c = kv.Client(kv_server.kv_endpoint, "arena", transport="shm")
+    ks = keys(6, "arena")
+    vals = [torch.randn(4096) for _ in ks]
+    assert all(s.stored for s in c.put_from(ks[:5], vals[:5]))
+    out = [torch.zeros(4096) for _ in ks]
+    assert c._get_into_via_arena(ks, out) == [16384] * 5 + [None]
+    for v, o in zip(vals[:5], out):
+        assert torch.equal(v, o)
+    assert not out[5].any()
+    # A block whose slot is reused after it was located is not the copy's.
+    located = c._locate(ks[:2])
+    assert [e[1] for e in located.entries] == [16384, 16384]
+    assert c.delete(ks[:1]) == [True]
+    assert c._verify(located, False) == [False, True]
+    assert c._verify(located, True) == [False, True]
+    with pytest.raises(ValueError, match="holds"):
+        c._get_into_via_arena(ks[1:2], [torch.zeros(10)])
+    c.close()
+    # Over TCP there is no arena to copy from.
+    t = kv.Client(kv_server.kv_endpoint, "arena", transport="tcp")
+    assert t._reader_arena() is None
+    with pytest.raises(ValueError, match="no arena"):
+        t._get_into_via_arena(ks, out)
+    t.close()

@@ -90,6 +90,44 @@ Keys = Iterable[bytes]
 Buffers = Iterable[Any]
 
 
+def _on_device(b: Any) -> bool:
+    """A torch tensor in device memory (CUDA)."""
+    dev = getattr(b, "device", None)
+    return getattr(dev, "type", "cpu") not in ("cpu", None) and hasattr(b, "data_ptr")
+
+
+def _bytes_of(t: Any) -> Any:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    import torch
+
+    if not t.is_contiguous():
+        raise BufferError("tensor is not contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _to_host(b: Any) -> Any:
+    """A device tensor's bytes in pinned host memory."""
+    import torch
+
+    if not _on_device(b):
+        return b
+    host = torch.empty(_nbytes(b), dtype=torch.uint8, pin_memory=True)
+    host.copy_(_bytes_of(b))
+    return host
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 class Client(_native.Client):
     """Blocking client. Safe to share between threads: it keeps up to
     ``max_connections`` connections and each call uses one of its own.
@@ -140,15 +178,115 @@ class Client(_native.Client):
 
         With ``offsets`` (one per key) each buffer is filled with the
         value's bytes from its offset on (a tensor-parallel rank's heads);
-        a value too short for that range is None, like a miss."""
+        a value too short for that range is None, like a miss.
+
+        Buffers may be CUDA tensors (contiguous). On the server's host the
+        bytes go from the server's memory straight to the device: its arena
+        is registered with the CUDA driver once, the copies run on a stream
+        of their own, and each value is checked against its checksum in
+        the arena while they run (no host copy). Elsewhere, with ranges, or
+        when the driver refuses the registration, through pinned host
+        staging."""
+        buffers = list(buffers)
+        if any(_on_device(b) for b in buffers):
+            return self._get_into_device(list(keys), buffers, offsets)
         return super().get_into(keys, buffers, offsets)
 
     def put_from(self, keys: Keys, buffers: Buffers) -> list[Status]:
         """Stores each buffer under its key. Per key a ``Status``:
         ``OK`` or ``ALREADY_EXISTS`` (both ``.stored``), ``NO_SPACE`` when
         everything evictable is pinned, ``CHECKSUM_MISMATCH`` if the bytes
-        changed in flight. A value over ``value_max_bytes`` raises."""
+        changed in flight. A value over ``value_max_bytes`` raises.
+        CUDA tensors are copied to pinned host memory first."""
+        buffers = list(buffers)
+        if any(_on_device(b) for b in buffers):
+            buffers = [_to_host(b) for b in buffers]
         return [_STATUS[s] for s in super().put_from(keys, buffers)]
+
+    # ------------------------------------------------------------------
+    # Device memory
+    # ------------------------------------------------------------------
+
+    def _get_into_device(self, keys: list, buffers: list, offsets: Optional[list[int]]) -> list[Optional[int]]:
+        import torch
+
+        devices = {b.device for b in buffers if _on_device(b)}
+        if len(devices) != 1 or not all(_on_device(b) for b in buffers):
+            raise ValueError("a get into device memory takes tensors on one device, all of them")
+        device = devices.pop()
+        if offsets is None and self._arena_for(device) is not None:
+            return self._get_into_via_arena(keys, buffers)
+        # Through pinned host staging, then one copy each to the device.
+        host = [torch.empty(_nbytes(b), dtype=torch.uint8, pin_memory=True) for b in buffers]
+        got = super().get_into(keys, host, offsets)
+        stream = torch.cuda.current_stream(device)
+        for b, h, n in zip(buffers, host, got):
+            if n:
+                _bytes_of(b)[:n].copy_(h[:n], non_blocking=True)
+        stream.synchronize()  # the staging buffers go when this returns
+        return got
+
+    def _arena_for(self, device: Any) -> Optional[Any]:
+        """The server's arena as a uint8 tensor over this process's
+        read-only mapping of it, registered with the CUDA driver for
+        ``device``'s copies; None when the client has no such mapping or
+        the driver refuses it."""
+        state = self.__dict__.setdefault("_device_state", {})
+        if "arena" not in state:
+            import torch
+
+            from .kv_blocks import host_memory
+
+            info = self._reader_arena()
+            if info is None:
+                state["arena"] = None
+                return None
+            base, size = info
+            if getattr(device, "type", "cpu") == "cuda":
+                # cudaHostRegisterPortable | cudaHostRegisterReadOnly: the
+                # mapping is read-only, and any context may copy from it.
+                rc = torch.cuda.cudart().cudaHostRegister(base, size, 1 | 8)
+                if int(rc) != 0:
+                    state["arena"] = None
+                    return None
+                state["registered"] = base
+            state["base"] = base
+            state["arena"] = torch.frombuffer(host_memory(base, size), dtype=torch.uint8)
+        return state["arena"]
+
+    def _get_into_via_arena(self, keys: list, tensors: list) -> list[Optional[int]]:
+        """Copies each key's value from the server's arena straight into
+        its tensor (a device copy for CUDA tensors, on a stream of its own),
+        checking every value against its checksum in the arena while the
+        copies run and its slot after: a block evicted meanwhile is a miss.
+        Any device's tensors, CPU included (the tests' path)."""
+        import torch
+
+        device = tensors[0].device if tensors else torch.device("cpu")
+        arena = self._arena_for(device)
+        if arena is None:
+            raise ValueError("no arena mapping: the client is not on the server's shared memory")
+        base = self.__dict__["_device_state"]["base"]
+        located = self._locate(keys)
+        entries = located.entries
+        cuda = getattr(device, "type", "cpu") == "cuda"
+        stream = torch.cuda.Stream(device) if cuda else None
+        ctx = torch.cuda.stream(stream) if cuda else _nothing()
+        with ctx:
+            for i, (t, e) in enumerate(zip(tensors, entries)):
+                if e is None:
+                    continue
+                addr, n = e
+                dst = _bytes_of(t)
+                if n > dst.numel():
+                    raise ValueError(f"buffer {i} holds {dst.numel()} bytes but key {i}'s value is {n} bytes")
+                dst[:n].copy_(arena[addr - base : addr - base + n], non_blocking=cuda)
+        # Checksums from the arena while the copies run; then the slots.
+        intact = self._verify(located, True)
+        if stream is not None:
+            stream.synchronize()
+        current = self._verify(located, False)
+        return [e[1] if e is not None and ok and cur else None for e, ok, cur in zip(entries, intact, current)]
 
     def put_parts(
         self, keys: Keys, buffers: Buffers, value_lens: list[int], offsets: list[int]
@@ -210,6 +348,17 @@ class Client(_native.Client):
         ``copies_written`` (fallback hits written back, hot copies),
         ``hot_copies``, ``member_failures``. Empty outside a cluster."""
         return super().routing_stats()
+
+    def close(self) -> None:
+        """Closes the connections; calls after this raise."""
+        state = self.__dict__.get("_device_state", {})
+        if "registered" in state:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(state.pop("registered"))
+        state.clear()
+        self._reader_close()
+        super().close()
 
     def __enter__(self) -> "Client":
         return self

@@ -851,7 +851,97 @@ pub struct ShmTransport {
     window: PutWindow,
 }
 
+/// A block the daemon located in its arena, for a caller that copies it
+/// itself (a DMA engine into GPU memory): where its bytes are in this
+/// connection's mapping of the arena, and what to check once they are
+/// copied ([`KvClient::verify_located`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Located {
+    pub status: Status,
+    /// Address of the first byte in this process (0 on a miss).
+    pub address: usize,
+    pub len: u64,
+    pub value_len: u64,
+    crc: u32,
+    slot: u32,
+    generation: u32,
+}
+
 impl ShmTransport {
+    /// GET_SHM without copying: where each entry's bytes are.
+    async fn locate(&mut self, ns: &Scope, entries: &[GetEntry]) -> Result<Vec<Located>> {
+        let id = self.ch.begin(Op::GetShm);
+        ns.head(&mut self.ch.out, entries.len(), 0);
+        for e in entries {
+            e.encode(&mut self.ch.out);
+        }
+        self.ch.send(&[]).await?;
+        self.ch.recv(id, Op::GetShm).await?;
+        let mut r = Reader::new(&self.ch.inp);
+        if r.u32().map_err(proto)? as usize != entries.len() {
+            return Err(Error::Protocol("GET_SHM response count mismatch".into()));
+        }
+        let mut out = Vec::with_capacity(entries.len());
+        for _ in entries {
+            let g = ShmGetResult::decode(&mut r).map_err(proto)?;
+            if g.status != Status::Ok {
+                out.push(Located {
+                    status: g.status,
+                    address: 0,
+                    len: 0,
+                    value_len: 0,
+                    crc: 0,
+                    slot: 0,
+                    generation: 0,
+                });
+                continue;
+            }
+            if !self.arena.check_range(g.arena_offset, g.data_len)
+                || self.arena.generation(g.slot as usize).is_none()
+            {
+                return Err(Error::Protocol("arena offset or slot out of range".into()));
+            }
+            // SAFETY: in range (checked above); only the address is taken.
+            let address = unsafe { self.arena.slice(g.arena_offset, 0) }.as_ptr() as usize;
+            out.push(Located {
+                status: Status::Ok,
+                address,
+                len: g.data_len,
+                value_len: g.value_len,
+                crc: g.crc,
+                slot: g.slot,
+                generation: g.generation,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Per located block: its slot was not reused since it was located, and
+    /// (`check_crc`, whole values) its bytes in the arena match their CRC.
+    fn verify(&self, locs: &[Located], check_crc: bool) -> Vec<bool> {
+        locs.iter()
+            .map(|l| {
+                if l.status != Status::Ok {
+                    return false;
+                }
+                let crc_ok = !check_crc || l.len != l.value_len || {
+                    // SAFETY: located in this mapping; the daemon may reuse
+                    // the slot meanwhile, which the generation check catches.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(l.address as *const u8, l.len as usize)
+                    };
+                    crc32c(bytes) == l.crc
+                };
+                fence(Ordering::Acquire);
+                let current = self
+                    .arena
+                    .generation(l.slot as usize)
+                    .is_some_and(|g| g.load(Ordering::Acquire) == l.generation);
+                crc_ok && current
+            })
+            .collect()
+    }
+
     async fn get(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         let id = self.ch.begin(Op::GetShm);
         self.ch.encode_gets(ns, reqs);
@@ -1419,6 +1509,58 @@ impl KvClient {
         self.scope.flags = flags & !BATCH_ROUTED;
     }
 
+    /// Over shared memory: this connection's mapping of the arena (address,
+    /// bytes), read-only. It stays mapped as long as the client lives.
+    pub fn arena_mapping(&self) -> Option<(usize, usize)> {
+        match &self.t {
+            AnyTransport::Shm(t) => {
+                // SAFETY: offset 0, length 0: only the base address is taken.
+                let base = unsafe { t.arena.slice(0, 0) }.as_ptr() as usize;
+                Some((base, t.arena.len()))
+            }
+            AnyTransport::Tcp(_) => None,
+        }
+    }
+
+    /// Over shared memory: where each value (whole, or `len` bytes from
+    /// `offset`) is in [`KvClient::arena_mapping`], for a caller that copies
+    /// the bytes itself (into GPU memory by DMA) and then calls
+    /// [`KvClient::verify_located`]. Nothing is copied here.
+    pub async fn locate(&mut self, reqs: &[(Digest, u64, Option<u64>)]) -> Result<Vec<Located>> {
+        self.check()?;
+        let mut out = Vec::with_capacity(reqs.len());
+        for chunk in reqs.chunks(self.batch()) {
+            let entries: Vec<GetEntry> = chunk
+                .iter()
+                .map(|(digest, offset, len)| GetEntry {
+                    digest: *digest,
+                    offset: *offset,
+                    length: len.unwrap_or(LENGTH_TO_END),
+                })
+                .collect();
+            let ns = self.scope.clone();
+            let limit = self.call_timeout;
+            let AnyTransport::Shm(t) = &mut self.t else {
+                return Err(Error::Usage("locating blocks needs shared memory".into()));
+            };
+            let r = bounded(limit, SERVER, t.locate(&ns, &entries)).await;
+            out.extend(self.settle(r)?);
+        }
+        Ok(out)
+    }
+
+    /// After copying located blocks: per block, whether the copy holds the
+    /// block (its slot was not reused meanwhile, and with `check_crc` its
+    /// bytes in the arena match the value's CRC: call it while a DMA runs
+    /// to check without a copy of its own, and `check_crc = false` once it
+    /// finished, for reuse only). False means a miss.
+    pub fn verify_located(&self, locs: &[Located], check_crc: bool) -> Vec<bool> {
+        match &self.t {
+            AnyTransport::Shm(t) => t.verify(locs, check_crc),
+            AnyTransport::Tcp(_) => vec![false; locs.len()],
+        }
+    }
+
     /// Largest value the server accepts.
     pub fn value_max_bytes(&self) -> u64 {
         self.server.value_max_bytes
@@ -1951,6 +2093,12 @@ impl BlockingKvClient {
     }
     pub fn cluster_view(&mut self) -> Result<ClusterView> {
         self.rt.block_on(self.inner.cluster_view())
+    }
+    pub fn locate(&mut self, reqs: &[(Digest, u64, Option<u64>)]) -> Result<Vec<Located>> {
+        self.rt.block_on(self.inner.locate(reqs))
+    }
+    pub fn verify_located(&self, locs: &[Located], check_crc: bool) -> Vec<bool> {
+        self.inner.verify_located(locs, check_crc)
     }
     pub fn stats(&mut self) -> Result<Vec<(String, u64)>> {
         self.rt.block_on(self.inner.stats())

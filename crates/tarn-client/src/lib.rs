@@ -9,8 +9,8 @@ pub mod route;
 pub mod sigv4;
 
 pub use kv::{
-    AnyTransport, BlockingKvClient, ConnectOptions, Error, GetInto, GetOutcome, KvClient, PutFrom,
-    ReadIo, RegisteredBuffer, ShmTransport, TcpTransport, Transport, TransportChoice,
+    AnyTransport, BlockingKvClient, ConnectOptions, Error, GetInto, GetOutcome, KvClient, Located,
+    PutFrom, ReadIo, RegisteredBuffer, ShmTransport, TcpTransport, Transport, TransportChoice,
     TransportKind, WriteIo,
 };
 pub use object::{ObjectClient, ObjectError};

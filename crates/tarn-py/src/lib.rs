@@ -271,6 +271,10 @@ struct Client {
     pool: Arc<Pool>,
     /// Set when that endpoint is a member of a cluster's KV store.
     router: Option<routing::Router>,
+    /// The connection whose arena mapping device copies read from (GPU
+    /// memory gets): opened on first use, kept until `_reader_close` (its
+    /// mapping may be registered with the CUDA driver meanwhile).
+    reader: Mutex<Option<BlockingKvClient>>,
     namespace: Vec<u8>,
     transport: TransportKind,
     value_max_bytes: u64,
@@ -384,6 +388,7 @@ impl Client {
         Ok(Client {
             pool,
             router,
+            reader: Mutex::new(None),
             namespace,
             transport,
             value_max_bytes,
@@ -677,6 +682,63 @@ impl Client {
         Ok(d)
     }
 
+    /// The arena mapping device copies read from: (address, bytes) of the
+    /// reader connection's read-only mapping (opened now if needed); None
+    /// when the client is not on shared memory or routes over a cluster.
+    fn _reader_arena(&self, py: Python<'_>) -> PyResult<Option<(usize, usize)>> {
+        if self.transport != TransportKind::Shm || self.router.is_some() {
+            return Ok(None);
+        }
+        let mut r = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        if r.is_none() {
+            let opts = ConnectOptions {
+                transport: TransportChoice::Shm,
+                ..self.pool.opts.clone()
+            };
+            let c = py
+                .detach(|| BlockingKvClient::connect(&self.pool.endpoint, opts))
+                .map_err(|e| py_err(py, Failure::Connect(self.pool.endpoint.clone(), e)))?;
+            *r = Some(c);
+        }
+        Ok(r.as_mut().and_then(|c| c.client().arena_mapping()))
+    }
+
+    /// Locates whole values in the reader's arena mapping without copying:
+    /// per key (address, length) or None for a miss. Check them with
+    /// `_verify` after copying.
+    fn _locate<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Located> {
+        let d = digests(keys)?;
+        let reqs: Vec<(Digest, u64, Option<u64>)> = d.iter().map(|k| (*k, 0, None)).collect();
+        let mut r = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(c) = r.as_mut() else {
+            return Err(PyValueError::new_err(
+                "no reader connection: call _reader_arena first",
+            ));
+        };
+        let locs = py
+            .detach(|| c.locate(&reqs))
+            .map_err(|e| py_err(py, Failure::Call(e)))?;
+        Ok(Located(locs))
+    }
+
+    /// Per located block: the copy holds it (the slot was not reused; with
+    /// `check_crc`, its arena bytes match the value's CRC, computed while a
+    /// device copy runs, without a copy of its own).
+    fn _verify(&self, py: Python<'_>, located: &Located, check_crc: bool) -> PyResult<Vec<bool>> {
+        let r = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(c) = r.as_ref() else {
+            return Err(PyValueError::new_err("no reader connection"));
+        };
+        Ok(py.detach(|| c.verify_located(&located.0, check_crc)))
+    }
+
+    /// Closes the reader connection (after its mapping was unregistered
+    /// from the CUDA driver).
+    fn _reader_close(&self, py: Python<'_>) {
+        let c = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(|| drop(c));
+    }
+
     /// Closes idle connections; calls after this raise.
     fn close(&self, py: Python<'_>) {
         py.detach(|| {
@@ -685,6 +747,22 @@ impl Client {
                 r.close();
             }
         })
+    }
+}
+
+/// Blocks located in the reader's arena mapping (`Client._locate`).
+#[pyclass(frozen, module = "tarn._native", name = "Located")]
+struct Located(Vec<tarn_client::Located>);
+
+#[pymethods]
+impl Located {
+    /// Per key (address, length) of its bytes in the arena mapping, or None.
+    #[getter]
+    fn entries(&self) -> Vec<Option<(usize, u64)>> {
+        self.0
+            .iter()
+            .map(|l| (l.status == Status::Ok).then_some((l.address, l.len)))
+            .collect()
     }
 }
 
@@ -725,6 +803,7 @@ impl Client {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
+    m.add_class::<Located>()?;
     m.add_class::<objects::ObjectClient>()?;
     m.add_class::<objects::Ring>()?;
     m.add_class::<objects::Multipart>()?;
