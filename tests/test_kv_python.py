@@ -370,6 +370,11 @@ def test_gets_straight_from_the_arena_into_tensors(kv_server):
     assert c._verify(located, True) == [False, True]
     with pytest.raises(ValueError, match="holds"):
         c._get_into_via_arena(ks[1:2], [torch.zeros(10)])
+    # A reader dropped (as after its server went away) is opened anew.
+    c._drop_reader()
+    again = [torch.zeros(4096)]
+    assert c._get_into_via_arena(ks[1:2], again) == [16384]
+    assert torch.equal(again[0], vals[1])
     c.close()
     # Over TCP there is no arena to copy from.
     t = kv.Client(kv_server.kv_endpoint, "arena", transport="tcp")

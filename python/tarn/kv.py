@@ -259,28 +259,38 @@ class Client(_native.Client):
         its tensor (a device copy for CUDA tensors, on a stream of its own),
         checking every value against its checksum in the arena while the
         copies run and its slot after: a block evicted meanwhile is a miss.
-        Any device's tensors, CPU included (the tests' path)."""
+        Any device's tensors, CPU included (the tests' path). A reader
+        whose server went away (a restart) is replaced once."""
         import torch
 
         device = tensors[0].device if tensors else torch.device("cpu")
+        try:
+            return self._copy_from_arena(keys, tensors, device)
+        except KvConnectionError:
+            self._drop_reader()
+        return self._copy_from_arena(keys, tensors, device)
+
+    def _copy_from_arena(self, keys: list, tensors: list, device: Any) -> list[Optional[int]]:
+        import torch
+
         arena = self._arena_for(device)
         if arena is None:
             raise ValueError("no arena mapping: the client is not on the server's shared memory")
         base = self.__dict__["_device_state"]["base"]
         located = self._locate(keys)
         entries = located.entries
+        dsts = [_bytes_of(t) for t in tensors]
+        for i, (d, e) in enumerate(zip(dsts, entries)):
+            if e is not None and e[1] > d.numel():
+                raise ValueError(f"buffer {i} holds {d.numel()} bytes but key {i}'s value is {e[1]} bytes")
         cuda = getattr(device, "type", "cpu") == "cuda"
         stream = torch.cuda.Stream(device) if cuda else None
         ctx = torch.cuda.stream(stream) if cuda else _nothing()
         with ctx:
-            for i, (t, e) in enumerate(zip(tensors, entries)):
-                if e is None:
-                    continue
-                addr, n = e
-                dst = _bytes_of(t)
-                if n > dst.numel():
-                    raise ValueError(f"buffer {i} holds {dst.numel()} bytes but key {i}'s value is {n} bytes")
-                dst[:n].copy_(arena[addr - base : addr - base + n], non_blocking=cuda)
+            for d, e in zip(dsts, entries):
+                if e is not None:
+                    addr, n = e
+                    d[:n].copy_(arena[addr - base : addr - base + n], non_blocking=cuda)
         # Checksums from the arena while the copies run; then the slots.
         intact = self._verify(located, True)
         if stream is not None:
@@ -349,8 +359,9 @@ class Client(_native.Client):
         ``hot_copies``, ``member_failures``. Empty outside a cluster."""
         return super().routing_stats()
 
-    def close(self) -> None:
-        """Closes the connections; calls after this raise."""
+    def _drop_reader(self) -> None:
+        """Unregisters the reader's arena mapping from the CUDA driver, then
+        closes the reader (the next device get opens another)."""
         state = self.__dict__.get("_device_state", {})
         if "registered" in state:
             import torch
@@ -358,6 +369,10 @@ class Client(_native.Client):
             torch.cuda.cudart().cudaHostUnregister(state.pop("registered"))
         state.clear()
         self._reader_close()
+
+    def close(self) -> None:
+        """Closes the connections; calls after this raise."""
+        self._drop_reader()
         super().close()
 
     def __enter__(self) -> "Client":

@@ -153,6 +153,15 @@ pub struct GetInto<'a> {
 }
 
 impl<'a> GetInto<'a> {
+    /// The request's GET entry on the wire.
+    fn entry(&self) -> GetEntry {
+        GetEntry {
+            digest: self.digest,
+            offset: self.offset,
+            length: self.len.unwrap_or(LENGTH_TO_END),
+        }
+    }
+
     /// The whole value into `buf`.
     pub fn whole(digest: Digest, buf: &'a mut [u8]) -> Self {
         GetInto {
@@ -559,22 +568,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin + AsRawFd> Channel<S> {
         decode_stats(&self.inp).map_err(|e| Error::Protocol(e.to_string()))
     }
 
-    fn encode_gets(&mut self, ns: &Scope, reqs: &[GetInto<'_>]) {
-        ns.head(&mut self.out, reqs.len(), 0);
-        for r in reqs {
-            GetEntry {
-                digest: r.digest,
-                offset: r.offset,
-                length: r.len.unwrap_or(LENGTH_TO_END),
-            }
-            .encode(&mut self.out);
+    fn encode_gets(&mut self, ns: &Scope, entries: impl ExactSizeIterator<Item = GetEntry>) {
+        ns.head(&mut self.out, entries.len(), 0);
+        for e in entries {
+            e.encode(&mut self.out);
         }
     }
 
     /// GET with the data in the response, read straight into the caller's buffers.
     async fn get_tcp(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         let id = self.begin(Op::Get);
-        self.encode_gets(ns, reqs);
+        self.encode_gets(ns, reqs.iter().map(GetInto::entry));
         self.send(&[]).await?;
         let h = self.recv_head(id, Op::Get).await?;
         let table = 4 + reqs.len() * GET_TCP_RESULT_BYTES;
@@ -871,10 +875,7 @@ impl ShmTransport {
     /// GET_SHM without copying: where each entry's bytes are.
     async fn locate(&mut self, ns: &Scope, entries: &[GetEntry]) -> Result<Vec<Located>> {
         let id = self.ch.begin(Op::GetShm);
-        ns.head(&mut self.ch.out, entries.len(), 0);
-        for e in entries {
-            e.encode(&mut self.ch.out);
-        }
+        self.ch.encode_gets(ns, entries.iter().copied());
         self.ch.send(&[]).await?;
         self.ch.recv(id, Op::GetShm).await?;
         let mut r = Reader::new(&self.ch.inp);
@@ -944,7 +945,7 @@ impl ShmTransport {
 
     async fn get(&mut self, ns: &Scope, reqs: &mut [GetInto<'_>]) -> Result<Vec<GetOutcome>> {
         let id = self.ch.begin(Op::GetShm);
-        self.ch.encode_gets(ns, reqs);
+        self.ch.encode_gets(ns, reqs.iter().map(GetInto::entry));
         self.ch.send(&[]).await?;
         let mut out = Vec::with_capacity(reqs.len());
         // Through a mailbox the daemon publishes results as it finds them:
@@ -1417,19 +1418,8 @@ impl KvClient {
             let shm = bounded(limit, "the shared-memory handshake", handshake).await;
             match shm {
                 Ok((shm, auth)) => {
-                    return Ok(KvClient {
-                        t: AnyTransport::Shm(Box::new(shm)),
-                        call_timeout: opts.call_timeout,
-                        scope: Scope::new(opts.namespace.clone()),
-                        server: hello,
-                        auth,
-                        endpoint: endpoint.to_string(),
-                        opts: ConnectOptions {
-                            credentials: Some(creds),
-                            ..opts
-                        },
-                        attached: Vec::new(),
-                    })
+                    let t = AnyTransport::Shm(Box::new(shm));
+                    return Ok(KvClient::made(t, endpoint, opts, creds, hello, auth));
                 }
                 // Refused credentials are refused over TCP too.
                 Err(e) if opts.transport == TransportChoice::Shm || denied(&e) => return Err(e),
@@ -1442,11 +1432,25 @@ impl KvClient {
             ch.auth(&creds, &hello.nonce),
         )
         .await?;
-        Ok(KvClient {
-            t: AnyTransport::Tcp(TcpTransport { ch }),
+        let t = AnyTransport::Tcp(TcpTransport { ch });
+        Ok(KvClient::made(t, endpoint, opts, creds, hello, auth))
+    }
+
+    /// A connected client; `opts` are kept (with the credentials used) for
+    /// the connections of registered buffers.
+    fn made(
+        t: AnyTransport,
+        endpoint: &str,
+        opts: ConnectOptions,
+        creds: Credentials,
+        server: HelloReply,
+        auth: AuthReply,
+    ) -> KvClient {
+        KvClient {
+            t,
             call_timeout: opts.call_timeout,
             scope: Scope::new(opts.namespace.clone()),
-            server: hello,
+            server,
             auth,
             endpoint: endpoint.to_string(),
             opts: ConnectOptions {
@@ -1454,7 +1458,7 @@ impl KvClient {
                 ..opts
             },
             attached: Vec::new(),
-        })
+        }
     }
 
     pub fn transport(&self) -> TransportKind {
@@ -1532,9 +1536,9 @@ impl KvClient {
         for chunk in reqs.chunks(self.batch()) {
             let entries: Vec<GetEntry> = chunk
                 .iter()
-                .map(|(digest, offset, len)| GetEntry {
-                    digest: *digest,
-                    offset: *offset,
+                .map(|&(digest, offset, len)| GetEntry {
+                    digest,
+                    offset,
                     length: len.unwrap_or(LENGTH_TO_END),
                 })
                 .collect();
@@ -1653,16 +1657,19 @@ impl KvClient {
                 items.len()
             )));
         }
-        if let Some(p) = parts
-            .iter()
-            .find(|p| p.value_len > self.server.value_max_bytes)
-        {
-            return Err(Error::Usage(format!(
-                "value of {} bytes exceeds the server's maximum of {}",
-                p.value_len, self.server.value_max_bytes
-            )));
-        }
+        self.fits(parts.iter().map(|p| p.value_len))?;
         self.put_any(items, Some(parts)).await
+    }
+
+    /// Refuses values (their lengths) the server would not take.
+    fn fits(&self, mut lens: impl Iterator<Item = u64>) -> Result<()> {
+        let max = self.server.value_max_bytes;
+        match lens.find(|l| *l > max) {
+            Some(big) => Err(Error::Usage(format!(
+                "value of {big} bytes exceeds the server's maximum of {max}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     async fn put_any(
@@ -1671,16 +1678,7 @@ impl KvClient {
         parts: Option<&[Part]>,
     ) -> Result<Vec<Status>> {
         self.check()?;
-        if let Some(big) = items
-            .iter()
-            .find(|i| i.data.len() as u64 > self.server.value_max_bytes)
-        {
-            return Err(Error::Usage(format!(
-                "value of {} bytes exceeds the server's maximum of {}",
-                big.data.len(),
-                self.server.value_max_bytes
-            )));
-        }
+        self.fits(items.iter().map(|i| i.data.len() as u64))?;
         let mut out = Vec::with_capacity(items.len());
         let batch = self.batch();
         for (n, chunk) in items.chunks(batch).enumerate() {
@@ -1732,8 +1730,8 @@ impl KvClient {
         self.get_into(&mut reqs).await
     }
 
-    /// Stores values from regions of a registered buffer (regions may overlap).
-    /// Stores regions of a registered buffer. Over shared memory the
+    /// Stores regions of a registered buffer (regions may overlap). Over
+    /// shared memory the
     /// buffer is the put window of a connection of its own (opened on the
     /// first put from it, closed after the buffer is dropped): the daemon
     /// copies each value straight from it, one copy in all. Over TCP the
@@ -1762,16 +1760,7 @@ impl KvClient {
             return self.put_from(&items).await;
         }
         self.check()?;
-        if let Some(big) = items
-            .iter()
-            .find(|i| i.data.len() as u64 > self.server.value_max_bytes)
-        {
-            return Err(Error::Usage(format!(
-                "value of {} bytes exceeds the server's maximum of {}",
-                big.data.len(),
-                self.server.value_max_bytes
-            )));
-        }
+        self.fits(items.iter().map(|i| i.data.len() as u64))?;
         let scope = self.scope.clone();
         let side = self.attached_to(buf).await?;
         side.scope = scope;
@@ -1788,7 +1777,7 @@ impl KvClient {
     /// those of buffers dropped since are closed.
     async fn attached_to(&mut self, buf: &RegisteredBuffer) -> Result<&mut KvClient> {
         self.attached
-            .retain(|(alive, c)| alive.strong_count() > 0 && !*c.t_broken());
+            .retain_mut(|(alive, c)| alive.strong_count() > 0 && !*c.t.broken());
         let at = self
             .attached
             .iter()
@@ -1807,13 +1796,6 @@ impl KvClient {
             }
         };
         Ok(&mut self.attached[at].1)
-    }
-
-    fn t_broken(&self) -> &bool {
-        match &self.t {
-            AnyTransport::Tcp(t) => &t.ch.broken,
-            AnyTransport::Shm(t) => &t.ch.broken,
-        }
     }
 
     async fn keys_op(&mut self, op: Op, digests: &[Digest], arg: u32) -> Result<Vec<Status>> {

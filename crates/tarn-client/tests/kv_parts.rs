@@ -217,3 +217,54 @@ fn a_value_whose_writers_went_away_is_dropped() {
         Some(&whole[..])
     );
 }
+
+#[test]
+fn a_whole_value_put_frees_a_value_whose_writers_went_away() {
+    let (_e, server) = start(Duration::from_millis(200));
+    let whole = value(64 << 10, 11);
+    let mut c = connect(&server, TransportChoice::Shm);
+    assert_eq!(
+        put_part(&mut c, digest(6), &whole, 0..(16 << 10)),
+        Status::Ok
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    // No value in parts follows: a plain put looks for abandoned ones too.
+    let items = [PutFrom {
+        digest: digest(7),
+        data: &whole,
+    }];
+    assert_eq!(c.put_from(&items).expect("put"), vec![Status::Ok]);
+    let stats = c.stats().expect("stats");
+    let stat = |n: &str| stats.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap();
+    assert_eq!(stat("parts_abandoned"), 1);
+}
+
+#[test]
+fn only_puts_take_parts() {
+    let (_e, server) = start(Duration::from_secs(60));
+    for choice in [TransportChoice::Tcp, TransportChoice::Shm] {
+        let mut c = connect(&server, choice);
+        c.client().set_batch_flags(tarn_kv::proto::BATCH_PARTS);
+        let e = c.exists(&[digest(1)]).expect_err("parts on EXISTS");
+        assert!(
+            e.to_string().contains("only PUT and PUT_SHM take parts"),
+            "{e}"
+        );
+        let mut buf = vec![0u8; 10];
+        let e = c
+            .get_into(&mut [GetInto::whole(digest(1), &mut buf)])
+            .expect_err("parts on GET");
+        assert!(
+            e.to_string().contains("only PUT and PUT_SHM take parts"),
+            "{e}"
+        );
+        let e = c.stats().expect_err("parts on STATS");
+        assert!(
+            e.to_string().contains("only PUT and PUT_SHM take parts"),
+            "{e}"
+        );
+        // The connection goes on.
+        c.client().set_batch_flags(0);
+        assert_eq!(c.exists(&[digest(1)]).expect("exists").present, vec![false]);
+    }
+}

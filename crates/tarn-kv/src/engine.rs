@@ -380,6 +380,8 @@ struct State {
     /// Values being put in parts, by slot, and the slot of each key.
     assemblies: HashMap<u32, Assembly>,
     assembling: HashMap<Key, u32>,
+    /// When abandoned assemblies are looked for next (engine clock, ms).
+    parts_sweep_ms: u64,
 }
 
 /// A value put in byte ranges by several writers (tensor-parallel ranks
@@ -590,6 +592,7 @@ impl Engine {
             clock: 0,
             assemblies: HashMap::new(),
             assembling: HashMap::new(),
+            parts_sweep_ms: 0,
         };
         let engine = Arc::new(Engine {
             arena,
@@ -937,16 +940,16 @@ impl Engine {
             namespace,
             digest: *digest,
         };
+        let now = self.now_ms();
         let mut st = self.lock();
         let st = &mut *st;
         if st.index.contains_key(&key) {
             st.ns_stats[namespace as usize].puts_existing += 1;
             return Err(Status::AlreadyExists);
         }
+        st.sweep_parts(&self.arena, now, self.config.part_timeout);
         let class = st.class_for(len).ok_or(Status::TooLarge)?;
-        let slot = st
-            .alloc(&self.arena, class, self.now_ms())
-            .ok_or(Status::NoSpace)?;
+        let slot = st.alloc(&self.arena, class, now).ok_or(Status::NoSpace)?;
         st.reservation_seq = st.reservation_seq.wrapping_add(1);
         let seq = st.reservation_seq;
         st.with_slot(slot, |m| {
@@ -1043,7 +1046,7 @@ impl Engine {
             let token = PART_TOKEN | ((slot as u64) << 32) | a.seq as u64;
             return Ok((token, st.slot_offset(&self.arena, slot) + offset));
         }
-        st.drop_abandoned(&self.arena, now, self.config.part_timeout);
+        st.sweep_parts(&self.arena, now, self.config.part_timeout);
         let class = st.class_for(value_len).ok_or(Status::TooLarge)?;
         let slot = st.alloc(&self.arena, class, now).ok_or(Status::NoSpace)?;
         debug_assert!(slot < 1 << 31, "slot numbers leave the part bit free");
@@ -1435,9 +1438,16 @@ impl State {
     }
 
     /// Frees the slots of values whose writers went away before the last
-    /// part (`timeout` after the first, none being written).
-    fn drop_abandoned(&mut self, arena: &Arena, now_ms: u64, timeout: Duration) {
+    /// part (`timeout` after the first, none being written). Run before
+    /// every slot is taken, for puts of whole values too (so abandoned
+    /// slots go back even when no value in parts follows), at most twice
+    /// per timeout and once a second.
+    fn sweep_parts(&mut self, arena: &Arena, now_ms: u64, timeout: Duration) {
         let limit = timeout.as_millis() as u64;
+        if self.assemblies.is_empty() || now_ms < self.parts_sweep_ms {
+            return;
+        }
+        self.parts_sweep_ms = now_ms + (limit / 2).clamp(1, 1000);
         let stale: Vec<u32> = self
             .assemblies
             .iter()

@@ -1157,6 +1157,7 @@ impl Connection {
             Some(Op::Stats) => {
                 let mut r = Reader::new(payload);
                 read_batch_head(&mut r, 0).and_then(|b| {
+                    no_parts(b.flags)?;
                     let ns = if b.namespace.is_empty() {
                         None
                     } else {
@@ -1300,7 +1301,11 @@ impl Connection {
     /// A batch's namespace id, once its route (if any) is current: a batch
     /// routed by a view older than this node's and different from it is
     /// refused (`NotOwner`), the client re-routes with the new one.
-    fn batch_namespace(&mut self, b: &BatchHead<'_>) -> Result<u32, ProtoError> {
+    /// `puts`: the op is PUT or PUT_SHM, the only ones that take parts.
+    fn batch_namespace(&mut self, b: &BatchHead<'_>, puts: bool) -> Result<u32, ProtoError> {
+        if !puts {
+            no_parts(b.flags)?;
+        }
         let ns = self.namespace(b.namespace)?;
         self.batch_flags = b.flags;
         if let Some(route) = b.route {
@@ -1349,7 +1354,7 @@ impl Connection {
             self.digests.push(r.digest()?);
         }
         r.finish()?;
-        self.batch_namespace(&b)
+        self.batch_namespace(&b, false)
     }
 
     fn status_batch(
@@ -1392,7 +1397,7 @@ impl Connection {
             self.gets.push(GetEntry::decode(&mut r)?);
         }
         r.finish()?;
-        self.batch_namespace(&b)
+        self.batch_namespace(&b, false)
     }
 
     /// GET with the data in the response: result table, then the bytes of
@@ -1619,7 +1624,7 @@ impl Connection {
                 "PUT_SHM length does not match its count",
             ));
         }
-        let ns = self.batch_namespace(&b)?;
+        let ns = self.batch_namespace(&b, true)?;
         let engine = self.engine();
         let value_max = self.shared.value_max_bytes;
         let window = self.window.as_ref().expect("checked above");
@@ -1647,10 +1652,15 @@ impl Connection {
                         // SAFETY: the part's bytes of a slot reserved for
                         // the value, inside the arena.
                         let dst = unsafe { engine.arena().slice_mut(offset, e.len as usize) };
-                        let ok = window
-                            .read_into(e.window_offset, dst)
-                            .is_ok_and(|crc| crc == e.crc);
-                        finish_part(&engine, token, part.offset, e.len, ok)
+                        match window.read_into(e.window_offset, dst) {
+                            Ok(crc) => {
+                                finish_part(&engine, token, part.offset, e.len, crc == e.crc)
+                            }
+                            Err(_) => {
+                                engine.abort_part(token);
+                                Status::BadWindow
+                            }
+                        }
                     }
                 }
             } else {
@@ -1725,10 +1735,15 @@ impl Connection {
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
+        // The whole table, batch head first, so that the head goes through
+        // the common parser (flags, route) below.
         let mut payload = std::mem::take(&mut self.payload);
-        payload.resize(table_len - BATCH_HEADER_BYTES, 0);
-        timed(limit, io.read_exact(&mut payload)).await?;
-        let mut r = Reader::new(&payload[head_len..]);
+        payload.clear();
+        payload.extend_from_slice(&fixed);
+        payload.resize(table_len, 0);
+        timed(limit, io.read_exact(&mut payload[BATCH_HEADER_BYTES..])).await?;
+        let entries_at = BATCH_HEADER_BYTES + head_len;
+        let mut r = Reader::new(&payload[entries_at..]);
         let data: u128 = (0..count)
             .map(|_| {
                 let e = PutEntry::decode(&mut r).expect("length checked");
@@ -1750,11 +1765,8 @@ impl Connection {
             io.get_mut().write_all(out).await?;
             return Ok(Next::Close);
         }
-        // The head again, whole, through the common parser (flags, route).
-        let mut whole = fixed.to_vec();
-        whole.extend_from_slice(&payload[..head_len]);
-        let head = read_batch_head(&mut Reader::new(&whole), 0);
-        let ns = match head.and_then(|b| self.batch_namespace(&b)) {
+        let head = read_batch_head(&mut Reader::new(&payload[..entries_at]), 0);
+        let ns = match head.and_then(|b| self.batch_namespace(&b, true)) {
             Ok(ns) => Some(ns),
             Err(e)
                 if matches!(
@@ -1775,7 +1787,7 @@ impl Connection {
         let engine = self.engine();
         let mut st = std::mem::take(&mut self.statuses);
         st.clear();
-        let mut r = Reader::new(&payload[head_len..]);
+        let mut r = Reader::new(&payload[entries_at..]);
         for _ in 0..count {
             let e = PutEntry::decode(&mut r).expect("length checked");
             let part = parts.then(|| Part::decode(&mut r).expect("length checked"));
@@ -1820,6 +1832,18 @@ impl Connection {
         io.get_mut().write_all(out).await?;
         Ok(Next::Continue)
     }
+}
+
+/// Only PUT and PUT_SHM take parts: the flag on another op is refused,
+/// never ignored.
+fn no_parts(flags: u16) -> Result<(), ProtoError> {
+    if flags & BATCH_PARTS != 0 {
+        return Err(ProtoError::new(
+            ErrorCode::BadFrame,
+            "only PUT and PUT_SHM take parts (batch flag PARTS)",
+        ));
+    }
+    Ok(())
 }
 
 /// Records a part copied into its value's slot; the one that completes the

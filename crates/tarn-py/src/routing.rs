@@ -77,10 +77,6 @@ enum Outcome<T> {
     Again,
 }
 
-fn copy_status_ok(s: &Status) -> bool {
-    s.is_stored()
-}
-
 /// The gets of keys `idx` into their regions: whole values, or with
 /// `offsets` each region's length from its offset.
 pub fn get_requests<'a>(
@@ -504,7 +500,7 @@ impl Router {
             let stored = done
                 .iter()
                 .flat_map(|(_, s)| s.iter())
-                .filter(|s| copy_status_ok(s))
+                .filter(|s| s.is_stored())
                 .count() as u64;
             self.counters
                 .copies_written

@@ -997,8 +997,13 @@ pub fn view_digest(members: &[ViewMember]) -> u64 {
 
 impl ClusterView {
     /// A view of `members` (sorted here) published at `epoch`, answered by
-    /// node `this_id`.
+    /// node `this_id`. Members whose id or endpoint a client could not
+    /// decode (empty, or over the limits) are left out.
     pub fn new(epoch: u64, mut members: Vec<ViewMember>, this_id: &str) -> ClusterView {
+        members.retain(|m| {
+            (1..=VIEW_ID_MAX_BYTES).contains(&m.id.len())
+                && m.endpoint.len() <= VIEW_ENDPOINT_MAX_BYTES
+        });
         members.sort_by(|a, b| a.id.cmp(&b.id));
         members.dedup_by(|a, b| a.id == b.id);
         members.truncate(VIEW_MEMBERS_MAX);

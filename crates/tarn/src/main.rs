@@ -262,7 +262,9 @@ struct KvSettings {
     frame_timeout: Duration,
     handshake_timeout: Duration,
     advertise: Option<String>,
-    ramp: Duration,
+    /// Set only when configured (a cluster's nodes default to
+    /// [`KV_RAMP_DEFAULT_SECS`]).
+    ramp: Option<Duration>,
     /// Further tenants: name, credentials, grants, engine settings.
     tenants: Vec<(
         String,
@@ -381,15 +383,18 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
             tarn_kv::server::HANDSHAKE_TIMEOUT_DEFAULT,
             "handshake_timeout_secs",
         )?,
-        advertise: args
+        advertise: match args
             .kv_advertise
             .clone()
-            .or(f.and_then(|k| k.advertise.clone())),
-        ramp: Duration::from_secs(
-            args.kv_ramp_secs
-                .or(f.and_then(|k| k.ramp_secs))
-                .unwrap_or(KV_RAMP_DEFAULT_SECS),
-        ),
+            .or(f.and_then(|k| k.advertise.clone()))
+        {
+            Some(a) => Some(kv_advertise_checked(a)?),
+            None => None,
+        },
+        ramp: args
+            .kv_ramp_secs
+            .or(f.and_then(|k| k.ramp_secs))
+            .map(Duration::from_secs),
         tenants,
     }))
 }
@@ -397,6 +402,22 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
 /// Seconds a cluster node whose KV store starts empty takes to reach a full
 /// routing weight.
 const KV_RAMP_DEFAULT_SECS: u64 = 60;
+
+/// A configured KV endpoint as clients must be able to use it: `host:port`
+/// that fits a CLUSTER answer.
+fn kv_advertise_checked(a: String) -> anyhow::Result<String> {
+    let ok = a.len() <= tarn_kv::proto::VIEW_ENDPOINT_MAX_BYTES
+        && a.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+        });
+    if !ok {
+        bail!(
+            "--kv-advertise {a:?}: expected HOST:PORT (at most {} bytes)",
+            tarn_kv::proto::VIEW_ENDPOINT_MAX_BYTES
+        );
+    }
+    Ok(a)
+}
 
 /// Where other hosts reach this node's KV store: as configured, else the
 /// listen address, else (listening on every address) the node's advertised
@@ -614,9 +635,10 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         Some(kv) => {
             let shm_wanted = kv.shm;
             let (kv_advertise, kv_ramp) = (kv.advertise.clone(), kv.ramp);
-            if node.is_none() && (kv_advertise.is_some() || args.kv_ramp_secs.is_some()) {
-                bail!("--kv-advertise and --kv-ramp-secs are for a cluster node (--cluster)");
+            if node.is_none() && (kv_advertise.is_some() || kv_ramp.is_some()) {
+                bail!("--kv-advertise and --kv-ramp-secs (kv.advertise, kv.ramp_secs) are for a cluster node (--cluster)");
             }
+            let kv_ramp = kv_ramp.unwrap_or(Duration::from_secs(KV_RAMP_DEFAULT_SECS));
             let (engines, server) = start_kv(kv, root, cores, io_uring)?;
             let e = &engines[0].1;
             println!(
@@ -650,6 +672,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
                 let views = server.views.clone();
                 let me = node.cfg.node_id.clone();
                 node.on_kv_members(Box::new(move |m| {
+                    let n = m.members.len();
                     let members = m
                         .members
                         .into_iter()
@@ -659,7 +682,14 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
                             weight: k.weight,
                         })
                         .collect();
-                    views.set(tarn_kv::proto::ClusterView::new(m.epoch, members, &me));
+                    let view = tarn_kv::proto::ClusterView::new(m.epoch, members, &me);
+                    if view.members.len() < n {
+                        tracing::warn!(
+                            left_out = n - view.members.len(),
+                            "KV members whose id or endpoint is too long for clients are left out"
+                        );
+                    }
+                    views.set(view);
                 }));
                 // A store that starts empty takes a full share of the keys
                 // only gradually; its misses fall back to the next node.
@@ -951,5 +981,32 @@ fn main() {
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_endpoints_clients_can_use() {
+        for good in ["10.0.0.5:9400", "kv-3.example:1", "[::1]:9400"] {
+            assert_eq!(kv_advertise_checked(good.into()).unwrap(), good);
+        }
+        for bad in [
+            "10.0.0.5",
+            ":9400",
+            "host:",
+            "host:0",
+            "host:70000",
+            &"h".repeat(300),
+        ] {
+            assert!(kv_advertise_checked(bad.to_string()).is_err(), "{bad}");
+        }
+        let any = "0.0.0.0:9401".parse().unwrap();
+        assert_eq!(kv_endpoint(None, any, "10.1.2.3:7000"), "10.1.2.3:9401");
+        let one = "10.9.9.9:9401".parse().unwrap();
+        assert_eq!(kv_endpoint(None, one, "10.1.2.3:7000"), "10.9.9.9:9401");
+        assert_eq!(kv_endpoint(Some("kv:1"), one, "x:1"), "kv:1");
     }
 }
