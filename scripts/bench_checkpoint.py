@@ -18,40 +18,22 @@ import subprocess
 import sys
 import time
 
-MIB = 1 << 20
+import bench_model
+
 REGION = "us-east-1"
 
 
-def shapes(size):
-    """A Llama-like model of about `size` bytes in bf16: per layer four
-    2-D weights and a norm."""
-    hidden = 2048
-    per_layer = (3 * hidden * hidden + hidden * 5632) * 2
-    out = []
-    for i in range(max(1, size // per_layer)):
-        for name, shape in (
-            ("self_attn.qkv_proj.weight", (2 * hidden, hidden)),
-            ("self_attn.o_proj.weight", (hidden, hidden)),
-            ("mlp.up_proj.weight", (5632, hidden)),
-            ("input_layernorm.weight", (hidden,)),
-        ):
-            out.append((f"model.layers.{i}.{name}", shape))
-    return out
-
-
 def state_dict(size, device):
-    """The bf16 weights (seeded) and an optimizer-like step count."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    model = {k: torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for k, shape in shapes(size)}
-    return {"model": model, "step": 1000}
+    """The bf16 weights (scripts/bench_model.py, made on `device`) and an
+    optimizer-like step count."""
+    return {"model": bench_model.weights(size, device), "step": 1000}
 
 
 def blank(size, device):
     import torch
 
-    return {"model": {k: torch.zeros(shape, dtype=torch.bfloat16, device=device) for k, shape in shapes(size)}, "step": 0}
+    return {"model": {k: torch.zeros(shape, dtype=torch.bfloat16, device=device) for k, shape in bench_model.shapes(size)},
+            "step": 0}  # fmt: skip
 
 
 def nbytes(sd):
@@ -135,9 +117,8 @@ def run(method, op, endpoint, uri, size, device):
     ru = resource.getrusage(resource.RUSAGE_SELF)
     if op == "load":
         # A cheap check that the bytes arrived: one tensor against the original.
-        want = state_dict(size, "cpu")["model"]
-        k = sorted(want)[len(want) // 2]
-        if not torch.equal(sd["model"][k].cpu(), want[k]):
+        i, k, shape = bench_model.probe(size)
+        if not torch.equal(sd["model"][k], bench_model.tensor(i, shape, dev)):
             raise SystemExit(f"{method}: {k} differs after the load")
     out.update(
         seconds=secs,

@@ -5,7 +5,7 @@ safetensors.torch.load), in alternation, each load in a fresh process.
 Reports GB/s to the destination, CPU seconds per GB, peak RSS and the
 requests the server counted.
 
-    python bench_load.py make ENDPOINT BUCKET PREFIX SIZE_BYTES SHARDS
+    python bench_load.py make ENDPOINT BUCKET PREFIX SIZE_BYTES SHARDS [DEVICE]
     python bench_load.py run LOADER ENDPOINT BUCKET PREFIX DEVICE CONCURRENCY   (one load; prints JSON)
     python bench_load.py compare ENDPOINT BUCKET PREFIX DEVICE ROUNDS CONCURRENCY LOADERS
     python bench_load.py copyrate DEVICE       (host-to-device copies, pinned and pageable)
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+import bench_model
 
 MIB = 1 << 20
 
@@ -35,66 +37,76 @@ def s3_client(endpoint):
     )
 
 
-def make(endpoint, bucket, prefix, size, shards):
-    """A Llama-like bf16 model: per layer four 2-D weights and a norm,
-    split into `shards` files with an index."""
-    import tempfile
-
+def make(endpoint, bucket, prefix, size, shards, device=None):
+    """A Llama-shaped bf16 model (scripts/bench_model.py) of about `size`
+    bytes in `shards` safetensors files with an index, made on `device`
+    (default: the GPU if there is one, which makes 7.5 GiB at once) and
+    uploaded with the Tarn object client. config.json names the tensor a
+    load checks and the device kind that made it."""
     import safetensors.torch as st
     import torch
 
-    s3 = s3_client(endpoint)
-    try:
-        s3.create_bucket(Bucket=bucket)
-    except s3.exceptions.ClientError:
-        pass
-    hidden = 2048
-    per_layer = (3 * hidden * hidden + hidden * 5632) * 2
-    layers = max(1, size // per_layer)
-    g = torch.Generator().manual_seed(0)
-    names = []
-    for i in range(layers):
-        names += [
-            (f"model.layers.{i}.self_attn.qkv_proj.weight", (2 * hidden, hidden)),
-            (f"model.layers.{i}.self_attn.o_proj.weight", (hidden, hidden)),
-            (f"model.layers.{i}.mlp.up_proj.weight", (5632, hidden)),
-            (f"model.layers.{i}.input_layernorm.weight", (hidden,)),
-        ]
+    import tarn.objects
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bench_model.create_bucket(endpoint, bucket)
+    client = tarn.objects.Client(endpoint)
+    names = bench_model.shapes(size)
     per_shard = -(-len(names) // shards)
     index = {"metadata": {}, "weight_map": {}}
-    with tempfile.TemporaryDirectory() as d:
-        for s in range(shards):
-            part = {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n, shape in names[s * per_shard : (s + 1) * per_shard]}
-            if not part:
-                break
-            fname = f"model-{s + 1:05}-of-{shards:05}.safetensors"
-            st.save_file(part, os.path.join(d, fname))
-            s3.upload_file(os.path.join(d, fname), bucket, prefix + fname)
-            os.remove(os.path.join(d, fname))
-            for n in part:
-                index["weight_map"][n] = fname
-    s3.put_object(Bucket=bucket, Key=prefix + "model.safetensors.index.json", Body=json.dumps(index).encode())
-    s3.put_object(Bucket=bucket, Key=prefix + "config.json", Body=b"{}")
+    for s in range(shards):
+        first = s * per_shard
+        part = {n: bench_model.tensor(first + j, shape, device).cpu()
+                for j, (n, shape) in enumerate(names[first : first + per_shard])}  # fmt: skip
+        if not part:
+            break
+        fname = f"model-{s + 1:05}-of-{shards:05}.safetensors"
+        client.put(bucket, prefix + fname, st.save(part))
+        for n in part:
+            index["weight_map"][n] = fname
+    i, name, shape = bench_model.probe(size)
+    config = {"bench_probe": {"index": i, "name": name, "shape": list(shape), "made_on": device.type}}
+    client.put(bucket, prefix + "model.safetensors.index.json", json.dumps(index).encode())
+    client.put(bucket, prefix + "config.json", json.dumps(config).encode())
+    print(json.dumps({"files": len(set(index["weight_map"].values())), "tensors": len(index["weight_map"]), "made_on": device.type}))
+
+
+def check_probe(endpoint, bucket, prefix, got):
+    """Compares the tensor a load kept (`got`) with the one the model was
+    made from; raises if the bytes differ."""
+    import torch
+
+    import tarn.objects
+
+    p = json.loads(tarn.objects.Client(endpoint).get(bucket, prefix + "config.json"))["bench_probe"]
+    if got is None:
+        raise SystemExit(f"the load brought no tensor {p['name']}")
+    want = bench_model.tensor(p["index"], tuple(p["shape"]), p["made_on"]).to(got.device)
+    if not torch.equal(got, want):
+        raise SystemExit(f"{p['name']} differs from what was stored")
 
 
 def files(endpoint, bucket, prefix):
-    s3 = s3_client(endpoint)
-    keys = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        keys += [(o["Key"], o["Size"]) for o in page.get("Contents", []) if o["Key"].endswith(".safetensors")]
-    return sorted(keys)
+    import tarn.objects
+
+    listed = tarn.objects.Client(endpoint).list(bucket, prefix)
+    return sorted((o.key, o.size) for o in listed if o.key.endswith(".safetensors"))
 
 
 def run(loader, endpoint, bucket, prefix, device, concurrency):
     """One load into `device`; prints seconds, bytes, the CPU seconds of the
-    load itself (imports and the listing excluded) and the peak RSS."""
+    load itself (imports and the listing excluded) and the peak RSS. The
+    tensor config.json names is kept and compared with what was stored."""
     import torch
+
+    import tarn.objects
 
     dev = torch.device(device)
     keys = files(endpoint, bucket, prefix)
+    probe = json.loads(tarn.objects.Client(endpoint).get(bucket, prefix + "config.json"))["bench_probe"]["name"]
+    kept = None
     if loader == "tarn":
         import tarn.loader
-        import tarn.objects
     elif loader == "runai":
         from runai_model_streamer import SafetensorsStreamer
     elif loader == "boto3":
@@ -112,14 +124,17 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     nbytes = 0
     if loader == "tarn":
         c = tarn.objects.Client(endpoint, connections=concurrency)
-        for _, t in tarn.loader.stream(f"s3://{bucket}/{prefix}", device=dev, client=c):
+        for name, t in tarn.loader.stream(f"s3://{bucket}/{prefix}", device=dev, client=c):
             nbytes += t.numel() * t.element_size()
+            kept = t if name == probe else kept
     elif loader == "runai":
         with SafetensorsStreamer() as s:
             s.stream_files([f"s3://{bucket}/{k}" for k, _ in keys])
-            for _, t in s.get_tensors():
+            for name, t in s.get_tensors():
                 t = t.to(dev)
                 nbytes += t.numel() * t.element_size()
+                # The streamer reuses its host buffers: keep a copy.
+                kept = t.clone() if name == probe else kept
     elif loader == "boto3":
         chunk = 8 * MIB
         with ThreadPoolExecutor(concurrency) as ex:
@@ -132,14 +147,16 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
                     buf[a:b] = body
 
                 list(ex.map(get, range(0, size, chunk)))
-                for _, t in st.load(bytes(buf)).items():
+                for name, t in st.load(bytes(buf)).items():
                     t = t.to(dev)
                     nbytes += t.numel() * t.element_size()
+                    kept = t if name == probe else kept
     if dev.type == "cuda":
         torch.cuda.synchronize()
     secs = time.monotonic() - t0
     ru = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (ru.ru_utime + ru.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    check_probe(endpoint, bucket, prefix, kept)
     print(json.dumps({"seconds": secs, "bytes": nbytes, "cpu_seconds": cpu, "max_rss_kib": ru.ru_maxrss}))
 
 
@@ -189,16 +206,17 @@ def compare(endpoint, bucket, prefix, device, rounds, concurrency, loaders):
         print(f"| {n} | {med[n]:.2f} | {med[n] / med[base]:.2f}x | {cpu:.2f} | {rss:.0f} | {reqs if reqs is not None else '-'} |")
 
 
-def copyrate(device):
-    """GB/s of 1 GiB host-to-device copies from pinned and from pageable
-    memory (median of 5): the other ceiling of a load onto a GPU."""
+def copy_rates(device, n=1 << 30):
+    """{"pinned": GB/s, "pageable": GB/s} of `n`-byte host-to-device copies
+    (median of 5 after one warm-up): the other ceiling of a load onto a
+    GPU. Empty on a device that is not a GPU."""
     import torch
 
     dev = torch.device(device)
     if dev.type != "cuda":
-        return
-    n = 1 << 30
+        return {}
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    out = {}
     for kind, src in (("pinned", torch.ones(n, dtype=torch.uint8).pin_memory()), ("pageable", torch.ones(n, dtype=torch.uint8))):
         times = []
         for _ in range(6):
@@ -207,13 +225,19 @@ def copyrate(device):
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
             times.append(time.monotonic() - t0)
-        print(f"host-to-device copy, {kind}: {n / statistics.median(times[1:]) / 1e9:.1f} GB/s")
+        out[kind] = n / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def copyrate(device):
+    for kind, gbps in copy_rates(device).items():
+        print(f"host-to-device copy, {kind}: {gbps:.1f} GB/s")
 
 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "make":
-        make(args[0], args[1], args[2], int(args[3]), int(args[4]))
+        make(args[0], args[1], args[2], int(args[3]), int(args[4]), *args[5:6])
     elif cmd == "run":
         run(args[0], args[1], args[2], args[3], args[4], int(args[5]))
     elif cmd == "copyrate":

@@ -16,8 +16,9 @@ BIN = os.environ.get("TARN_BIN") or os.path.expanduser("~/.cache/tarn-target/deb
 
 
 class Server:
-    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=()):
+    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=(), cores=2):
         self.root = root
+        self.cores = cores
         self.drives = [os.path.join(root, f"d{i}") for i in range(drives)]
         self.extra_args = list(extra_args)
         self.env = env
@@ -27,7 +28,7 @@ class Server:
         self.start()
 
     def start(self):
-        args = [BIN, "server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--cores", "2"]
+        args = [BIN, "server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--cores", str(self.cores)]
         for d in self.drives:
             args += ["--drive", d]
         args += self.extra_args

@@ -382,3 +382,43 @@ def test_gets_straight_from_the_arena_into_tensors(kv_server):
     with pytest.raises(ValueError, match="no arena"):
         t._get_into_via_arena(ks, out)
     t.close()
+
+
+def test_device_path_says_whether_gets_copy_from_the_arena_and_why_not(kv_server, monkeypatch, caplog):
+    """get_into into GPU memory falls back to pinned staging when the CUDA
+    driver refuses to register the arena mapping (a device without
+    read-only host registration) or there is no mapping (TCP). The fallback
+    used to be silent: a benchmark could not tell a slow arena path from a
+    staged one. device_path names the path and the reason, and a refusal
+    is logged once."""
+    import torch
+
+    c = kv.Client(kv_server.kv_endpoint, "arena", transport="shm")
+    assert c.device_path("cpu") == ("arena", None)
+    calls = []
+
+    def refuse(base, size):
+        calls.append((base, size))
+        return "the CUDA driver refused to register the arena mapping (for the test)"
+
+    monkeypatch.setattr(kv, "_register_with_cuda", refuse)
+    with caplog.at_level("WARNING", logger="tarn.kv"):
+        assert c.device_path("cuda") == ("staged", "the CUDA driver refused to register the arena mapping (for the test)")
+        assert c.device_path(torch.device("cuda")) == c.device_path("cuda")
+    assert len(calls) == 1 and calls[0][1] > 0  # asked once, with the whole mapping
+    assert sum("pinned host staging" in r.getMessage() for r in caplog.records) == 1
+    # CPU copies need no registration: the mapping still serves them.
+    assert c.device_path("cpu") == ("arena", None)
+    # A registration that succeeds is made once and kept.
+    c._drop_reader()
+    monkeypatch.setattr(kv, "_register_with_cuda", lambda base, size: calls.append(base))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("rt", (), {"cudaHostUnregister": staticmethod(calls.append)}))
+    assert c.device_path("cuda") == ("arena", None) == c.device_path("cuda")
+    assert len(calls) == 2
+    c._drop_reader()
+    assert len(calls) == 3  # unregistered with the reader
+    c.close()
+    t = kv.Client(kv_server.kv_endpoint, "arena", transport="tcp")
+    path, why = t.device_path("cuda")
+    assert path == "staged" and "TCP" in why
+    t.close()

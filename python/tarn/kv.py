@@ -25,6 +25,7 @@ import asyncio
 import enum
 import functools
 import hashlib
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
@@ -89,6 +90,8 @@ def key(*parts: bytes | bytearray | memoryview | str | int) -> bytes:
 Keys = Iterable[bytes]
 Buffers = Iterable[Any]
 
+_log = logging.getLogger("tarn.kv")
+
 
 def _on_device(b: Any) -> bool:
     """A torch tensor in device memory (CUDA)."""
@@ -118,6 +121,45 @@ def _to_host(b: Any) -> Any:
     host = torch.empty(_nbytes(b), dtype=torch.uint8, pin_memory=True)
     host.copy_(_bytes_of(b))
     return host
+
+
+def _register_with_cuda(base: int, size: int) -> Optional[str]:
+    """Registers the read-only arena mapping at ``base`` with the CUDA
+    driver (cudaHostRegisterPortable | cudaHostRegisterReadOnly: any
+    context may copy from it, and the driver never asks to write it). None
+    when it did, else why not, in words."""
+    import torch
+
+    try:
+        rt = torch.cuda.cudart()
+        rc = rt.cudaHostRegister(base, size, 1 | 8)
+        code = int(rc)
+        if code == 0:
+            return None
+        try:
+            name = rt.cudaGetErrorString(rc)
+        except Exception:
+            name = "error"
+        _clear_cuda_error(rt)
+        return f"the CUDA driver refused to register the arena mapping (cudaHostRegister: {name}, {code})"
+    except Exception as e:  # no runtime API in this torch, or no driver
+        return f"cannot register the arena mapping with the CUDA driver: {e}"
+
+
+def _clear_cuda_error(rt: Any) -> None:
+    """Resets the CUDA runtime's last error after a refused registration,
+    which is handled here: left set, torch's next kernel-launch check would
+    raise it as its own."""
+    clear = getattr(rt, "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+        return
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 class _nothing:
@@ -226,11 +268,24 @@ class Client(_native.Client):
         stream.synchronize()  # the staging buffers go when this returns
         return got
 
+    def device_path(self, device: Any = "cuda") -> tuple[str, Optional[str]]:
+        """How ``get_into`` fills whole values into tensors on ``device``:
+        ``("arena", None)`` when it copies straight from the server's arena
+        (this client maps it, and for a GPU the CUDA driver registered the
+        mapping), else ``("staged", why)``: through pinned host memory, with
+        the reason (over TCP, routed over a cluster, or the driver refused
+        the registration). Opens the reader connection if needed."""
+        import torch
+
+        if self._arena_for(torch.device(device)) is not None:
+            return ("arena", None)
+        return ("staged", self.__dict__["_device_state"]["why"])
+
     def _arena_for(self, device: Any) -> Optional[Any]:
         """The server's arena as a uint8 tensor over this process's
         read-only mapping of it, registered with the CUDA driver for
-        ``device``'s copies; None when the client has no such mapping or
-        the driver refuses it."""
+        ``device``'s copies; None (and the reason in the state's ``why``)
+        when the client has no such mapping or the driver refuses it."""
         state = self.__dict__.setdefault("_device_state", {})
         if "arena" not in state:
             import torch
@@ -240,18 +295,21 @@ class Client(_native.Client):
             info = self._reader_arena()
             if info is None:
                 state["arena"] = None
+                state["why"] = "no mapping of the server's arena: over TCP, or routed over a cluster's members"
                 return None
             base, size = info
-            if getattr(device, "type", "cpu") == "cuda":
-                # cudaHostRegisterPortable | cudaHostRegisterReadOnly: the
-                # mapping is read-only, and any context may copy from it.
-                rc = torch.cuda.cudart().cudaHostRegister(base, size, 1 | 8)
-                if int(rc) != 0:
-                    state["arena"] = None
-                    return None
-                state["registered"] = base
-            state["base"] = base
+            state["base"], state["size"] = base, size
             state["arena"] = torch.frombuffer(host_memory(base, size), dtype=torch.uint8)
+        if state["arena"] is None or getattr(device, "type", "cpu") != "cuda" or "registered" in state:
+            return state["arena"]
+        if "refused" in state:
+            return None
+        why = _register_with_cuda(state["base"], state["size"])
+        if why is not None:
+            state["refused"] = state["why"] = why
+            _log.warning("KV gets into GPU memory go through pinned host staging: %s", why)
+            return None
+        state["registered"] = state["base"]
         return state["arena"]
 
     def _get_into_via_arena(self, keys: list, tensors: list) -> list[Optional[int]]:

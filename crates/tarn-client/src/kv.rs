@@ -920,24 +920,38 @@ impl ShmTransport {
     /// Per located block: its slot was not reused since it was located, and
     /// (`check_crc`, whole values) its bytes in the arena match their CRC.
     fn verify(&self, locs: &[Located], check_crc: bool) -> Vec<bool> {
-        locs.iter()
-            .map(|l| {
-                if l.status != Status::Ok {
-                    return false;
+        // Whole values are checked against their CRC (a range cannot be),
+        // on several threads: this runs while a device's copy engine reads
+        // the same bytes, and one core would take several times as long.
+        let checked: Vec<usize> = (0..locs.len())
+            .filter(|&i| {
+                check_crc && locs[i].status == Status::Ok && locs[i].len == locs[i].value_len
+            })
+            .collect();
+        let values: Vec<&[u8]> = checked
+            .iter()
+            .map(|&i| {
+                // SAFETY: located in this mapping; the daemon may reuse
+                // the slot meanwhile, which the generation check catches.
+                unsafe {
+                    std::slice::from_raw_parts(locs[i].address as *const u8, locs[i].len as usize)
                 }
-                let crc_ok = !check_crc || l.len != l.value_len || {
-                    // SAFETY: located in this mapping; the daemon may reuse
-                    // the slot meanwhile, which the generation check catches.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(l.address as *const u8, l.len as usize)
-                    };
-                    crc32c(bytes) == l.crc
-                };
-                fence(Ordering::Acquire);
-                let current = self
-                    .arena
-                    .generation(l.slot as usize)
-                    .is_some_and(|g| g.load(Ordering::Acquire) == l.generation);
+            })
+            .collect();
+        let crcs = tarn_wire::checksum::crc32c_many(&values, verify_threads());
+        let mut crc_ok = vec![true; locs.len()];
+        for (&i, crc) in checked.iter().zip(crcs) {
+            crc_ok[i] = crc == locs[i].crc;
+        }
+        fence(Ordering::Acquire);
+        locs.iter()
+            .zip(crc_ok)
+            .map(|(l, crc_ok)| {
+                let current = l.status == Status::Ok
+                    && self
+                        .arena
+                        .generation(l.slot as usize)
+                        .is_some_and(|g| g.load(Ordering::Acquire) == l.generation);
                 crc_ok && current
             })
             .collect()
@@ -2092,4 +2106,11 @@ fn _assert_send() {
     fn is_send<T: Send>() {}
     is_send::<KvClient>();
     let _: Option<SocketAddr> = None;
+}
+
+/// Threads a located batch's checksums are computed on: the cores this
+/// process may run on (read once).
+fn verify_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }

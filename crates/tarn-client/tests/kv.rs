@@ -2262,3 +2262,32 @@ fn registered_puts_from_several_buffers_over_shared_memory() {
     let stored = stats.iter().find(|(k, _)| k == "blocks").map(|(_, v)| *v);
     assert_eq!(stored, Some(12));
 }
+
+/// Blocks located in the arena for a device copy are checked on several
+/// threads once a batch is large enough (the copy engine reads them at the
+/// same time). Each answer must stay the answer of its own block: an
+/// intact block is intact, one whose slot was reused is not, a range is
+/// not checked against a whole value's CRC, and a miss stays a miss.
+#[test]
+fn located_blocks_are_checked_on_threads_each_for_its_own() {
+    let (_engine, server) = start(small_config());
+    let mut c = connect(&server, TransportChoice::Shm, b"ns");
+    let len = 1 << 20;
+    fill(&mut c, 0..12, len);
+    let mut reqs: Vec<(Digest, u64, Option<u64>)> = (0..12).map(|i| (digest(i), 0, None)).collect();
+    reqs.push((digest(999), 0, None)); // never stored
+    reqs.push((digest(3), 4096, Some(8192))); // a range of a stored block
+    let locs = c.locate(&reqs).unwrap();
+    let mut want = vec![true; 12];
+    want.extend([false, true]);
+    assert_eq!(c.verify_located(&locs, true), want);
+    for (i, l) in locs.iter().take(12).enumerate() {
+        // SAFETY: located in this client's mapping, not reused yet.
+        let bytes = unsafe { std::slice::from_raw_parts(l.address as *const u8, l.len as usize) };
+        assert_eq!(bytes, &value(i as u64, len)[..], "block {i}");
+    }
+    assert_eq!(c.delete(&[digest(5)]).unwrap(), vec![Status::Ok]);
+    want[5] = false;
+    assert_eq!(c.verify_located(&locs, true), want);
+    assert_eq!(c.verify_located(&locs, false), want);
+}

@@ -7,6 +7,7 @@
 
 pub mod arena;
 pub mod auth;
+pub mod checksum;
 mod crc_copy;
 pub mod fdpass;
 pub mod mailbox;

@@ -4,6 +4,7 @@
 mod admin;
 mod admin_cli;
 mod bench;
+mod bench_drive;
 mod bench_kv;
 mod config;
 mod conn;
@@ -50,6 +51,8 @@ enum BenchCommand {
     S3(Box<bench::S3BenchArgs>),
     /// Drive the KV-cache store (`tarn server --kv`) over shared memory or TCP.
     Kv(Box<bench_kv::KvBenchArgs>),
+    /// The sequential O_DIRECT write rate of the drive under a directory.
+    Drive(bench_drive::DriveBenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -976,6 +979,7 @@ fn main() {
         Command::Heal(a) => run_heal(a),
         Command::Bench(BenchCommand::S3(a)) => bench::run(*a),
         Command::Bench(BenchCommand::Kv(a)) => bench_kv::run(*a),
+        Command::Bench(BenchCommand::Drive(a)) => bench_drive::run(a),
         Command::Admin(a) => admin_cli::run(*a),
     };
     if let Err(e) = result {
