@@ -187,15 +187,20 @@ def form(root, count=4, drives=2, data_shards=2, parity_shards=2, first=1, extra
                 place = dict(ip=link.ns_ip, netns=link.ns) if i == last else dict(ip=link.host_ip(i))
                 place["keys"] = LINK_KEYS
             nodes.append(Node(root, i, etcd.url, drives=drives, extra=extra, kv=kv, **place))
-        out = nodes[0].admin_cmd("cluster", "init", "--data-shards", str(data_shards),
-                                 "--parity-shards", str(parity_shards)).stdout
-        assert "cluster formed" in out, out
-        for n in nodes:
-            n.wait_serving()
+        init_and_serve(nodes, data_shards, parity_shards)
     except BaseException:
         stop_all(etcd, nodes)
         raise
     return etcd, nodes
+
+
+def init_and_serve(nodes, data_shards, parity_shards):
+    """Forms the cluster of `nodes` and waits until each serves."""
+    out = nodes[0].admin_cmd("cluster", "init", "--data-shards", str(data_shards),
+                             "--parity-shards", str(parity_shards)).stdout
+    assert "cluster formed" in out, out
+    for n in nodes:
+        n.wait_serving()
 
 
 def stop_all(etcd, nodes):
@@ -291,3 +296,120 @@ class Link:
 
 def ip(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Fabric:
+    """Hosts for a cluster's nodes: a network namespace per node with two
+    links to the host, one for data (the other nodes and the clients, all
+    through the host, which forwards between links) and one for etcd
+    alone, so that a test cuts a node off entirely, or from etcd only, or
+    gives a node back its data link while its etcd link stays cut. A link
+    is cut at its end inside the namespace: the host keeps sending into it
+    and the node goes silent, refusing nothing. etcd and the clients stay
+    on the host. `create` answers None where the machine does not allow it
+    (not root, no `ip`, no namespaces or veth); `remove` undoes it all."""
+
+    def __init__(self, count):
+        tag = os.getpid() % 10000
+        self.net = f"172.{16 + os.getpid() % 16}"
+        self.count = count
+        self.ns = [f"tarnf{tag}n{i}" for i in range(1, count + 1)]
+        self.etcd_ip = f"{self.net}.200.1"
+        self.made = []
+        self.forward = None
+
+    def data_ip(self, i):
+        return f"{self.net}.{i}.2"
+
+    def _ifs(self, i, kind):
+        tag = os.getpid() % 10000
+        return f"tf{kind}h{tag}{i}", f"tf{kind}n{tag}{i}"
+
+    @classmethod
+    def create(cls, count=4):
+        if os.geteuid() != 0 or not shutil.which("ip"):
+            return None
+        f = cls(count)
+        try:
+            with open("/proc/sys/net/ipv4/ip_forward") as fh:
+                f.forward = fh.read().strip()
+            with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
+                fh.write("1")
+            ip("addr", "add", f"{f.etcd_ip}/32", "dev", "lo")
+            f.made.append(("addr", "del", f"{f.etcd_ip}/32", "dev", "lo"))
+            for i in range(1, count + 1):
+                ns = f.ns[i - 1]
+                ip("netns", "add", ns)
+                f.made.append(("netns", "del", ns))
+                ip("-n", ns, "link", "set", "lo", "up")
+                for kind, sub in (("d", i), ("e", 100 + i)):
+                    host_if, ns_if = f._ifs(i, kind)
+                    ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+                    f.made.append(("link", "del", host_if))
+                    ip("link", "set", ns_if, "netns", ns)
+                    ip("addr", "add", f"{f.net}.{sub}.1/30", "dev", host_if)
+                    ip("link", "set", host_if, "up")
+                    ip("-n", ns, "addr", "add", f"{f.net}.{sub}.2/30", "dev", ns_if)
+                    ip("-n", ns, "link", "set", ns_if, "up")
+                f._routes(i)
+        except (OSError, subprocess.CalledProcessError):
+            f.remove()
+            return None
+        return f
+
+    def _routes(self, i, kinds="de"):
+        ns = self.ns[i - 1]
+        if "d" in kinds:
+            ip("-n", ns, "route", "replace", "default", "via", f"{self.net}.{i}.1")
+        if "e" in kinds:
+            ip("-n", ns, "route", "replace", f"{self.etcd_ip}/32", "via", f"{self.net}.{100 + i}.1")
+
+    def _set(self, i, kind, state):
+        _, ns_if = self._ifs(i, kind)
+        ip("-n", self.ns[i - 1], "link", "set", ns_if, state)
+        if state == "up":
+            # A link going down takes its routes with it.
+            self._routes(i, kind)
+
+    def cut(self, i):
+        """Node i hears and reaches nobody."""
+        self._set(i, "d", "down")
+        self._set(i, "e", "down")
+
+    def cut_etcd(self, i):
+        self._set(i, "e", "down")
+
+    def restore_data(self, i):
+        self._set(i, "d", "up")
+
+    def restore_etcd(self, i):
+        self._set(i, "e", "up")
+
+    def restore(self, i):
+        self._set(i, "d", "up")
+        self._set(i, "e", "up")
+
+    def remove(self):
+        for args in reversed(self.made):
+            subprocess.run(["ip", *args], capture_output=True)
+        self.made = []
+        if self.forward is not None:
+            with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
+                fh.write(self.forward)
+            self.forward = None
+
+
+def form_fabric(root, fabric, drives=2, data_shards=2, parity_shards=2, extra=()):
+    """etcd on the host and one node per namespace of `fabric`, formed into
+    one pool of data+parity sets and serving (`stop_all` stops them)."""
+    etcd = Etcd(root, ip=fabric.etcd_ip)
+    nodes = []
+    try:
+        for i in range(1, fabric.count + 1):
+            nodes.append(Node(root, i, etcd.url, drives=drives, extra=extra, ip=fabric.data_ip(i),
+                              netns=fabric.ns[i - 1], keys=LINK_KEYS))
+        init_and_serve(nodes, data_shards, parity_shards)
+    except BaseException:
+        stop_all(etcd, nodes)
+        raise
+    return etcd, nodes

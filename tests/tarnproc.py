@@ -16,9 +16,11 @@ BIN = os.environ.get("TARN_BIN") or os.path.expanduser("~/.cache/tarn-target/deb
 
 
 class Server:
-    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=(), cores=2):
+    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=(), cores=2, nofile=None):
         self.root = root
         self.cores = cores
+        # (soft, hard) open-files limits to start the server under.
+        self.nofile = nofile
         self.drives = [os.path.join(root, f"d{i}") for i in range(drives)]
         self.extra_args = list(extra_args)
         self.env = env
@@ -42,7 +44,14 @@ class Server:
         log_path = os.path.join(self.root, f"server-{len(self.logs)}.log")
         self.logs.append(log_path)
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=self.root, env=env)
+        limit = None
+        if self.nofile:
+            import resource
+
+            def limit(n=self.nofile):
+                resource.setrlimit(resource.RLIMIT_NOFILE, n)
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=self.root, env=env,
+                                     preexec_fn=limit)
         self.endpoint = self.admin = self.kv_endpoint = None
         deadline = time.time() + 30
         while time.time() < deadline and (self.endpoint is None or self.admin is None):

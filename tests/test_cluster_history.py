@@ -28,10 +28,10 @@ import time
 
 
 from clusterproc import status, wait_repaired
+from history import INF, History, around, possible, writes_of
 from tarnproc import wait_for
 
 KEYS = [f"k{i:02}" for i in range(16)]
-INF = float("inf")
 
 
 def value(key, writer, seq):
@@ -41,16 +41,6 @@ def value(key, writer, seq):
     size = 2_000 + (seq * 7919 + writer * 104729) % 300_000
     pad = hashlib.sha256(head).digest() * (size // 32 + 1)
     return head + pad[:size]
-
-
-class History:
-    def __init__(self):
-        self.ops = []
-        self.lock = threading.Lock()
-
-    def add(self, **op):
-        with self.lock:
-            self.ops.append(op)
 
 
 def client_loop(node, writer, history, stop, seed):
@@ -88,32 +78,6 @@ def client_loop(node, writer, history, stop, seed):
                             start=t0, end=INF, ok=False, error=repr(e)[:200])
             else:
                 history.add(kind=kind, key=key, start=t0, end=time.time(), ok=False, error=repr(e)[:200])
-
-
-def writes_of(history, key):
-    """The key's writes: the initial absence (completed before anything),
-    then every PUT and DELETE, indeterminate ones ending at infinity."""
-    out = [{"value": None, "start": -INF, "end": -INF}]
-    out += [o for o in history if o["kind"] in ("put", "delete") and o["key"] == key]
-    return out
-
-
-def possible(writes, start, end):
-    """The values a read invoked at `start` and completed at `end` may
-    return: each write invoked before `end` that no write invoked after it
-    completed and completed before `start` supersedes."""
-    # A write is superseded when it completed before some write began that
-    # completed before the read began: before the latest such beginning.
-    latest = max((o["start"] for o in writes if o["end"] < start), default=-INF)
-    return [w["value"] for w in writes if w["start"] <= end and not w["end"] < latest]
-
-
-def around(writes, op):
-    """The writes near an operation the checker refused, for the message."""
-    near = [w for w in writes if w["end"] >= op["start"] - 2 and w["start"] <= op["end"] + 1]
-    return " (its writes near it: " + ", ".join(
-        f"{'put ' + b'/'.join(w['value'].split(b'/')[:3]).decode() if w['value'] else 'delete'}"
-        f" {w['start']:.3f}..{w['end']:.3f}" for w in near) + f"; it ended {op['end']:.3f}" + (f", via n{op['via']})" if "via" in op else ")")
 
 
 def check(history, final):

@@ -167,3 +167,55 @@ def test_early_refusals_close_cleanly(slow_server):
     c.close()
     # The server is fine and the key was not written.
     assert "Contents" not in s3.list_objects_v2(Bucket="slow")
+
+
+def test_a_flood_of_idle_connections_takes_no_drive_out(tmp_path):
+    """Issue 40, item 4: 1,100 idle unauthenticated connections against a
+    soft limit of 1,024 open files left the drives no descriptor: every
+    drive was marked faulty ("Too many open files"), GETs answered 500 and
+    PUTs 503. Here the server starts under a soft limit of 256 (hard 640,
+    which it raises to) and one client address opens 700 idle connections:
+    the server caps them (16 per client address by default at that limit),
+    counts the refusals, keeps every drive online, and serves another
+    client."""
+    import resource
+
+    import requests
+
+    from tarnproc import SECRET_KEY, Server, metric
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip("the test process needs 2048 open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    root = tmp_path / "srv"
+    root.mkdir()
+    s = Server(str(root), drives=4, nofile=(256, 640))
+    idle = []
+    try:
+        host, port = s.endpoint.removeprefix("http://").rsplit(":", 1)
+        for _ in range(700):
+            c = socket.socket()
+            c.bind(("127.0.0.2", 0))  # another client address than boto3's
+            try:
+                c.connect((host, int(port)))
+            except OSError:
+                c.close()
+                continue
+            idle.append(c)
+        time.sleep(1)
+        cl = s.client()
+        cl.create_bucket(Bucket="flood")
+        for i in range(8):
+            cl.put_object(Bucket="flood", Key=f"k{i}", Body=os.urandom(300_000))
+            assert len(cl.get_object(Bucket="flood", Key=f"k{i}")["Body"].read()) == 300_000
+        d = requests.get(f"{s.admin}/admin/drives", headers={"Authorization": f"Bearer {SECRET_KEY}"}).json()
+        assert all(x["online"] and x["state"] == "online" for x in d), d
+        assert metric(s, "tarn_connections_refused_total") > 500
+        assert metric(s, "tarn_connections_max") > 0
+        assert metric(s, "tarn_fd_exhaustion_total") == 0
+    finally:
+        for c in idle:
+            c.close()
+        s.stop()
+    assert not s.unexpected_errors()

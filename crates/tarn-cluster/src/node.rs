@@ -606,6 +606,7 @@ impl Node {
             pools,
             buckets: records,
             catalog: Arc::new(EtcdCatalog::new(self.etcd.clone(), self.keys.clone())),
+            node_id: self.cfg.node_id.clone(),
         };
         let store = Store::open_cluster(cfg, layout).map_err(|e| e.to_string())?;
         *self.map.write().expect("map") = Some(m);

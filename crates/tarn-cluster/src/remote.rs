@@ -101,6 +101,12 @@ impl RemoteDrive {
                 code: ErrorCode::Failed,
                 message,
             } => Failure::from_message(&message),
+            // One missed deadline is no proof the node is gone (it is
+            // probed: `rpc::client::Peer`); the write counts as missed and
+            // a read as unanswered, but the drive stays in this node's view.
+            RpcError::Deadline if !self.client.is_suspect(&self.address) => {
+                Failure::Late(format!("node {}: no answer in time", self.node_id))
+            }
             other => Failure::Offline(format!("node {}: {other}", self.node_id)),
         }
     }

@@ -144,6 +144,7 @@ async fn metadata_script(d: &dyn Drive) -> Vec<String> {
         let w = ObjectWrite {
             record: Some(ObjectRecord {
                 versions: vec![version((i % 200) as u8)],
+                stamp: 1 + i as u64,
             }),
             inline_put: vec![(
                 [(i % 200) as u8; 16],
@@ -263,6 +264,7 @@ async fn metadata_script(d: &dyn Drive) -> Vec<String> {
                 format!("bulk/{i}"),
                 ObjectRecord {
                     versions: vec![version(1)],
+                    stamp: 1,
                 }
                 .encode(),
                 Some(([1; 16], 1000, vec![i as u8; 10])),
@@ -272,6 +274,39 @@ async fn metadata_script(d: &dyn Drive) -> Vec<String> {
     d.write_objects_bulk("bkt".into(), Arc::new(items), 100..250)
         .await
         .unwrap();
+    // Records are ordered by their stamps; a deleted key keeps a tombstone,
+    // and a refusal keeps its kind across the wire.
+    let write = |rec: ObjectRecord| {
+        d.write_object(
+            "bkt".into(),
+            "stamped".into(),
+            Arc::new(ObjectWrite {
+                record: Some(rec),
+                ..Default::default()
+            }),
+        )
+    };
+    write(ObjectRecord {
+        versions: vec![version(3)],
+        stamp: 50,
+    })
+    .await
+    .unwrap();
+    write(ObjectRecord::tombstone(60)).await.unwrap();
+    seen.push(format!(
+        "{:?}",
+        d.object("bkt".into(), "stamped".into()).await.unwrap()
+    ));
+    let late = write(ObjectRecord {
+        versions: vec![version(4)],
+        stamp: 55,
+    })
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(late, StoreError::Superseded { held: 60, offered: 55, ref what, .. } if what == "bkt/stamped"),
+        "{late:?}"
+    );
     let page = d
         .list_page("bkt".into(), "bulk/".into(), None, 1000)
         .await

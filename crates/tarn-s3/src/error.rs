@@ -55,7 +55,10 @@ pub fn s3_error(e: StoreError) -> S3Error {
             "Your socket connection to the server was not read from or written to within the timeout period.".into(),
         ),
         StoreError::SlowDown(_) => (C::SlowDown, "Please reduce your request rate.".into()),
-        StoreError::QuorumLost { .. } | StoreError::Catalog(_) => {
+        StoreError::QuorumLost { .. }
+        | StoreError::Catalog(_)
+        | StoreError::Superseded { .. }
+        | StoreError::Late { .. } => {
             (C::ServiceUnavailable, e.to_string())
         }
         StoreError::Unreadable { .. }

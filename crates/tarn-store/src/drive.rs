@@ -190,6 +190,16 @@ pub struct DriveDb {
     /// The missed-write log (`MissedEntry`): keys written while another
     /// drive of the set could not take the write.
     missed: Keyspace,
+    /// Deleted keys' stamps (object key -> u64 LE), so that a late write
+    /// older than the deletion is refused (`write_object_visible`); swept
+    /// after `TOMBSTONE_TTL_NS`. `HORIZON_KEY` holds the horizon: the
+    /// highest stamp swept, below which a key without a record takes no
+    /// write.
+    tombstones: Keyspace,
+    /// The horizon, as stored.
+    horizon: std::sync::atomic::AtomicU64,
+    /// Serialises the read-compare-write of one key's record (striped).
+    record_locks: Box<[std::sync::Mutex<()>]>,
     /// Entries per set position, counted when first needed (bounds the log:
     /// past `MISSED_LOG_MAX_ENTRIES` the position's log overflows).
     missed_counts: std::sync::Mutex<std::collections::HashMap<u8, u64>>,
@@ -203,6 +213,19 @@ pub struct DriveDb {
 /// position is backfilled in full instead of replayed.
 pub const MISSED_LOG_MAX_ENTRIES: u64 = 1_000_000;
 
+/// How long a deleted key's tombstone is kept: far longer than any write
+/// can stay in flight (RPC deadlines are at most 10 minutes, locks lapse in
+/// 15 s), and than the clock skew between nodes a cluster tolerates (a
+/// node whose clock is this far behind has its first writes of deleted
+/// keys refused as stale).
+pub const TOMBSTONE_TTL_NS: u64 = 3600 * 1_000_000_000;
+
+/// Stripes of `DriveDb::record_locks`.
+const RECORD_LOCK_STRIPES: usize = 256;
+
+/// The horizon's key in the `tombstones` keyspace (object keys start with
+/// their bucket's name, never with a NUL).
+const HORIZON_KEY: &[u8] = b"\0horizon";
 /// A key whose write did not reach the drive at `position` of the set.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MissedEntry {
@@ -247,6 +270,16 @@ fn split_object_key(k: &[u8]) -> Option<(String, String)> {
 
 /// Key of an object: bucket, NUL, key. Bucket names cannot hold NUL, so the
 /// bucket part is unambiguous and all keys of a bucket sort together by key bytes.
+/// A stamp stored as u64 LE (a tombstone, the horizon); anything else is 0.
+fn stamp_of(v: &[u8]) -> u64 {
+    v.try_into().map(u64::from_le_bytes).unwrap_or(0)
+}
+
+/// The stripe of `DriveDb::record_locks` an object key takes.
+fn record_stripe(object_key: &[u8]) -> usize {
+    (xxhash_rust::xxh3::xxh3_64(object_key) % RECORD_LOCK_STRIPES as u64) as usize
+}
+
 pub fn object_key(bucket: &str, key: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(bucket.len() + 1 + key.len());
     k.extend_from_slice(bucket.as_bytes());
@@ -316,7 +349,9 @@ pub type BulkItem = (String, Vec<u8>, Option<(Id128, u64, Vec<u8>)>);
 /// One change to an object's metadata on a drive, applied atomically.
 #[derive(Default)]
 pub struct ObjectWrite {
-    /// New record, or None to remove the key.
+    /// The key's new record (one without versions deletes the key, keeping
+    /// its tombstone), taken only over an older one; None leaves the
+    /// record as it is.
     pub record: Option<ObjectRecord>,
     pub inline_put: Vec<(Id128, u64, Vec<u8>)>,
     pub inline_delete: Vec<(Id128, u64)>,
@@ -558,11 +593,25 @@ impl DriveDb {
             uploads: ks("uploads")?,
             parts: ks("parts")?,
             missed: ks("missed")?,
+            tombstones: ks("tombstones")?,
+            horizon: Default::default(),
+            record_locks: (0..RECORD_LOCK_STRIPES)
+                .map(|_| std::sync::Mutex::new(()))
+                .collect(),
             missed_counts: Default::default(),
             missed_limit: std::sync::atomic::AtomicU64::new(MISSED_LOG_MAX_ENTRIES),
             db: db.clone(),
             name: name.clone(),
             group: GroupCommit::default(),
+        })
+        .and_then(|d| {
+            let h = d
+                .tombstones
+                .get(HORIZON_KEY)
+                .map_err(|e| index_error(&name, "read the tombstone horizon", &e))?
+                .map_or(0, |v| stamp_of(&v));
+            d.horizon.store(h, std::sync::atomic::Ordering::Relaxed);
+            Ok(d)
         })
     }
 
@@ -648,6 +697,7 @@ impl DriveDb {
             ("inline", &self.inline),
             ("uploads", &self.uploads),
             ("parts", &self.parts),
+            ("tombstones", &self.tombstones),
         ] {
             let ks = src
                 .keyspace(name, KeyspaceCreateOptions::default)
@@ -857,14 +907,21 @@ impl DriveDb {
         Ok(false)
     }
 
-    /// Reads an object record; a record that fails to decode is reported as corrupt.
+    /// Reads an object record; a record that fails to decode is reported
+    /// as corrupt. A deleted key whose tombstone is kept reads as a record
+    /// without versions, with the deletion's stamp.
     pub fn object(&self, bucket: &str, key: &str) -> Result<Option<ObjectRecord>, StoreError> {
+        let ok = object_key(bucket, key);
         let raw = self
             .objects
-            .get(object_key(bucket, key))
+            .get(&ok)
             .map_err(|e| self.fail("read object", e))?;
         match raw {
-            None => Ok(None),
+            None => Ok(self
+                .tombstones
+                .get(&ok)
+                .map_err(|e| self.fail("read tombstone", e))?
+                .map(|v| ObjectRecord::tombstone(stamp_of(&v)))),
             Some(v) => {
                 ObjectRecord::decode(&v)
                     .map(Some)
@@ -884,6 +941,12 @@ impl DriveDb {
 
     /// Applies one object change atomically, visible at once: the ticket
     /// `durable` waits for.
+    ///
+    /// A record is taken only over one with a lower stamp (or the same
+    /// record again): a write that reaches the drive after a newer one of
+    /// the same key, whatever delayed it, is refused (`Superseded`) and
+    /// changes nothing. A record without versions is kept as the key's
+    /// tombstone.
     pub fn write_object_visible(
         &self,
         bucket: &str,
@@ -893,9 +956,32 @@ impl DriveDb {
         self.check_fault("write object")?;
         let mut batch = self.db.batch();
         let ok = object_key(bucket, key);
-        match &w.record {
-            Some(r) if !r.versions.is_empty() => batch.insert(&self.objects, ok, r.encode()),
-            _ => batch.remove(&self.objects, ok),
+        let _serial = w.record.as_ref().map(|_| {
+            self.record_locks[record_stripe(&ok)]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+        });
+        if let Some(r) = &w.record {
+            let (held, tombstoned) = self.held_stamp(&ok)?;
+            if r.stamp < held.stamp
+                || (r.stamp == held.stamp && !held.same_versions(r) && held.stamp != 0)
+            {
+                return Err(StoreError::Superseded {
+                    drive: self.name.clone(),
+                    what: format!("{bucket}/{key}"),
+                    held: held.stamp,
+                    offered: r.stamp,
+                });
+            }
+            if r.versions.is_empty() {
+                batch.remove(&self.objects, ok.clone());
+                batch.insert(&self.tombstones, ok, r.stamp.to_le_bytes());
+            } else {
+                batch.insert(&self.objects, ok.clone(), r.encode());
+                if tombstoned {
+                    batch.remove(&self.tombstones, ok);
+                }
+            }
         }
         for (vid, mtime, data) in &w.inline_put {
             batch.insert(
@@ -918,6 +1004,80 @@ impl DriveDb {
             self.add_missed(&mut batch, pos, bucket, key, now)?;
         }
         self.commit_visible(batch, "commit object")
+    }
+
+    /// The record of a key this drive holds, for ordering a write against
+    /// it: its record, else its tombstone's stamp (true), else the horizon.
+    /// A record that does not decode orders below everything (heal
+    /// replaces it).
+    fn held_stamp(&self, ok: &[u8]) -> Result<(ObjectRecord, bool), StoreError> {
+        if let Some(v) = self
+            .objects
+            .get(ok)
+            .map_err(|e| self.fail("read object", e))?
+        {
+            return Ok((ObjectRecord::decode(&v).unwrap_or_default(), false));
+        }
+        if let Some(v) = self
+            .tombstones
+            .get(ok)
+            .map_err(|e| self.fail("read tombstone", e))?
+        {
+            return Ok((ObjectRecord::tombstone(stamp_of(&v)), true));
+        }
+        let horizon = self.horizon.load(std::sync::atomic::Ordering::Relaxed);
+        Ok((ObjectRecord::tombstone(horizon), false))
+    }
+
+    /// Removes the tombstones whose stamp is below `before` (ns) and raises
+    /// the horizon to the highest of them, durably: how many went.
+    pub fn sweep_tombstones(&self, before: u64) -> Result<u64, StoreError> {
+        self.check_fault("sweep tombstones")?;
+        let mut batch = self.db.batch();
+        let mut horizon = self.horizon.load(std::sync::atomic::Ordering::Relaxed);
+        let mut removed = 0u64;
+        let mut locks = Vec::new();
+        for kv in self.tombstones.iter() {
+            let (k, v) = kv
+                .into_inner()
+                .map_err(|e| self.fail("scan tombstones", e))?;
+            if &*k == HORIZON_KEY {
+                continue;
+            }
+            let stamp = stamp_of(&v);
+            if stamp < before {
+                locks.push(k.to_vec());
+                horizon = horizon.max(stamp);
+            }
+        }
+        for k in locks {
+            // A write of the key between the scan and here replaced the
+            // tombstone: only one still holding the stamp seen goes.
+            let _serial = self.record_locks[record_stripe(&k)]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            match self
+                .tombstones
+                .get(&k)
+                .map_err(|e| self.fail("read tombstone", e))?
+            {
+                Some(v) if stamp_of(&v) < before => {
+                    batch.remove(&self.tombstones, k);
+                    removed += 1;
+                }
+                _ => {}
+            }
+        }
+        if removed == 0 {
+            return Ok(0);
+        }
+        batch.insert(&self.tombstones, HORIZON_KEY, horizon.to_le_bytes());
+        // The horizon is raised before the batch is visible: a write that
+        // finds a swept key's tombstone gone finds the horizon above it.
+        self.horizon
+            .fetch_max(horizon, std::sync::atomic::Ordering::SeqCst);
+        self.commit_durable(batch, "sweep tombstones")?;
+        Ok(removed)
     }
 
     /// Puts one missed-write entry into `batch`, or the position's overflow
@@ -1356,6 +1516,116 @@ mod tests {
             bad[i] ^= 0x40;
             assert_eq!(BackfillCheckpoint::decode(&bad), None, "byte {i} flipped");
         }
+    }
+
+    fn version(t: u64) -> crate::format::VersionMeta {
+        crate::format::VersionMeta {
+            etag: format!("e{t}"),
+            ..crate::format::test_version(0, t)
+        }
+    }
+
+    fn record(t: u64) -> ObjectWrite {
+        ObjectWrite {
+            record: Some(ObjectRecord {
+                versions: vec![version(t)],
+                stamp: t,
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn deletion(stamp: u64) -> ObjectWrite {
+        ObjectWrite {
+            record: Some(ObjectRecord::tombstone(stamp)),
+            ..Default::default()
+        }
+    }
+
+    /// The lost write of issue 40: a DELETE's record write to one drive
+    /// waited behind a busy core (its caller had given up on it) and was
+    /// applied after the next PUT's record had reached that drive, putting
+    /// the key back to "deleted" there; with another drive slow to answer,
+    /// the PUT's version was on too few of the drives a conditional create
+    /// read, which then replaced it. A drive now takes a record only over
+    /// an older one.
+    #[test]
+    fn a_late_record_write_never_replaces_a_newer_one() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        let db = DriveDb::open(dir.path()).unwrap();
+        db.write_object("b", "k", &record(10)).unwrap();
+        // The PUT after the DELETE arrives first, the DELETE (stamp 20) late.
+        db.write_object("b", "k", &record(30)).unwrap();
+        let late = db.write_object("b", "k", &deletion(20)).unwrap_err();
+        assert!(
+            matches!(
+                late,
+                StoreError::Superseded {
+                    held: 30,
+                    offered: 20,
+                    ..
+                }
+            ),
+            "{late}"
+        );
+        assert_eq!(db.object("b", "k").unwrap().unwrap().stamp, 30);
+        // A late older PUT is refused alike; the same record again is not.
+        assert!(db.write_object("b", "k", &record(25)).is_err());
+        db.write_object("b", "k", &record(30)).unwrap();
+        // Another record with the same stamp is refused.
+        let mut other = record(30);
+        other.record.as_mut().unwrap().versions[0].etag = "other".into();
+        assert!(db.write_object("b", "k", &other).is_err());
+        // A deletion keeps the key's stamp: an older PUT arriving after it
+        // does not bring the key back, and the key lists as gone.
+        db.write_object("b", "k", &deletion(40)).unwrap();
+        assert_eq!(
+            db.object("b", "k").unwrap(),
+            Some(ObjectRecord::tombstone(40))
+        );
+        assert!(db.write_object("b", "k", &record(35)).is_err());
+        assert!(!db.bucket_has_entries("b", true).unwrap());
+        assert!(db.all_object_keys("b").unwrap().is_empty());
+        // A newer PUT replaces the tombstone.
+        db.write_object("b", "k", &record(50)).unwrap();
+        assert_eq!(db.object("b", "k").unwrap().unwrap().versions.len(), 1);
+        assert_eq!(db.all_object_keys("b").unwrap(), vec!["k".to_string()]);
+        // What a drive holds survives a reopen.
+        drop(db);
+        let db = DriveDb::open(dir.path()).unwrap();
+        assert_eq!(db.object("b", "k").unwrap().unwrap().stamp, 50);
+        assert!(db.write_object("b", "k", &deletion(45)).is_err());
+    }
+
+    #[test]
+    fn swept_tombstones_leave_a_horizon_older_writes_cannot_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".tarn")).unwrap();
+        let db = DriveDb::open(dir.path()).unwrap();
+        for (k, t) in [("a", 100), ("b", 200), ("c", 300)] {
+            db.write_object("bk", k, &record(t)).unwrap();
+            db.write_object("bk", k, &deletion(t + 1)).unwrap();
+        }
+        assert_eq!(db.sweep_tombstones(250).unwrap(), 2);
+        assert_eq!(db.object("bk", "a").unwrap(), None);
+        assert_eq!(
+            db.object("bk", "c").unwrap(),
+            Some(ObjectRecord::tombstone(301))
+        );
+        // A write older than the highest swept stamp (201) finds no record
+        // but is refused all the same, for any key: it may be one of the
+        // swept keys' late writes.
+        assert!(db.write_object("bk", "a", &record(150)).is_err());
+        assert!(db.write_object("bk", "new", &record(201)).is_err());
+        db.write_object("bk", "new", &record(202)).unwrap();
+        drop(db);
+        let db = DriveDb::open(dir.path()).unwrap();
+        assert!(
+            db.write_object("bk", "b", &record(190)).is_err(),
+            "the horizon is durable"
+        );
+        assert_eq!(db.sweep_tombstones(250).unwrap(), 0);
     }
 
     #[test]

@@ -95,6 +95,22 @@ pub enum StoreError {
     IndexCorrupt { drive: String, reason: String },
     #[error("corrupt metadata on {drive}: {what}")]
     CorruptMetadata { drive: String, what: String },
+    /// A drive refused a record older than the one it holds for the key
+    /// (see `ObjectRecord::stamp`): the write reached it after a newer
+    /// one. Not a fault of the drive; the writer counts it as a drive the
+    /// write missed.
+    #[error("drive {drive} holds a newer record of {what} (stamp {held}, offered {offered})")]
+    Superseded {
+        drive: String,
+        what: String,
+        held: u64,
+        offered: u64,
+    },
+    /// A drive of another node did not answer in time, its node not (yet)
+    /// found silent: the call failed, the drive stays in service (a write
+    /// counts it as missed, a read as not answering).
+    #[error("drive {drive} did not answer in time: {reason}")]
+    Late { drive: String, reason: String },
     #[error("server busy: {0}")]
     SlowDown(String),
     #[error("configuration: {0}")]

@@ -22,7 +22,9 @@ use crate::checksum::crc32c;
 pub const MAGIC: [u8; 4] = *b"TRNM";
 /// Version 1: the first format. Version 2: each part of a multipart object
 /// keeps its checksum, and an upload in progress its checksum type.
-pub const FORMAT_VERSION: u16 = 2;
+/// Version 3: an object record carries its stamp, and a deleted key keeps
+/// an empty record (a tombstone) with one.
+pub const FORMAT_VERSION: u16 = 3;
 const HEADER_BYTES: usize = 12;
 const TRAILER_BYTES: usize = 4;
 
@@ -594,6 +596,16 @@ impl VersionMeta {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ObjectRecord {
     pub versions: Vec<VersionMeta>,
+    /// Orders the records of one key on a drive: every write of a record
+    /// carries a stamp above every stamp its writer saw, and a drive takes
+    /// a record only over one with a lower stamp (`DriveDb::write_object`),
+    /// so a write that arrives late (a call whose caller gave up, one that
+    /// waited behind a busy core) never replaces a newer record. A record
+    /// with no versions is a deleted key's tombstone, kept for its stamp.
+    /// Nanoseconds, from the writer's clock and the stamps it saw
+    /// (`Store::next_mod_time`). Records of format 1 and 2 take their
+    /// newest version's modification time.
+    pub stamp: u64,
 }
 
 impl ObjectRecord {
@@ -603,6 +615,7 @@ impl ObjectRecord {
         for v in &self.versions {
             v.encode(&mut e);
         }
+        e.u64(self.stamp);
         e.finish(RecordKind::Object)
     }
 
@@ -613,8 +626,45 @@ impl ObjectRecord {
         for _ in 0..n {
             versions.push(VersionMeta::decode(&mut d)?);
         }
+        let stamp = if d.version() >= 3 {
+            d.u64()?
+        } else {
+            versions.iter().map(|v| v.mod_time_ns).max().unwrap_or(0)
+        };
         d.finish()?;
-        Ok(ObjectRecord { versions })
+        Ok(ObjectRecord { versions, stamp })
+    }
+
+    /// A deleted key's record: no versions, only the stamp.
+    pub fn tombstone(stamp: u64) -> ObjectRecord {
+        ObjectRecord {
+            versions: Vec::new(),
+            stamp,
+        }
+    }
+
+    /// Whether two records hold the same versions, whatever their stamps.
+    pub fn same_versions(&self, other: &ObjectRecord) -> bool {
+        self.versions == other.versions
+    }
+}
+
+/// A small inline version for tests: id bytes all `id`, the given time.
+#[cfg(test)]
+pub(crate) fn test_version(id: u8, mod_time_ns: u64) -> VersionMeta {
+    VersionMeta {
+        version_id: [id; 16],
+        mod_time_ns,
+        delete_marker: false,
+        size: 1,
+        etag: String::new(),
+        content_type: String::new(),
+        headers: Vec::new(),
+        user_metadata: Vec::new(),
+        tags: Vec::new(),
+        checksum: None,
+        layout: Layout::single_copy(4096),
+        storage: Storage::Inline { crc32c: 0 },
     }
 }
 
@@ -784,15 +834,15 @@ mod tests {
 
     proptest! {
         #[test]
-        fn object_record_roundtrip(versions in proptest::collection::vec(arb_version(), 0..4)) {
-            let r = ObjectRecord { versions };
+        fn object_record_roundtrip(versions in proptest::collection::vec(arb_version(), 0..4), stamp in any::<u64>()) {
+            let r = ObjectRecord { versions, stamp };
             let bytes = r.encode();
             prop_assert_eq!(ObjectRecord::decode(&bytes).unwrap(), r);
         }
 
         #[test]
         fn corrupt_object_record_is_an_error(versions in proptest::collection::vec(arb_version(), 1..3), pos in any::<usize>(), bit in 0u8..8, cut in any::<usize>()) {
-            let bytes = ObjectRecord { versions }.encode();
+            let bytes = ObjectRecord { versions, stamp: 7 }.encode();
             let mut flipped = bytes.clone();
             let i = pos % flipped.len();
             flipped[i] ^= 1 << bit;
@@ -923,10 +973,18 @@ mod tests {
                 checksum: None,
             }]),
         };
-        let rec = ObjectRecord { versions: vec![v] };
-        // The last part's absent checksum is one byte.
-        let old = as_format1(&rec.encode(), 1);
-        assert_eq!(ObjectRecord::decode(&old).unwrap(), rec);
+        let rec = ObjectRecord {
+            versions: vec![v],
+            stamp: 99,
+        };
+        // The stamp is 8 bytes, the last part's absent checksum one; a
+        // record without a stamp takes its newest version's time.
+        let old = as_format1(&rec.encode(), 9);
+        let want = ObjectRecord {
+            stamp: rec.versions[0].mod_time_ns,
+            ..rec.clone()
+        };
+        assert_eq!(ObjectRecord::decode(&old).unwrap(), want);
     }
 
     #[test]

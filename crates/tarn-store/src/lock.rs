@@ -109,6 +109,17 @@ pub enum LeaseCall {
     },
     /// Ends the owner's holding, locks and pins.
     Release { owner: Id128 },
+    /// Ends every holding of an earlier incarnation of a node: those whose
+    /// owner has `holder`'s first 4 bytes (the node) but not its next 4
+    /// (this start of it). What a node that died holding locks sends when
+    /// it starts again, so that its old locks do not wait to lapse.
+    ReleaseEarlier { holder: Id128 },
+}
+
+/// Whether `owner` is a holding of an earlier incarnation of `holder`'s
+/// node (`lock_owner`'s layout).
+pub fn earlier_incarnation(owner: &Id128, holder: &Id128) -> bool {
+    owner[..4] == holder[..4] && owner[4..8] != holder[4..8]
 }
 
 /// The most items one acquire takes, and the most data ids one pin names
@@ -151,7 +162,21 @@ struct Leases {
     /// No holding lapses before this, so a call before it skips the scan
     /// for lapsed holdings.
     earliest_lapse: Option<Instant>,
+    /// Owners released while they held nothing here, and when: their
+    /// acquire is still on its way (it waited behind a busy core, or in a
+    /// paused node's socket), or it failed. Granting it when it comes
+    /// would hold the key for a caller that gave up, until the holding
+    /// lapsed (writes stalled 12-14 s after a partition healed). At most
+    /// `ENDED_MAX`, each for `ENDED_FOR`.
+    ended: HashMap<Id128, Instant>,
 }
+
+/// How long a release that came before its acquire is remembered: longer
+/// than any lease lives, so the acquire can only come later as a holding
+/// that lapses sooner than this.
+const ENDED_FOR: Duration = Duration::from_secs(LEASE_TTL_MAX_MS as u64 / 1000);
+/// The most early releases remembered (the oldest go first).
+const ENDED_MAX: usize = 100_000;
 
 /// The locks and pins of one drive of this node, as every node asks for
 /// them: the vote of this drive in a quorum lock (`Store::lock_write`), and
@@ -200,7 +225,9 @@ impl LeaseTable {
     pub async fn expire(&self) {
         let freed = {
             let mut l = self.inner.lock().expect("lease table");
-            l.expire(Instant::now())
+            let now = Instant::now();
+            l.forget_ended(now);
+            l.expire(now)
         };
         remove_shard_files(&self.paths, freed).await;
     }
@@ -230,9 +257,10 @@ impl LeaseTable {
                     )));
                 }
                 let ttl = ttl(ttl_ms)?;
-                if l.holdings.contains_key(&owner) {
+                if l.holdings.contains_key(&owner) || l.ended.contains_key(&owner) {
                     // An owner id names one attempt: a second acquire is a
-                    // confused or forged caller.
+                    // confused or forged caller, and one after the
+                    // owner's release came too late.
                     false
                 } else if items.iter().all(|(r, m)| l.free_for(*r, *m)) {
                     for (r, m) in &items {
@@ -292,8 +320,24 @@ impl LeaseTable {
                 );
                 true
             }
+            LeaseCall::ReleaseEarlier { holder } => {
+                let earlier: Vec<Id128> = l
+                    .holdings
+                    .keys()
+                    .filter(|o| earlier_incarnation(o, &holder))
+                    .copied()
+                    .collect();
+                for o in earlier {
+                    freed.extend(l.end(&o));
+                }
+                true
+            }
             LeaseCall::Release { owner } => {
-                freed.extend(l.end(&owner));
+                if l.holdings.contains_key(&owner) {
+                    freed.extend(l.end(&owner));
+                } else {
+                    l.remember_ended(owner, now);
+                }
                 true
             }
         };
@@ -307,6 +351,28 @@ impl LeaseTable {
 }
 
 impl Leases {
+    fn forget_ended(&mut self, now: Instant) {
+        self.ended
+            .retain(|_, at| now.duration_since(*at) < ENDED_FOR);
+    }
+
+    fn remember_ended(&mut self, owner: Id128, now: Instant) {
+        if self.ended.len() >= ENDED_MAX {
+            self.forget_ended(now);
+            if self.ended.len() >= ENDED_MAX {
+                let oldest = self
+                    .ended
+                    .iter()
+                    .min_by_key(|(_, at)| **at)
+                    .map(|(o, _)| *o);
+                if let Some(o) = oldest {
+                    self.ended.remove(&o);
+                }
+            }
+        }
+        self.ended.insert(owner, now);
+    }
+
     fn hold(&mut self, owner: Id128, h: Holding) {
         self.earliest_lapse = Some(self.earliest_lapse.map_or(h.expires, |e| e.min(h.expires)));
         self.holdings.insert(owner, h);
@@ -408,6 +474,75 @@ mod tests {
 
     fn at(t: &LeaseTable, call: LeaseCall, now: Instant) -> bool {
         t.apply(call, now).unwrap().0
+    }
+
+    /// A node killed holding locks on other nodes' drives blocked their
+    /// keys until the holdings lapsed (15 s); started again, it ends its
+    /// earlier incarnations' holdings and no one else's.
+    #[test]
+    fn a_node_started_again_ends_its_earlier_holdings_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = table(dir.path());
+        let now = Instant::now();
+        let owner = |node: u8, inc: u8, n: u8| {
+            let mut o = [n; 16];
+            o[..4].copy_from_slice(&[node; 4]);
+            o[4..8].copy_from_slice(&[inc; 4]);
+            o
+        };
+        let take = |o: Id128, r: u64| LeaseCall::Acquire {
+            owner: o,
+            items: vec![(r, LockMode::Write)],
+            ttl_ms: 15_000,
+        };
+        assert!(at(&t, take(owner(1, 1, 1), 10), now));
+        assert!(at(&t, take(owner(1, 2, 2), 11), now));
+        assert!(at(&t, take(owner(2, 1, 3), 12), now));
+        assert!(at(
+            &t,
+            LeaseCall::ReleaseEarlier {
+                holder: owner(1, 2, 0)
+            },
+            now
+        ));
+        assert_eq!(t.held(), 2);
+        assert!(
+            at(&t, take(owner(3, 1, 4), 10), now),
+            "node 1's old lock is gone"
+        );
+        assert!(
+            !at(&t, take(owner(3, 1, 5), 11), now),
+            "its current one stays"
+        );
+        assert!(
+            !at(&t, take(owner(3, 1, 6), 12), now),
+            "another node's stays"
+        );
+    }
+
+    /// Writes stalled 12-14 s after a partition healed (issue 40): an
+    /// acquire that reached a drive after its caller had given up on it
+    /// (released it, or failed the call) held the key for nobody until the
+    /// holding lapsed. A release that comes first now bars the acquire.
+    #[test]
+    fn an_acquire_that_arrives_after_its_release_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = table(dir.path());
+        let now = Instant::now();
+        assert!(at(&t, LeaseCall::Release { owner: [1; 16] }, now));
+        assert!(!at(&t, acquire(1, &[(7, LockMode::Write)], 15_000), now));
+        assert_eq!(t.held(), 0);
+        assert!(
+            at(&t, acquire(2, &[(7, LockMode::Write)], 15_000), now),
+            "the key is free"
+        );
+        // A release of a holding ends it and is not remembered.
+        assert!(at(&t, LeaseCall::Release { owner: [2; 16] }, now));
+        assert!(t.inner.lock().unwrap().ended.len() == 1);
+        // Remembered for a while, not for ever.
+        let later = now + ENDED_FOR + Duration::from_secs(1);
+        t.inner.lock().unwrap().forget_ended(later);
+        assert!(at(&t, acquire(1, &[(8, LockMode::Write)], 15_000), later));
     }
 
     #[test]

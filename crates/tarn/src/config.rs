@@ -28,6 +28,9 @@ pub struct FileConfig {
     pub etag_mode: Option<String>,
     pub etag_md5_max_bytes: Option<u64>,
     pub inflight_requests_max: Option<usize>,
+    /// S3 connections open at once, and per client address.
+    pub connections_max: Option<usize>,
+    pub connections_per_client_max: Option<usize>,
     pub buffers_per_core: Option<usize>,
     pub scan_interval_secs: Option<u64>,
     pub io_uring: Option<bool>,

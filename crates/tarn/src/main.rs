@@ -8,6 +8,7 @@ mod bench_drive;
 mod bench_kv;
 mod config;
 mod conn;
+mod fdlimit;
 mod metrics;
 mod server;
 
@@ -112,6 +113,14 @@ struct ServerArgs {
     /// Requests served at once before answering 503 SlowDown.
     #[arg(long)]
     inflight_requests_max: Option<usize>,
+    /// S3 connections open at once; more are closed as they come (default:
+    /// half the open-files limit left after a reserve for the drives).
+    #[arg(long)]
+    connections_max: Option<usize>,
+    /// S3 connections one client address may hold open (default: a quarter
+    /// of --connections-max).
+    #[arg(long)]
+    connections_per_client_max: Option<usize>,
     /// Seconds between background heal scans (0 = off).
     #[arg(long)]
     scan_interval_secs: Option<u64>,
@@ -491,6 +500,9 @@ fn start_kv(
 }
 
 fn run_server(args: ServerArgs) -> anyhow::Result<()> {
+    // Before any drive is opened: the descriptors the drives need must not
+    // be those the clients' connections took.
+    let nofile = fdlimit::raise_nofile();
     let file = match &args.config {
         Some(p) => FileConfig::load(p)?,
         None => FileConfig::default(),
@@ -716,7 +728,28 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // In a cluster this counts the other nodes' drives too: a larger reserve.
+    let local_drives = store.drive_status().len();
+    let (conn_max, per_client) = fdlimit::default_caps(nofile, local_drives);
+    let conn_max = args
+        .connections_max
+        .or(file.connections_max)
+        .unwrap_or(conn_max);
+    let per_client = args
+        .connections_per_client_max
+        .or(file.connections_per_client_max)
+        .unwrap_or(per_client.min(conn_max));
+    if conn_max == 0 || per_client == 0 {
+        bail!("connections_max and connections_per_client_max must be at least 1");
+    }
+    tracing::info!(
+        open_files_limit = nofile,
+        connections_max = conn_max,
+        connections_per_client_max = per_client,
+        "S3 connections capped below the open-files limit"
+    );
     let settings = server::ServerSettings {
+        connections: fdlimit::Connections::new(conn_max, per_client),
         listen,
         admin_listen,
         cores,

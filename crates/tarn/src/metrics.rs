@@ -28,6 +28,8 @@ pub struct Metrics {
     pub bytes_out: AtomicU64,
     pub inflight: AtomicU64,
     pub rejected_overload: AtomicU64,
+    /// The S3 connections and their caps.
+    pub connections: std::sync::OnceLock<std::sync::Arc<crate::fdlimit::Connections>>,
     /// The KV engines by tenant when `--kv` is on.
     pub kv: std::sync::OnceLock<Vec<(String, std::sync::Arc<tarn_kv::Engine>)>>,
 }
@@ -93,9 +95,31 @@ impl Metrics {
             );
         }
         drop(ops);
+        if let Some(c) = self.connections.get() {
+            let _ = writeln!(
+                out,
+                "# HELP tarn_connections_open S3 connections open.\n# TYPE tarn_connections_open gauge\ntarn_connections_open {}\n\
+                 # HELP tarn_connections_max S3 connections allowed open at once, and per client address.\n# TYPE tarn_connections_max gauge\n\
+                 tarn_connections_max{{per=\"server\"}} {}\ntarn_connections_max{{per=\"client\"}} {}\n\
+                 # HELP tarn_connections_refused_total S3 connections closed as they came: over the cap in all, over one client address's cap, or accepts that failed.\n# TYPE tarn_connections_refused_total counter\n\
+                 tarn_connections_refused_total{{reason=\"server_cap\"}} {}\ntarn_connections_refused_total{{reason=\"client_cap\"}} {}\ntarn_connections_refused_total{{reason=\"accept_failed\"}} {}",
+                c.open(),
+                c.max(),
+                c.per_client_max(),
+                c.refused_total.load(Ordering::Relaxed),
+                c.refused_per_client.load(Ordering::Relaxed),
+                c.accept_errors.load(Ordering::Relaxed),
+            );
+        }
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 20] = [
+        let scalars: [(&str, &str, &str, u64); 21] = [
+            (
+                "tarn_fd_exhaustion_total",
+                "Drive operations that failed because the process ran out of file descriptors (the drive stays in service).",
+                "counter",
+                load(&st.fd_exhaustion),
+            ),
             (
                 "tarn_request_bytes_in_total",
                 "Declared request body bytes.",

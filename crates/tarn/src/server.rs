@@ -32,6 +32,8 @@ const USER_METADATA_MAX_BYTES: usize = 2 << 10;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 pub struct ServerSettings {
+    /// S3 connections open now, against their caps (`fdlimit`).
+    pub connections: Arc<crate::fdlimit::Connections>,
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub cores: usize,
@@ -492,6 +494,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
 /// Runs the server until SIGTERM/SIGINT. Blocks the calling thread.
 pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
+    let _ = metrics.connections.set(settings.connections.clone());
     if !settings.kv.is_empty() {
         let _ = metrics.kv.set(settings.kv.clone());
     }
@@ -525,6 +528,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         peer: None,
     };
     let send_idle = settings.send_idle_timeout;
+    let connections = settings.connections.clone();
 
     tune_allocator();
     let mut threads = Vec::new();
@@ -532,6 +536,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         let front = front.clone();
         let stop = stop_rx.clone();
         let store = store.clone();
+        let connections = connections.clone();
         let (pin, uring) = (settings.pin, settings.io_uring);
         let admin = if core == 0 {
             admin.try_clone().ok()
@@ -571,7 +576,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                             ));
                         }
                         let listener = TcpListener::from_std(listener)?;
-                        serve_core(listener, front, send_idle, stop).await;
+                        serve_core(listener, front, send_idle, connections, stop).await;
                         Ok::<_, anyhow::Error>(())
                     })
                 })?,
@@ -651,6 +656,7 @@ async fn serve_core(
     listener: TcpListener,
     front: Front,
     send_idle: Duration,
+    connections: Arc<crate::fdlimit::Connections>,
     mut stop: watch::Receiver<bool>,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -665,10 +671,21 @@ async fn serve_core(
                 let (stream, peer) = match accepted {
                     Ok(s) => s,
                     Err(error) => {
+                        // Out of descriptors despite the caps (another
+                        // part of the process took them): the connection
+                        // waits in the backlog; nothing else is touched.
+                        connections.accept_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         tracing::warn!(%error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
+                };
+                // Over a cap, the connection is closed at once (counted):
+                // its descriptor goes back before any request is read.
+                let Some(admitted) = connections.admit(peer.ip()) else {
+                    tracing::debug!(%peer, "connection refused: over the connection cap");
+                    drop(stream);
+                    continue;
                 };
                 // Small responses must not wait for the delayed-ACK timer.
                 let _ = stream.set_nodelay(true);
@@ -679,6 +696,7 @@ async fn serve_core(
                 let conn = http.serve_connection(TokioIo::new(io), front);
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
+                    let _admitted = admitted;
                     let mut conn = std::pin::pin!(conn);
                     if let Err(error) = (&mut conn).await {
                         // Mid-response this is a body cut short: the socket

@@ -608,7 +608,8 @@ pub mod drive {
     /// (each item takes at least `min_item_bytes`), so a forged count
     /// allocates nothing.
     /// A call on a drive's lease table (after the drive id): its kind (1
-    /// acquire, 2 refresh, 3 pin, 4 release), the owner, then per kind the
+    /// acquire, 2 refresh, 3 pin, 4 release, 5 release an earlier
+    /// incarnation's holdings: the owner field is the holder), the owner, then per kind the
     /// time to live and the lock items (resource u64, mode 0 read / 1
     /// write) or the pinned data ids.
     pub fn lease_call(e: &mut Enc, call: &LeaseCall) {
@@ -641,6 +642,9 @@ pub mod drive {
             }
             LeaseCall::Release { owner } => {
                 e.u8(4).fixed(owner);
+            }
+            LeaseCall::ReleaseEarlier { holder } => {
+                e.u8(5).fixed(holder);
             }
         }
     }
@@ -692,6 +696,7 @@ pub mod drive {
                 }
             }
             4 => LeaseCall::Release { owner },
+            5 => LeaseCall::ReleaseEarlier { holder: owner },
             _ => return Err(WireError::Invalid("lease call kind")),
         };
         d.end()?;
@@ -777,6 +782,11 @@ pub mod drive {
         ShardLength(u64, u64),
         ShardCorrupt(u64),
         ShardFooter(String),
+        /// The drive holds a newer record of the key (held, offered stamps).
+        Superseded(u64, u64, String),
+        /// No answer within the deadline from a node not (yet) suspect:
+        /// made on the caller's side, never sent.
+        Late(String),
         Other(String),
     }
 
@@ -793,6 +803,8 @@ pub mod drive {
                 Failure::ShardLength(x, y) => ("shard-length", *x, *y, ""),
                 Failure::ShardCorrupt(j) => ("shard-corrupt", *j, 0, ""),
                 Failure::ShardFooter(t) => ("shard-footer", 0, 0, t),
+                Failure::Superseded(held, offered, t) => ("superseded", *held, *offered, t),
+                Failure::Late(t) => ("late", 0, 0, t),
                 Failure::Other(t) => ("other", 0, 0, t),
             };
             format!("{PREFIX}{tag}|{a}|{b}|{text}")
@@ -815,6 +827,8 @@ pub mod drive {
                     "shard-length" => Failure::ShardLength(a, b),
                     "shard-corrupt" => Failure::ShardCorrupt(a),
                     "shard-footer" => Failure::ShardFooter(t),
+                    "superseded" => Failure::Superseded(a, b, t),
+                    "late" => Failure::Late(t),
                     _ => Failure::Other(t),
                 })
             })();
@@ -826,6 +840,12 @@ pub mod drive {
                 StoreError::IndexCorrupt { reason, .. } => Failure::IndexCorrupt(reason.clone()),
                 StoreError::CorruptMetadata { what, .. } => Failure::CorruptMetadata(what.clone()),
                 StoreError::Io(io) => Failure::of_io(io),
+                StoreError::Superseded {
+                    what,
+                    held,
+                    offered,
+                    ..
+                } => Failure::Superseded(*held, *offered, what.clone()),
                 other => {
                     // ENOSPC inside a text-only error stays recognisable.
                     let t = other.to_string();
@@ -861,6 +881,13 @@ pub mod drive {
                 Failure::CorruptMetadata(what) => StoreError::CorruptMetadata { drive, what },
                 Failure::Io(..) => StoreError::from(self.into_io()),
                 Failure::Offline(reason) => StoreError::Drive { drive, reason },
+                Failure::Late(reason) => StoreError::Late { drive, reason },
+                Failure::Superseded(held, offered, what) => StoreError::Superseded {
+                    drive,
+                    what,
+                    held,
+                    offered,
+                },
                 other => StoreError::Drive {
                     drive,
                     reason: format!("{other:?}"),
@@ -871,6 +898,7 @@ pub mod drive {
         pub fn into_io(self) -> std::io::Error {
             match self {
                 Failure::Io(errno, _) if errno != 0 => std::io::Error::from_raw_os_error(errno),
+                Failure::Late(t) => std::io::Error::new(std::io::ErrorKind::TimedOut, t),
                 Failure::Io(_, t) | Failure::Other(t) | Failure::Offline(t) => {
                     std::io::Error::other(t)
                 }

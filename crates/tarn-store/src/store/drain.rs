@@ -244,21 +244,29 @@ impl Store {
     ) -> Result<(usize, ObjectRecord), StoreError> {
         let topo = self.topo();
         let h = self.key_hash(bucket, key);
+        let mut read = Vec::new();
         for p in topo.pools.iter().filter(|p| p.takes_keys()) {
             let set = Self::set_in(p, h);
             let (rec, _) = self.resolved(set, bucket, key).await?;
             if !rec.versions.is_empty() {
                 return Ok((set, rec));
             }
+            read.push((set, rec));
         }
-        // Every active pool's set was read above and holds nothing.
+        // Every active pool's set was read above and holds nothing (but
+        // maybe a deleted key's tombstone, whose stamp the write must pass).
         let set = self.new_key_set(&topo, h);
         if !topo.pool_of(set).takes_keys() {
             return Err(StoreError::Config(
                 "no active pool to move objects to: every pool drains".into(),
             ));
         }
-        Ok((set, ObjectRecord::default()))
+        let rec = read
+            .into_iter()
+            .find(|(s, _)| *s == set)
+            .map(|(_, r)| r)
+            .unwrap_or_default();
+        Ok((set, rec))
     }
 
     /// A version's layout re-made for set `to`: the same durability (the

@@ -321,19 +321,18 @@ impl Store {
         report: &mut HealReport,
     ) -> Result<(), StoreError> {
         let records = self.read_records(set, bucket, key).await;
-        let quorum = self.meta_read_quorum(self.set_size(set));
-        let answered = records
-            .iter()
-            .filter(|r| r.is_ok() || matches!(r, Err(StoreError::CorruptMetadata { .. })))
-            .count();
-        if answered < quorum {
-            return Err(StoreError::QuorumLost {
+        // A record that does not decode says nothing of the key: its drive
+        // counts as one that did not answer (and gets the merged record).
+        let merged = super::resolve(&records, self.set_size(set)).map_err(|e| match e {
+            StoreError::QuorumLost {
+                needed, available, ..
+            } => StoreError::QuorumLost {
                 what: "heal",
-                needed: quorum,
-                available: answered,
-            });
-        }
-        let merged = super::resolve(&records, quorum);
+                needed,
+                available,
+            },
+            e => e,
+        })?;
 
         // Inline data: a verified copy to give drives that lack one.
         let mut inline_copies = Vec::new();
@@ -409,6 +408,13 @@ impl Store {
                 .await
             {
                 Ok(()) => report.metadata_rewritten += 1,
+                // A newer record reached the drive after the read (or the
+                // drive did not answer it): the next heal settles it.
+                Err(error @ (StoreError::Superseded { .. } | StoreError::Late { .. })) => {
+                    tracing::warn!(%bucket, %key, %error, "metadata heal did not reach a drive; healed again later");
+                    report.failures += 1;
+                    report.metadata_failures += 1;
+                }
                 Err(error) => {
                     tracing::error!(%bucket, %key, %error, "rewriting metadata failed");
                     self.index_write_failed(&self.slot(set, pos), "metadata heal", &error);

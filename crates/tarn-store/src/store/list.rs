@@ -57,6 +57,8 @@ type DriveRecords = Vec<Result<Option<ObjectRecord>, StoreError>>;
 struct SetDrives {
     dbs: Vec<Arc<dyn Drive>>,
     quorum: usize,
+    /// Drives in the set, those not listed from included.
+    size: usize,
 }
 
 /// Entries a drive of another node sends per page: a listing page's worth
@@ -309,13 +311,21 @@ async fn walk(
                     .iter()
                     .all(|r| matches!((r, &recs[0]), (Ok(a), Ok(b)) if a == b))
         });
-        let rec = match agreed {
+        // Drives walked agree, and enough of them to settle it: their
+        // record. Otherwise the key is read again as a GET reads it.
+        let settled: Option<Vec<ObjectRecord>> = match agreed {
             true => by_set
                 .iter()
-                .map(|(s, recs)| resolve(recs, sets[*s].quorum))
+                .map(|(s, recs)| resolve(recs, sets[*s].size).ok())
+                .collect(),
+            false => None,
+        };
+        let rec = match settled {
+            Some(recs) => recs
+                .into_iter()
                 .max_by_key(super::pools::newest)
                 .unwrap_or_default(),
-            false => reread(store, bucket, &key).await?,
+            None => reread(store, bucket, &key).await?,
         };
         match visit(&key, rec) {
             Step::Next => {}
@@ -355,10 +365,12 @@ impl Store {
                         .filter_map(|p| self.slot(s, p).db())
                         .collect(),
                     quorum: self.meta_read_quorum(self.set_size(s)),
+                    size: self.set_size(s),
                 },
                 false => SetDrives {
                     dbs: Vec::new(),
                     quorum: 0,
+                    size: self.set_size(s),
                 },
             })
             .collect()

@@ -97,15 +97,41 @@ impl Drop for Lease {
     }
 }
 
+/// First wait before a release that failed is sent again, and the longest.
+const RELEASE_RETRY_FIRST: Duration = Duration::from_millis(100);
+const RELEASE_RETRY_MAX: Duration = Duration::from_millis(500);
+
 /// Releases a holding in the background (without a runtime it lapses).
+/// A drive that cannot be reached now (its node cut off, paused, busy)
+/// is asked again until it answers or the holding has lapsed there
+/// anyway: a partition that heals leaves no lock of a request that failed
+/// during it in the way of the next writer (writes stalled 12-14 s, until
+/// the holdings lapsed, before). A drive whose acquire got no answer is
+/// released too: it may have granted it.
 fn release(owner: Id128, voters: Vec<Voter>) {
     if voters.is_empty() {
         return;
     }
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(async move {
-            let calls = voters.iter().map(|v| v.call(LeaseCall::Release { owner }));
-            futures::future::join_all(calls).await;
+            let until = Instant::now() + Duration::from_millis(LEASE_TTL_MS as u64);
+            let mut left = voters;
+            let mut wait = RELEASE_RETRY_FIRST;
+            loop {
+                let calls = left.iter().map(|v| v.call(LeaseCall::Release { owner }));
+                let answers = futures::future::join_all(calls).await;
+                left = left
+                    .into_iter()
+                    .zip(answers)
+                    .filter(|(_, a)| a.is_err())
+                    .map(|(v, _)| v)
+                    .collect();
+                if left.is_empty() || Instant::now() + wait > until {
+                    return;
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(RELEASE_RETRY_MAX);
+            }
         });
     }
 }
@@ -150,7 +176,7 @@ impl KeyLock {
         }
         let lock = std::mem::take(&mut self.leases);
         let voters = store.voters(set);
-        let owner = new_id();
+        let owner = store.lock_owner();
         let mut pending: FuturesUnordered<_> = voters
             .iter()
             .map(|v| {
@@ -181,6 +207,37 @@ impl KeyLock {
 }
 
 impl Store {
+    /// A new lock owner id: this node and this start of it (so that a later
+    /// start can end what this one held), then random bytes.
+    pub(crate) fn lock_owner(&self) -> Id128 {
+        let mut o = new_id();
+        o[..8].copy_from_slice(&self.lock_holder[..8]);
+        o
+    }
+
+    /// Once per start, tells every drive of another node this one reaches
+    /// to end the holdings of this node's earlier starts: a node killed
+    /// holding locks left them in its peers' lease tables until they lapsed
+    /// (writes of those keys stalled up to 15 s after it came back).
+    pub(crate) async fn tell_restart(&self) {
+        if !self.distributed {
+            return;
+        }
+        let topo = self.topo();
+        for (i, slot) in topo.slots.iter().enumerate() {
+            if slot.leases.is_some() || self.holder_told.lock().expect("holder told").contains(&i) {
+                continue;
+            }
+            let Some(d) = slot.writer() else { continue };
+            let call = LeaseCall::ReleaseEarlier {
+                holder: self.lock_holder,
+            };
+            if d.lease(call).await.is_ok() {
+                self.holder_told.lock().expect("holder told").insert(i);
+            }
+        }
+    }
+
     /// The lease tables of a set's drives this node can reach now.
     fn voters(&self, set: usize) -> Vec<Voter> {
         (0..self.set_size(set))
@@ -271,7 +328,7 @@ impl Store {
                     available: voters.len(),
                 });
             }
-            let owner = new_id();
+            let owner = self.lock_owner();
             // This node's drives first (no round trip), then the others from
             // a random place: a quorum is asked first, the rest only for a
             // voter that is busy, fails, or has not answered in time.
@@ -300,6 +357,8 @@ impl Store {
             let hedge = tokio::time::sleep(LOCK_HEDGE);
             tokio::pin!(hedge);
             let (mut granted, mut busy, mut failed) = (Vec::new(), 0, 0);
+            // Voters whose answer was lost: they may have granted it.
+            let mut unknown = Vec::new();
             while granted.len() < quorum && voters.len() - busy - failed >= quorum {
                 while granted.len() + pending.len() < quorum && asked < order.len() {
                     pending.push(launch(order[asked]));
@@ -309,7 +368,11 @@ impl Store {
                     r = pending.next() => match r {
                         Some(Ok((i, Ok(true)))) => granted.push(voters[i].clone()),
                         Some(Ok((_, Ok(false)))) => busy += 1,
-                        Some(_) => failed += 1,
+                        Some(Ok((i, Err(_)))) => {
+                            failed += 1;
+                            unknown.push(voters[i].clone());
+                        }
+                        Some(Err(_)) => failed += 1,
                         None => break,
                     },
                     () = &mut hedge, if asked < order.len() => {
@@ -321,17 +384,20 @@ impl Store {
                 }
             }
             // Whatever the drives still answering grant is released as it
-            // comes.
+            // comes, and so is every drive whose answer was lost.
             if !pending.is_empty() {
                 let voters = voters.clone();
                 tokio::spawn(async move {
+                    let mut late = Vec::new();
                     while let Some(r) = pending.next().await {
-                        if let Ok((i, Ok(true))) = r {
-                            let _ = voters[i].call(LeaseCall::Release { owner }).await;
+                        if let Ok((i, Ok(true) | Err(_))) = r {
+                            late.push(voters[i].clone());
                         }
                     }
+                    release(owner, late);
                 });
             }
+            release(owner, unknown);
             if granted.len() >= quorum {
                 return Ok(Lease::new(owner, granted));
             }

@@ -365,6 +365,32 @@ fn no_space(error: &(dyn std::error::Error + 'static)) -> bool {
     }) || error.to_string().contains("os error 28")
 }
 
+/// Whether an error says the process (EMFILE) or the system (ENFILE) ran
+/// out of file descriptors.
+fn fds_exhausted(error: &(dyn std::error::Error + 'static)) -> bool {
+    in_chain(error, |e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| matches!(io.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)))
+    }) || {
+        let t = error.to_string();
+        t.contains("os error 24") || t.contains("os error 23")
+    }
+}
+
+/// Whether an error says a drive of another node did not answer in time
+/// while its node was not found silent (`StoreError::Late`, or the
+/// `TimedOut` I/O error a shard call carries it as): no fault of the drive.
+fn late(error: &(dyn std::error::Error + 'static)) -> bool {
+    in_chain(error, |e| {
+        matches!(
+            e.downcast_ref::<StoreError>(),
+            Some(StoreError::Late { .. })
+        ) || e
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
+}
+
 /// Whether an error says a drive's metadata index is damaged.
 fn index_corrupt(error: &(dyn std::error::Error + 'static)) -> bool {
     in_chain(error, |e| {
@@ -514,6 +540,9 @@ pub(crate) struct HealTask {
 /// Counters exposed as metrics by the binary.
 #[derive(Default)]
 pub struct StoreStats {
+    /// Drive failures that were the process running out of descriptors
+    /// (the drive was not taken out).
+    pub fd_exhaustion: AtomicU64,
     pub heal_queued: AtomicU64,
     pub heal_dropped: AtomicU64,
     pub shards_reconstructed: AtomicU64,
@@ -621,6 +650,12 @@ pub struct Store {
     /// Other nodes reach drives of this engine's sets (or this node reaches
     /// theirs): keys are locked on the drives too (`locking`).
     distributed: bool,
+    /// The first 8 bytes of every lock owner of this start of this node
+    /// (`lock_owner`).
+    lock_holder: Id128,
+    /// Drive slots of other nodes told to end this node's earlier
+    /// incarnations' holdings (`tell_restart`).
+    holder_told: Mutex<std::collections::HashSet<usize>>,
     pool: BufferPool,
     heal_tx: mpsc::Sender<HealTask>,
     heal_rx: Mutex<Option<mpsc::Receiver<HealTask>>>,
@@ -633,8 +668,14 @@ pub struct Store {
     /// The backfill running on this node (`backfill`).
     backfill: Mutex<Option<BackfillStatus>>,
     last_mod_time_ns: AtomicU64,
+    /// When this node's drives' tombstones were last swept.
+    tombstones_swept: Mutex<Option<std::time::Instant>>,
     pub stats: StoreStats,
 }
+
+/// How often each drive's tombstones past `drive::TOMBSTONE_TTL_NS` are
+/// swept.
+const TOMBSTONE_SWEEP_EVERY: Duration = Duration::from_secs(600);
 
 pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
@@ -795,6 +836,8 @@ pub struct ClusterLayout {
     /// catalog that keeps them and the system documents.
     pub buckets: BTreeMap<String, BucketRecord>,
     pub catalog: Arc<dyn Catalog>,
+    /// This node's id: its lock owners name it (`Store::lock_owner`).
+    pub node_id: String,
 }
 
 /// One pool of a cluster map as the engine serves it.
@@ -1222,6 +1265,7 @@ impl Store {
             buckets,
             (rebuilds, set_aside_at_start),
             None,
+            "",
         ))
     }
 
@@ -1258,6 +1302,7 @@ impl Store {
             layout.buckets,
             counts,
             Some(layout.catalog),
+            &layout.node_id,
         ))
     }
 
@@ -1271,6 +1316,7 @@ impl Store {
         buckets: BTreeMap<String, BucketRecord>,
         (rebuilds, set_aside_at_start): (u64, u64),
         catalog: Option<Arc<dyn Catalog>>,
+        node_id: &str,
     ) -> Arc<Store> {
         for (s, members) in sets.iter().enumerate() {
             let online = members.iter().filter(|&&d| drives[d].online()).count();
@@ -1299,10 +1345,18 @@ impl Store {
             cfg.buffers_per_core.max(8),
         );
         let distributed = drives.iter().any(|d| d.is_remote());
+        // Lock owners: this node (4 bytes of its id's hash), this start of
+        // it (4 random bytes), then 8 random bytes per owner.
+        let mut lock_holder = new_id();
+        lock_holder[..4]
+            .copy_from_slice(&xxhash_rust::xxh3::xxh3_64(node_id.as_bytes()).to_le_bytes()[..4]);
+        lock_holder[8..].fill(0);
         Arc::new(Store {
             deployment_id,
             hash_seed,
             distributed,
+            lock_holder,
+            holder_told: Mutex::default(),
             topo: RwLock::new(Arc::new(Topology {
                 slots: drives.into_iter().map(Arc::new).collect(),
                 sets,
@@ -1320,6 +1374,7 @@ impl Store {
             replaying: Mutex::default(),
             backfill: Mutex::default(),
             last_mod_time_ns: AtomicU64::new(0),
+            tombstones_swept: Mutex::default(),
             stats: StoreStats {
                 index_corruptions: AtomicU64::new(set_aside_at_start),
                 ..StoreStats::default()
@@ -1514,6 +1569,12 @@ impl Store {
             slot.mark_full();
             return;
         }
+        // One late answer of another node takes nothing out: its node is
+        // probed, and routed around once a probe fails too.
+        if slot.is_remote() && late(error) {
+            tracing::warn!(drive = %slot.name, %what, "a drive of another node answered late");
+            return;
+        }
         self.take_out(slot, what, error, false);
     }
 
@@ -1529,6 +1590,9 @@ impl Store {
     ) {
         if no_space(error) {
             slot.mark_full();
+        }
+        if slot.is_remote() && late(error) {
+            return;
         }
         self.take_out(slot, what, error, index_corrupt(error));
     }
@@ -1552,6 +1616,14 @@ impl Store {
         error: &(dyn std::error::Error + 'static),
         reindex: bool,
     ) {
+        // The process ran out of descriptors (EMFILE, ENFILE): nothing is
+        // wrong with the drive, and taking every drive out for it turned a
+        // flood of idle connections into 500s and 503s for everyone.
+        if fds_exhausted(error) {
+            self.stats.fd_exhaustion.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(drive = %slot.name, %what, %error, "out of file descriptors: the drive stays in service");
+            return;
+        }
         let mut st = slot.state.write().expect("drive state");
         if st.db.is_none() {
             return;
@@ -1579,6 +1651,8 @@ impl Store {
                 leases.expire().await;
             }
         }
+        self.sweep_tombstones();
+        self.tell_restart().await;
         for i in 0..self.topo().slots.len() {
             let slot = &self.drive(i);
             if let Some(remote) = &slot.remote {
@@ -1675,6 +1749,41 @@ impl Store {
         }
         self.heal_rebuilding(false);
         self.sync_drives().await;
+    }
+
+    /// Every `TOMBSTONE_SWEEP_EVERY`, removes from this node's drives the
+    /// tombstones of keys deleted more than `TOMBSTONE_TTL_NS` ago, in the
+    /// background.
+    fn sweep_tombstones(self: &Arc<Self>) {
+        {
+            let mut last = self.tombstones_swept.lock().expect("tombstone sweep");
+            if last.is_some_and(|t| t.elapsed() < TOMBSTONE_SWEEP_EVERY) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let before = now_ns().saturating_sub(drive::TOMBSTONE_TTL_NS);
+        for slot in self.topo().slots.iter() {
+            let Some(db) = slot.db().or_else(|| slot.writer()) else {
+                continue;
+            };
+            let Some(local) = db.as_local() else { continue };
+            let (db, name) = (local.db.clone(), slot.name.clone());
+            tokio::spawn(async move {
+                match run_blocking(move || Ok(db.sweep_tombstones(before))).await {
+                    Ok(Ok(0)) => {}
+                    Ok(Ok(n)) => {
+                        tracing::info!(drive = %name, tombstones = n, "swept the tombstones of keys deleted over an hour ago")
+                    }
+                    Ok(Err(error)) => {
+                        tracing::warn!(drive = %name, %error, "sweeping tombstones failed; tried again later")
+                    }
+                    Err(error) => {
+                        tracing::warn!(drive = %name, %error, "sweeping tombstones failed; tried again later")
+                    }
+                }
+            });
+        }
     }
 
     /// A drive of another node taken out after a failed call (its node away,
@@ -2022,9 +2131,21 @@ impl Store {
         results: &[Result<(), StoreError>],
     ) -> usize {
         for ((slot, _), r) in targets.iter().zip(results) {
-            if let Err(e) = r {
-                tracing::error!(drive = %slot.name, error = %e, "{what} failed on a drive");
-                self.index_write_failed(slot, what, e);
+            match r {
+                Ok(()) => {}
+                // The drive holds a newer record of the key: nothing wrong
+                // with it; the write counts as one it missed.
+                Err(e @ StoreError::Superseded { .. }) => {
+                    tracing::warn!(drive = %slot.name, error = %e, "{what} refused by a drive holding a newer record");
+                }
+                // Its node is probed; one late answer takes nothing out.
+                Err(e @ StoreError::Late { .. }) => {
+                    tracing::warn!(drive = %slot.name, error = %e, "{what} missed a drive that answered late");
+                }
+                Err(e) => {
+                    tracing::error!(drive = %slot.name, error = %e, "{what} failed on a drive");
+                    self.index_write_failed(slot, what, e);
+                }
             }
         }
         results.iter().filter(|r| r.is_ok()).count()
@@ -2320,16 +2441,7 @@ impl Store {
         key: &str,
     ) -> Result<(ObjectRecord, bool), StoreError> {
         let records = self.read_records(set, bucket, key).await;
-        let quorum = self.meta_read_quorum(self.set_size(set));
-        let answered = records.iter().filter(|r| r.is_ok()).count();
-        if answered < quorum {
-            return Err(StoreError::QuorumLost {
-                what: "metadata read",
-                needed: quorum,
-                available: answered,
-            });
-        }
-        let merged = resolve(&records, quorum);
+        let merged = resolve(&records, self.set_size(set))?;
         let diverged = records.iter().any(|r| match r {
             Ok(Some(rec)) => *rec != merged,
             Ok(None) => !merged.versions.is_empty(),
@@ -2351,6 +2463,12 @@ impl Store {
         key: &str,
         mut w: ObjectWrite,
     ) -> Result<usize, StoreError> {
+        // Above every stamp the writer saw (its record came from a merge,
+        // which carries the highest), so every drive takes it over what
+        // it holds, and none takes an older write over it.
+        if let Some(r) = &mut w.record {
+            r.stamp = self.next_mod_time(r.stamp);
+        }
         let n = self.set_size(set);
         let mut targets = Vec::with_capacity(n);
         let mut positions = Vec::with_capacity(n);
@@ -2777,6 +2895,7 @@ impl Store {
             };
             let record = ObjectRecord {
                 versions: vec![meta],
+                stamp: mtime,
             }
             .encode();
             per_set[set].push((key, record, Some((NULL_VERSION, mtime, body.to_vec()))));
@@ -2882,15 +3001,44 @@ pub(crate) fn data_ids_of(versions: &[VersionMeta]) -> Vec<Id128> {
         .collect()
 }
 
-/// Merges the records of a set's drives: a version counts when at least
-/// `quorum` drives hold it (same id and modification time); only the newest
-/// null version survives; newest first.
+/// Merges the records of a set of `set_size` drives, one entry per drive
+/// asked (`Err`: it did not answer), into the key's record.
+///
+/// A version is part of it when at least a read quorum of the drives that
+/// answered hold it (same id and modification time): a committed version
+/// is on a write quorum, and drives never go back to an older record
+/// (`ObjectRecord::stamp`), so any read quorum of answers holds it unless a
+/// drive that missed it answered too. A version fewer drives hold that the
+/// drives that did not answer could still make a write quorum of may have
+/// been committed: then the answers cannot tell, and the merge fails
+/// (`QuorumLost`, a 503) rather than answer without it. Fewer still (a
+/// write that failed before its quorum, or one since replaced) is dropped.
+/// Only the newest null version survives; newest first.
+///
+/// The stamp is the highest any answer holds when the drives holding it
+/// hold exactly the merged versions (the record as its writer wrote it);
+/// otherwise one above it, so that heal's copy replaces every record it
+/// read.
 pub(crate) fn resolve(
     records: &[Result<Option<ObjectRecord>, StoreError>],
-    quorum: usize,
-) -> ObjectRecord {
+    set_size: usize,
+) -> Result<ObjectRecord, StoreError> {
+    let write_quorum = set_size / 2 + 1;
+    let read_quorum = set_size - write_quorum + 1;
+    let answers: Vec<Option<&ObjectRecord>> = records
+        .iter()
+        .filter_map(|r| r.as_ref().ok().map(Option::as_ref))
+        .collect();
+    let silent = set_size.saturating_sub(answers.len());
+    if answers.len() < read_quorum {
+        return Err(StoreError::QuorumLost {
+            what: "metadata read",
+            needed: read_quorum,
+            available: answers.len(),
+        });
+    }
     let mut seen: Vec<(&VersionMeta, usize)> = Vec::new();
-    for rec in records.iter().filter_map(|r| r.as_ref().ok()).flatten() {
+    for rec in answers.iter().flatten() {
         for v in &rec.versions {
             match seen
                 .iter_mut()
@@ -2901,13 +3049,32 @@ pub(crate) fn resolve(
             }
         }
     }
+    if seen
+        .iter()
+        .any(|(_, c)| *c < read_quorum && c + silent >= write_quorum)
+    {
+        return Err(StoreError::QuorumLost {
+            what: "metadata read: too few drives answered to tell whether a version held by fewer than a quorum of them was committed",
+            needed: set_size,
+            available: answers.len(),
+        });
+    }
     let mut versions: Vec<VersionMeta> = seen
         .into_iter()
-        .filter(|(_, c)| *c >= quorum)
+        .filter(|(_, c)| *c >= read_quorum)
         .map(|(v, _)| v.clone())
         .collect();
     newest_first(&mut versions);
-    ObjectRecord { versions }
+    let stamp_of = |r: &Option<&ObjectRecord>| r.map_or(0, |r| r.stamp);
+    let highest = answers.iter().map(stamp_of).max().unwrap_or(0);
+    let written_whole = answers
+        .iter()
+        .filter(|r| stamp_of(r) == highest)
+        .all(|r| r.map_or(versions.is_empty(), |r| r.versions == versions));
+    Ok(ObjectRecord {
+        versions,
+        stamp: if written_whole { highest } else { highest + 1 },
+    })
 }
 
 /// Orders versions newest first and keeps only the newest null version;
@@ -2945,4 +3112,100 @@ fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
     let p = dir.join(".probe");
     std::fs::write(&p, b"tarn")?;
     std::fs::remove_file(&p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::format::test_version as version;
+
+    type Answer = Result<Option<ObjectRecord>, StoreError>;
+
+    fn has(vs: &[(u8, u64)], stamp: u64) -> Answer {
+        Ok(Some(ObjectRecord {
+            versions: vs.iter().map(|&(i, t)| version(i, t)).collect(),
+            stamp,
+        }))
+    }
+
+    fn silent() -> Answer {
+        Err(StoreError::Drive {
+            drive: "d".into(),
+            reason: "no answer".into(),
+        })
+    }
+
+    const W: (u8, u64) = (1, 20);
+    const OLD: (u8, u64) = (2, 10);
+
+    #[test]
+    fn a_committed_version_is_never_resolved_away() {
+        // W committed on three of four drives (write quorum); the fourth
+        // missed it. Whatever two or three of them answer, W is there, or
+        // the answers cannot tell and the read fails: the create that
+        // replaced an acknowledged write of issue 40 read two drives, one
+        // of which had lost W to a late write, and took W for absent.
+        let with = || has(&[W], 20);
+        let behind = || has(&[OLD], 10);
+        let cases: Vec<Vec<Answer>> = vec![
+            vec![with(), with(), with(), behind()],
+            vec![with(), with(), silent(), behind()],
+            vec![with(), with(), silent(), silent()],
+            vec![with(), silent(), silent(), behind()],
+            vec![silent(), with(), with(), silent()],
+        ];
+        for (i, answers) in cases.iter().enumerate() {
+            match resolve(answers, 4) {
+                Ok(r) => assert_eq!(r.versions, vec![version(W.0, W.1)], "case {i}"),
+                Err(StoreError::QuorumLost { .. }) => {
+                    assert!(
+                        i == 3,
+                        "case {i}: only one W among two answers is undecidable"
+                    )
+                }
+                Err(e) => panic!("case {i}: {e}"),
+            }
+        }
+        // One answer holding it and the rest silent: too few to tell.
+        assert!(resolve(&[with(), silent(), silent(), silent()], 4).is_err());
+    }
+
+    #[test]
+    fn writes_that_failed_before_their_quorum_are_dropped_when_the_answers_say_so() {
+        let partial = || has(&[(9, 30), OLD], 30);
+        let old = || has(&[OLD], 10);
+        // Every drive answered: one copy of the failed write cannot be a
+        // committed one. Its stamp is the highest seen, so the merge goes
+        // one above it (heal's copy replaces it).
+        let r = resolve(&[partial(), old(), old(), old()], 4).unwrap();
+        assert_eq!(r.versions, vec![version(OLD.0, OLD.1)]);
+        assert_eq!(r.stamp, 31);
+        // Three answered and the silent one could not make it a quorum.
+        let r = resolve(&[partial(), old(), old(), silent()], 4).unwrap();
+        assert_eq!(r.versions, vec![version(OLD.0, OLD.1)]);
+        // Two answered: it could be on both silent drives, committed.
+        assert!(resolve(&[partial(), old(), silent(), silent()], 4).is_err());
+    }
+
+    #[test]
+    fn the_merge_keeps_the_writers_stamp_and_deletions_keep_theirs() {
+        let r = resolve(
+            &[has(&[W], 20), has(&[W], 20), has(&[OLD], 10), silent()],
+            4,
+        )
+        .unwrap();
+        assert_eq!(r.stamp, 20);
+        // A key deleted on a quorum: its tombstone's stamp, drives without
+        // any record of it (swept, or never written) agreeing.
+        let gone = || Ok(Some(ObjectRecord::tombstone(40)));
+        let r = resolve(&[gone(), gone(), Ok(None), has(&[W], 20)], 4).unwrap();
+        assert!(r.versions.is_empty());
+        assert_eq!(r.stamp, 40);
+        let r = resolve(&[Ok(None), Ok(None), Ok(None), silent()], 4).unwrap();
+        assert_eq!(r, ObjectRecord::default());
+        // A lone drive is its own quorum.
+        assert_eq!(resolve(&[has(&[W], 20)], 1).unwrap().versions.len(), 1);
+        assert!(resolve(&[silent()], 1).is_err());
+    }
 }

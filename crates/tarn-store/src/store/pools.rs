@@ -24,6 +24,19 @@ pub(crate) struct Located {
     /// Other sets holding a record of it too (a move between pools that
     /// stopped halfway, or two first writes that raced): older versions.
     pub others: Vec<(usize, ObjectRecord)>,
+    /// The stamp of the key's record in every set read (a tombstone's in
+    /// a set that holds no version), for a write into any of them.
+    pub stamps: Vec<(usize, u64)>,
+}
+
+impl Located {
+    /// The stamp of the key's record in `set` as read (0: not read).
+    pub fn stamp_in(&self, set: usize) -> u64 {
+        self.stamps
+            .iter()
+            .find(|(s, _)| *s == set)
+            .map_or(0, |(_, t)| *t)
+    }
 }
 
 /// The modification time of a record's newest version.
@@ -96,6 +109,7 @@ impl Store {
             let (rec, diverged) = self.resolved(set, bucket, key).await?;
             return Ok(Located {
                 set,
+                stamps: vec![(set, rec.stamp)],
                 rec,
                 diverged,
                 others: Vec::new(),
@@ -118,6 +132,7 @@ impl Store {
                 (newest(&all[i].1), !draining, std::cmp::Reverse(i))
             })
             .unwrap_or(0);
+        let stamps = all.iter().map(|(s, r, _)| (*s, r.stamp)).collect();
         let (set, rec, diverged) = all.swap_remove(best);
         let others = all
             .into_iter()
@@ -129,6 +144,7 @@ impl Store {
             rec,
             diverged,
             others,
+            stamps,
         })
     }
 
@@ -206,7 +222,7 @@ impl Store {
         let here = match loc.others.iter().position(|(s, _)| *s == set) {
             Some(i) => loc.others.swap_remove(i).1,
             None if loc.set == set => std::mem::take(&mut loc.rec),
-            None => ObjectRecord::default(),
+            None => ObjectRecord::tombstone(loc.stamp_in(set)),
         };
         if loc.set == set || loc.rec.versions.is_empty() {
             return Ok((here, Vec::new()));
@@ -232,7 +248,7 @@ impl Store {
         rec: ObjectRecord,
     ) {
         let w = crate::drive::ObjectWrite {
-            record: None,
+            record: Some(ObjectRecord::tombstone(rec.stamp)),
             inline_delete: super::inline_keys_of(&rec.versions),
             ..Default::default()
         };
@@ -263,36 +279,27 @@ fn pool_free(topo: &Topology, pool: &PoolTopo) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{Layout, Storage, VersionMeta};
+    use crate::format::test_version;
 
     fn rec(versions: &[(u8, u64)]) -> ObjectRecord {
         ObjectRecord {
+            stamp: versions.iter().map(|v| v.1).max().unwrap_or(0),
             versions: versions
                 .iter()
-                .map(|&(id, t)| VersionMeta {
-                    version_id: [id; 16],
-                    mod_time_ns: t,
-                    delete_marker: false,
-                    size: 1,
-                    etag: String::new(),
-                    content_type: String::new(),
-                    headers: Vec::new(),
-                    user_metadata: Vec::new(),
-                    tags: Vec::new(),
-                    checksum: None,
-                    layout: Layout::single_copy(4096),
-                    storage: Storage::Inline { crc32c: 0 },
-                })
+                .map(|&(id, t)| test_version(id, t))
                 .collect(),
         }
     }
 
     fn at(set: usize, r: ObjectRecord, others: Vec<(usize, ObjectRecord)>) -> Located {
+        let mut stamps = vec![(set, r.stamp)];
+        stamps.extend(others.iter().map(|(s, r)| (*s, r.stamp)));
         Located {
             set,
             rec: r,
             diverged: false,
             others,
+            stamps,
         }
     }
 
