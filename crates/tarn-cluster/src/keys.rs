@@ -2,7 +2,8 @@
 //! key of a cluster is under `/tarn/<cluster>/`:
 //!
 //! ```text
-//! layout            "1": the layout version; a node refuses another
+//! layout            "2": the layout version; a node refuses another
+//!                   (every value is sealed, etcd::Seal; "1" was unsealed)
 //! nodes/<id>        NodeRecord: permanent, kept while the node is down
 //! members/<id>      Member: on the node's lease, gone when it lapses
 //! map               ClusterMap: changed only by compare-and-swap
@@ -21,7 +22,10 @@
 //! ```
 
 /// The layout these functions build.
-pub const LAYOUT_VERSION: &str = "1";
+pub const LAYOUT_VERSION: &str = "2";
+/// The layout before values were sealed (issue 40): a node seals such a
+/// cluster's records only when told to (`--seal-etcd-records`).
+pub const LAYOUT_UNSEALED: &str = "1";
 
 /// The keys of one cluster.
 #[derive(Debug, Clone)]

@@ -23,14 +23,16 @@ use tarn_store::{
 };
 
 use crate::catalog::{decode_bucket, EtcdCatalog};
+use crate::etcd::Unsealed;
 use crate::etcd::{Etcd, EtcdError, Event};
 use crate::jobs::Leadership;
-use crate::keys::{valid_name, Keys, LAYOUT_VERSION};
+use crate::keys::{valid_name, Keys, LAYOUT_UNSEALED, LAYOUT_VERSION};
 use crate::map::{self, ClusterMap, KvMember, Member, NodeRecord, NodeState, FORMAT};
 use crate::membership::Membership;
 use crate::remote::{DriveProvider, DriveService, RemoteDrive};
 use crate::rpc::client::ClientLimits;
 use crate::rpc::server::{serve, ServerStats};
+use crate::rpc::wire::op;
 use crate::rpc::{Identity, RpcClient};
 
 /// Seconds of a member's lease.
@@ -224,6 +226,11 @@ pub struct NodeConfig {
     /// `host:port` where the other nodes reach this node's RPC.
     pub advertise: String,
     pub secret: Vec<u8>,
+    /// Seal the records of a cluster formed before sealing, once
+    /// (`--seal-etcd-records`).
+    pub seal_existing: bool,
+    /// etcd's user and password, where etcd authenticates users.
+    pub etcd_user: Option<(String, String)>,
     /// This node's drives (none for a gateway, `--no-drives`).
     pub drives: Vec<PathBuf>,
     /// Its S3 and admin endpoints, recorded for tools.
@@ -248,7 +255,7 @@ pub struct Node {
     pub rpc_stats: Arc<ServerStats>,
     /// Called after system documents changed on another node (users,
     /// keys, buckets' settings): the S3 layer reads them again.
-    docs_changed: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    docs_changed: OnceLock<DocsChanged>,
     stop: tokio::sync::watch::Sender<bool>,
     /// Set once the engine is open.
     opened: tokio::sync::watch::Sender<bool>,
@@ -280,6 +287,14 @@ pub struct KvMembers {
 /// of every lookup at once.
 pub const KV_RAMP_WEIGHTS: [u32; 4] = [100, 250, 500, 1000];
 
+/// Reads users and permissions again; done when they apply (false: they
+/// could not be read).
+pub type DocsChanged = Box<dyn Fn() -> futures::future::BoxFuture<'static, bool> + Send + Sync>;
+
+/// How long a peer gets to read users and permissions again before an
+/// admin change returns without its confirmation.
+pub const RELOAD_DOCS_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Serves this node's drives from the engine once it is open.
 struct Provider(Arc<Node>);
 
@@ -298,6 +313,13 @@ impl DriveProvider for Provider {
 
     fn leases(&self, drive_id: &Id128) -> Option<Arc<LeaseTable>> {
         self.0.store.get()?.local_leases(drive_id)
+    }
+
+    async fn reload_docs(&self) -> bool {
+        match self.0.docs_changed.get() {
+            Some(f) => f().await,
+            None => false,
+        }
     }
 
     async fn ready(&self) {
@@ -327,7 +349,10 @@ impl Node {
             return Err("the cluster secret must be at least 16 bytes".into());
         }
         let identity = Identity::new(&cfg.cluster, &cfg.node_id, &cfg.secret)?;
-        let etcd = Etcd::new(&cfg.etcd, ETCD_TIMEOUT)?;
+        let mut etcd = Etcd::new(&cfg.etcd, ETCD_TIMEOUT)?.sealed(&cfg.secret);
+        if let Some((user, password)) = &cfg.etcd_user {
+            etcd = etcd.with_user(user, password);
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -409,19 +434,86 @@ impl Node {
         Ok(node)
     }
 
-    /// The layout version, then this node's permanent record.
+    /// Seals every permanent record of a cluster formed before sealing (the
+    /// values as they are: whatever etcd holds now is taken as Tarn's),
+    /// then moves the layout on. Records on leases (members, progress,
+    /// space) are left to lapse: their nodes write them again, sealed.
+    async fn seal_existing(&self, layout_revision: i64) -> Result<(), String> {
+        let layout = self.keys.layout();
+        let kvs = self
+            .etcd
+            .get_prefix_stored(self.keys.root())
+            .await
+            .map_err(etcd_err)?;
+        let mut sealed = 0;
+        for kv in kvs {
+            if kv.key == layout || kv.lease != 0 || kv.value.starts_with(&crate::etcd::SEAL_MAGIC) {
+                continue;
+            }
+            // Only if unchanged since read: a record changed meanwhile is
+            // another writer's, and the migration stops.
+            if !self
+                .etcd
+                .compare_and_swap(&kv.key, kv.mod_revision, &kv.value, None)
+                .await
+                .map_err(etcd_err)?
+            {
+                return Err(format!(
+                    "{} changed while its record was being sealed; start again",
+                    kv.key
+                ));
+            }
+            sealed += 1;
+        }
+        if !self
+            .etcd
+            .compare_and_swap(&layout, layout_revision, LAYOUT_VERSION.as_bytes(), None)
+            .await
+            .map_err(etcd_err)?
+        {
+            return Err("the layout record changed while sealing; start again".into());
+        }
+        tracing::warn!(cluster = %self.cfg.cluster, records = sealed, "sealed the cluster's etcd records with the cluster secret (layout {LAYOUT_UNSEALED} -> {LAYOUT_VERSION})");
+        Ok(())
+    }
+
+    /// The layout version, then this node's permanent record. The layout
+    /// record is the first any node of the cluster wrote: one that does not
+    /// open under this node's secret means the secret is wrong, and the
+    /// node stops here, before it writes anything.
     async fn register(&self) -> Result<(), String> {
         let layout = self.keys.layout();
-        let (kv, _) = self.etcd.get(&layout).await.map_err(etcd_err)?;
-        match kv {
-            Some(kv) if kv.value == LAYOUT_VERSION.as_bytes() => {}
-            Some(kv) => {
-                return Err(format!(
-                "etcd holds cluster {} in layout {:?}; this binary reads layout {LAYOUT_VERSION}",
-                self.cfg.cluster,
-                String::from_utf8_lossy(&kv.value)
-            ))
-            }
+        let stored = self.etcd.get_stored(&layout).await.map_err(etcd_err)?;
+        let seal = self.etcd.seal().expect("a node's etcd client seals");
+        match stored {
+            Some(kv) => match seal.open(&layout, &kv.value) {
+                Ok(v) if v == LAYOUT_VERSION.as_bytes() => {}
+                Ok(v) => {
+                    return Err(format!(
+                        "etcd holds cluster {} in layout {:?}; this binary reads layout {LAYOUT_VERSION}",
+                        self.cfg.cluster,
+                        String::from_utf8_lossy(v)
+                    ))
+                }
+                Err(Unsealed::Missing) if kv.value == LAYOUT_UNSEALED.as_bytes() => {
+                    if !self.cfg.seal_existing {
+                        return Err(format!(
+                            "etcd holds cluster {} in layout {LAYOUT_UNSEALED}, whose records are not sealed with the cluster secret; \
+                             stop every node, upgrade them, and start one once with --seal-etcd-records (docs/cluster.md, \"etcd security\")",
+                            self.cfg.cluster
+                        ));
+                    }
+                    self.seal_existing(kv.mod_revision).await?;
+                }
+                Err(why) => {
+                    return Err(format!(
+                        "cluster {}'s records in etcd are not sealed with this node's cluster secret ({why:?}): \
+                         TARN_CLUSTER_SECRET differs from the one the cluster was formed with (or something else wrote {layout}); \
+                         the node does not register",
+                        self.cfg.cluster
+                    ));
+                }
+            },
             None => {
                 self.etcd
                     .compare_and_swap(&layout, 0, LAYOUT_VERSION.as_bytes(), None)
@@ -801,8 +893,53 @@ impl Node {
     }
 
     /// Called after another node changed system documents.
-    pub fn on_docs_changed(&self, f: Box<dyn Fn() + Send + Sync>) {
+    pub fn on_docs_changed(&self, f: DocsChanged) {
         let _ = self.docs_changed.set(f);
+    }
+
+    /// After a change to users, keys or permissions: has every other
+    /// registered node read them again, and waits for each (at most
+    /// [`RELOAD_DOCS_TIMEOUT`]). The nodes that did not confirm (down,
+    /// unreachable, or unable to read etcd), with why; they apply the change
+    /// when their etcd watch next delivers it.
+    pub async fn reload_docs_everywhere(&self) -> Vec<(String, String)> {
+        let nodes = match self.etcd.get_prefix(&self.keys.nodes()).await {
+            Ok((kvs, _)) => kvs,
+            Err(e) => return vec![("*".into(), format!("etcd: {e}"))],
+        };
+        let mut calls = Vec::new();
+        for kv in nodes {
+            let Ok(rec) = map::decode::<NodeRecord>("node record", &kv.value) else {
+                continue;
+            };
+            if rec.id == self.cfg.node_id || rec.state == NodeState::Retired {
+                continue;
+            }
+            let client = self.client.clone();
+            let epoch = self.epoch.load(Ordering::Acquire);
+            calls.push(async move {
+                let r = client
+                    .call(
+                        &rec.address,
+                        Some(&rec.id),
+                        op::NODE_RELOAD_DOCS,
+                        epoch,
+                        &[],
+                        RELOAD_DOCS_TIMEOUT,
+                    )
+                    .await;
+                match r {
+                    Ok(b) if b == [1] => None,
+                    Ok(_) => Some((rec.id, "could not read etcd".to_string())),
+                    Err(e) => Some((rec.id, e.to_string())),
+                }
+            });
+        }
+        futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Follows etcd's changes to bucket records, documents and the map on
@@ -1219,7 +1356,7 @@ impl Node {
 
     fn docs_were_changed(&self) {
         if let Some(f) = self.docs_changed.get() {
-            f();
+            tokio::spawn(f());
         }
     }
 

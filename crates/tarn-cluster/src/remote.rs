@@ -821,6 +821,11 @@ pub trait DriveProvider: Send + Sync + 'static {
     fn ready(&self) -> impl std::future::Future<Output = ()> + Send {
         async {}
     }
+    /// Reads the node's users and permissions again; whether they now
+    /// apply (`op::NODE_RELOAD_DOCS`).
+    fn reload_docs(&self) -> impl std::future::Future<Output = bool> + Send {
+        async { false }
+    }
 }
 
 /// Serves this node's drives over RPC.
@@ -875,6 +880,11 @@ impl<P: DriveProvider> Handler for DriveService<P> {
     async fn handle(&self, call: &mut ServerCall<'_>) -> Result<(), HandlerError> {
         let payload = std::mem::take(&mut call.payload);
         let mut d = Dec::new(&payload);
+        if call.op == op::NODE_RELOAD_DOCS {
+            d.end()?;
+            let applied = self.provider.reload_docs().await;
+            return Ok(call.reply(&[applied as u8]).await?);
+        }
         let id: Id128 = d.fixed()?;
         if call.op == op::DRIVE_STATE {
             d.end()?;

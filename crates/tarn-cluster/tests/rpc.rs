@@ -176,21 +176,25 @@ async fn a_client_without_the_secret_is_refused_and_reaches_nothing() {
         .await
         .unwrap_err();
     match &e {
-        RpcError::Auth { reason, .. } => assert!(reason.contains("does not know"), "{reason}"),
+        RpcError::Auth { reason, .. } => {
+            assert!(reason.contains("secret proof refused"), "{reason}")
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(n.handler.handled.load(Ordering::SeqCst), 0);
     assert_eq!(
         n.stats.auth_failures.load(Ordering::SeqCst),
-        0,
-        "the client refused first"
+        1,
+        "the caller proves first, so the server refuses"
     );
     assert_eq!(c.stats.auth_failures.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
-async fn a_client_that_ignores_the_servers_proof_is_still_refused() {
-    // A hostile client that skips checking the server and sends any proof.
+async fn the_server_proves_nothing_to_a_caller_that_has_not_proved_the_secret() {
+    // A hostile caller collecting material to guess the secret offline:
+    // nothing the server sends before or after a wrong proof depends on
+    // the secret.
     let n = start_node("b", SECRET, 1).await;
     let mut s = tokio::net::TcpStream::connect(&n.address).await.unwrap();
     let hello = wire::Hello {
@@ -203,10 +207,20 @@ async fn a_client_that_ignores_the_servers_proof_is_still_refused() {
     s.write_all(&hello.encode()).await.unwrap();
     let mut challenge = vec![0u8; wire::CHALLENGE_FIXED_BYTES + 1];
     s.read_exact(&mut challenge).await.unwrap();
+    let c = wire::Challenge::decode(&challenge).unwrap();
+    assert_eq!(
+        (c.status, c.node_id.as_str()),
+        (wire::Refusal::Accepted, "b")
+    );
     s.write_all(&[0u8; 32]).await.unwrap();
     let mut welcome = [0u8; wire::WELCOME_BYTES];
     s.read_exact(&mut welcome).await.unwrap();
-    assert_eq!(welcome[4], wire::Refusal::Proof as u8);
+    let w = wire::Welcome::decode(&welcome).unwrap();
+    assert_eq!(w.status, wire::Refusal::Proof);
+    assert_eq!(
+        w.proof, [0u8; 32],
+        "no proof of the secret to a refused caller"
+    );
     // A request sent anyway is never served.
     let ping = Header::new(Kind::Request, op::PING, 1, 1, 1000);
     let _ = s.write_all(&ping.encode(b"x")).await;

@@ -22,7 +22,21 @@ pub struct PoolExhausted {
 
 struct CorePool {
     permits: Arc<Semaphore>,
-    free: Mutex<Vec<AlignedBuf>>,
+    /// Buffers not on loan, and the fewest there were since the last trim
+    /// (that many sat unused the whole time).
+    free: Mutex<(Vec<AlignedBuf>, usize)>,
+}
+
+/// Free buffers a core keeps however long they sit unused.
+const KEEP_IDLE: usize = 4;
+
+impl CorePool {
+    fn pop(&self) -> Option<AlignedBuf> {
+        let mut f = self.free.lock().expect("pool lock");
+        let b = f.0.pop();
+        f.1 = f.1.min(f.0.len());
+        b
+    }
 }
 
 /// A set of pools, one per core; a thread draws from the pool of the core it runs on.
@@ -39,7 +53,7 @@ impl BufferPool {
             .map(|_| {
                 Arc::new(CorePool {
                     permits: Arc::new(Semaphore::new(buffers_max_per_core)),
-                    free: Mutex::new(Vec::new()),
+                    free: Mutex::new((Vec::new(), 0)),
                 })
             })
             .collect();
@@ -54,6 +68,33 @@ impl BufferPool {
         self.buffer_size_bytes
     }
 
+    /// Frees the buffers that sat unused since the last call (beyond a few
+    /// per core): a burst's buffers go back to the allocator once it is
+    /// over, instead of staying allocated for good. Returns how many.
+    pub fn trim_idle(&self) -> usize {
+        let mut freed = 0;
+        for core in &self.cores {
+            let dropped: Vec<AlignedBuf> = {
+                let mut f = core.free.lock().expect("pool lock");
+                let idle = f.1.min(f.0.len()).saturating_sub(KEEP_IDLE);
+                let keep = f.0.len() - idle;
+                let dropped = f.0.split_off(keep);
+                f.1 = f.0.len();
+                dropped
+            };
+            freed += dropped.len();
+        }
+        freed
+    }
+
+    /// Free buffers held now, in all cores.
+    pub fn idle_buffers(&self) -> usize {
+        self.cores
+            .iter()
+            .map(|c| c.free.lock().expect("pool lock").0.len())
+            .sum()
+    }
+
     /// Takes a buffer, waiting at most `wait` for one to be returned.
     pub async fn acquire(&self, wait: Duration) -> Result<PooledBuf, PoolExhausted> {
         let core = &self.cores[runtime::core_id().unwrap_or(0) % self.cores.len()];
@@ -66,7 +107,7 @@ impl BufferPool {
                 })
             }
         };
-        let reused = core.free.lock().expect("pool lock").pop();
+        let reused = core.pop();
         let mut buf = reused.unwrap_or_else(|| AlignedBuf::with_capacity(self.buffer_size_bytes));
         buf.clear();
         Ok(PooledBuf {
@@ -104,7 +145,7 @@ impl BufferPool {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let one = permit.split(1).expect("permit holds n");
-            let reused = core.free.lock().expect("pool lock").pop();
+            let reused = core.pop();
             let mut buf =
                 reused.unwrap_or_else(|| AlignedBuf::with_capacity(self.buffer_size_bytes));
             buf.clear();
@@ -163,7 +204,7 @@ impl Drop for PooledBuf {
         // A buffer lost to a cancelled I/O (taken and never restored) is simply not
         // returned; its permit is, and a fresh buffer is allocated next time.
         if let Some(buf) = self.buf.take() {
-            self.home.free.lock().expect("pool lock").push(buf);
+            self.home.free.lock().expect("pool lock").0.push(buf);
         }
     }
 }
@@ -203,5 +244,37 @@ mod tests {
                 .is_err(),
             "more than the pool holds"
         );
+    }
+
+    #[tokio::test]
+    async fn buffers_idle_for_a_whole_trim_interval_are_freed() {
+        let pool = BufferPool::new(1, 8192, 32);
+        // A burst: 20 buffers allocated, then all back in the pool.
+        let burst = pool
+            .acquire_many(20, Duration::from_millis(10))
+            .await
+            .unwrap();
+        drop(burst);
+        assert_eq!(pool.idle_buffers(), 20);
+        // The first trim only starts the count (they were in use since).
+        pool.trim_idle();
+        // Two stay in use throughout; the rest sit idle a whole interval.
+        let busy = pool
+            .acquire_many(2, Duration::from_millis(10))
+            .await
+            .unwrap();
+        assert_eq!(pool.trim_idle(), 18 - KEEP_IDLE);
+        assert_eq!(pool.idle_buffers(), KEEP_IDLE);
+        drop(busy);
+        assert_eq!(pool.idle_buffers(), KEEP_IDLE + 2);
+        // Buffers in steady use are kept.
+        for _ in 0..3 {
+            let b = pool
+                .acquire_many(KEEP_IDLE + 2, Duration::from_millis(10))
+                .await
+                .unwrap();
+            drop(b);
+            assert_eq!(pool.trim_idle(), 0);
+        }
     }
 }

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::watch;
 
@@ -138,14 +138,26 @@ pub struct ServerOptions {
     /// Longest the rest of a frame may take once its header arrived: a client
     /// that stalls mid-put cannot hold its reservations.
     pub frame_timeout: Duration,
-    /// Longest from accept to a completed HELLO and AUTH.
+    /// Longest from accept to a completed HELLO and AUTH, every byte of
+    /// both frames included.
     pub handshake_timeout: Duration,
+    /// Open connections (TCP and Unix, authenticated or not) past which a
+    /// new one is closed at once, before it is read (each holds a
+    /// descriptor and buffers).
+    pub connections_max: usize,
+    /// Authenticated connections one tenant may hold (each may pin blocks
+    /// and hold put reservations); AUTH past it is answered `Limit`.
+    pub connections_per_tenant_max: usize,
 }
 
 /// Defaults of the timeouts (docs/configuration.md).
 pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(300);
 pub const FRAME_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
 pub const HANDSHAKE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+/// Defaults of the connection caps (docs/configuration.md): the server
+/// derives its own from its descriptor limit.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
+pub const CONNECTIONS_PER_TENANT_MAX_DEFAULT: usize = 3072;
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -158,6 +170,8 @@ impl Default for ServerOptions {
             idle_timeout: IDLE_TIMEOUT_DEFAULT,
             frame_timeout: FRAME_TIMEOUT_DEFAULT,
             handshake_timeout: HANDSHAKE_TIMEOUT_DEFAULT,
+            connections_max: CONNECTIONS_MAX_DEFAULT,
+            connections_per_tenant_max: CONNECTIONS_PER_TENANT_MAX_DEFAULT,
         }
     }
 }
@@ -189,6 +203,8 @@ pub struct Server {
     pub views: Arc<Views>,
     /// Abstract Unix socket name of the shared-memory transport.
     pub shm_socket: Option<String>,
+    /// Open connections and those refused for the caps.
+    pub connections: Arc<ConnectionCounts>,
     stop: watch::Sender<bool>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -200,8 +216,75 @@ struct Timeouts {
     handshake: Duration,
 }
 
+/// Open connections against their caps, and those refused.
+#[derive(Default)]
+pub struct ConnectionCounts {
+    open: std::sync::atomic::AtomicUsize,
+    max: usize,
+    per_tenant_max: usize,
+    /// Authenticated connections by tenant name.
+    authenticated: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    pub refused_open: AtomicU64,
+    pub refused_tenant: AtomicU64,
+}
+
+impl ConnectionCounts {
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// A slot for a new connection, or `None` past the cap.
+    fn admit(self: &Arc<Self>) -> Option<Admitted> {
+        if self.open.fetch_add(1, Ordering::Relaxed) >= self.max {
+            self.open.fetch_sub(1, Ordering::Relaxed);
+            self.refused_open.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Admitted(self.clone()))
+    }
+
+    /// A slot for one more authenticated connection of `tenant`.
+    fn authenticate(self: &Arc<Self>, tenant: &str) -> Option<TenantSlot> {
+        let mut m = self.authenticated.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(tenant.to_string()).or_insert(0);
+        if *n >= self.per_tenant_max {
+            self.refused_tenant.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *n += 1;
+        Some(TenantSlot(self.clone(), tenant.to_string()))
+    }
+}
+
+/// One open connection's slot, given back when dropped.
+struct Admitted(Arc<ConnectionCounts>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One authenticated connection's slot in its tenant's count.
+struct TenantSlot(Arc<ConnectionCounts>, String);
+
+impl Drop for TenantSlot {
+    fn drop(&mut self) {
+        let mut m = self
+            .0
+            .authenticated
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+        }
+    }
+}
+
 struct Shared {
     tenants: Tenants,
+    counts: Arc<ConnectionCounts>,
     shm_socket: Option<Vec<u8>>,
     next_conn: AtomicU64,
     /// Random per server: the Unix socket's HELLO reply repeats it, so a
@@ -213,7 +296,12 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(tenants: Tenants, shm_socket: Option<Vec<u8>>, timeouts: Timeouts) -> Shared {
+    fn new(
+        tenants: Tenants,
+        shm_socket: Option<Vec<u8>>,
+        timeouts: Timeouts,
+        counts: Arc<ConnectionCounts>,
+    ) -> Shared {
         let value_max_bytes = tenants
             .iter()
             .map(|t| t.engine.config().value_max_bytes)
@@ -221,6 +309,7 @@ impl Shared {
             .expect("at least one tenant");
         Shared {
             tenants,
+            counts,
             shm_socket,
             next_conn: AtomicU64::new(1),
             instance_id: auth::nonce()[..16].try_into().expect("16 bytes"),
@@ -277,6 +366,11 @@ impl Server {
                 frame: opts.frame_timeout,
                 handshake: opts.handshake_timeout,
             },
+            Arc::new(ConnectionCounts {
+                max: opts.connections_max.max(1),
+                per_tenant_max: opts.connections_per_tenant_max.max(1),
+                ..ConnectionCounts::default()
+            }),
         ));
         let (stop, stop_rx) = watch::channel(false);
         let mut threads = Vec::new();
@@ -309,6 +403,7 @@ impl Server {
         }
         Ok(Server {
             tcp_addr,
+            connections: shared.counts.clone(),
             views: shared.views.clone(),
             shm_socket,
             stop,
@@ -344,6 +439,14 @@ fn default_timeouts() -> Timeouts {
     }
 }
 
+fn default_counts() -> Arc<ConnectionCounts> {
+    Arc::new(ConnectionCounts {
+        max: CONNECTIONS_MAX_DEFAULT,
+        per_tenant_max: CONNECTIONS_PER_TENANT_MAX_DEFAULT,
+        ..ConnectionCounts::default()
+    })
+}
+
 /// Serves one connection on any byte stream with TCP semantics (no shared
 /// memory): used by the fuzz target and by tests. With `preauthenticated`
 /// the connection starts as the first tenant (the fuzz target explores the
@@ -354,7 +457,12 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     preauthenticated: bool,
 ) {
     let first = tenants.iter().next().cloned();
-    let shared = Arc::new(Shared::new(tenants, None, default_timeouts()));
+    let shared = Arc::new(Shared::new(
+        tenants,
+        None,
+        default_timeouts(),
+        default_counts(),
+    ));
     let mut c = Connection::new(u64::MAX, shared, false);
     if preauthenticated {
         c.tenant = first;
@@ -369,7 +477,12 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
 pub async fn answer_mailbox_once(engine: Arc<Engine>, mailbox: &Mailbox, seq: u64) {
     let tenants = Tenants::single(engine, auth::Credentials::loopback_default());
     let first = tenants.iter().next().cloned();
-    let shared = Arc::new(Shared::new(tenants, None, default_timeouts()));
+    let shared = Arc::new(Shared::new(
+        tenants,
+        None,
+        default_timeouts(),
+        default_counts(),
+    ));
     let mut c = Connection::new(u64::MAX, shared, true);
     c.tenant = first;
     let mut out = Vec::new();
@@ -399,9 +512,15 @@ async fn accept_loop(
         tokio::select! {
             a = tcp.accept() => match a {
                 Ok((s, _)) => {
+                    // Over the cap the descriptor goes back before any read.
+                    let Some(admitted) = shared.counts.admit() else {
+                        drop(s);
+                        continue;
+                    };
                     let _ = s.set_nodelay(true);
                     let shared = shared.clone();
                     tokio::spawn(async move {
+                        let _admitted = admitted;
                         let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                         let mut c = Connection::new(conn, shared, false);
                         c.spin_fd = Some(s.as_raw_fd());
@@ -415,8 +534,13 @@ async fn accept_loop(
             },
             a = async { match &uds { Some(u) => u.accept().await, None => std::future::pending().await } } => match a {
                 Ok((s, _)) => {
+                    let Some(admitted) = shared.counts.admit() else {
+                        drop(s);
+                        continue;
+                    };
                     let shared = shared.clone();
                     tokio::spawn(async move {
+                        let _admitted = admitted;
                         let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                         let mut c = Connection::new(conn, shared, true);
                         let limit = c.shared.timeouts.handshake;
@@ -631,8 +755,10 @@ struct Connection {
     shm: bool,
     /// After HELLO: the nonce AUTH must answer, and HELLO's flags.
     hello: Option<(auth::Nonce, u32)>,
-    /// After AUTH: who this connection is.
+    /// After AUTH: who this connection is, and its slot in the tenant's
+    /// count of authenticated connections.
     tenant: Option<Arc<Tenant>>,
+    tenant_slot: Option<TenantSlot>,
     /// Shared memory: the client's put window (PUT_SHM reads from it).
     window: Option<Window>,
     /// The socket to spin on between frames (None: never spin).
@@ -717,6 +843,7 @@ impl Connection {
             shm,
             hello: None,
             tenant: None,
+            tenant_slot: None,
             window: None,
             spin_fd: None,
             mailbox: None,
@@ -827,6 +954,14 @@ impl Connection {
             tracing::info!(conn = self.id, tenant = %tenant.name, "KV AUTH with a wrong proof");
             return Err(denied());
         }
+        let Some(slot) = self.shared.counts.authenticate(&tenant.name) else {
+            tracing::warn!(conn = self.id, tenant = %tenant.name, "KV AUTH refused: the tenant holds its cap of connections");
+            return Err(ProtoError::new(
+                ErrorCode::Limit,
+                "this tenant holds as many connections as it may (connections_per_tenant_max)",
+            ));
+        };
+        self.tenant_slot = Some(slot);
         let mut flags = 0;
         if a.flags & AUTH_WINDOW != 0 {
             if !self.shm {
@@ -958,18 +1093,30 @@ impl Connection {
                     .handshake
                     .saturating_sub(accepted.elapsed())
             };
-            let mut head = [0u8; FRAME_HEADER_BYTES];
-            match tokio::time::timeout(wait, io.read_exact(&mut head)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(_)) => break,
+            // The first byte of a header may take the idle time; once a
+            // frame has begun, its header must come whole within the frame
+            // timeout (or what is left of the handshake's).
+            match tokio::time::timeout(wait, io.fill_buf()).await {
+                Ok(Ok(b)) if !b.is_empty() => {}
+                Ok(_) => break,
                 Err(_) => {
                     tracing::debug!(conn = self.id, authenticated, "KV connection timed out");
                     break;
                 }
             }
+            let mut head = [0u8; FRAME_HEADER_BYTES];
+            let rest = self.frame_time_left(accepted);
+            match tokio::time::timeout(rest, io.read_exact(&mut head)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => break,
+                Err(_) => {
+                    tracing::debug!(conn = self.id, "KV connection stalled mid-header");
+                    break;
+                }
+            }
             let gap = (self.answered_at.elapsed().as_micros() as u64).min(FRAME_GAP_CLAMP_US);
             self.gap_ewma_us = (3 * self.gap_ewma_us + gap) / 4;
-            let r = self.frame(&mut io, &head).await;
+            let r = self.frame(&mut io, &head, accepted).await;
             self.answered_at = Instant::now();
             match r {
                 Ok(Next::Continue) => {}
@@ -984,13 +1131,28 @@ impl Connection {
         self.release();
     }
 
+    /// How long the rest of a frame may take: the frame timeout, or before
+    /// AUTH what is left of the handshake's time (HELLO and AUTH, every
+    /// byte, within it).
+    fn frame_time_left(&self, accepted: Instant) -> Duration {
+        if self.tenant.is_some() {
+            self.shared.timeouts.frame
+        } else {
+            self.shared
+                .timeouts
+                .handshake
+                .saturating_sub(accepted.elapsed())
+        }
+    }
+
     async fn frame<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
         io: &mut BufReader<S>,
         head: &[u8; FRAME_HEADER_BYTES],
+        accepted: Instant,
     ) -> io::Result<Next> {
         let mut out = std::mem::take(&mut self.out);
-        let r = self.frame_inner(io, head, &mut out).await;
+        let r = self.frame_inner(io, head, &mut out, accepted).await;
         self.out = out;
         r
     }
@@ -1000,6 +1162,7 @@ impl Connection {
         io: &mut BufReader<S>,
         head: &[u8; FRAME_HEADER_BYTES],
         out: &mut Vec<u8>,
+        accepted: Instant,
     ) -> io::Result<Next> {
         let h = match FrameHeader::decode(head) {
             Ok(h) => h,
@@ -1036,7 +1199,7 @@ impl Connection {
         }
         let mut payload = std::mem::take(&mut self.payload);
         payload.resize(h.len as usize, 0);
-        let limit = self.shared.timeouts.frame;
+        let limit = self.frame_time_left(accepted);
         let read = tokio::time::timeout(limit, io.read_exact(&mut payload)).await;
         let result = match read {
             Ok(Ok(_)) => self.dispatch(io, op, &h, &payload, out).await,

@@ -55,6 +55,10 @@ pub fn s3_error(e: StoreError) -> S3Error {
             "Your socket connection to the server was not read from or written to within the timeout period.".into(),
         ),
         StoreError::SlowDown(_) => (C::SlowDown, "Please reduce your request rate.".into()),
+        StoreError::StorageFull(_) => (
+            C::Custom("InsufficientStorage".into()),
+            format!("{e}. Delete objects or add capacity; reads and DELETEs keep working."),
+        ),
         StoreError::QuorumLost { .. }
         | StoreError::Catalog(_)
         | StoreError::Superseded { .. }
@@ -75,7 +79,11 @@ pub fn s3_error(e: StoreError) -> S3Error {
             )
         }
     };
-    let custom_status = matches!(e, StoreError::BodyHash).then_some(http::StatusCode::BAD_REQUEST);
+    let custom_status = match e {
+        StoreError::BodyHash => Some(http::StatusCode::BAD_REQUEST),
+        StoreError::StorageFull(_) => Some(http::StatusCode::INSUFFICIENT_STORAGE),
+        _ => None,
+    };
     let mut err = S3Error::with_message(code, msg);
     if let Some(status) = custom_status {
         err.set_status_code(status);

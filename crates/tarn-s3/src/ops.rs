@@ -600,6 +600,9 @@ impl S3 for TarnS3 {
             .bucket_region
             .as_ref()
             .is_some_and(|r| r.as_str() != self.region);
+        if self.store.buckets_partial() {
+            return Err(crate::error::s3_error(self.store.partial_buckets_error()));
+        }
         let mut all = self.store.list_buckets();
         all.retain(|b| self.lists_bucket(caller, &b.name));
         all.sort_by(|a, b| a.name.cmp(&b.name));

@@ -44,6 +44,14 @@ pub struct StoreConfig {
     pub heal_rate_bytes: u64,
     /// Objects a backfill heals at once.
     pub heal_concurrency: usize,
+    /// GET data read ahead of its clients, in all (each GET at most 2 MiB):
+    /// past it a GET's next stripe waits for clients to take what is
+    /// queued (`response_buffer_max_bytes`).
+    pub read_ahead_max_bytes: usize,
+    /// How long a GET's next stripe waits for room in that budget before
+    /// the response is cut off (longer than the minimum-rate window, so
+    /// slow readers are gone first).
+    pub read_ahead_wait_ms: u64,
 }
 
 impl Default for StoreConfig {
@@ -66,6 +74,8 @@ impl Default for StoreConfig {
             drive_reserve_bytes: None,
             heal_rate_bytes: 0,
             heal_concurrency: 4,
+            read_ahead_max_bytes: 256 << 20,
+            read_ahead_wait_ms: 30_000,
         }
     }
 }

@@ -413,6 +413,78 @@ pub fn rebuild_pending(path: &Path) -> bool {
 }
 
 /// Records durably that the drive's index is being rebuilt.
+/// The metadata reserve: a file of zeros each drive keeps, given back to
+/// its filesystem the moment a write finds no space left, so that the
+/// index can still take what frees space (DELETEs), recover its journal and
+/// be repaired. Made again once the drive has room for it four times over.
+pub const BALLAST_FILE: &str = ".tarn/reserve";
+
+/// The size of a drive's metadata reserve: 1/64 of the filesystem, at
+/// least 1 MiB and at most 128 MiB.
+pub fn ballast_bytes(total: u64) -> u64 {
+    (total / 64).clamp(1 << 20, 128 << 20)
+}
+
+/// Free and total bytes of the filesystem under `path` (for unprivileged
+/// writers: `f_bavail`).
+pub fn fs_space(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::other("a path with a NUL byte"))?;
+    // SAFETY: statvfs(3) on a NUL-terminated path into a zeroed struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let frsize = st.f_frsize as u64;
+    Ok((st.f_bavail as u64 * frsize, st.f_blocks as u64 * frsize))
+}
+
+/// Makes the drive's metadata reserve if it is missing and the drive has
+/// room for it four times over: whether the reserve is there now.
+pub fn ensure_ballast(path: &Path) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let file = path.join(BALLAST_FILE);
+    if file.exists() {
+        return Ok(true);
+    }
+    let (free, total) = fs_space(path)?;
+    let size = ballast_bytes(total);
+    if free < size.saturating_mul(4) {
+        return Ok(false);
+    }
+    let tmp = path.join(".tarn/reserve.tmp");
+    let f = std::fs::File::create(&tmp)?;
+    // SAFETY: fallocate(2) on a file this function owns.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, size as libc::off_t) };
+    if r != 0 {
+        // A filesystem without fallocate: the zeros are written.
+        use std::io::Write;
+        let zeros = vec![0u8; 1 << 20];
+        let mut w = &f;
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(zeros.len() as u64) as usize;
+            if let Err(e) = w.write_all(&zeros[..n]) {
+                drop(f);
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+            left -= n as u64;
+        }
+    }
+    f.sync_all()?;
+    std::fs::rename(&tmp, &file)?;
+    Ok(true)
+}
+
+/// Gives the drive's metadata reserve back to its filesystem: whether there
+/// was one.
+pub fn release_ballast(path: &Path) -> bool {
+    let _ = std::fs::remove_file(path.join(".tarn/reserve.tmp"));
+    std::fs::remove_file(path.join(BALLAST_FILE)).is_ok()
+}
+
 pub fn mark_rebuilding(path: &Path) -> Result<(), StoreError> {
     let io = |what: &str, e: std::io::Error| StoreError::Drive {
         drive: path.display().to_string(),

@@ -72,6 +72,10 @@ pub enum StoreError {
     /// The client stopped sending the body for longer than the idle timeout.
     #[error("the client sent no body for too long: {0}")]
     RequestTimeout(String),
+    /// Too few drives of the set have room beyond their free-space reserve
+    /// for new data (the reserve is kept for reads, DELETEs and repair).
+    #[error("storage full: {0}")]
+    StorageFull(String),
     #[error("not enough drives: {what} needs {needed}, {available} available")]
     QuorumLost {
         what: &'static str,

@@ -1244,6 +1244,36 @@ fn copy_with_crc_chunked(dst: &mut [u8], src: &[u8]) -> u32 {
 mod tests {
     use super::*;
 
+    /// docs/kv-protocol.md states the limits a client must respect; they
+    /// are checked against the constants here so the two cannot drift
+    /// (they had: the document said 49,676 after parts made it larger).
+    #[test]
+    fn the_documented_limits_are_the_real_ones() {
+        let doc = include_str!("../../../docs/kv-protocol.md");
+        let thousands = |n: usize| {
+            let s = n.to_string();
+            let mut out = String::new();
+            for (i, c) in s.chars().enumerate() {
+                if i > 0 && (s.len() - i).is_multiple_of(3) {
+                    out.push(',');
+                }
+                out.push(c);
+            }
+            out
+        };
+        for needle in [
+            format!("`CONTROL_MAX_BYTES` = {}", thousands(CONTROL_MAX_BYTES)),
+            format!("a batch has at most {} keys", thousands(BATCH_MAX_KEYS)),
+            format!("a namespace at most {NAMESPACE_MAX_BYTES} bytes"),
+            format!("before AUTH a frame's body may be at most {AUTH_MAX_BYTES} bytes"),
+        ] {
+            assert!(
+                doc.contains(&needle),
+                "docs/kv-protocol.md lacks {needle:?}"
+            );
+        }
+    }
+
     #[test]
     fn header_roundtrip_and_bad_magic() {
         let h = FrameHeader {

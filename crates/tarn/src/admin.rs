@@ -69,7 +69,39 @@ fn new_key(k: tarn_s3::iam::NewKey) -> http::Response<s3s::Body> {
 
 /// Users and keys: `GET /admin/users`, `POST|DELETE /admin/users/NAME`,
 /// `POST /admin/users/NAME/keys`, `DELETE /admin/users/NAME/keys/ACCESS_KEY`.
-async fn users(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body> {
+/// A change to users or keys returns once every other reachable node of a
+/// cluster applies it too (a revoked key works nowhere after the call
+/// returns); nodes that did not confirm are named in a header.
+async fn users(
+    method: &str,
+    path: &str,
+    iam: &Iam,
+    node: Option<&Arc<Node>>,
+) -> http::Response<s3s::Body> {
+    let mut r = users_here(method, path, iam).await;
+    if method != "GET" && r.status().is_success() {
+        if let Some(node) = node {
+            let unconfirmed = node.reload_docs_everywhere().await;
+            if !unconfirmed.is_empty() {
+                tracing::warn!(
+                    ?unconfirmed,
+                    "a user or key change was not confirmed by every node"
+                );
+                let names: Vec<String> = unconfirmed
+                    .iter()
+                    .map(|(id, why)| format!("{id} ({})", why.replace(['\r', '\n', ','], " ")))
+                    .collect();
+                if let Ok(v) = http::HeaderValue::from_str(&names.join(", ")) {
+                    r.headers_mut()
+                        .insert(crate::admin_cli::UNCONFIRMED_HEADER, v);
+                }
+            }
+        }
+    }
+    r
+}
+
+async fn users_here(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body> {
     let rest = path.trim_start_matches("/admin/users").trim_matches('/');
     let parts: Vec<&str> = if rest.is_empty() {
         Vec::new()
@@ -337,13 +369,20 @@ async fn handle(
                     &store,
                     under,
                     node.as_ref().and_then(|n| n.drain_job()).as_ref(),
+                    if authorized {
+                        crate::metrics::Names::Shown
+                    } else {
+                        crate::metrics::Names::Redacted
+                    },
                 ),
             )
         }
         (_, p) if p.starts_with("/admin/") && !authorized => {
             text(401, "text/plain", "missing or wrong bearer token\n".into())
         }
-        (m, p) if p == "/admin/users" || p.starts_with("/admin/users/") => users(m, p, &iam).await,
+        (m, p) if p == "/admin/users" || p.starts_with("/admin/users/") => {
+            users(m, p, &iam, node.as_ref()).await
+        }
         (m, p) if p.starts_with("/admin/cluster/") => {
             cluster(m, p, req.uri().query(), node.as_deref()).await
         }

@@ -392,6 +392,9 @@ fn print_key(v: &serde_json::Value, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The header naming the nodes that did not confirm an admin change.
+pub const UNCONFIRMED_HEADER: &str = "tarn-unconfirmed-nodes";
+
 /// One request; the answer's JSON (null for an empty body). A non-2xx
 /// answer is an error carrying the server's message.
 fn request(
@@ -440,6 +443,16 @@ fn request(
             .and_then(|v| v["error"].as_str().map(str::to_string))
             .unwrap_or_else(|| text.trim().to_string());
         bail!("{method} {path}: {status}: {msg}");
+    }
+    for line in head.lines() {
+        if let Some((name, value)) = line.split_once(':') {
+            if name.trim().eq_ignore_ascii_case(UNCONFIRMED_HEADER) {
+                eprintln!(
+                    "warning: not confirmed by node(s) {}: they apply the change when their etcd watch delivers it",
+                    value.trim()
+                );
+            }
+        }
     }
     if text.trim().is_empty() {
         return Ok(serde_json::Value::Null);

@@ -28,10 +28,24 @@ pub struct FileConfig {
     pub etag_mode: Option<String>,
     pub etag_md5_max_bytes: Option<u64>,
     pub inflight_requests_max: Option<usize>,
+    /// Requests in flight of one access key (anonymous: of one client
+    /// address); default a quarter of `inflight_requests_max`.
+    pub inflight_requests_per_key_max: Option<usize>,
+    /// The slowest a request body may arrive, and a response be read, on
+    /// average over each 20 s (bytes per second; 0: no minimum).
+    pub request_body_min_rate_bytes: Option<u64>,
+    pub response_min_rate_bytes: Option<u64>,
+    /// Seconds the minimum rates are averaged over (default 20).
+    pub min_rate_window_secs: Option<u64>,
     /// S3 connections open at once, and per client address.
     pub connections_max: Option<usize>,
     pub connections_per_client_max: Option<usize>,
     pub buffers_per_core: Option<usize>,
+    /// GET data read ahead of clients, in all (bytes; default 256 MiB),
+    /// and of one access key's (anonymous: one address's); default half
+    /// of it (a loader's many parallel GETs keep their read-ahead).
+    pub response_buffer_max_bytes: Option<u64>,
+    pub response_buffer_per_key_max_bytes: Option<u64>,
     pub scan_interval_secs: Option<u64>,
     pub io_uring: Option<bool>,
     /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
@@ -59,6 +73,10 @@ pub struct ClusterFileConfig {
     pub advertise: Option<String>,
     /// The cluster secret, when TARN_CLUSTER_SECRET is not set.
     pub secret: Option<String>,
+    /// etcd's user for this node (etcd with authentication enabled), and
+    /// its password when TARN_ETCD_PASSWORD is not set.
+    pub etcd_user: Option<String>,
+    pub etcd_password: Option<String>,
     pub zone: Option<String>,
     pub no_drives: Option<bool>,
 }
@@ -83,6 +101,11 @@ pub struct KvFileConfig {
     pub frame_timeout_secs: Option<u64>,
     /// Seconds from accept to a completed HELLO and AUTH.
     pub handshake_timeout_secs: Option<u64>,
+    /// Open KV connections (TCP and shared memory) past which a new one is
+    /// closed at once.
+    pub connections_max: Option<usize>,
+    /// Authenticated KV connections one tenant may hold.
+    pub connections_per_tenant_max: Option<usize>,
     /// In a cluster: the KV endpoint other hosts reach this node at.
     pub advertise: Option<String>,
     /// In a cluster: seconds a node whose KV store starts empty ramps its

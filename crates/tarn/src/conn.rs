@@ -51,16 +51,33 @@ impl ConnState {
 pub struct ConnIo {
     stream: Option<TcpStream>,
     send_idle: Duration,
+    /// The slowest a client may read what the server has to send, bytes/s
+    /// on average over each window (the second) in which a write had to
+    /// wait for it (0: no minimum), and the current window: its start,
+    /// bytes written, and whether a write waited.
+    min_rate: (u64, Duration),
+    window: (std::time::Instant, u64, bool),
+    /// Wakes a write that waits at the end of the window, so that a client
+    /// reading too little to make the socket writable is judged too.
+    window_end: Option<Pin<Box<Sleep>>>,
     /// Armed while a write waits for the client to make room.
     stalled: Option<Pin<Box<Sleep>>>,
     state: Arc<ConnState>,
 }
 
 impl ConnIo {
-    pub fn new(stream: TcpStream, send_idle: Duration, state: Arc<ConnState>) -> ConnIo {
+    pub fn new(
+        stream: TcpStream,
+        send_idle: Duration,
+        min_rate: (u64, Duration),
+        state: Arc<ConnState>,
+    ) -> ConnIo {
         ConnIo {
             stream: Some(stream),
             send_idle,
+            min_rate,
+            window: (std::time::Instant::now(), 0, false),
+            window_end: None,
             stalled: None,
             state,
         }
@@ -107,6 +124,52 @@ impl ConnIo {
     }
 }
 
+impl ConnIo {
+    /// A write's outcome, counted against the minimum rate: a client that
+    /// keeps the server waiting and reads less than the minimum over a
+    /// window gets the connection reset (it would hold the response, and
+    /// what it buffers, for as long as it likes by reading a byte now and
+    /// then, inside the idle timeout).
+    fn wrote(
+        &mut self,
+        r: Poll<io::Result<usize>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<usize>> {
+        match &r {
+            Poll::Ready(Ok(n)) => self.window.1 += *n as u64,
+            Poll::Pending => self.window.2 = true,
+            Poll::Ready(Err(_)) => {}
+        }
+        let (rate, window) = self.min_rate;
+        if rate > 0 && self.window.0.elapsed() >= window {
+            let (_, bytes, waited) = self.window;
+            self.window = (std::time::Instant::now(), 0, false);
+            if waited && (bytes as f64) < rate as f64 * window.as_secs_f64() {
+                self.state.abort();
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the client read {bytes} bytes in {}s, under the minimum of {rate} bytes/s",
+                        window.as_secs_f64()
+                    ),
+                )));
+            }
+        }
+        if rate > 0 && r.is_pending() {
+            let end = tokio::time::Instant::from_std(self.window.0 + window);
+            match &mut self.window_end {
+                Some(t) if t.deadline() == end => {}
+                t => *t = Some(Box::pin(tokio::time::sleep_until(end))),
+            }
+            if let Some(t) = self.window_end.as_mut() {
+                // Registers this task to be woken at the window's end.
+                let _ = t.as_mut().poll(cx);
+            }
+        }
+        self.progressed(r, cx)
+    }
+}
+
 impl AsyncRead for ConnIo {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -124,7 +187,7 @@ impl AsyncWrite for ConnIo {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = self.stream().poll_write(cx, buf);
-        self.progressed(r, cx)
+        self.wrote(r, cx)
     }
 
     fn poll_write_vectored(
@@ -133,7 +196,7 @@ impl AsyncWrite for ConnIo {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = self.stream().poll_write_vectored(cx, bufs);
-        self.progressed(r, cx)
+        self.wrote(r, cx)
     }
 
     fn is_write_vectored(&self) -> bool {

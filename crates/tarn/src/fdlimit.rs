@@ -58,6 +58,19 @@ pub fn default_caps(nofile: u64, drives: usize) -> (usize, usize) {
     (total, (total / 4).max(PER_CLIENT_MAX_MIN))
 }
 
+/// The default KV connection caps for a limit of `nofile` descriptors: an
+/// eighth of what the fixed reserve leaves (at least 64, at most the KV
+/// server's own default), three quarters of that for one tenant's
+/// authenticated connections.
+pub fn kv_default_caps(nofile: u64) -> (usize, usize) {
+    let total = ((nofile.saturating_sub(FD_RESERVE_FIXED)) / 8) as usize;
+    let total = total.clamp(
+        CONNECTIONS_MAX_MIN,
+        tarn_kv::server::CONNECTIONS_MAX_DEFAULT,
+    );
+    (total, (total * 3 / 4).max(1))
+}
+
 /// Open S3 connections, in all and per client address, against their caps.
 pub struct Connections {
     max: usize,
@@ -164,5 +177,8 @@ mod tests {
         assert_eq!(default_caps(1024, 4), (256, 64));
         assert_eq!(default_caps(20_000, 4), (9744, 2436));
         assert_eq!(default_caps(100, 4), (64, 16));
+        assert_eq!(kv_default_caps(1024), (96, 72));
+        assert_eq!(kv_default_caps(20_000), (2468, 1851));
+        assert_eq!(kv_default_caps(1 << 20), (4096, 3072));
     }
 }

@@ -169,6 +169,10 @@ struct ServerArgs {
     /// etcd endpoints, comma-separated http://HOST:PORT.
     #[arg(long, env = "TARN_ETCD")]
     etcd: Option<String>,
+    /// etcd's user for this node, where etcd authenticates users (the
+    /// password from TARN_ETCD_PASSWORD or cluster.etcd_password).
+    #[arg(long, env = "TARN_ETCD_USER")]
+    etcd_user: Option<String>,
     /// This node's id in the cluster (a-z, 0-9, '-').
     #[arg(long, env = "TARN_NODE_ID")]
     node_id: Option<String>,
@@ -178,6 +182,10 @@ struct ServerArgs {
     /// A gateway: serves S3 for the cluster and stores nothing.
     #[arg(long)]
     no_drives: bool,
+    /// Once, after upgrading a cluster formed before etcd records were
+    /// sealed: seal them all with the cluster secret (every node stopped).
+    #[arg(long)]
+    seal_etcd_records: bool,
 }
 
 fn store_config(
@@ -226,6 +234,9 @@ fn store_config(
     if let Some(m) = file.etag_md5_max_bytes {
         cfg.etag_md5_max_bytes = m;
     }
+    if let Some(b) = file.response_buffer_max_bytes {
+        cfg.read_ahead_max_bytes = b as usize;
+    }
     if let Some(b) = file.buffers_per_core {
         cfg.buffers_per_core = b;
     }
@@ -273,6 +284,9 @@ struct KvSettings {
     idle_timeout: Duration,
     frame_timeout: Duration,
     handshake_timeout: Duration,
+    /// Set only when configured (the defaults follow the descriptor limit).
+    connections_max: Option<usize>,
+    connections_per_tenant_max: Option<usize>,
     advertise: Option<String>,
     /// Set only when configured (a cluster's nodes default to
     /// [`KV_RAMP_DEFAULT_SECS`]).
@@ -395,6 +409,8 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
             tarn_kv::server::HANDSHAKE_TIMEOUT_DEFAULT,
             "handshake_timeout_secs",
         )?,
+        connections_max: f.and_then(|k| k.connections_max),
+        connections_per_tenant_max: f.and_then(|k| k.connections_per_tenant_max),
         advertise: match args
             .kv_advertise
             .clone()
@@ -461,7 +477,9 @@ fn start_kv(
     root: tarn_kv::Credentials,
     cores: usize,
     io_uring: bool,
+    nofile: u64,
 ) -> anyhow::Result<(KvEngines, tarn_kv::Server)> {
+    let (conn_max, per_tenant) = fdlimit::kv_default_caps(nofile);
     let mut list = Vec::new();
     let mut engines = Vec::new();
     let root_engine = tarn_kv::Engine::open(kv.config.clone()).context("opening the KV store")?;
@@ -487,6 +505,8 @@ fn start_kv(
             idle_timeout: kv.idle_timeout,
             frame_timeout: kv.frame_timeout,
             handshake_timeout: kv.handshake_timeout,
+            connections_max: kv.connections_max.unwrap_or(conn_max),
+            connections_per_tenant_max: kv.connections_per_tenant_max.unwrap_or(per_tenant),
             // Threads unpinned, as by default: the KV daemon shares its host
             // with the engines it serves, and a thread pinned to a core an
             // engine keeps busy waited there, runnable, for seconds while
@@ -621,11 +641,15 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         let p = permissions.clone();
         node.on_docs_changed(Box::new(move || {
             let p = p.clone();
-            tokio::spawn(async move {
-                if let Err(error) = p.reload().await {
-                    tracing::warn!(%error, "cannot read users and permissions again");
+            Box::pin(async move {
+                match p.reload().await {
+                    Ok(()) => true,
+                    Err(error) => {
+                        tracing::warn!(%error, "cannot read users and permissions again");
+                        false
+                    }
                 }
-            });
+            })
         }));
     }
     let iam = permissions.iam.clone();
@@ -654,7 +678,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
                 bail!("--kv-advertise and --kv-ramp-secs (kv.advertise, kv.ramp_secs) are for a cluster node (--cluster)");
             }
             let kv_ramp = kv_ramp.unwrap_or(Duration::from_secs(KV_RAMP_DEFAULT_SECS));
-            let (engines, server) = start_kv(kv, root, cores, io_uring)?;
+            let (engines, server) = start_kv(kv, root, cores, io_uring, nofile)?;
             let e = &engines[0].1;
             println!(
                 "KV endpoint: {} ({} MiB RAM{}{}{})",
@@ -748,6 +772,10 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         connections_per_client_max = per_client,
         "S3 connections capped below the open-files limit"
     );
+    let inflight_max = args
+        .inflight_requests_max
+        .or(file.inflight_requests_max)
+        .unwrap_or(1024);
     let settings = server::ServerSettings {
         connections: fdlimit::Connections::new(conn_max, per_client),
         listen,
@@ -755,16 +783,37 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         cores,
         pin: cores > 1,
         io_uring,
-        inflight_requests_max: args
-            .inflight_requests_max
-            .or(file.inflight_requests_max)
-            .unwrap_or(1024),
+        inflight_requests_max: inflight_max,
+        inflight_per_key_max: file
+            .inflight_requests_per_key_max
+            .unwrap_or((inflight_max / 4).max(8))
+            .max(1),
+        body_min_rate: file
+            .request_body_min_rate_bytes
+            .unwrap_or(server::MIN_RATE_DEFAULT_BYTES),
+        response_min_rate: file
+            .response_min_rate_bytes
+            .unwrap_or(server::MIN_RATE_DEFAULT_BYTES),
+        read_ahead_per_key_max_bytes: file
+            .response_buffer_per_key_max_bytes
+            .map(|b| b as usize)
+            .unwrap_or(
+                file.response_buffer_max_bytes
+                    .map_or(StoreConfig::default().read_ahead_max_bytes, |b| b as usize)
+                    / 2,
+            ),
+        rate_window: idle_secs(
+            file.min_rate_window_secs,
+            server::RATE_WINDOW_DEFAULT,
+            "min_rate_window_secs",
+        )?,
         domains,
         region,
         admin_token: secret,
         iam,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
+        kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
         admin_bound,
         cluster: node.clone(),
         body_idle_timeout: idle_secs(
@@ -822,7 +871,7 @@ fn cluster_settings(
     let no_drives = args.no_drives || f.and_then(|c| c.no_drives).unwrap_or(false);
     let (name, etcd) = match (name, etcd) {
         (None, None) => {
-            if node_id.is_some() || advertise.is_some() || no_drives {
+            if node_id.is_some() || advertise.is_some() || no_drives || args.seal_etcd_records {
                 bail!("--node-id, --advertise and --no-drives are for a cluster: give --cluster and --etcd too");
             }
             return Ok(None);
@@ -854,6 +903,23 @@ fn cluster_settings(
     if no_drives && !args.drives.is_empty() {
         bail!("--no-drives and --drive contradict each other");
     }
+    let etcd_user = match args
+        .etcd_user
+        .clone()
+        .or(f.and_then(|c| c.etcd_user.clone()))
+    {
+        None => None,
+        Some(user) => {
+            let password = match std::env::var("TARN_ETCD_PASSWORD") {
+                Ok(p) if !p.is_empty() => p,
+                _ => match f.and_then(|c| c.etcd_password.clone()) {
+                    Some(p) => p,
+                    None => bail!("--etcd-user {user} needs its password: set TARN_ETCD_PASSWORD (or cluster.etcd_password)"),
+                },
+            };
+            Some((user, password))
+        }
+    };
     let drives = if no_drives {
         Vec::new()
     } else {
@@ -865,6 +931,8 @@ fn cluster_settings(
         node_id,
         advertise,
         secret: secret.into_bytes(),
+        seal_existing: args.seal_etcd_records,
+        etcd_user,
         drives,
         s3_url: format!("http://{listen}"),
         admin_url: format!("http://{admin_listen}"),

@@ -28,10 +28,28 @@ pub struct Metrics {
     pub bytes_out: AtomicU64,
     pub inflight: AtomicU64,
     pub rejected_overload: AtomicU64,
+    /// Requests refused because their caller held its share of the slots.
+    pub rejected_share: AtomicU64,
     /// The S3 connections and their caps.
     pub connections: std::sync::OnceLock<std::sync::Arc<crate::fdlimit::Connections>>,
     /// The KV engines by tenant when `--kv` is on.
     pub kv: std::sync::OnceLock<Vec<(String, std::sync::Arc<tarn_kv::Engine>)>>,
+    /// The KV server's connection counts when `--kv` is on.
+    pub kv_connections: std::sync::OnceLock<std::sync::Arc<tarn_kv::server::ConnectionCounts>>,
+    /// This process's random key for the names it shows a caller without
+    /// the admin token (`Names::Redacted`).
+    redact_key: std::hash::RandomState,
+}
+
+/// Whether the metrics text names KV tenants and namespaces: their names
+/// are the users' own (model and deployment names), shown only to a caller
+/// with the admin token; anyone else sees `h-` and 16 hex digits, a keyed
+/// hash that is stable for this process's life (series stay series) and
+/// says nothing of the name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Names {
+    Shown,
+    Redacted,
 }
 
 impl Metrics {
@@ -57,6 +75,7 @@ impl Metrics {
         store: &tarn_store::Store,
         under_replicated: u64,
         drain: Option<&tarn_cluster::node::DrainJob>,
+        names: Names,
     ) -> String {
         let mut out = String::new();
         out.push_str("# HELP tarn_requests_total S3 requests by operation and HTTP status.\n# TYPE tarn_requests_total counter\n");
@@ -113,7 +132,7 @@ impl Metrics {
         }
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 21] = [
+        let scalars: [(&str, &str, &str, u64); 25] = [
             (
                 "tarn_fd_exhaustion_total",
                 "Drive operations that failed because the process ran out of file descriptors (the drive stays in service).",
@@ -143,6 +162,12 @@ impl Metrics {
                 "Requests answered 503 SlowDown by admission control.",
                 "counter",
                 load(&self.rejected_overload),
+            ),
+            (
+                "tarn_requests_rejected_share_total",
+                "Requests answered 503 SlowDown because their access key (or, anonymous, their client address) held its share of the in-flight slots.",
+                "counter",
+                load(&self.rejected_share),
             ),
             (
                 "tarn_heal_queued_total",
@@ -229,6 +254,24 @@ impl Metrics {
                 load(&st.drive_rejoins),
             ),
             (
+                "tarn_read_ahead_bytes",
+                "GET data read ahead of clients now (bounded by response_buffer_max_bytes).",
+                "gauge",
+                store.read_ahead_bytes().0,
+            ),
+            (
+                "tarn_read_ahead_waits_total",
+                "GET stripes that waited for room in the read-ahead budget.",
+                "counter",
+                load(&st.read_ahead_waits),
+            ),
+            (
+                "tarn_drive_reserves_released_total",
+                "Drive metadata reserves given back to a filesystem with no space left (so reads, DELETEs and repair go on).",
+                "counter",
+                load(&st.reserves_released),
+            ),
+            (
                 "tarn_index_corruptions_total",
                 "Drive metadata indexes found damaged and set aside to be rebuilt.",
                 "counter",
@@ -280,11 +323,45 @@ impl Metrics {
         }
         render_backfill(&mut out, store.backfill_status().as_ref());
         render_drain(&mut out, drain);
+        if let Some(c) = self.kv_connections.get() {
+            let _ = writeln!(
+                out,
+                "# HELP tarn_kv_connections_open KV connections open (TCP and shared memory).\n# TYPE tarn_kv_connections_open gauge\ntarn_kv_connections_open {}\n\
+                 # HELP tarn_kv_connections_refused_total KV connections refused: closed as they came (over connections_max) or AUTH answered Limit (over connections_per_tenant_max).\n# TYPE tarn_kv_connections_refused_total counter\n\
+                 tarn_kv_connections_refused_total{{reason=\"server_cap\"}} {}\ntarn_kv_connections_refused_total{{reason=\"tenant_cap\"}} {}",
+                c.open(),
+                c.refused_open.load(Ordering::Relaxed),
+                c.refused_tenant.load(Ordering::Relaxed)
+            );
+        }
         if let Some(kv) = self.kv.get() {
-            render_kv(&mut out, kv);
+            let name = |n: &[u8]| -> String {
+                match names {
+                    Names::Shown => label(n),
+                    Names::Redacted => {
+                        use std::hash::BuildHasher;
+                        format!("h-{:016x}", self.redact_key.hash_one(n))
+                    }
+                }
+            };
+            render_kv(&mut out, kv, &name);
         }
         out
     }
+}
+
+/// A Prometheus label value: escaped, at most 200 characters.
+fn label(raw: &[u8]) -> String {
+    String::from_utf8_lossy(raw)
+        .chars()
+        .take(200)
+        .flat_map(|c| match c {
+            '\\' => vec!['\\', '\\'],
+            '"' => vec!['\\', '"'],
+            '\n' => vec!['\\', 'n'],
+            c => vec![c],
+        })
+        .collect()
 }
 
 /// The backfill running on this node: its progress, rate and ETA (all 0
@@ -466,20 +543,26 @@ pub fn operation(
 }
 
 /// KV store gauges and counters, with hit and miss counts per namespace so a
-/// low hit rate can be explained.
-/// Each tenant's engine is labelled with the tenant's name.
-fn render_kv(out: &mut String, engines: &[(String, std::sync::Arc<tarn_kv::Engine>)]) {
+/// low hit rate can be explained. Each tenant's engine is labelled with
+/// `name` of the tenant's name (the name or its redaction).
+fn render_kv(
+    out: &mut String,
+    engines: &[(String, std::sync::Arc<tarn_kv::Engine>)],
+    name: &dyn Fn(&[u8]) -> String,
+) {
     for (tenant, kv) in engines {
-        for (name, v) in kv.stats(None) {
+        let tenant = name(tenant.as_bytes());
+        for (stat, v) in kv.stats(None) {
             // Per-class figures are labels of their own metric below.
-            if name.starts_with("class.") {
+            if stat.starts_with("class.") {
                 continue;
             }
-            let _ = writeln!(out, "tarn_kv_{name}{{tenant=\"{tenant}\"}} {v}");
+            let _ = writeln!(out, "tarn_kv_{stat}{{tenant=\"{tenant}\"}} {v}");
         }
     }
     out.push_str("# HELP tarn_kv_class RAM tier slab classes: occupancy (pages, blocks, bytes), pages moved in and out, blocks evicted by reason (room: the class's own SIEVE victim; page_moved: their page went to another class).\n# TYPE tarn_kv_class gauge\n");
     for (tenant, kv) in engines {
+        let tenant = name(tenant.as_bytes());
         for c in kv.class_reports() {
             for (what, v) in c.named() {
                 let _ = writeln!(
@@ -492,27 +575,15 @@ fn render_kv(out: &mut String, engines: &[(String, std::sync::Arc<tarn_kv::Engin
     }
     out.push_str("# HELP tarn_kv_namespace KV counters per namespace (gets, hits by tier, misses by reason, puts, cluster routing: fallback gets and hits, copies, hot blocks).\n# TYPE tarn_kv_namespace counter\n");
     for (tenant, kv) in engines {
-        render_namespaces(out, tenant, kv);
-    }
-}
-
-fn render_namespaces(out: &mut String, tenant: &str, kv: &tarn_kv::Engine) {
-    for (ns, s) in kv.namespace_stats() {
-        let label: String = String::from_utf8_lossy(&ns)
-            .chars()
-            .take(200)
-            .flat_map(|c| match c {
-                '\\' => vec!['\\', '\\'],
-                '"' => vec!['\\', '"'],
-                '\n' => vec!['\\', 'n'],
-                c => vec![c],
-            })
-            .collect();
-        for (what, v) in s.named() {
-            let _ = writeln!(
-                out,
-                "tarn_kv_namespace{{tenant=\"{tenant}\",namespace=\"{label}\",counter=\"{what}\"}} {v}"
-            );
+        let tenant = name(tenant.as_bytes());
+        for (ns, s) in kv.namespace_stats() {
+            let ns = name(&ns);
+            for (what, v) in s.named() {
+                let _ = writeln!(
+                    out,
+                    "tarn_kv_namespace{{tenant=\"{tenant}\",namespace=\"{ns}\",counter=\"{what}\"}} {v}"
+                );
+            }
         }
     }
 }

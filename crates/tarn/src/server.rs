@@ -6,7 +6,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -28,6 +28,10 @@ const REQUEST_HEAD_MAX_BYTES: usize = 64 << 10;
 const REQUEST_HEADERS_MAX_BYTES: usize = 16 << 10;
 /// S3's limit on user metadata (x-amz-meta-*), names plus values.
 const USER_METADATA_MAX_BYTES: usize = 2 << 10;
+/// The largest body of a request that s3s reads whole (XML and JSON
+/// documents: DeleteObjects, CompleteMultipartUpload, policies, tags); s3s's
+/// own `xml_max_body_size`, which Tarn leaves at its default.
+const WHOLE_BODY_MAX_BYTES: u64 = 20 << 20;
 /// How long in-flight requests get to finish after SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
@@ -40,6 +44,17 @@ pub struct ServerSettings {
     pub pin: bool,
     pub io_uring: bool,
     pub inflight_requests_max: usize,
+    /// Requests in flight of one access key, or of one client address for
+    /// anonymous requests: no one caller takes every slot.
+    pub inflight_per_key_max: usize,
+    /// Bytes per second a request body must arrive at, and a response be
+    /// read at, on average over each `rate_window` (0: no minimum).
+    pub body_min_rate: u64,
+    pub response_min_rate: u64,
+    pub rate_window: Duration,
+    /// GET data read ahead of one caller's clients (the shared budget is
+    /// the store's `read_ahead_max_bytes`).
+    pub read_ahead_per_key_max_bytes: usize,
     pub domains: Vec<String>,
     /// The region requests must be signed for.
     pub region: String,
@@ -47,8 +62,10 @@ pub struct ServerSettings {
     /// Users and their keys, managed on the admin port.
     pub iam: Arc<tarn_s3::iam::Iam>,
     pub scan_interval: Option<Duration>,
-    /// The KV engines by tenant, for /metrics.
+    /// The KV engines by tenant and the KV server's connection counts, for
+    /// /metrics.
     pub kv: Vec<(String, Arc<tarn_kv::Engine>)>,
+    pub kv_connections: Option<Arc<tarn_kv::server::ConnectionCounts>>,
     /// A request body that sends nothing for this long fails (400
     /// RequestTimeout) and gives back what it held.
     pub body_idle_timeout: Duration,
@@ -64,6 +81,10 @@ pub struct ServerSettings {
 
 /// Defaults of the two (docs/configuration.md).
 pub const BODY_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+/// The default minimum rate of request bodies and responses, bytes/s.
+pub const MIN_RATE_DEFAULT_BYTES: u64 = 1024;
+/// The default window minimum rates are averaged over.
+pub const RATE_WINDOW_DEFAULT: Duration = Duration::from_secs(20);
 pub const SEND_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
 /// How often freed memory is handed back to the kernel.
 const MEMORY_TRIM_INTERVAL: Duration = Duration::from_secs(5);
@@ -133,12 +154,101 @@ struct Front {
     s3: S3Service,
     metrics: Arc<Metrics>,
     inflight_max: usize,
+    /// Requests in flight by caller, against `inflight_per_key_max`.
+    shares: Arc<Shares>,
+    body_min_rate: (u64, Duration),
     domains: Arc<Vec<String>>,
     region: Arc<str>,
     body_idle: Duration,
     request_ids: Arc<RequestIds>,
     /// The connection's client (for the `aws:SourceIp` policy condition).
     peer: Option<std::net::IpAddr>,
+}
+
+/// Requests in flight by caller: an access key, or for anonymous
+/// requests the client's address.
+struct Shares {
+    max: usize,
+    held: Mutex<std::collections::HashMap<String, usize>>,
+    /// Each caller's read-ahead budget (pieces of
+    /// `tarn_store::store::read_ahead_pieces`), shared by its GETs.
+    read_ahead_pieces: usize,
+    budgets: Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
+}
+
+/// One request's slot in its caller's share, given back when dropped.
+struct ShareSlot(Arc<Shares>, String);
+
+impl Shares {
+    /// `caller`'s read-ahead budget.
+    fn budget(&self, caller: &str) -> Arc<tokio::sync::Semaphore> {
+        let mut b = self.budgets.lock().unwrap_or_else(|p| p.into_inner());
+        if b.len() > 10_000 {
+            // Callers with nothing read ahead now start afresh.
+            b.retain(|_, s| Arc::strong_count(s) > 1);
+        }
+        b.entry(caller.to_string())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.read_ahead_pieces)))
+            .clone()
+    }
+
+    fn admit(self: &Arc<Self>, caller: String) -> Option<ShareSlot> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let n = held.entry(caller.clone()).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(ShareSlot(self.clone(), caller))
+    }
+}
+
+impl Drop for ShareSlot {
+    fn drop(&mut self) {
+        let mut held = self.0.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// Who a request says it comes from, for its share of the in-flight slots:
+/// the access key it names (SigV4 or SigV2, header or query; a false claim
+/// is refused at the signature check, before any body is read), else its
+/// client's address.
+fn caller_of<B>(req: &http::Request<B>, peer: Option<std::net::IpAddr>) -> String {
+    if let Some(auth) = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        if let Some(i) = auth.find("Credential=") {
+            let rest = &auth[i + "Credential=".len()..];
+            return format!("key:{}", rest.split('/').next().unwrap_or(""));
+        }
+        if let Some(rest) = auth.strip_prefix("AWS ") {
+            return format!("key:{}", rest.split(':').next().unwrap_or(""));
+        }
+    }
+    if let Some(q) = req.uri().query() {
+        for pair in q.split('&') {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            if k == "X-Amz-Credential" {
+                let v = v.replace("%2F", "/").replace("%2f", "/");
+                return format!("key:{}", v.split('/').next().unwrap_or(""));
+            }
+            if k == "AWSAccessKeyId" {
+                return format!("key:{v}");
+            }
+        }
+    }
+    match peer {
+        Some(ip) => format!("anon:{ip}"),
+        None => "anon".into(),
+    }
 }
 
 /// Request ids: unique in this process (a random start, then a bijection of
@@ -250,7 +360,76 @@ struct IdleBody {
     idle: Duration,
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     done: Arc<AtomicBool>,
+    /// Bytes over which the body is ended (`u64::MAX`: no limit) and
+    /// whether it went past [`WHOLE_BODY_MAX_BYTES`]: s3s answers a body
+    /// over its own limit with 500 when it arrives in pieces, so the front
+    /// answers that 500 with 400 MaxMessageLengthExceeded.
+    limit: u64,
+    seen: u64,
+    over: Arc<AtomicBool>,
+    /// The minimum rate (bytes/s, 0: none), and the current window's start
+    /// and bytes.
+    min_rate: (u64, Duration),
+    window: Option<(Instant, u64)>,
 }
+
+/// The error a whole-read body gives past [`WHOLE_BODY_MAX_BYTES`].
+#[derive(Debug)]
+struct BodyTooLarge;
+
+impl std::fmt::Display for BodyTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "request body over {WHOLE_BODY_MAX_BYTES} bytes")
+    }
+}
+
+impl std::error::Error for BodyTooLarge {}
+
+fn too_large() -> Resp {
+    error_response(
+        http::StatusCode::BAD_REQUEST,
+        "MaxMessageLengthExceeded",
+        "Your request was too big.",
+    )
+}
+
+impl IdleBody {
+    /// Counts `n` more bytes: whether the window that just closed carried
+    /// less than the minimum rate.
+    fn too_slow(&mut self, n: u64) -> bool {
+        let (rate, window) = self.min_rate;
+        if rate == 0 {
+            return false;
+        }
+        let (start, bytes) = self.window.get_or_insert((Instant::now(), 0));
+        *bytes += n;
+        if start.elapsed() < window {
+            return false;
+        }
+        let slow = (*bytes as f64) < rate as f64 * window.as_secs_f64();
+        self.window = Some((Instant::now(), 0));
+        slow
+    }
+}
+
+/// The error of a request body that arrives slower than the minimum rate;
+/// answered, as an idle one, 400 RequestTimeout.
+#[derive(Debug)]
+struct BodyTooSlow((u64, Duration));
+
+impl std::fmt::Display for BodyTooSlow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: slower than {} bytes/s over {}s",
+            tarn_s3::body::BODY_IDLE_MESSAGE,
+            self.0 .0,
+            self.0 .1.as_secs_f64()
+        )
+    }
+}
+
+impl std::error::Error for BodyTooSlow {}
 
 impl hyper::body::Body for IdleBody {
     type Data = bytes::Bytes;
@@ -269,6 +448,21 @@ impl hyper::body::Body for IdleBody {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 this.timer = None;
+                if let Some(d) = frame.data_ref() {
+                    if this.too_slow(d.len() as u64) {
+                        return Poll::Ready(Some(Err(Box::new(BodyTooSlow(this.min_rate)))));
+                    }
+                    this.seen += d.len() as u64;
+                    if this.seen > WHOLE_BODY_MAX_BYTES && this.limit != u64::MAX {
+                        // Over s3s's limit if these are the document's
+                        // own bytes, not aws-chunked framing: s3s decides,
+                        // and its 500 for it becomes a 400.
+                        this.over.store(true, Ordering::Relaxed);
+                    }
+                    if this.seen > this.limit {
+                        return Poll::Ready(Some(Err(Box::new(BodyTooLarge))));
+                    }
+                }
                 if hyper::body::Body::is_end_stream(&this.inner) {
                     this.done.store(true, Ordering::Relaxed);
                 }
@@ -383,6 +577,37 @@ fn check_header_sizes(headers: &http::HeaderMap) -> Option<Resp> {
     None
 }
 
+/// SigV2 signs a path-style request for a bucket as `/bucket/` (AWS's
+/// CanonicalizedResource; botocore and s3cmd sign it so) while the request
+/// goes to `/bucket`, and s3s signs the path as sent: such a request's path
+/// gets its trailing slash, the same bucket to s3s.
+fn sigv2_bucket_path<B>(req: &mut http::Request<B>, bucket_in_host: bool) {
+    let v2_header = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .is_some_and(|v| v.as_bytes().starts_with(b"AWS "));
+    let v2_query = req.uri().query().is_some_and(|q| {
+        q.split('&')
+            .any(|p| p.split_once('=').map_or(p, |(k, _)| k) == "Signature")
+    });
+    let path = req.uri().path();
+    let one_segment = path.len() > 1 && path.starts_with('/') && !path[1..].contains('/');
+    if !(v2_header || v2_query) || bucket_in_host || !one_segment {
+        return;
+    }
+    let target = match req.uri().query() {
+        Some(q) => format!("{path}/?{q}"),
+        None => format!("{path}/"),
+    };
+    let mut parts = req.uri().clone().into_parts();
+    if let Ok(pq) = http::uri::PathAndQuery::try_from(target) {
+        parts.path_and_query = Some(pq);
+        if let Ok(uri) = http::Uri::from_parts(parts) {
+            *req.uri_mut() = uri;
+        }
+    }
+}
+
 impl hyper::service::Service<http::Request<Incoming>> for Front {
     type Response = Resp;
     type Error = s3s::HttpError;
@@ -404,6 +629,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             .domains
             .iter()
             .any(|d| host_name.len() > d.len() && host_name.ends_with(&format!(".{d}")));
+        sigv2_bucket_path(&mut req, bucket_in_host);
         let op = operation(
             req.method(),
             req.uri().path(),
@@ -419,6 +645,14 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             .unwrap_or(0);
         let has_body =
             declared_in > 0 || req.headers().contains_key(http::header::TRANSFER_ENCODING);
+        // Bodies that s3s reads whole into memory; object data streams.
+        let whole_body = !matches!(op, "PutObject" | "UploadPart" | "Other");
+        let declared_payload = req
+            .headers()
+            .get("x-amz-decoded-content-length")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(declared_in);
         let early = |mut r: Resp| {
             if has_body {
                 close_after(&mut r);
@@ -431,9 +665,17 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             let r = early(r);
             return Box::pin(async move { Ok(r) });
         }
-        if let Err(e) = tarn_s3::scope::check(req.headers(), req.uri().query(), &self.region) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        if let Err(e) = tarn_s3::scope::check(req.headers(), req.uri().query(), &self.region, now) {
             metrics.record(op, 400, Duration::ZERO);
             let r = early(scope_error(e));
+            return Box::pin(async move { Ok(r) });
+        }
+        if whole_body && declared_payload > WHOLE_BODY_MAX_BYTES {
+            metrics.record(op, 400, Duration::ZERO);
+            let r = early(too_large());
             return Box::pin(async move { Ok(r) });
         }
         // Admission control: answer quickly instead of queueing without bound.
@@ -445,22 +687,59 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             let r = early(slow_down());
             return Box::pin(async move { Ok(r) });
         }
+        // One caller's share: the others keep slots however many requests
+        // it holds open.
+        let caller = caller_of(&req, self.peer);
+        let read_ahead = self.shares.budget(&caller);
+        let Some(share) = self.shares.admit(caller) else {
+            metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+            metrics.rejected_share.fetch_add(1, Ordering::Relaxed);
+            metrics.record(op, 503, Duration::ZERO);
+            let r = early(slow_down());
+            return Box::pin(async move { Ok(r) });
+        };
         metrics.bytes_in.fetch_add(declared_in, Ordering::Relaxed);
         let start = Instant::now();
         let body_done = Arc::new(AtomicBool::new(false));
         let (idle, done) = (self.body_idle, body_done.clone());
+        let over = Arc::new(AtomicBool::new(false));
+        // An aws-chunked body carries its chunk framing too (under 1%).
+        let limit = if whole_body {
+            WHOLE_BODY_MAX_BYTES + WHOLE_BODY_MAX_BYTES / 64
+        } else {
+            u64::MAX
+        };
+        let body_over = over.clone();
+        let min_rate = self.body_min_rate;
         let req = req.map(move |inner| {
             s3s::Body::http_body(IdleBody {
                 inner,
                 idle,
                 timer: None,
                 done,
+                limit,
+                seen: 0,
+                over: body_over,
+                min_rate,
+                window: None,
             })
         });
         let s3 = self.s3.clone();
         Box::pin(async move {
-            let mut res = s3.call(req).await;
+            let mut res = tarn_store::store::CALLER_READ_AHEAD
+                .scope(read_ahead, s3.call(req))
+                .await;
             metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+            drop(share);
+            let failed = match &res {
+                Ok(r) => r.status().is_server_error(),
+                Err(_) => true,
+            };
+            if over.load(Ordering::Relaxed) && failed {
+                let mut r = too_large();
+                close_after(&mut r);
+                res = Ok(r);
+            }
             if let Ok(r) = res.as_mut() {
                 if has_body && !body_done.load(Ordering::Relaxed) {
                     close_after(r);
@@ -498,6 +777,9 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     if !settings.kv.is_empty() {
         let _ = metrics.kv.set(settings.kv.clone());
     }
+    if let Some(c) = &settings.kv_connections {
+        let _ = metrics.kv_connections.set(c.clone());
+    }
     // Bind the first listener to learn the port (the flag may say :0), then give
     // every core its own listener on that same port.
     check_address_free(settings.listen)?;
@@ -521,6 +803,15 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         s3,
         metrics: metrics.clone(),
         inflight_max: settings.inflight_requests_max,
+        shares: Arc::new(Shares {
+            max: settings.inflight_per_key_max,
+            held: Mutex::default(),
+            read_ahead_pieces: tarn_store::store::read_ahead_pieces(
+                settings.read_ahead_per_key_max_bytes,
+            ),
+            budgets: Mutex::default(),
+        }),
+        body_min_rate: (settings.body_min_rate, settings.rate_window),
         domains: Arc::new(settings.domains.clone()),
         region: Arc::from(settings.region.as_str()),
         body_idle: settings.body_idle_timeout,
@@ -528,6 +819,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         peer: None,
     };
     let send_idle = settings.send_idle_timeout;
+    let min_rate = (settings.response_min_rate, settings.rate_window);
     let connections = settings.connections.clone();
 
     tune_allocator();
@@ -561,7 +853,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                             if let Some(node) = &admin_ctx.3 {
                                 node.spawn_watch();
                             }
-                            tokio::spawn(trim_memory());
+                            tokio::spawn(trim_memory(store.clone()));
                         }
                         if let Some(admin) = admin {
                             let listener = TcpListener::from_std(admin)?;
@@ -576,7 +868,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                             ));
                         }
                         let listener = TcpListener::from_std(listener)?;
-                        serve_core(listener, front, send_idle, connections, stop).await;
+                        serve_core(listener, front, (send_idle, min_rate), connections, stop).await;
                         Ok::<_, anyhow::Error>(())
                     })
                 })?,
@@ -636,13 +928,16 @@ fn tune_allocator() {
     }
 }
 
-/// Hands memory the allocator keeps after a burst (request bodies, stripes
+/// Frees the stripe buffers that sat unused for a whole interval, then hands
+/// memory the allocator keeps after a burst (request bodies, stripes
 /// queued to slow readers) back to the kernel, so that RSS comes back down
 /// once the clients are gone. glibc returns only the top of each arena by
 /// itself; `malloc_trim` releases the free pages inside them too.
-async fn trim_memory() {
+async fn trim_memory(store: Arc<Store>) {
     loop {
         tokio::time::sleep(MEMORY_TRIM_INTERVAL).await;
+        // Stripe buffers a burst allocated and that sat unused since.
+        store.trim_buffers();
         #[cfg(target_env = "gnu")]
         // SAFETY: malloc_trim only returns free pages; it takes the arenas'
         // locks itself.
@@ -655,7 +950,7 @@ async fn trim_memory() {
 async fn serve_core(
     listener: TcpListener,
     front: Front,
-    send_idle: Duration,
+    (send_idle, min_rate): (Duration, (u64, Duration)),
     connections: Arc<crate::fdlimit::Connections>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -690,7 +985,7 @@ async fn serve_core(
                 // Small responses must not wait for the delayed-ACK timer.
                 let _ = stream.set_nodelay(true);
                 let state = Arc::new(ConnState::default());
-                let io = ConnIo::new(stream, send_idle, state.clone());
+                let io = ConnIo::new(stream, send_idle, min_rate, state.clone());
                 let mut front = front.clone();
                 front.peer = Some(peer.ip());
                 let conn = http.serve_connection(TokioIo::new(io), front);

@@ -21,8 +21,8 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWrite
 pub use client::{Call, RpcClient};
 pub use server::{serve, serve_connection, Handler, HandlerError, ServerCall, ServerStats};
 use wire::{
-    Challenge, Channel, Header, Hello, Refusal, Side, Transcript, WireError, CHALLENGE_FIXED_BYTES,
-    HEADER_BYTES, HELLO_FIXED_BYTES, PROTOCOL_VERSION, WELCOME_BYTES,
+    Challenge, Channel, Header, Hello, Refusal, Side, Transcript, Welcome, WireError,
+    CHALLENGE_FIXED_BYTES, HEADER_BYTES, HELLO_FIXED_BYTES, PROTOCOL_VERSION, WELCOME_BYTES,
 };
 
 /// How long either side waits for the other's handshake messages.
@@ -245,8 +245,8 @@ fn eof_is_closed(e: std::io::Error) -> RpcError {
     }
 }
 
-/// The client side of the handshake: proves the secret and checks the
-/// server's proof. `expect` names the node the caller meant to reach.
+/// The client side of the handshake: proves the secret first, then checks
+/// the server's proof. `expect` names the node the caller meant to reach.
 pub async fn client_handshake(
     mut io: BoxStream,
     me: &Identity,
@@ -284,19 +284,9 @@ pub async fn client_handshake(
     let mut whole = fixed.to_vec();
     whole.extend_from_slice(&id);
     challenge = Challenge::decode(&whole)?;
-    let t = Transcript {
-        cluster: &me.cluster,
-        client_id: &me.node_id,
-        server_id: &challenge.node_id,
-        client_nonce: &hello.nonce,
-        server_nonce: &challenge.nonce,
-    };
-    if !wire::verify(Side::Server, &me.secret, &t, &challenge.proof) {
-        return Err(auth(
-            "the peer does not know the cluster secret".to_string(),
-        ));
-    }
     if let Some(want) = expect {
+        // Checked before proving anything: a proof is only for the node
+        // the caller meant to reach.
         if want != challenge.node_id {
             return Err(auth(format!(
                 "expected node {want}, found node {}",
@@ -304,6 +294,13 @@ pub async fn client_handshake(
             )));
         }
     }
+    let t = Transcript {
+        cluster: &me.cluster,
+        client_id: &me.node_id,
+        server_id: &challenge.node_id,
+        client_nonce: &hello.nonce,
+        server_nonce: &challenge.nonce,
+    };
     io.write_all(&wire::proof(Side::Client, &me.secret, &t))
         .await?;
     io.flush().await?;
@@ -314,17 +311,21 @@ pub async fn client_handshake(
             std::io::ErrorKind::UnexpectedEof => auth("the peer closed the connection".into()),
             _ => RpcError::Io(e),
         })?;
-    if welcome[0..4] != wire::MAGIC {
-        return Err(WireError::Magic.into());
+    let welcome = Welcome::decode(&welcome)?;
+    if welcome.status != Refusal::Accepted {
+        return Err(auth(format!("refused: {}", welcome.status.describe())));
     }
-    match Refusal::from_u8(welcome[4]) {
-        Refusal::Accepted => Ok(Conn::new(io, challenge.node_id, channel)),
-        r => Err(auth(format!("refused: {}", r.describe()))),
+    if !wire::verify(Side::Server, &me.secret, &t, &welcome.proof) {
+        return Err(auth(
+            "the peer does not know the cluster secret".to_string(),
+        ));
     }
+    Ok(Conn::new(io, challenge.node_id, channel))
 }
 
 /// The server side of the handshake. Every refusal is answered (so the
-/// client can say why) and ends the connection.
+/// client can say why) and ends the connection. The server proves the
+/// secret only to a caller that proved it first.
 pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, RpcError> {
     async fn refuse(io: &mut BoxStream, status: Refusal) {
         let c = Challenge {
@@ -332,7 +333,6 @@ pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, 
             status,
             node_id: String::new(),
             nonce: [0; wire::NONCE_BYTES],
-            proof: [0; wire::PROOF_BYTES],
         };
         let _ = io.write_all(&c.encode()).await;
         let _ = io.flush().await;
@@ -384,21 +384,24 @@ pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, 
         status: Refusal::Accepted,
         node_id: me.node_id.clone(),
         nonce: server_nonce,
-        proof: wire::proof(Side::Server, &me.secret, &t),
     };
     io.write_all(&challenge.encode()).await?;
     io.flush().await?;
     let mut proof = [0u8; wire::PROOF_BYTES];
     io.read_exact(&mut proof).await.map_err(eof_is_closed)?;
     let ok = wire::verify(Side::Client, &me.secret, &t, &proof);
-    let mut welcome = [0u8; WELCOME_BYTES];
-    welcome[..4].copy_from_slice(&wire::MAGIC);
-    welcome[4] = if ok {
-        Refusal::Accepted as u8
+    let welcome = if ok {
+        Welcome {
+            status: Refusal::Accepted,
+            proof: wire::proof(Side::Server, &me.secret, &t),
+        }
     } else {
-        Refusal::Proof as u8
+        Welcome {
+            status: Refusal::Proof,
+            proof: [0; wire::PROOF_BYTES],
+        }
     };
-    io.write_all(&welcome).await?;
+    io.write_all(&welcome.encode()).await?;
     io.flush().await?;
     if !ok {
         return Err(RpcError::Auth {

@@ -13,7 +13,7 @@ use sha2::Sha256;
 /// The first bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"TRPC";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Each side's handshake nonce.
 pub const NONCE_BYTES: usize = 32;
 /// HMAC-SHA256 output.
@@ -23,9 +23,9 @@ pub const NAME_MAX_BYTES: usize = 63;
 /// Fixed part of HELLO, before the cluster name and node id.
 pub const HELLO_FIXED_BYTES: usize = 41;
 /// Fixed part of CHALLENGE, before the server's node id.
-pub const CHALLENGE_FIXED_BYTES: usize = 72;
-/// WELCOME: magic and a status byte.
-pub const WELCOME_BYTES: usize = 5;
+pub const CHALLENGE_FIXED_BYTES: usize = 40;
+/// WELCOME: magic, a status byte and the server's proof.
+pub const WELCOME_BYTES: usize = 5 + PROOF_BYTES;
 
 /// Every frame starts with this header.
 pub const HEADER_BYTES: usize = 32;
@@ -198,7 +198,9 @@ impl Refusal {
     }
 }
 
-/// The server's answer to HELLO.
+/// The server's answer to HELLO. It carries no proof: the caller proves
+/// the secret first (in its PROOF), so anyone who can reach the port learns
+/// nothing to guess the secret from offline.
 ///
 /// ```text
 /// 0   4  magic "TRPC"
@@ -206,8 +208,7 @@ impl Refusal {
 /// 6   1  status (Refusal; 0 accepted, anything else ends the connection)
 /// 7   1  server node id length n (0..=63; 0 when refused)
 /// 8   32 server nonce
-/// 40  32 server proof (zero when refused)
-/// 72  n  server node id
+/// 40  n  server node id
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Challenge {
@@ -215,7 +216,6 @@ pub struct Challenge {
     pub status: Refusal,
     pub node_id: String,
     pub nonce: Nonce,
-    pub proof: Proof,
 }
 
 impl Challenge {
@@ -226,7 +226,6 @@ impl Challenge {
         out.push(self.status as u8);
         out.push(self.node_id.len() as u8);
         out.extend_from_slice(&self.nonce);
-        out.extend_from_slice(&self.proof);
         out.extend_from_slice(self.node_id.as_bytes());
         out
     }
@@ -246,15 +245,12 @@ impl Challenge {
         }
         let mut nonce = [0u8; NONCE_BYTES];
         nonce.copy_from_slice(&b[8..40]);
-        let mut proof = [0u8; PROOF_BYTES];
-        proof.copy_from_slice(&b[40..72]);
         Ok((
             Challenge {
                 version: u16::from_le_bytes([b[4], b[5]]),
                 status: Refusal::from_u8(b[6]),
                 node_id: String::new(),
                 nonce,
-                proof,
             },
             n,
         ))
@@ -271,6 +267,45 @@ impl Challenge {
         }
         c.node_id = String::from_utf8_lossy(rest).into_owned();
         Ok(c)
+    }
+}
+
+/// The server's answer to the caller's PROOF: the status and, only when
+/// the caller's proof was accepted, the server's own proof.
+///
+/// ```text
+/// 0   4  magic "TRPC"
+/// 4   1  status (Refusal; 0 accepted)
+/// 5   32 server proof (zero unless accepted)
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Welcome {
+    pub status: Refusal,
+    pub proof: Proof,
+}
+
+impl Welcome {
+    pub fn encode(&self) -> [u8; WELCOME_BYTES] {
+        let mut out = [0u8; WELCOME_BYTES];
+        out[..4].copy_from_slice(&MAGIC);
+        out[4] = self.status as u8;
+        out[5..].copy_from_slice(&self.proof);
+        out
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Welcome, WireError> {
+        if b.len() != WELCOME_BYTES {
+            return Err(WireError::Truncated("welcome"));
+        }
+        if b[0..4] != MAGIC {
+            return Err(WireError::Magic);
+        }
+        let mut proof = [0u8; PROOF_BYTES];
+        proof.copy_from_slice(&b[5..]);
+        Ok(Welcome {
+            status: Refusal::from_u8(b[4]),
+            proof,
+        })
     }
 }
 
@@ -562,6 +597,11 @@ pub mod op {
     pub const SHARD_READ: u16 = 43;
     pub const SHARD_VERIFY: u16 = 44;
     pub const SHARD_REMOVE: u16 = 45;
+    /// Node calls (no drive id). Reads every user, key and bucket setting
+    /// again from etcd and answers once they apply (1) or could not be
+    /// read (0): an admin change returns only when every reachable node
+    /// has applied it (protocol 3).
+    pub const NODE_RELOAD_DOCS: u16 = 50;
 }
 
 /// Messages of the drive operations.
@@ -1120,6 +1160,7 @@ mod tests {
         fn handshake_decoders_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = Hello::decode(&b);
             let _ = Challenge::decode(&b);
+            let _ = Welcome::decode(&b);
         }
 
         #[test]
@@ -1155,9 +1196,14 @@ mod tests {
             status: Refusal::Accepted,
             node_id: "n2".into(),
             nonce: [4; 32],
-            proof: [5; 32],
         };
         assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
+        let w = Welcome {
+            status: Refusal::Accepted,
+            proof: [5; 32],
+        };
+        assert_eq!(Welcome::decode(&w.encode()).unwrap(), w);
+        assert!(Welcome::decode(&w.encode()[..WELCOME_BYTES - 1]).is_err());
     }
 
     #[test]

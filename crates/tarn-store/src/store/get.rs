@@ -3,8 +3,10 @@
 //! queue the object for healing.
 
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
@@ -23,13 +25,27 @@ use crate::types::{ByteRange, ObjectInfo, ReadConditions};
 /// A GET's data goes to the HTTP layer in pieces of this size, each its own
 /// allocation: what a client that stops reading keeps alive is what is queued
 /// for it plus the one piece being written, not whole stripes.
-const PIECE_BYTES: usize = 256 << 10;
+pub(crate) const PIECE_BYTES: usize = 256 << 10;
 /// Pieces queued ahead of the consumer: two stripes (of the default 1 MiB), so
 /// that the next stripe is read while the socket takes the last (with room
 /// for one stripe only, the read of a stripe waited until the client had
 /// taken all of the one before: a third less throughput for large GETs).
 /// Bounds memory per GET.
-const READ_AHEAD_PIECES: usize = 8;
+pub(crate) const READ_AHEAD_PIECES: usize = 8;
+
+/// A piece of a GET's data and its share of the read-ahead budget, held
+/// (never read) until the piece is dropped.
+struct Piece(
+    BytesMut,
+    #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
+    #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
+);
+
+impl AsRef<[u8]> for Piece {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
 
 /// The bytes of a GET, produced by a reader task on the same core.
 pub struct ObjectStream {
@@ -192,7 +208,8 @@ impl Store {
                 let (tx, mut rx) = mpsc::channel(READ_AHEAD_PIECES);
                 let store = self.clone();
                 let (bucket, key) = (bucket.to_string(), key.to_string());
-                tokio::spawn(async move {
+                let caller = super::CALLER_READ_AHEAD.try_with(Arc::clone).ok();
+                let read = async move {
                     let _pin = pin;
                     if let Err(e) = store
                         .send_range(set, &bucket, &key, &v, start, end, &tx)
@@ -201,7 +218,11 @@ impl Store {
                         tracing::error!(%bucket, %key, error = %e, "read failed mid-stream");
                         let _ = tx.send(Err(e)).await;
                     }
-                });
+                };
+                match caller {
+                    Some(c) => tokio::spawn(super::CALLER_READ_AHEAD.scope(c, read)),
+                    None => tokio::spawn(read),
+                };
                 // The first stripe is read before the answer starts: a read
                 // that cannot get buffers (503) or finds the object unreadable
                 // is an error response, never a 200 whose body breaks off.
@@ -351,6 +372,18 @@ impl Store {
                 }
                 Err(mpsc::error::TrySendError::Closed(())) => return Ok(()),
             };
+            // And room in the budgets of read-ahead, its caller's, then all
+            // GETs': past them, this stripe waits for clients to take what
+            // is queued to them.
+            let caller = super::CALLER_READ_AHEAD.try_with(Arc::clone).ok();
+            let mut caller_budget = match caller {
+                Some(c) => Some(self.read_ahead_room(&c, pieces, &mut reader).await?),
+                None => None,
+            };
+            let budget = self
+                .read_ahead_room(&self.read_ahead, pieces, &mut reader)
+                .await?;
+            let mut budget = Some(budget);
             let mut out: Vec<BytesMut> = Vec::with_capacity(pieces);
             {
                 let data = reader.read_stripe(self, j).await?;
@@ -381,11 +414,48 @@ impl Store {
             }
             *damaged |= reader.damaged;
             for (permit, p) in permits.zip(out) {
-                permit.send(Ok(p.freeze()));
+                // Each piece holds its share of the budget until the HTTP
+                // layer drops it (written out, or the connection gone).
+                let (share, caller_share) = (one_of(&mut budget), one_of(&mut caller_budget));
+                permit.send(Ok(Bytes::from_owner(Piece(p, share, caller_share))));
             }
         }
         *damaged |= reader.damaged;
         Ok(())
+    }
+}
+
+/// One permit of `held` (the last one is `held` itself).
+fn one_of(
+    held: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    match held.as_mut() {
+        Some(b) if b.num_permits() > 1 => b.split(1),
+        _ => held.take(),
+    }
+}
+
+impl Store {
+    /// `pieces` of room in read-ahead budget `budget`, waiting (with the
+    /// reader's pool buffers given back) at most `read_ahead_wait_ms`.
+    async fn read_ahead_room(
+        &self,
+        budget: &Arc<tokio::sync::Semaphore>,
+        pieces: usize,
+        reader: &mut PartReader,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {
+        if let Ok(b) = budget.clone().try_acquire_many_owned(pieces as u32) {
+            return Ok(b);
+        }
+        reader.release_buffers();
+        self.stats.read_ahead_waits.fetch_add(1, Ordering::Relaxed);
+        let wait = Duration::from_millis(self.cfg.read_ahead_wait_ms);
+        match tokio::time::timeout(wait, budget.clone().acquire_many_owned(pieces as u32)).await {
+            Ok(Ok(b)) => Ok(b),
+            _ => Err(StoreError::SlowDown(format!(
+                "no room for GET read-ahead within {wait:?} (response_buffer_max_bytes)"
+            ))),
+        }
     }
 }
 

@@ -21,7 +21,7 @@ mod topology;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -126,6 +126,19 @@ struct Space {
     at: Option<std::time::Instant>,
     free: u64,
     total: u64,
+}
+
+tokio::task_local! {
+    /// The read-ahead budget of the caller a request runs for (one access
+    /// key, or one anonymous client address; set by the S3 front): its GETs
+    /// take room in it before the shared budget, so one caller's unread
+    /// responses cannot hold all of it.
+    pub static CALLER_READ_AHEAD: Arc<tokio::sync::Semaphore>;
+}
+
+/// Pieces of read-ahead (`get::PIECE_BYTES` each) in a budget of `bytes`.
+pub fn read_ahead_pieces(bytes: usize) -> usize {
+    (bytes / get::PIECE_BYTES).max(get::READ_AHEAD_PIECES)
 }
 
 /// How long a free-space reading is trusted.
@@ -495,6 +508,49 @@ fn belongs_here(f: &DriveFormat, expected: &DriveFormat) -> bool {
 /// its tmp directory takes a write and an fsync, and its metadata index
 /// opens (set aside first when `reindex`, or when found damaged). Also says
 /// whether it came back empty, and whether its index was set aside.
+/// Buckets as the drives in service hold them: the union, each present on
+/// a majority of those that answered (a torn create or delete resolves
+/// here), and how many answered.
+fn bucket_view<'a>(
+    drives: impl Iterator<Item = &'a DriveSlot>,
+) -> (BTreeMap<String, BucketRecord>, usize) {
+    let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
+    let mut answered = 0;
+    for d in drives.filter_map(|d| d.db()) {
+        let Some(local) = d.as_local() else { continue };
+        if let Ok(list) = local.db.buckets() {
+            answered += 1;
+            for (name, rec) in list {
+                let e = seen.entry(name).or_insert((rec.clone(), 0));
+                if rec.versioning != Versioning::Unversioned {
+                    e.0.versioning = rec.versioning;
+                }
+                e.1 += 1;
+            }
+        }
+    }
+    let bucket_quorum = answered / 2 + 1;
+    let buckets = seen
+        .into_iter()
+        .filter(|(_, (_, c))| *c >= bucket_quorum || answered == 1)
+        .map(|(n, (r, _))| (n, r))
+        .collect();
+    (buckets, answered)
+}
+
+/// A drive found with less free space than its metadata reserve (filled
+/// from outside, or while this process was down) gives the reserve back
+/// before its index is opened: recovering the journal and taking the
+/// DELETEs that free space need room.
+fn release_ballast_if_full(root: &std::path::Path) {
+    let Ok((free, total)) = drive::fs_space(root) else {
+        return;
+    };
+    if free < drive::ballast_bytes(total) && drive::release_ballast(root) {
+        tracing::warn!(drive = %root.display(), free, "the drive is full: released its metadata reserve so its index opens and takes DELETEs");
+    }
+}
+
 fn rejoin(
     slot_root: &std::path::Path,
     expected: &DriveFormat,
@@ -520,6 +576,7 @@ fn rejoin(
             false
         }
     };
+    release_ballast_if_full(slot_root);
     clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
     // Where shards are written, too: the fault may have been there only.
     for dir in [paths.tmp_dir(), paths.data_dir()] {
@@ -556,6 +613,10 @@ pub struct StoreStats {
     /// Drives taken out while running after an I/O error, and brought back.
     pub drive_faults: AtomicU64,
     pub drive_rejoins: AtomicU64,
+    /// Metadata reserves given back to a full filesystem.
+    pub reserves_released: AtomicU64,
+    /// GET stripes that waited for room in the read-ahead budget.
+    pub read_ahead_waits: AtomicU64,
     /// Drive indexes found damaged (set aside), and rebuilds heal completed.
     pub index_corruptions: AtomicU64,
     pub index_rebuilds: AtomicU64,
@@ -644,6 +705,13 @@ pub struct Store {
     /// None on a single node (the drives keep them).
     catalog: Option<Arc<dyn Catalog>>,
     buckets: RwLock<BTreeMap<String, BucketRecord>>,
+    /// One node: the bucket list was read from fewer than a majority of the
+    /// drives (most were offline or full at start), so a bucket missing
+    /// from it may exist: such a lookup is answered 503, never
+    /// NoSuchBucket, and the list is read again as drives come back.
+    buckets_partial: AtomicBool,
+    /// Every GET's read-ahead, in pieces (`cfg.read_ahead_max_bytes`).
+    pub(crate) read_ahead: Arc<tokio::sync::Semaphore>,
     locks: LockTable,
     /// New versions waiting for their key's group commit (`commit`).
     commits: commit::CommitQueues,
@@ -752,9 +820,14 @@ fn open_slot(
     let (rebuilds, set_aside_at_start) = counts;
     let path = paths.root.clone();
     let opened = verdict.and_then(|_| {
+        release_ballast_if_full(&path);
         clean_tmp(&paths.tmp_dir()).map_err(|e| format!("cannot clean tmp: {e}"))?;
         probe_writable(&paths.tmp_dir()).map_err(|e| format!("drive is not writable: {e}"))?;
-        open_index(&path, false, set_size == 1)
+        let opened = open_index(&path, false, set_size == 1)?;
+        if let Err(error) = drive::ensure_ballast(&path) {
+            tracing::warn!(drive = %path.display(), %error, "cannot make the drive's metadata reserve");
+        }
+        Ok(opened)
     });
     if matches!(&opened, Ok((_, true))) {
         *set_aside_at_start += 1;
@@ -1221,29 +1294,15 @@ impl Store {
                 (&mut rebuilds, &mut set_aside_at_start),
             ));
         }
-        // Buckets: the union over drives, each present on a majority of those
-        // that answered (a torn create or delete resolves here).
-        let mut seen: BTreeMap<String, (BucketRecord, usize)> = BTreeMap::new();
-        let mut answered = 0;
-        for d in drives.iter().filter_map(|d| d.db()) {
-            let Some(local) = d.as_local() else { continue };
-            if let Ok(list) = local.db.buckets() {
-                answered += 1;
-                for (name, rec) in list {
-                    let e = seen.entry(name).or_insert((rec.clone(), 0));
-                    if rec.versioning != Versioning::Unversioned {
-                        e.0.versioning = rec.versioning;
-                    }
-                    e.1 += 1;
-                }
-            }
+        let (buckets, answered) = bucket_view(drives.iter());
+        let partial = answered < n / 2 + 1;
+        if partial {
+            tracing::warn!(
+                answered,
+                drives = n,
+                "buckets read from too few drives: a bucket not found is answered 503 until more drives are back"
+            );
         }
-        let bucket_quorum = answered / 2 + 1;
-        let buckets = seen
-            .into_iter()
-            .filter(|(_, (_, c))| *c >= bucket_quorum || answered == 1)
-            .map(|(n, (r, _))| (n, r))
-            .collect();
 
         // Consecutive slots form a set, in shard position order; one pool.
         let sets: Vec<Vec<usize>> = (0..drives.len() / set_size)
@@ -1257,7 +1316,7 @@ impl Store {
             draining: false,
             retired: false,
         };
-        Ok(Store::assemble(
+        let store = Store::assemble(
             cfg,
             deployment_id,
             drives,
@@ -1266,7 +1325,9 @@ impl Store {
             (rebuilds, set_aside_at_start),
             None,
             "",
-        ))
+        );
+        store.buckets_partial.store(partial, Ordering::Release);
+        Ok(store)
     }
 
     /// Opens the engine of a cluster node over the sets of the cluster map:
@@ -1364,6 +1425,10 @@ impl Store {
             })),
             catalog,
             buckets: RwLock::new(buckets),
+            buckets_partial: AtomicBool::new(false),
+            read_ahead: Arc::new(tokio::sync::Semaphore::new(read_ahead_pieces(
+                cfg.read_ahead_max_bytes,
+            ))),
             locks: LockTable::new(hash_seed),
             commits: commit::CommitQueues::default(),
             pool,
@@ -1567,6 +1632,7 @@ impl Store {
         if no_space(error) {
             tracing::warn!(drive = %slot.name, %what, "drive full: no space left");
             slot.mark_full();
+            self.release_reserve(slot);
             return;
         }
         // One late answer of another node takes nothing out: its node is
@@ -1576,6 +1642,19 @@ impl Store {
             return;
         }
         self.take_out(slot, what, error, false);
+    }
+
+    /// A write found no space left on a drive of this node: its metadata
+    /// reserve goes back to the filesystem, so that its index can recover
+    /// and take DELETEs (the drive rejoins at the next check).
+    fn release_reserve(&self, slot: &DriveSlot) {
+        if slot.is_remote() {
+            return;
+        }
+        if drive::release_ballast(&slot.paths.root) {
+            self.stats.reserves_released.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(drive = %slot.name, "no space left: released the drive's metadata reserve so that reads, DELETEs and repair go on; new data waits for room");
+        }
     }
 
     /// A metadata index write failed on a drive. The index refuses every
@@ -1590,6 +1669,7 @@ impl Store {
     ) {
         if no_space(error) {
             slot.mark_full();
+            self.release_reserve(slot);
         }
         if slot.is_remote() && late(error) {
             return;
@@ -1677,7 +1757,11 @@ impl Store {
                 .await;
                 if let Ok(Some(reason)) = verdict {
                     self.drive_failed(slot, "drive check", &std::io::Error::other(reason));
+                    continue;
                 }
+                // The metadata reserve, made again once there is room.
+                let root = slot.paths.root.clone();
+                let _ = run_blocking(move || Ok(drive::ensure_ballast(&root))).await;
                 continue;
             }
             // Taken out while running, or offline since start (a drive
@@ -1747,6 +1831,7 @@ impl Store {
                 Err(_) => {}
             }
         }
+        self.reload_partial_buckets();
         self.heal_rebuilding(false);
         self.sync_drives().await;
     }
@@ -1999,6 +2084,22 @@ impl Store {
         &self.pool
     }
 
+    /// Frees the stripe buffers that sat unused since the last call (the
+    /// server calls it every few seconds): memory a burst took goes back.
+    pub fn trim_buffers(&self) -> usize {
+        self.pool.trim_idle()
+    }
+
+    /// Bytes of GET data read ahead of clients now, and the budget.
+    pub fn read_ahead_bytes(&self) -> (u64, u64) {
+        let total = read_ahead_pieces(self.cfg.read_ahead_max_bytes);
+        let used = total - self.read_ahead.available_permits();
+        (
+            (used * get::PIECE_BYTES) as u64,
+            (total * get::PIECE_BYTES) as u64,
+        )
+    }
+
     /// Pins the shard data of `v` for a reader. Call under the key's read lock.
     pub(crate) fn pin_data(self: &Arc<Self>, set: usize, v: &VersionMeta) -> PinGuard {
         let ids = data_ids_of(std::slice::from_ref(v));
@@ -2105,12 +2206,59 @@ impl Store {
     // Buckets
 
     pub(crate) fn bucket_record(&self, name: &str) -> Result<BucketRecord, StoreError> {
-        self.buckets
-            .read()
-            .expect("buckets lock")
-            .get(name)
-            .cloned()
-            .ok_or_else(|| StoreError::NoSuchBucket(name.to_string()))
+        if let Some(r) = self.buckets.read().expect("buckets lock").get(name) {
+            return Ok(r.clone());
+        }
+        if self.buckets_partial() {
+            return Err(self.partial_buckets_error());
+        }
+        Err(StoreError::NoSuchBucket(name.to_string()))
+    }
+
+    /// Whether this node's bucket list may lack buckets that exist (read
+    /// from too few drives); ListBuckets and a bucket not found answer 503
+    /// meanwhile.
+    pub fn buckets_partial(&self) -> bool {
+        self.buckets_partial.load(Ordering::Acquire)
+    }
+
+    pub fn partial_buckets_error(&self) -> StoreError {
+        let n = self.topo().slots.len();
+        StoreError::QuorumLost {
+            what: "reading the bucket list",
+            needed: n / 2 + 1,
+            available: self
+                .topo()
+                .slots
+                .iter()
+                .filter(|s| s.db().is_some())
+                .count(),
+        }
+    }
+
+    /// Reads the bucket list again from the drives in service, once a
+    /// majority of them answers (single node; a cluster's list is etcd's).
+    fn reload_partial_buckets(&self) {
+        if !self.buckets_partial() || self.catalog.is_some() {
+            return;
+        }
+        let topo = self.topo();
+        let n = topo.slots.len();
+        let (view, answered) = bucket_view(topo.slots.iter().map(|s| s.as_ref()));
+        if answered < n / 2 + 1 {
+            return;
+        }
+        let mut buckets = self.buckets.write().expect("buckets lock");
+        for (name, rec) in view {
+            buckets.entry(name).or_insert(rec);
+        }
+        drop(buckets);
+        self.buckets_partial.store(false, Ordering::Release);
+        tracing::warn!(
+            answered,
+            drives = n,
+            "bucket list read again from a majority of the drives"
+        );
     }
 
     /// The indexes of drives in use, for writes (rebuilding ones included),
@@ -2243,6 +2391,10 @@ impl Store {
         durability: Durability,
     ) -> Result<(), StoreError> {
         validate_bucket_name(name)?;
+        if self.buckets_partial() && self.catalog.is_none() {
+            // It may exist on the drives not read.
+            return Err(self.partial_buckets_error());
+        }
         self.create_bucket_named(name, durability).await
     }
 

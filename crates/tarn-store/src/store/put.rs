@@ -183,6 +183,7 @@ impl Store {
         let codec = codec_for(layout.codec, k, layout.parity_shards as usize);
 
         let mut writers: Vec<Option<Box<dyn ShardSink>>> = Vec::with_capacity(n);
+        let mut full = 0;
         for (shard, &pos) in layout.distribution.iter().enumerate() {
             let slot = self.slot(set, pos as usize);
             let Some(drive) = slot.writer() else {
@@ -194,6 +195,7 @@ impl Store {
             if !slot.has_room(stripe as u64, self.cfg.drive_reserve_bytes) {
                 tracing::warn!(drive = %slot.name, "drive full (below its reserve): no new data on it");
                 writers.push(None);
+                full += 1;
                 continue;
             }
             match drive
@@ -208,7 +210,14 @@ impl Store {
                 }
             }
         }
-        check_alive(&writers, quorum)?;
+        if let Err(e) = check_alive(&writers, quorum) {
+            if full > 0 {
+                return Err(StoreError::StorageFull(format!(
+                    "{full} of {n} drives of the set are below their free-space reserve; {quorum} needed with room"
+                )));
+            }
+            return Err(e);
+        }
         let slots: Vec<std::sync::Arc<super::DriveSlot>> = layout
             .distribution
             .iter()
@@ -384,6 +393,15 @@ impl Store {
         // Held until the commit below is done, so the orphan sweep keeps out.
         let mut inflight = None;
         let (storage, inline, written_layout) = if ended && head_len <= threshold {
+            // Inline data goes into every drive's metadata: it may not take
+            // the reserve that keeps reads, DELETEs and repair working on
+            // full drives (issue 40: small PUTs filled every drive's
+            // journal to the last byte and every request then failed).
+            // The system bucket's documents (users, bucket settings) are
+            // metadata themselves: they may use the reserve.
+            if bucket != crate::SYSTEM_BUCKET {
+                self.check_metadata_room(set, head_len as u64)?;
+            }
             let data = head.concat();
             (
                 Storage::Inline {
@@ -550,6 +568,35 @@ fn fill_stripe(
         .encode(&refs, &mut outs)
         .map_err(|e| StoreError::from(std::io::Error::other(e.to_string())))?;
     Ok(sl)
+}
+
+impl Store {
+    /// Whether a write quorum of `set`'s drives in service has room for
+    /// `bytes` of new metadata beyond their reserve.
+    pub(crate) fn check_metadata_room(&self, set: usize, bytes: u64) -> Result<(), StoreError> {
+        let topo = self.topo();
+        let members = &topo.sets[set];
+        // A record is written twice on a drive (journal, then the flushed
+        // table): counted so until the free space is read again.
+        let need = bytes.saturating_mul(2) + 8192;
+        let room: Vec<_> = members
+            .iter()
+            .map(|&i| &topo.slots[i])
+            .filter(|s| s.writer().is_some() && s.has_room(need, self.cfg.drive_reserve_bytes))
+            .collect();
+        for s in &room {
+            s.consumed(need);
+        }
+        let room = room.len();
+        let quorum = self.meta_write_quorum(members.len());
+        if room < quorum {
+            return Err(StoreError::StorageFull(format!(
+                "{room} of {} drives of the set have room beyond their reserve, {quorum} needed",
+                members.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
 fn check_alive<W>(writers: &[Option<W>], quorum: usize) -> Result<(), StoreError> {
