@@ -269,6 +269,24 @@ impl Etcd {
         self
     }
 
+    /// `token` for `ep`, with an unreachable endpoint noted in `reasons`
+    /// (`Ok(None)`: try the next endpoint); etcd's refusal is the error.
+    async fn token_or_reason(
+        &self,
+        ep: &str,
+        fresh: bool,
+        reasons: &mut Vec<String>,
+    ) -> Result<Option<Option<String>>, EtcdError> {
+        match self.token(ep, fresh).await {
+            Ok(t) => Ok(Some(t)),
+            Err(EtcdError::Unreachable { reason, .. }) => {
+                reasons.push(format!("{ep}: {reason}"));
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The token to send to `ep`: the one held, or a new one (`fresh`).
     async fn token(&self, ep: &str, fresh: bool) -> Result<Option<String>, EtcdError> {
         let Some(a) = &self.auth else { return Ok(None) };
@@ -392,13 +410,8 @@ impl Etcd {
         for ep in &self.endpoints {
             let mut fresh = false;
             loop {
-                let token = match self.token(ep, fresh).await {
-                    Ok(t) => t,
-                    Err(EtcdError::Unreachable { reason, .. }) => {
-                        reasons.push(format!("{ep}: {reason}"));
-                        break;
-                    }
-                    Err(e) => return Err(e),
+                let Some(token) = self.token_or_reason(ep, fresh, &mut reasons).await? else {
+                    break;
                 };
                 match tokio::time::timeout(
                     self.timeout,
@@ -752,13 +765,8 @@ impl Etcd {
         for ep in &self.endpoints {
             // A watch that etcd refuses for its token ends at its first
             // message; the caller watches again, and this takes a new one.
-            let token = match self.token(ep, false).await {
-                Ok(t) => t,
-                Err(EtcdError::Unreachable { reason, .. }) => {
-                    reasons.push(format!("{ep}: {reason}"));
-                    continue;
-                }
-                Err(e) => return Err(e),
+            let Some(token) = self.token_or_reason(ep, false, &mut reasons).await? else {
+                continue;
             };
             match tokio::time::timeout(
                 self.timeout,

@@ -146,19 +146,6 @@ const SPACE_RECHECK: Duration = Duration::from_secs(1);
 /// How long another node's report of its drive's space is.
 const SPACE_REPORT_TTL: Duration = Duration::from_secs(30);
 
-/// `statvfs` of a path: (free bytes for unprivileged writers, total bytes).
-fn fs_space(path: &std::path::Path) -> Option<(u64, u64)> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statvfs into a zeroed struct with a NUL-terminated path.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    let f = st.f_frsize as u64;
-    Some((st.f_bavail as u64 * f, st.f_blocks as u64 * f))
-}
-
 /// Whether a drive is in use, and why not.
 struct SlotState {
     /// The drive while in use.
@@ -267,7 +254,7 @@ impl DriveSlot {
     /// than `SPACE_RECHECK` old is there: whether `sp` holds one now.
     fn read_space(&self, sp: &mut Space) -> bool {
         if sp.at.is_none_or(|t| t.elapsed() >= SPACE_RECHECK) {
-            let Some((free, total)) = fs_space(&self.paths.root) else {
+            let Ok((free, total)) = drive::fs_space(&self.paths.root) else {
                 return false;
             };
             (sp.free, sp.total) = (free, total);
