@@ -44,21 +44,30 @@ def free_port(ip):
 
 
 class Etcd:
-    def __init__(self, root, ip="127.0.0.1"):
-        self.root, self.ip = root, ip
+    """etcd on `ip`; with `tls` (a dict of PEM paths: `cert`, `key`, and
+    `ca` to require client certificates signed by it) its client URL is
+    https:// and checks clients' certificates."""
+
+    def __init__(self, root, ip="127.0.0.1", tls=None):
+        self.root, self.ip, self.tls = root, ip, tls
         self.port = free_port(ip)
         self.peer = free_port(ip)
-        self.url = f"http://{ip}:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{ip}:{self.port}"
         self.start()
 
     def start(self):
         self.log = open(os.path.join(self.root, "etcd.log"), "a")
         peer = f"http://{self.ip}:{self.peer}"
+        tls = []
+        if self.tls:
+            tls = ["--cert-file", self.tls["cert"], "--key-file", self.tls["key"]]
+            if "ca" in self.tls:
+                tls += ["--trusted-ca-file", self.tls["ca"], "--client-cert-auth"]
         self.proc = subprocess.Popen(
             [ETCD, "--data-dir", os.path.join(self.root, "etcd"),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"default={peer}"],
+             "--initial-cluster", f"default={peer}", *tls],
             stdout=self.log, stderr=self.log)
         deadline = time.time() + 20
         while time.time() < deadline:

@@ -5,7 +5,13 @@
 //!
 //! Every call has a deadline and tries the endpoints in turn until one
 //! answers; an etcd that answers with an error is not retried elsewhere.
+//!
+//! `https://` endpoints are reached over TLS (rustls): the server's
+//! certificate is checked against the CA the operator names, and the
+//! client presents its own certificate where etcd asks for one
+//! (`--client-cert-auth`).
 
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +80,8 @@ fn created_at(key: &str, revision: i64) -> Value {
 pub struct Etcd {
     /// `host:port` of each endpoint.
     endpoints: Vec<String>,
+    /// For `https://` endpoints: how to reach them over TLS.
+    tls: Option<Arc<Tls>>,
     timeout: Duration,
     /// With a seal, every value written carries an HMAC under the cluster
     /// secret and every value read must (docs/format.md, "etcd").
@@ -95,6 +103,101 @@ impl std::fmt::Debug for EtcdAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "EtcdAuth({})", self.user)
     }
+}
+
+/// The files of TLS to etcd (`--etcd-ca`, `--etcd-cert`, `--etcd-key`):
+/// the CA that signed etcd's server certificates, and this client's
+/// certificate chain and private key (PEM) where etcd checks clients'.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdTls {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdTls {
+    /// Whether any file was named.
+    pub fn is_empty(&self) -> bool {
+        self.ca.is_none() && self.cert.is_none() && self.key.is_none()
+    }
+
+    /// rustls's client configuration for these files: every file read and
+    /// checked now, so that a wrong path or a key that does not match its
+    /// certificate stops the node at start, not at its first call.
+    fn client_config(&self) -> Result<rustls::ClientConfig, String> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let Some(ca) = &self.ca else {
+            return Err("https:// etcd endpoints need --etcd-ca FILE (the CA that signed etcd's server certificates, PEM)".into());
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(ca)
+            .map_err(|e| format!("--etcd-ca {}: {e}", ca.display()))?
+        {
+            let cert = cert.map_err(|e| format!("--etcd-ca {}: {e}", ca.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("--etcd-ca {}: {e}", ca.display()))?;
+        }
+        if roots.is_empty() {
+            return Err(format!(
+                "--etcd-ca {}: no PEM certificate in it",
+                ca.display()
+            ));
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots);
+        match (&self.cert, &self.key) {
+            (None, None) => Ok(builder.with_no_client_auth()),
+            (Some(cert), Some(key)) => {
+                let chain = CertificateDer::pem_file_iter(cert)
+                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| format!("--etcd-cert {}: {e}", cert.display()))?;
+                if chain.is_empty() {
+                    return Err(format!(
+                        "--etcd-cert {}: no PEM certificate in it",
+                        cert.display()
+                    ));
+                }
+                let key_der = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| format!("--etcd-key {}: {e}", key.display()))?;
+                builder.with_client_auth_cert(chain, key_der).map_err(|e| {
+                    format!(
+                        "--etcd-cert {} and --etcd-key {}: {e}",
+                        cert.display(),
+                        key.display()
+                    )
+                })
+            }
+            _ => Err("--etcd-cert and --etcd-key go together (this node's certificate for etcd and its private key)".into()),
+        }
+    }
+}
+
+/// How this client reaches `https://` endpoints.
+struct Tls {
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls")
+    }
+}
+
+/// The name an endpoint's certificate must carry: its host (a DNS name or
+/// an IP address, `[v6]` unbracketed).
+fn server_name(hostport: &str) -> Result<rustls_pki_types::ServerName<'static>, String> {
+    let host = hostport
+        .rsplit_once(':')
+        .map_or(hostport, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    rustls_pki_types::ServerName::try_from(host.to_string())
+        .map_err(|e| format!("{host:?} is not a name a certificate can carry: {e}"))
 }
 
 /// Whether etcd refused a call for its token (absent, lapsed or revoked).
@@ -230,32 +333,71 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 impl Etcd {
     /// `endpoints`: comma-separated `http://host:port` URLs (`--etcd`).
     pub fn new(endpoints: &str, timeout: Duration) -> Result<Etcd, String> {
+        Etcd::with_tls(endpoints, timeout, &EtcdTls::default())
+    }
+
+    /// `endpoints`: comma-separated `http://host:port` or (all of them)
+    /// `https://host:port` URLs; `tls`: the CA and client certificate for
+    /// `https://` ones (and none for plain ones: a certificate given for a
+    /// connection that would not use it is a mistake said at once).
+    pub fn with_tls(endpoints: &str, timeout: Duration, tls: &EtcdTls) -> Result<Etcd, String> {
         let mut out = Vec::new();
+        let mut schemes = Vec::new();
         for e in endpoints
             .split(',')
             .map(str::trim)
             .filter(|e| !e.is_empty())
         {
-            let Some(rest) = e.strip_prefix("http://") else {
-                return Err(format!(
-                    "etcd endpoint {e:?} must be http://HOST:PORT (TLS to etcd is not supported)"
-                ));
+            let (https, rest) = match (e.strip_prefix("http://"), e.strip_prefix("https://")) {
+                (Some(rest), _) => (false, rest),
+                (_, Some(rest)) => (true, rest),
+                _ => {
+                    return Err(format!(
+                        "etcd endpoint {e:?} must be http://HOST:PORT or https://HOST:PORT"
+                    ))
+                }
             };
             let hostport = rest.trim_end_matches('/');
             if hostport.is_empty() || hostport.contains('/') || !hostport.contains(':') {
-                return Err(format!("etcd endpoint {e:?} must be http://HOST:PORT"));
+                return Err(format!("etcd endpoint {e:?} must be http(s)://HOST:PORT"));
+            }
+            if https {
+                server_name(hostport).map_err(|why| format!("etcd endpoint {e:?}: {why}"))?;
             }
             out.push(hostport.to_string());
+            schemes.push(https);
         }
         if out.is_empty() {
             return Err("no etcd endpoint given".into());
         }
+        let https = schemes[0];
+        if schemes.iter().any(|&s| s != https) {
+            return Err(format!(
+                "etcd endpoints {endpoints:?} mix http:// and https://: give one kind"
+            ));
+        }
+        let tls = match (https, tls.is_empty()) {
+            (false, true) => None,
+            (false, false) => return Err(
+                "--etcd-ca, --etcd-cert and --etcd-key are for https:// etcd endpoints; these are http://"
+                    .into(),
+            ),
+            (true, _) => Some(Arc::new(Tls {
+                connector: tokio_rustls::TlsConnector::from(Arc::new(tls.client_config()?)),
+            })),
+        };
         Ok(Etcd {
             endpoints: out,
+            tls,
             timeout,
             seal: None,
             auth: None,
         })
+    }
+
+    /// Whether this client reaches etcd over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// This client, authenticating to etcd as `user` (etcd's own users,
@@ -298,24 +440,26 @@ impl Etcd {
         let body = Bytes::from(
             serde_json::to_vec(&json!({ "name": a.user, "password": a.password })).expect("json"),
         );
-        let (status, bytes) =
-            match tokio::time::timeout(self.timeout, post(ep, "/v3/auth/authenticate", body, None))
-                .await
-            {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => {
-                    return Err(EtcdError::Unreachable {
-                        endpoints: ep.to_string(),
-                        reason: e,
-                    })
-                }
-                Err(_) => {
-                    return Err(EtcdError::Unreachable {
-                        endpoints: ep.to_string(),
-                        reason: format!("no answer in {:?}", self.timeout),
-                    })
-                }
-            };
+        let (status, bytes) = match tokio::time::timeout(
+            self.timeout,
+            post(ep, self.tls.as_deref(), "/v3/auth/authenticate", body, None),
+        )
+        .await
+        {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                return Err(EtcdError::Unreachable {
+                    endpoints: ep.to_string(),
+                    reason: e,
+                })
+            }
+            Err(_) => {
+                return Err(EtcdError::Unreachable {
+                    endpoints: ep.to_string(),
+                    reason: format!("no answer in {:?}", self.timeout),
+                })
+            }
+        };
         let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         let token = v
             .get("token")
@@ -415,7 +559,13 @@ impl Etcd {
                 };
                 match tokio::time::timeout(
                     self.timeout,
-                    post(ep, path, body.clone(), token.as_deref()),
+                    post(
+                        ep,
+                        self.tls.as_deref(),
+                        path,
+                        body.clone(),
+                        token.as_deref(),
+                    ),
                 )
                 .await
                 {
@@ -770,7 +920,13 @@ impl Etcd {
             };
             match tokio::time::timeout(
                 self.timeout,
-                open_stream(ep, "/v3/watch", body.clone(), token.as_deref()),
+                open_stream(
+                    ep,
+                    self.tls.as_deref(),
+                    "/v3/watch",
+                    body.clone(),
+                    token.as_deref(),
+                ),
             )
             .await
             {
@@ -810,6 +966,7 @@ impl Etcd {
 /// A POST whose response streams: (status, its body, the connection's task).
 async fn open_stream(
     hostport: &str,
+    tls: Option<&Tls>,
     path: &str,
     body: Bytes,
     token: Option<&str>,
@@ -818,27 +975,71 @@ async fn open_stream(
         .await
         .map_err(|e| format!("connect: {e}"))?;
     let _ = stream.set_nodelay(true);
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+    let request = Request {
+        hostport,
+        path,
+        body,
+        token,
+    };
+    match tls {
+        None => request.send(hyper_util::rt::TokioIo::new(stream)).await,
+        Some(tls) => {
+            let stream = tls
+                .connector
+                .connect(server_name(hostport)?, stream)
+                .await
+                .map_err(|e| format!("TLS: {e}"))?;
+            request.send(hyper_util::rt::TokioIo::new(stream)).await
+        }
+    }
+}
+
+/// One POST to etcd, on a connection of either kind.
+struct Request<'a> {
+    hostport: &'a str,
+    path: &'a str,
+    body: Bytes,
+    token: Option<&'a str>,
+}
+
+impl Request<'_> {
+    async fn send<I>(
+        self,
+        io: I,
+    ) -> Result<(u16, hyper::body::Incoming, tokio::task::JoinHandle<()>), String>
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
             .await
             .map_err(|e| format!("handshake: {e}"))?;
-    let driver = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let mut req = http::Request::post(path)
-        .header(http::header::HOST, hostport)
-        .header(http::header::CONTENT_TYPE, "application/json");
-    if let Some(t) = token {
-        req = req.header(http::header::AUTHORIZATION, t);
-    }
-    let req = req
-        .body(Full::new(body))
-        .map_err(|e| format!("request: {e}"))?;
-    match sender.send_request(req).await {
-        Ok(resp) => Ok((resp.status().as_u16(), resp.into_body(), driver)),
-        Err(e) => {
-            driver.abort();
-            Err(format!("send: {e}"))
+        let driver = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut req = http::Request::post(self.path)
+            .header(http::header::HOST, self.hostport)
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(t) = self.token {
+            req = req.header(http::header::AUTHORIZATION, t);
+        }
+        let req = req
+            .body(Full::new(self.body))
+            .map_err(|e| format!("request: {e}"))?;
+        match sender.send_request(req).await {
+            Ok(resp) => Ok((resp.status().as_u16(), resp.into_body(), driver)),
+            Err(e) => {
+                driver.abort();
+                // With the causes: a TLS server that wants a client
+                // certificate and got none (or one it does not trust) says
+                // so in an alert after the handshake, under hyper's error.
+                let mut why = format!("send: {e}");
+                let mut cause = std::error::Error::source(&e);
+                while let Some(c) = cause {
+                    why.push_str(&format!(": {c}"));
+                    cause = c.source();
+                }
+                Err(why)
+            }
         }
     }
 }
@@ -846,11 +1047,12 @@ async fn open_stream(
 /// One POST on a fresh connection: (status, body).
 async fn post(
     hostport: &str,
+    tls: Option<&Tls>,
     path: &str,
     body: Bytes,
     token: Option<&str>,
 ) -> Result<(u16, Bytes), String> {
-    let (status, body, driver) = open_stream(hostport, path, body, token).await?;
+    let (status, body, driver) = open_stream(hostport, tls, path, body, token).await?;
     let bytes = body.collect().await.map_err(|e| format!("read: {e}"));
     driver.abort();
     Ok((status, bytes?.to_bytes()))
@@ -868,7 +1070,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(e.endpoints(), "127.0.0.1:2379,10.0.0.2:2379");
-        assert!(Etcd::new("https://x:1", Duration::from_secs(1)).is_err());
+        // https:// needs the CA; certificates need https://; no mixing.
+        let err = Etcd::new("https://x:1", Duration::from_secs(1)).unwrap_err();
+        assert!(err.contains("--etcd-ca"), "{err}");
+        let ca = EtcdTls {
+            ca: Some("/nonexistent/ca.pem".into()),
+            ..EtcdTls::default()
+        };
+        let err = Etcd::with_tls("http://x:1", Duration::from_secs(1), &ca).unwrap_err();
+        assert!(err.contains("https://"), "{err}");
+        let err = Etcd::with_tls("https://x:1", Duration::from_secs(1), &ca).unwrap_err();
+        assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+        let err = Etcd::new("http://x:1,https://y:1", Duration::from_secs(1)).unwrap_err();
+        assert!(err.contains("mix"), "{err}");
+        assert_eq!(
+            server_name("[::1]:2379").unwrap(),
+            rustls_pki_types::ServerName::try_from("::1").unwrap()
+        );
         assert!(Etcd::new("127.0.0.1:2379", Duration::from_secs(1)).is_err());
         assert!(Etcd::new("", Duration::from_secs(1)).is_err());
         assert_eq!(prefix_end(b"/tarn/a/"), b"/tarn/a0");

@@ -24,7 +24,7 @@ use tarn_store::{
 
 use crate::catalog::{decode_bucket, EtcdCatalog};
 use crate::etcd::Unsealed;
-use crate::etcd::{Etcd, EtcdError, Event};
+use crate::etcd::{Etcd, EtcdError, EtcdTls, Event};
 use crate::jobs::Leadership;
 use crate::keys::{valid_name, Keys, LAYOUT_UNSEALED, LAYOUT_VERSION};
 use crate::map::{self, ClusterMap, KvMember, Member, NodeRecord, NodeState, FORMAT};
@@ -220,8 +220,10 @@ impl DrainJob {
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     pub cluster: String,
-    /// Comma-separated `http://host:port` etcd endpoints.
+    /// Comma-separated `http://host:port` (or `https://`) etcd endpoints.
     pub etcd: String,
+    /// The CA and this node's certificate for `https://` endpoints.
+    pub etcd_tls: EtcdTls,
     pub node_id: String,
     /// `host:port` where the other nodes reach this node's RPC.
     pub advertise: String,
@@ -338,6 +340,21 @@ fn etcd_err(e: EtcdError) -> String {
     e.to_string()
 }
 
+/// Whether every etcd endpoint is on this host's loopback.
+fn etcd_is_local(endpoints: &str) -> bool {
+    endpoints.split(',').map(str::trim).all(|e| {
+        let host = e
+            .trim_start_matches("http://")
+            .rsplit_once(':')
+            .map_or("", |(h, _)| h);
+        host == "localhost"
+            || host
+                .trim_matches(['[', ']'])
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    })
+}
+
 impl Node {
     /// Claims the drives, checks the etcd layout, records the node and
     /// starts its membership and its RPC listener (on threads of its own).
@@ -349,7 +366,13 @@ impl Node {
             return Err("the cluster secret must be at least 16 bytes".into());
         }
         let identity = Identity::new(&cfg.cluster, &cfg.node_id, &cfg.secret)?;
-        let mut etcd = Etcd::new(&cfg.etcd, ETCD_TIMEOUT)?.sealed(&cfg.secret);
+        let mut etcd = Etcd::with_tls(&cfg.etcd, ETCD_TIMEOUT, &cfg.etcd_tls)?.sealed(&cfg.secret);
+        if !etcd.is_tls() && !etcd_is_local(&cfg.etcd) {
+            tracing::warn!(
+                etcd = %cfg.etcd,
+                "etcd over plain HTTP off this host: anyone on the network can read the cluster's records and passwords in flight; use https:// with --etcd-ca/--etcd-cert/--etcd-key in production (docs/cluster.md)"
+            );
+        }
         if let Some((user, password)) = &cfg.etcd_user {
             etcd = etcd.with_user(user, password);
         }

@@ -77,6 +77,11 @@ pub struct ClusterFileConfig {
     /// its password when TARN_ETCD_PASSWORD is not set.
     pub etcd_user: Option<String>,
     pub etcd_password: Option<String>,
+    /// TLS to `https://` etcd endpoints: the CA of etcd's server
+    /// certificates, and this node's certificate and key (PEM files).
+    pub etcd_ca: Option<std::path::PathBuf>,
+    pub etcd_cert: Option<std::path::PathBuf>,
+    pub etcd_key: Option<std::path::PathBuf>,
     pub zone: Option<String>,
     pub no_drives: Option<bool>,
 }

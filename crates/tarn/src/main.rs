@@ -166,9 +166,20 @@ struct ServerArgs {
     /// the cluster secret comes from TARN_CLUSTER_SECRET or the config).
     #[arg(long, env = "TARN_CLUSTER")]
     cluster: Option<String>,
-    /// etcd endpoints, comma-separated http://HOST:PORT.
+    /// etcd endpoints, comma-separated http://HOST:PORT or https://HOST:PORT.
     #[arg(long, env = "TARN_ETCD")]
     etcd: Option<String>,
+    /// For https:// etcd endpoints: the CA that signed etcd's server
+    /// certificates (PEM).
+    #[arg(long, env = "TARN_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    /// This node's certificate chain for etcd (PEM), where etcd checks
+    /// clients' certificates (--client-cert-auth); with --etcd-key.
+    #[arg(long, env = "TARN_ETCD_CERT")]
+    etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "TARN_ETCD_KEY")]
+    etcd_key: Option<PathBuf>,
     /// etcd's user for this node, where etcd authenticates users (the
     /// password from TARN_ETCD_PASSWORD or cluster.etcd_password).
     #[arg(long, env = "TARN_ETCD_USER")]
@@ -871,8 +882,16 @@ fn cluster_settings(
     let no_drives = args.no_drives || f.and_then(|c| c.no_drives).unwrap_or(false);
     let (name, etcd) = match (name, etcd) {
         (None, None) => {
-            if node_id.is_some() || advertise.is_some() || no_drives || args.seal_etcd_records {
-                bail!("--node-id, --advertise and --no-drives are for a cluster: give --cluster and --etcd too");
+            if node_id.is_some()
+                || advertise.is_some()
+                || no_drives
+                || args.seal_etcd_records
+                || args.etcd_user.is_some()
+                || args.etcd_ca.is_some()
+                || args.etcd_cert.is_some()
+                || args.etcd_key.is_some()
+            {
+                bail!("--node-id, --advertise, --no-drives and the --etcd-* options are for a cluster: give --cluster and --etcd too");
             }
             return Ok(None);
         }
@@ -920,6 +939,14 @@ fn cluster_settings(
             Some((user, password))
         }
     };
+    let etcd_tls = tarn_cluster::etcd::EtcdTls {
+        ca: args.etcd_ca.clone().or(f.and_then(|c| c.etcd_ca.clone())),
+        cert: args
+            .etcd_cert
+            .clone()
+            .or(f.and_then(|c| c.etcd_cert.clone())),
+        key: args.etcd_key.clone().or(f.and_then(|c| c.etcd_key.clone())),
+    };
     let drives = if no_drives {
         Vec::new()
     } else {
@@ -928,6 +955,7 @@ fn cluster_settings(
     Ok(Some(tarn_cluster::node::NodeConfig {
         cluster: name,
         etcd,
+        etcd_tls,
         node_id,
         advertise,
         secret: secret.into_bytes(),
