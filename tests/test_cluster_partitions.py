@@ -188,12 +188,22 @@ def run(root, fabric, schedule, writers=8):
 
 
 def write_stalls(ops, heals, live, settle=3, window=5):
-    """(op, seconds) of the writes through `live` nodes that began between
-    `settle` and `settle + window` seconds after a heal (once the returned
-    drives are back in every view: probed every 2 s)."""
-    return [(o, o.get("answered", o["end"]) - o["start"]) for o in ops
-            if o["kind"] in ("put", "delete") and o["via"] in live
-            and any(h + settle <= o["start"] <= h + settle + window for h in heals)]
+    """(op, seconds) of the writes through `live` nodes in flight at any
+    moment from `settle` to `settle + window` seconds after a heal (once
+    the returned drives are back in every view: probed every 2 s), and how
+    long each was still waited for from then (or from its start, if
+    later): a write stuck since before the window counts too."""
+    out = []
+    for o in ops:
+        if o["kind"] not in ("put", "delete") or o["via"] not in live:
+            continue
+        done = o.get("answered", o["end"])
+        for h in heals:
+            lo, hi = h + settle, h + settle + window
+            if o["start"] <= hi and done >= lo:
+                out.append((o, done - max(o["start"], lo)))
+                break
+    return out
 
 
 def test_creates_deletes_and_puts_stay_linearizable_through_partitions_and_returns(tmp_path):

@@ -68,6 +68,12 @@ impl BufferPool {
         self.buffer_size_bytes
     }
 
+    /// A new buffer, in a mapping of its own: the ones `trim_idle` frees go
+    /// back to the kernel, not into an allocator arena that keeps them.
+    fn fresh(&self) -> AlignedBuf {
+        AlignedBuf::mapped(self.buffer_size_bytes)
+    }
+
     /// Frees the buffers that sat unused since the last call (beyond a few
     /// per core): a burst's buffers go back to the allocator once it is
     /// over, instead of staying allocated for good. Returns how many.
@@ -107,8 +113,7 @@ impl BufferPool {
                 })
             }
         };
-        let reused = core.pop();
-        let mut buf = reused.unwrap_or_else(|| AlignedBuf::with_capacity(self.buffer_size_bytes));
+        let mut buf = core.pop().unwrap_or_else(|| self.fresh());
         buf.clear();
         Ok(PooledBuf {
             buf: Some(buf),
@@ -145,9 +150,7 @@ impl BufferPool {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let one = permit.split(1).expect("permit holds n");
-            let reused = core.pop();
-            let mut buf =
-                reused.unwrap_or_else(|| AlignedBuf::with_capacity(self.buffer_size_bytes));
+            let mut buf = core.pop().unwrap_or_else(|| self.fresh());
             buf.clear();
             out.push(PooledBuf {
                 buf: Some(buf),

@@ -36,14 +36,47 @@ pub(crate) const READ_AHEAD_PIECES: usize = 8;
 /// A piece of a GET's data and its share of the read-ahead budget, held
 /// (never read) until the piece is dropped.
 struct Piece(
-    BytesMut,
+    PieceBuf,
     #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
     #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
 );
 
+/// A piece's bytes: a buffer of the store's piece pool (back to it when the
+/// piece is dropped), or, for a piece larger than the pool's buffers (a
+/// stripe over 1 MiB), its own.
+enum PieceBuf {
+    Pooled(PooledBuf),
+    Own(BytesMut),
+}
+
+impl PieceBuf {
+    async fn new(store: &Store, len: usize) -> PieceBuf {
+        if len <= PIECE_BYTES {
+            // The read-ahead budget, already held, leaves one free.
+            if let Ok(b) = store.pieces.acquire(Duration::ZERO).await {
+                return PieceBuf::Pooled(b);
+            }
+        }
+        PieceBuf::Own(BytesMut::with_capacity(len))
+    }
+
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
+        match self {
+            PieceBuf::Pooled(b) => {
+                let took = b.extend_from_slice(bytes);
+                debug_assert_eq!(took, bytes.len());
+            }
+            PieceBuf::Own(b) => b.extend_from_slice(bytes),
+        }
+    }
+}
+
 impl AsRef<[u8]> for Piece {
     fn as_ref(&self) -> &[u8] {
-        &self.0
+        match &self.0 {
+            PieceBuf::Pooled(b) => b,
+            PieceBuf::Own(b) => b,
+        }
     }
 }
 
@@ -384,7 +417,7 @@ impl Store {
                 .read_ahead_room(&self.read_ahead, pieces, &mut reader)
                 .await?;
             let mut budget = Some(budget);
-            let mut out: Vec<BytesMut> = Vec::with_capacity(pieces);
+            let mut out: Vec<PieceBuf> = Vec::with_capacity(pieces);
             {
                 let data = reader.read_stripe(self, j).await?;
                 let mut room = 0;
@@ -400,7 +433,7 @@ impl Store {
                     };
                     while !bytes.is_empty() {
                         if room == 0 {
-                            out.push(BytesMut::with_capacity(piece));
+                            out.push(PieceBuf::new(self, piece).await);
                             room = piece;
                         }
                         let take = room.min(bytes.len());

@@ -712,6 +712,9 @@ pub struct Store {
     /// incarnations' holdings (`tell_restart`).
     holder_told: Mutex<std::collections::HashSet<usize>>,
     pool: BufferPool,
+    /// Buffers of GET read-ahead pieces (`get::PIECE_BYTES`), reused and,
+    /// once idle, given back to the kernel (`trim_buffers`).
+    pub(crate) pieces: BufferPool,
     heal_tx: mpsc::Sender<HealTask>,
     heal_rx: Mutex<Option<mpsc::Receiver<HealTask>>>,
     /// Names each drive rebuild (SlotState::rebuilding).
@@ -1419,6 +1422,13 @@ impl Store {
             locks: LockTable::new(hash_seed),
             commits: commit::CommitQueues::default(),
             pool,
+            // The read-ahead budget bounds the pieces out in all; any one
+            // core may hold all of them.
+            pieces: BufferPool::new(
+                cfg.core_count.max(1),
+                get::PIECE_BYTES,
+                read_ahead_pieces(cfg.read_ahead_max_bytes) + get::READ_AHEAD_PIECES,
+            ),
             heal_tx,
             heal_rx: Mutex::new(Some(heal_rx)),
             rebuild_seq: AtomicU64::new(rebuilds),
@@ -2074,7 +2084,7 @@ impl Store {
     /// Frees the stripe buffers that sat unused since the last call (the
     /// server calls it every few seconds): memory a burst took goes back.
     pub fn trim_buffers(&self) -> usize {
-        self.pool.trim_idle()
+        self.pool.trim_idle() + self.pieces.trim_idle()
     }
 
     /// Bytes of GET data read ahead of clients now, and the budget.
