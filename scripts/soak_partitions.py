@@ -23,9 +23,11 @@ on any violation.
 
     python scripts/soak_partitions.py [MINUTES] [SEED]      (scripts/soak-partitions)
 
-With TARN_SOAK_OPS=FILE the whole history goes to FILE as JSON.
+With TARN_SOAK_OPS=FILE the whole history goes to FILE as JSON; with
+TARN_SOAK_ROOT=DIR the nodes' drives and logs are kept in DIR.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -92,7 +94,9 @@ def main():
         raise SystemExit("soak-partitions: needs root and iproute2 (network namespaces, veth)")
     steps, touched = schedule(fabric, minutes, rng)
     print(f"soak: {len(steps)} steps over {minutes} min, seed {seed}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="tarn-soak-") as root:
+    keep = os.environ.get("TARN_SOAK_ROOT")
+    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="tarn-soak-") as root:
+        os.makedirs(root, exist_ok=True)
         try:
             ops, final, timeline, _ = run(root, fabric, steps)
         finally:

@@ -211,7 +211,10 @@ impl Store {
             }
         }
         if let Err(e) = check_alive(&writers, quorum) {
-            if full > 0 {
+            // Full drives are the reason only if, with room, they would
+            // have made the quorum; otherwise the set is short of drives.
+            let alive = writers.iter().filter(|w| w.is_some()).count();
+            if full > 0 && alive + full >= quorum {
                 return Err(StoreError::StorageFull(format!(
                     "{full} of {n} drives of the set are below their free-space reserve; {quorum} needed with room"
                 )));
@@ -579,16 +582,30 @@ impl Store {
         // A record is written twice on a drive (journal, then the flushed
         // table): counted so until the free space is read again.
         let need = bytes.saturating_mul(2) + 8192;
-        let room: Vec<_> = members
+        let online: Vec<_> = members
             .iter()
             .map(|&i| &topo.slots[i])
-            .filter(|s| s.writer().is_some() && s.has_room(need, self.cfg.drive_reserve_bytes))
+            .filter(|s| s.writer().is_some())
+            .collect();
+        let room: Vec<_> = online
+            .iter()
+            .filter(|s| s.has_room(need, self.cfg.drive_reserve_bytes))
             .collect();
         for s in &room {
             s.consumed(need);
         }
         let room = room.len();
         let quorum = self.meta_write_quorum(members.len());
+        if online.len() < quorum {
+            // Short of drives, not of room: what the write would answer
+            // (drives out of reach were counted as full, and a set with two
+            // of four drives cut off answered 507 InsufficientStorage).
+            return Err(StoreError::QuorumLost {
+                what: "metadata write",
+                needed: quorum,
+                available: online.len(),
+            });
+        }
         if room < quorum {
             return Err(StoreError::StorageFull(format!(
                 "{room} of {} drives of the set have room beyond their reserve, {quorum} needed",
