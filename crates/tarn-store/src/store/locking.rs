@@ -136,6 +136,46 @@ fn release(owner: Id128, voters: Vec<Voter>) {
     }
 }
 
+/// A voter's answer to an acquire, from its own task.
+type AcquireTask = tokio::task::JoinHandle<(usize, Result<bool, StoreError>)>;
+
+/// One try at a lock: the voters that granted it, those whose answer was
+/// lost (they may have granted it) and the answers still to come. Dropped,
+/// it releases the first two and, as they come, the grants and lost
+/// answers of the rest; a try that made its quorum takes `granted` out
+/// first (the lease's now).
+struct Attempt {
+    owner: Id128,
+    voters: Vec<Voter>,
+    pending: FuturesUnordered<AcquireTask>,
+    granted: Vec<Voter>,
+    unknown: Vec<Voter>,
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        let owner = self.owner;
+        if !self.pending.is_empty() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let mut pending = std::mem::take(&mut self.pending);
+                let voters = self.voters.clone();
+                rt.spawn(async move {
+                    let mut late = Vec::new();
+                    while let Some(r) = pending.next().await {
+                        if let Ok((i, Ok(true) | Err(_))) = r {
+                            late.push(voters[i].clone());
+                        }
+                    }
+                    release(owner, late);
+                });
+            }
+        }
+        let mut held = std::mem::take(&mut self.unknown);
+        held.append(&mut self.granted);
+        release(owner, held);
+    }
+}
+
 /// A key (or bucket) held by this process and, in a cluster, on its set's
 /// drives.
 pub(crate) struct KeyLock {
@@ -352,56 +392,51 @@ impl Store {
                     (i, r)
                 })
             };
-            let mut pending = FuturesUnordered::new();
+            // What this try holds or may hold, released whatever happens
+            // next, the caller giving up mid-way included (a request whose
+            // client went away is dropped here: its grants stayed until they
+            // lapsed, 15 s of every writer of the key waiting).
+            let mut attempt = Attempt {
+                owner,
+                voters: voters.clone(),
+                pending: FuturesUnordered::new(),
+                granted: Vec::new(),
+                unknown: Vec::new(),
+            };
             let mut asked = 0;
             let hedge = tokio::time::sleep(LOCK_HEDGE);
             tokio::pin!(hedge);
-            let (mut granted, mut busy, mut failed) = (Vec::new(), 0, 0);
-            // Voters whose answer was lost: they may have granted it.
-            let mut unknown = Vec::new();
-            while granted.len() < quorum && voters.len() - busy - failed >= quorum {
-                while granted.len() + pending.len() < quorum && asked < order.len() {
-                    pending.push(launch(order[asked]));
+            let (mut busy, mut failed) = (0, 0);
+            while attempt.granted.len() < quorum && voters.len() - busy - failed >= quorum {
+                while attempt.granted.len() + attempt.pending.len() < quorum && asked < order.len()
+                {
+                    attempt.pending.push(launch(order[asked]));
                     asked += 1;
                 }
                 tokio::select! {
-                    r = pending.next() => match r {
-                        Some(Ok((i, Ok(true)))) => granted.push(voters[i].clone()),
+                    r = attempt.pending.next() => match r {
+                        Some(Ok((i, Ok(true)))) => attempt.granted.push(voters[i].clone()),
                         Some(Ok((_, Ok(false)))) => busy += 1,
                         Some(Ok((i, Err(_)))) => {
                             failed += 1;
-                            unknown.push(voters[i].clone());
+                            attempt.unknown.push(voters[i].clone());
                         }
                         Some(Err(_)) => failed += 1,
                         None => break,
                     },
                     () = &mut hedge, if asked < order.len() => {
                         while asked < order.len() {
-                            pending.push(launch(order[asked]));
+                            attempt.pending.push(launch(order[asked]));
                             asked += 1;
                         }
                     }
                 }
             }
-            // Whatever the drives still answering grant is released as it
-            // comes, and so is every drive whose answer was lost.
-            if !pending.is_empty() {
-                let voters = voters.clone();
-                tokio::spawn(async move {
-                    let mut late = Vec::new();
-                    while let Some(r) = pending.next().await {
-                        if let Ok((i, Ok(true) | Err(_))) = r {
-                            late.push(voters[i].clone());
-                        }
-                    }
-                    release(owner, late);
-                });
-            }
-            release(owner, unknown);
-            if granted.len() >= quorum {
+            if attempt.granted.len() >= quorum {
+                let granted = std::mem::take(&mut attempt.granted);
                 return Ok(Lease::new(owner, granted));
             }
-            release(owner, granted);
+            drop(attempt);
             if voters.len() - failed < quorum {
                 return Err(StoreError::QuorumLost {
                     what: "lock",
@@ -418,5 +453,80 @@ impl Store {
             tokio::time::sleep(backoff / 2 + Duration::from_micros(jitter / 2)).await;
             backoff = (backoff * 2).min(LOCK_BACKOFF_MAX);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drive::DrivePaths;
+
+    fn table() -> Arc<LeaseTable> {
+        Arc::new(LeaseTable::new(DrivePaths {
+            root: std::env::temp_dir(),
+        }))
+    }
+
+    async fn acquire(t: &LeaseTable, owner: Id128) -> bool {
+        t.call(LeaseCall::Acquire {
+            owner,
+            items: vec![(7, LockMode::Write)],
+            ttl_ms: LEASE_TTL_MS,
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Whether another writer could take the key on `t` now (and leaves it
+    /// free again).
+    async fn free(t: &LeaseTable) -> bool {
+        let owner = new_id();
+        let got = acquire(t, owner).await;
+        t.call(LeaseCall::Release { owner }).await.unwrap();
+        got
+    }
+
+    /// A try dropped mid-way (its caller gone) leaves nothing held: the
+    /// drives that granted it, and the one whose grant comes after.
+    #[tokio::test]
+    async fn a_try_given_up_mid_way_releases_what_it_got_and_what_comes_later() {
+        let (a, b, c) = (table(), table(), table());
+        let owner = new_id();
+        assert!(acquire(&a, owner).await);
+        // b's grant is still on its way when the try is dropped.
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let late = {
+            let b = b.clone();
+            tokio::spawn(async move {
+                let _ = wait.await;
+                (1, Ok(acquire(&b, owner).await))
+            })
+        };
+        let attempt = Attempt {
+            owner,
+            voters: vec![
+                Voter::Local(a.clone()),
+                Voter::Local(b.clone()),
+                Voter::Local(c.clone()),
+            ],
+            pending: [late].into_iter().collect(),
+            granted: vec![Voter::Local(a.clone())],
+            unknown: Vec::new(),
+        };
+        drop(attempt);
+        go.send(()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let (on_a, on_b) = (free(&a).await, free(&b).await);
+            if on_a && on_b {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "still held after the try was dropped: a {on_a}, b {on_b}"
+            );
+        }
+        assert!(free(&c).await);
     }
 }
