@@ -530,15 +530,7 @@ impl Etcd {
 
     /// Every key under `prefix` as stored, unopened.
     pub async fn get_prefix_stored(&self, prefix: &str) -> Result<Vec<KeyValue>, EtcdError> {
-        let v = self
-            .call(
-                "/v3/kv/range",
-                json!({
-                    "key": b64(prefix.as_bytes()),
-                    "range_end": b64(&prefix_end(prefix.as_bytes())),
-                }),
-            )
-            .await?;
+        let v = self.range_prefix(prefix).await?;
         Self::kvs("range", &v)
     }
 
@@ -644,6 +636,18 @@ impl Etcd {
             .collect()
     }
 
+    /// etcd's answer to a range read of every key under `prefix`.
+    async fn range_prefix(&self, prefix: &str) -> Result<Value, EtcdError> {
+        self.call(
+            "/v3/kv/range",
+            json!({
+                "key": b64(prefix.as_bytes()),
+                "range_end": b64(&prefix_end(prefix.as_bytes())),
+            }),
+        )
+        .await
+    }
+
     fn revision(v: &Value) -> i64 {
         int(&v["header"]["revision"])
     }
@@ -660,15 +664,7 @@ impl Etcd {
     /// Every key under `prefix`, in key order, and the store's revision at
     /// the read (where a watch of the prefix starts).
     pub async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), EtcdError> {
-        let v = self
-            .call(
-                "/v3/kv/range",
-                json!({
-                    "key": b64(prefix.as_bytes()),
-                    "range_end": b64(&prefix_end(prefix.as_bytes())),
-                }),
-            )
-            .await?;
+        let v = self.range_prefix(prefix).await?;
         Ok((self.opened(Self::kvs("range", &v)?), Self::revision(&v)))
     }
 
