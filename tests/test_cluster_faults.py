@@ -235,6 +235,23 @@ def test_killed_node_returns_and_missed_writes_are_replayed(formed_cluster):
     check_served_with_paused(nodes[3], nodes[1:3], "killed", acked, every=3)
 
 
+def checkpoint(drive):
+    """The backfill checkpoint in a drive's rebuild marker (docs/format.md):
+    (phase, bucket, key), or None for an empty or missing marker."""
+    try:
+        b = open(os.path.join(drive, ".tarn", "rebuilding"), "rb").read()
+    except FileNotFoundError:
+        return None
+    if len(b) < 13 or b[:4] != b"TBF1":
+        return None
+    phase, rest, out = b[4], b[5:-4], []
+    for _ in range(2):
+        n = int.from_bytes(rest[:2], "little")
+        out.append(rest[2:2 + n].decode())
+        rest = rest[2 + n:]
+    return (phase, *out)
+
+
 def job(node, kind="backfill"):
     return next((j for j in status(node)["jobs"] if j["kind"] == kind), None)
 
@@ -274,14 +291,32 @@ def test_replaced_node_is_backfilled_resumes_after_a_restart_and_serves(formed_c
         assert b["eta_s"] is not None and b["eta_s"] > 0, b
         assert not status(nodes[0])["repair_done"]
         assert metric(new, "tarn_backfill_running") == 1
-        # Killed mid-fill, it resumes from its checkpoint when it is back.
-        time.sleep(1.5)
+        # Killed mid-fill, once a fill checkpoint is on a drive, it resumes
+        # from its checkpoints when it is back: what it says it resumed from
+        # follows from the checkpoints the kill left on its drives.
+        roots = [os.path.join(new.root, f"d{d}") for d in range(2)]
+        wait_for("a fill checkpoint", lambda: any(c and c[0] == 0 for c in map(checkpoint, roots)), timeout=60)
         new.signal(signal.SIGKILL)
         new.proc.wait()
+        left = [checkpoint(r) for r in roots]
         new.start()
         new.wait_serving()
-        b = wait_for("a resumed backfill", lambda: job(new), timeout=60)
-        assert b["resumed_from"] is not None and b["resumed_from"]["bucket"] == "replaced", b
+        # (Read once it has visited an object: it says where it resumed
+        # from before it lists.)
+        b = wait_for("a resumed backfill",
+                     lambda: (lambda j: j if j and (j["objects_done"] > 0 or j["phase"] == "verify") else None)(job(new)),
+                     timeout=60)
+        # One set fills at a time: at most one fill checkpoint; a set that
+        # had filled resumes at its verify, one with none starts over.
+        fills = [c for c in left if c and c[0] == 0]
+        assert len(fills) <= 1, left
+        if fills:
+            assert fills[0][1] == "replaced" and fills[0][2].startswith("before/"), left
+            expect = {"phase": "fill", "bucket": fills[0][1], "key": fills[0][2]}
+        else:
+            expect = {"phase": "verify", "bucket": None, "key": None} if any(left) else None
+        assert b["resumed_from"] == expect, (b, left)
+        assert expect is not None, ("killed with no checkpoint left", left)
     finally:
         time.sleep(1)
         load.finish()

@@ -19,7 +19,7 @@ use tarn_store::drive_io::Drive;
 use tarn_store::format::{id_from_hex, id_to_hex, new_id, Id128};
 use tarn_store::lock::LeaseTable;
 use tarn_store::{
-    ClusterDrive, ClusterLayout, DrainReport, DriveChange, PoolLayout, Store, StoreConfig,
+    ClusterDrive, ClusterLayout, DrainReport, DriveChange, PoolLayout, Resumed, Store, StoreConfig,
 };
 
 use crate::catalog::{decode_bucket, EtcdCatalog};
@@ -1104,7 +1104,10 @@ impl Node {
                     "eta_s": b.eta_secs().map(f64::ceil),
                     "elapsed_s": b.started.elapsed().as_secs(),
                     "rate_limit_bytes_per_s": b.rate_limit,
-                    "resumed_from": b.resumed_from.map(|(bucket, key)| json!({"bucket": bucket, "key": key})),
+                    "resumed_from": b.resumed_from.map(|r| match r {
+                        Resumed::Fill { bucket, key } => json!({"phase": "fill", "bucket": bucket, "key": key}),
+                        Resumed::Verify => json!({"phase": "verify", "bucket": null, "key": null}),
+                    }),
                 })
             })
             .into_iter()

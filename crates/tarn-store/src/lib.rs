@@ -28,6 +28,6 @@ pub use store::get::GetResult;
 pub use store::{
     check_erasure, claim_drive, claim_drive_in_place_of, formatted_drive_id, parse_version,
     validate_bucket_name, BackfillStatus, ClusterDrive, ClusterLayout, DriveChange, ObjectStream,
-    PoolLayout, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
+    PoolLayout, Resumed, Store, UnderReplicated, KEY_MAX_BYTES, SYSTEM_BUCKET,
 };
 pub use types::*;

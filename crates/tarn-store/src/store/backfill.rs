@@ -48,13 +48,23 @@ pub struct BackfillStatus {
     /// rebuild found none).
     pub repaired: u64,
     pub failures: u64,
-    /// Where the fill resumed from after a restart: (bucket, key).
-    pub resumed_from: Option<(String, String)>,
+    /// Where the job resumed from after a restart, if it did.
+    pub resumed_from: Option<Resumed>,
     pub started: Instant,
     /// When the current phase began, and its byte count then.
     pub phase_started: Instant,
     /// The configured limit, bytes per second (0: none).
     pub rate_limit: u64,
+}
+
+/// Where a restarted backfill picked up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resumed {
+    /// A set's fill, after this (bucket, key).
+    Fill { bucket: String, key: String },
+    /// No set had a fill position saved, one had filled: its verifying
+    /// scan (a set with no checkpoint starts over).
+    Verify,
 }
 
 impl BackfillStatus {
@@ -206,10 +216,25 @@ impl Store {
                     .min_by(|a, b| (a.phase, &a.bucket, &a.key).cmp(&(b.phase, &b.bucket, &b.key)))
             };
             match from {
-                Some(c) if c.phase == 1 => verify.push(set),
+                Some(c) if c.phase == 1 => {
+                    tracing::warn!(
+                        set,
+                        "backfill resumes at its verifying scan: the set had filled"
+                    );
+                    self.progress(|p| {
+                        p.resumed_from.get_or_insert(Resumed::Verify);
+                    });
+                    verify.push(set);
+                }
                 Some(c) => {
                     tracing::warn!(set, bucket = %c.bucket, key = %c.key, "backfill resumes from its checkpoint");
-                    self.progress(|p| p.resumed_from = Some((c.bucket.clone(), c.key.clone())));
+                    // A fill's position says more than a verify: it wins.
+                    self.progress(|p| {
+                        p.resumed_from = Some(Resumed::Fill {
+                            bucket: c.bucket.clone(),
+                            key: c.key.clone(),
+                        })
+                    });
                     fill.push((set, Some((c.bucket, c.key))));
                 }
                 None => fill.push((set, None)),

@@ -41,7 +41,7 @@ use crate::format::{
 use crate::lock::{LeaseTable, LockTable};
 use crate::types::{BucketInfo, DriveStatus, ObjectInfo, PartSummary};
 
-pub use backfill::BackfillStatus;
+pub use backfill::{BackfillStatus, Resumed};
 pub use get::ObjectStream;
 pub use missed::UnderReplicated;
 pub use topology::DriveChange;
