@@ -124,9 +124,12 @@ def main():
             said = f" (via n{o['via']}, {o['key']}, +{o['start'] - t:.1f} s{', ' + o['error'][:100] if not o['ok'] else ''})"
         print(f"  {t - t0:7.1f} s  {what}: {worst[1] if worst else 0.0:.2f} s over {len(took)} writes{said}")
     if os.environ.get("TARN_SOAK_OPS"):
-        # The whole history, for a closer look (values left out).
+        # The whole history, for a closer look (each value by its name:
+        # key/writer/sequence).
+        def name(v):
+            return b"/".join(v.split(b"/")[:3]).decode() if v else None
         with open(os.environ["TARN_SOAK_OPS"], "w") as f:
-            json.dump({"timeline": timeline, "ops": [dict(o, value=None) for o in ops]}, f, default=str)
+            json.dump({"timeline": timeline, "ops": [dict(o, value=name(o.get("value"))) for o in ops]}, f, default=str)
     print(f"violations: {len(errors)}")
     for e in errors[:20]:
         print("  " + e)

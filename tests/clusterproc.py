@@ -149,10 +149,13 @@ class Node:
         raise RuntimeError(f"node {self.i} did not start serving")
 
     def client(self, **cfg):
+        """A boto3 client of this node: by default one retry (botocore's
+        `max_attempts` counts retries); history checkers pass
+        `retries=ONE_ATTEMPT`."""
+        cfg.setdefault("retries", {"max_attempts": 1})
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
                             aws_secret_access_key=self.secret_key, region_name="us-east-1",
-                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
-                                          connect_timeout=5, read_timeout=30, **cfg))
+                            config=Config(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=30, **cfg))
 
     def admin_cmd(self, *args, check=True):
         r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", self.secret_key, *args],

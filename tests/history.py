@@ -9,6 +9,15 @@ import threading
 
 INF = float("inf")
 
+# A history's clients make one attempt per operation. botocore's
+# `max_attempts` counts retries: with it, a write whose first attempt timed
+# out (its node paused) was sent again, and the first attempt, still queued
+# on the node, could take effect after the retry had been answered and
+# recorded, after later writes too (an old value read again, counted
+# stale); a create's retry answered 412 to its own first attempt (recorded
+# as a refusal, its value then read as one no write wrote).
+ONE_ATTEMPT = {"total_max_attempts": 1}
+
 
 class History:
     def __init__(self):

@@ -28,7 +28,7 @@ import time
 
 
 from clusterproc import status, wait_repaired
-from history import INF, History, around, possible, writes_of
+from history import INF, ONE_ATTEMPT, History, around, possible, writes_of
 from tarnproc import wait_for
 
 KEYS = [f"k{i:02}" for i in range(16)]
@@ -44,7 +44,7 @@ def value(key, writer, seq):
 
 
 def client_loop(node, writer, history, stop, seed):
-    cl = node.client()
+    cl = node.client(retries=ONE_ATTEMPT)
     rng = random.Random(seed)
     seq = 0
     while not stop.is_set():

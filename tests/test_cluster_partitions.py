@@ -32,7 +32,7 @@ import pytest
 from botocore.config import Config
 
 from clusterproc import Fabric, form_fabric, stop_all, wait_repaired
-from history import INF, History, Register, around, writes_of
+from history import INF, ONE_ATTEMPT, History, Register, around, writes_of
 
 KEYS = [f"c{i}" for i in range(4)]
 
@@ -46,7 +46,7 @@ def client_loop(node, writer, history, stop, seed):
     # request is then indeterminate) instead of waiting out the fault.
     cl = boto3.client("s3", endpoint_url=node.endpoint, aws_access_key_id=node.access_key,
                       aws_secret_access_key=node.secret_key, region_name="us-east-1",
-                      config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                      config=Config(s3={"addressing_style": "path"}, retries=ONE_ATTEMPT,
                                     connect_timeout=2, read_timeout=6))
     rng = random.Random(seed)
     seq = 0
@@ -121,9 +121,13 @@ def check(ops, final):
         for r in (o for o in ops if o["kind"] == "refused" and o["key"] == key):
             if not reg.allows_present(r["start"], r["end"]):
                 errors.append(f"{key}: create refused at {r['start']:.3f} while the key was absent" + around(writes, r))
+        written = {w["value"] for w in writes}
         for g in (o for o in ops if o["kind"] == "get" and o["ok"] and o["key"] == key):
-            if not reg.allows(g["value"], g["start"], g["end"]):
-                errors.append(f"{key}: stale read at {g['start']:.3f} via n{g['via']}" + around(writes, g))
+            if g["value"] not in written:
+                errors.append(f"{key}: read a value no write wrote at {g['start']:.3f} via n{g['via']}: {g['value'][:24]!r}")
+            elif not reg.allows(g["value"], g["start"], g["end"]):
+                what = b"/".join(g["value"].split(b"/")[:3]).decode() if g["value"] else "nothing"
+                errors.append(f"{key}: stale read of {what} at {g['start']:.3f} via n{g['via']}" + around(writes, g))
         now = time.time()
         if not reg.allows(final[key], now, now):
             errors.append(f"{key}: the final read lost an acknowledged write: {final[key]!r}")
@@ -143,6 +147,14 @@ def test_the_checker_catches_a_create_over_an_acknowledged_write():
     refused = {"kind": "refused", "key": "c0", "start": -2.0, "end": -1.0, "ok": True, "via": 1}
     assert any("refused" in e for e in check([put_a, refused], {**final, "c0": a}))
     assert any("lost" in e for e in check([put_a], {**final, "c0": None}))
+    # A read of a value a later acknowledged write replaced, and of one no
+    # write wrote (a create's own retry refused it: why clients make one
+    # attempt, history.ONE_ATTEMPT).
+    put_b = dict(create_b, cond=False)
+    old = {"kind": "get", "key": "c0", "value": a, "start": 4.0, "end": 4.1, "ok": True, "via": 3}
+    assert any("stale read of c0/0/1" in e for e in check([put_a, put_b, old], final))
+    foreign = dict(old, value=value("c0", 5, 9))
+    assert any("no write wrote" in e for e in check([put_a, put_b, foreign], final))
 
 
 def run(root, fabric, schedule, writers=8):
