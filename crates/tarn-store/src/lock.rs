@@ -143,6 +143,10 @@ struct Holding {
     expires: Instant,
     items: Vec<(u64, LockMode)>,
     pins: Vec<Id128>,
+    /// When it was granted, and how many times refreshed since: a lock
+    /// that lapses is logged with both (its holder never released it).
+    granted: Instant,
+    refreshes: u32,
 }
 
 #[derive(Default)]
@@ -174,7 +178,7 @@ struct Leases {
 /// How long a release that came before its acquire is remembered: longer
 /// than any lease lives, so the acquire can only come later as a holding
 /// that lapses sooner than this.
-const ENDED_FOR: Duration = Duration::from_secs(LEASE_TTL_MAX_MS as u64 / 1000);
+pub(crate) const ENDED_FOR: Duration = Duration::from_secs(LEASE_TTL_MAX_MS as u64 / 1000);
 /// The most early releases remembered (the oldest go first).
 const ENDED_MAX: usize = 100_000;
 
@@ -276,6 +280,8 @@ impl LeaseTable {
                             expires: now + ttl,
                             items,
                             pins: Vec::new(),
+                            granted: now,
+                            refreshes: 0,
                         },
                     );
                     true
@@ -288,6 +294,7 @@ impl LeaseTable {
                 match l.holdings.remove(&owner) {
                     Some(mut h) => {
                         h.expires = now + ttl;
+                        h.refreshes += 1;
                         l.hold(owner, h);
                         true
                     }
@@ -316,6 +323,8 @@ impl LeaseTable {
                         expires: now + ttl,
                         items: Vec::new(),
                         pins: data_ids,
+                        granted: now,
+                        refreshes: 0,
                     },
                 );
                 true
@@ -424,7 +433,20 @@ impl Leases {
             .holdings
             .iter()
             .filter(|(_, h)| h.expires <= now)
-            .map(|(o, _)| *o)
+            .map(|(o, h)| {
+                // A lock nobody released: its holder died, was cut off, or
+                // lost track of it (every key it names waited meanwhile).
+                if !h.items.is_empty() {
+                    tracing::warn!(
+                        owner = %crate::format::id_to_hex(o),
+                        held_ms = now.duration_since(h.granted).as_millis() as u64,
+                        refreshes = h.refreshes,
+                        items = h.items.len(),
+                        "a lock lapsed on this drive without its holder's release"
+                    );
+                }
+                *o
+            })
             .collect();
         let freed = lapsed.iter().flat_map(|o| self.end(o)).collect();
         self.earliest_lapse = self.holdings.values().map(|h| h.expires).min();

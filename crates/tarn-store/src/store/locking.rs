@@ -47,6 +47,9 @@ const PIN_GRACE: Duration = Duration::from_millis(200);
 enum Voter {
     Local(Arc<LeaseTable>),
     Remote(Arc<dyn Drive>),
+    /// A table behind a link the test cuts (calls fail while it is down).
+    #[cfg(test)]
+    Linked(Arc<LeaseTable>, Arc<std::sync::atomic::AtomicBool>),
 }
 
 impl Voter {
@@ -54,6 +57,18 @@ impl Voter {
         match self {
             Voter::Local(t) => t.call(call).await,
             Voter::Remote(d) => d.lease(call).await,
+            #[cfg(test)]
+            Voter::Linked(t, up) => {
+                if up.load(std::sync::atomic::Ordering::SeqCst) {
+                    t.call(call).await
+                } else {
+                    Err(StoreError::QuorumLost {
+                        what: "test link down",
+                        needed: 1,
+                        available: 0,
+                    })
+                }
+            }
         }
     }
 }
@@ -93,7 +108,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.refresher.abort();
-        release(self.owner, std::mem::take(&mut self.voters));
+        release(self.owner, std::mem::take(&mut self.voters), Vec::new());
     }
 }
 
@@ -103,30 +118,60 @@ const RELEASE_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// Releases a holding in the background (without a runtime it lapses).
 /// A drive that cannot be reached now (its node cut off, paused, busy)
-/// is asked again until it answers or the holding has lapsed there
-/// anyway: a partition that heals leaves no lock of a request that failed
-/// during it in the way of the next writer (writes stalled 12-14 s, until
-/// the holdings lapsed, before). A drive whose acquire got no answer is
-/// released too: it may have granted it.
-fn release(owner: Id128, voters: Vec<Voter>) {
-    if voters.is_empty() {
+/// is asked again until it answers: a partition that heals leaves no lock
+/// of a request that failed during it in the way of the next writer (writes
+/// stalled 12-14 s, until the holdings lapsed, before). `granted` voters
+/// are asked until the holding has lapsed there anyway (a lease's time to
+/// live after it was granted or refreshed). `unknown` voters, whose
+/// acquire got no answer, are asked until they answer, for up to
+/// `lock::ENDED_FOR`: the acquire may still be on its way (TCP sends it
+/// again once a cut link is back, a paused node reads it when it resumes),
+/// and when it comes it makes a holding of its own, whole. A release that
+/// gave up with the lease's time to live left such a holding to lapse:
+/// every writer and reader of the key waited 15 s, from 10 s after a cut
+/// node came back (the soak's one stall without a fault).
+fn release(owner: Id128, granted: Vec<Voter>, unknown: Vec<Voter>) {
+    release_for(
+        owner,
+        granted,
+        unknown,
+        Duration::from_millis(LEASE_TTL_MS as u64),
+        crate::lock::ENDED_FOR,
+    );
+}
+
+fn release_for(
+    owner: Id128,
+    granted: Vec<Voter>,
+    unknown: Vec<Voter>,
+    granted_for: Duration,
+    unknown_for: Duration,
+) {
+    if granted.is_empty() && unknown.is_empty() {
         return;
     }
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(async move {
-            let until = Instant::now() + Duration::from_millis(LEASE_TTL_MS as u64);
-            let mut left = voters;
+            let now = Instant::now();
+            let mut left: Vec<(Voter, Instant)> = granted
+                .into_iter()
+                .map(|v| (v, now + granted_for))
+                .chain(unknown.into_iter().map(|v| (v, now + unknown_for)))
+                .collect();
             let mut wait = RELEASE_RETRY_FIRST;
             loop {
-                let calls = left.iter().map(|v| v.call(LeaseCall::Release { owner }));
+                let calls = left
+                    .iter()
+                    .map(|(v, _)| v.call(LeaseCall::Release { owner }));
                 let answers = futures::future::join_all(calls).await;
+                let now = Instant::now();
                 left = left
                     .into_iter()
                     .zip(answers)
-                    .filter(|(_, a)| a.is_err())
+                    .filter(|((_, until), a)| a.is_err() && now + wait <= *until)
                     .map(|(v, _)| v)
                     .collect();
-                if left.is_empty() || Instant::now() + wait > until {
+                if left.is_empty() {
                     return;
                 }
                 tokio::time::sleep(wait).await;
@@ -160,19 +205,23 @@ impl Drop for Attempt {
                 let mut pending = std::mem::take(&mut self.pending);
                 let voters = self.voters.clone();
                 rt.spawn(async move {
-                    let mut late = Vec::new();
+                    let (mut late, mut lost) = (Vec::new(), Vec::new());
                     while let Some(r) = pending.next().await {
-                        if let Ok((i, Ok(true) | Err(_))) = r {
-                            late.push(voters[i].clone());
+                        match r {
+                            Ok((i, Ok(true))) => late.push(voters[i].clone()),
+                            Ok((i, Err(_))) => lost.push(voters[i].clone()),
+                            _ => {}
                         }
                     }
-                    release(owner, late);
+                    release(owner, late, lost);
                 });
             }
         }
-        let mut held = std::mem::take(&mut self.unknown);
-        held.append(&mut self.granted);
-        release(owner, held);
+        release(
+            owner,
+            std::mem::take(&mut self.granted),
+            std::mem::take(&mut self.unknown),
+        );
     }
 }
 
@@ -528,5 +577,58 @@ mod tests {
             );
         }
         assert!(free(&c).await);
+    }
+
+    /// An acquire whose answer was lost can reach its drive long after the
+    /// try gave up (TCP sends it again once a cut link is back): its
+    /// release goes on past a lease's lifetime, until the drive answers,
+    /// and ends the holding the late acquire made.
+    #[tokio::test]
+    async fn a_lost_acquire_that_arrives_late_is_released_when_it_comes() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let t = table();
+        let up = Arc::new(AtomicBool::new(false));
+        let owner = new_id();
+        // Lifetimes scaled down: a lease of 200 ms; the link is down 1 s.
+        let lease = Duration::from_millis(200);
+        release_for(
+            owner,
+            Vec::new(),
+            vec![Voter::Linked(t.clone(), up.clone())],
+            lease,
+            Duration::from_secs(10),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // The link is back and the acquire, sent before the cut, arrives
+        // first: granted (the release has not come yet).
+        up.store(true, Ordering::SeqCst);
+        assert!(acquire(&t, owner).await);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !free(&t).await {
+            assert!(
+                Instant::now() < deadline,
+                "the late acquire's holding stayed: its release gave up"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A granted voter is asked for a lease's lifetime only (its holding
+        // lapses by itself after that).
+        let (t2, down) = (table(), Arc::new(AtomicBool::new(false)));
+        let other = new_id();
+        assert!(acquire(&t2, other).await);
+        release_for(
+            other,
+            vec![Voter::Linked(t2.clone(), down.clone())],
+            Vec::new(),
+            lease,
+            Duration::from_secs(10),
+        );
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        down.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(
+            !free(&t2).await,
+            "a granted voter is not asked past the lease's lifetime"
+        );
     }
 }

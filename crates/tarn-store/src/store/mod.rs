@@ -1402,6 +1402,14 @@ impl Store {
         lock_holder[..4]
             .copy_from_slice(&xxhash_rust::xxh3::xxh3_64(node_id.as_bytes()).to_le_bytes()[..4]);
         lock_holder[8..].fill(0);
+        if distributed {
+            // Drives name the owner of a lock that lapsed; this says whose.
+            tracing::info!(
+                node = %node_id,
+                prefix = %id_to_hex(&lock_holder)[..16],
+                "this start's lock owners"
+            );
+        }
         Arc::new(Store {
             deployment_id,
             hash_seed,
