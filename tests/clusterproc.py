@@ -383,6 +383,12 @@ class Fabric:
         if state == "up":
             # A link going down takes its routes with it.
             self._routes(i, kind)
+        elif kind == "e":
+            # Without its own route, etcd's address would be reached over
+            # the data link (the default route, forwarded by the host): a
+            # node "cut from etcd" with its data link up still reached it.
+            # Its packets are dropped instead, as a partition drops them.
+            ip("-n", self.ns[i - 1], "route", "replace", "blackhole", f"{self.etcd_ip}/32")
 
     def cut(self, i):
         """Node i hears and reaches nobody."""
