@@ -39,6 +39,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from clusterproc import Fabric  # noqa: E402
+from history import name_of  # noqa: E402
 from test_cluster_partitions import check, run, write_stalls  # noqa: E402
 
 
@@ -124,12 +125,9 @@ def main():
             said = f" (via n{o['via']}, {o['key']}, +{o['start'] - t:.1f} s{', ' + o['error'][:100] if not o['ok'] else ''})"
         print(f"  {t - t0:7.1f} s  {what}: {worst[1] if worst else 0.0:.2f} s over {len(took)} writes{said}")
     if os.environ.get("TARN_SOAK_OPS"):
-        # The whole history, for a closer look (each value by its name:
-        # key/writer/sequence).
-        def name(v):
-            return b"/".join(v.split(b"/")[:3]).decode() if v else None
+        # The whole history, for a closer look (each value by its name).
         with open(os.environ["TARN_SOAK_OPS"], "w") as f:
-            json.dump({"timeline": timeline, "ops": [dict(o, value=name(o.get("value"))) for o in ops]}, f, default=str)
+            json.dump({"timeline": timeline, "ops": [dict(o, value=name_of(o.get("value"))) for o in ops]}, f, default=str)
     print(f"violations: {len(errors)}")
     for e in errors[:20]:
         print("  " + e)

@@ -47,11 +47,17 @@ def possible(writes, start, end):
     return [w["value"] for w in writes if w["start"] <= end and not w["end"] < latest]
 
 
+def name_of(value):
+    """A value by its name (key/writer/sequence, the head the tests' values
+    start with), None for an absent key."""
+    return b"/".join(value.split(b"/")[:3]).decode() if value else None
+
+
 def around(writes, op):
     """The writes near an operation the checker refused, for the message."""
     near = [w for w in writes if w["end"] >= op["start"] - 2 and w["start"] <= op["end"] + 1]
     return " (its writes near it: " + ", ".join(
-        f"{'put ' + b'/'.join(w['value'].split(b'/')[:3]).decode() if w['value'] else 'delete'}"
+        f"{'put ' + name_of(w['value']) if w['value'] else 'delete'}"
         f" {w['start']:.3f}..{w['end']:.3f}" for w in near) + f"; it ended {op['end']:.3f}" + (f", via n{op['via']})" if "via" in op else ")")
 
 

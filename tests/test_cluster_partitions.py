@@ -32,7 +32,7 @@ import pytest
 from botocore.config import Config
 
 from clusterproc import Fabric, form_fabric, stop_all, wait_repaired
-from history import INF, ONE_ATTEMPT, History, Register, around, writes_of
+from history import INF, ONE_ATTEMPT, History, Register, around, name_of, writes_of
 
 KEYS = [f"c{i}" for i in range(4)]
 
@@ -126,8 +126,7 @@ def check(ops, final):
             if g["value"] not in written:
                 errors.append(f"{key}: read a value no write wrote at {g['start']:.3f} via n{g['via']}: {g['value'][:24]!r}")
             elif not reg.allows(g["value"], g["start"], g["end"]):
-                what = b"/".join(g["value"].split(b"/")[:3]).decode() if g["value"] else "nothing"
-                errors.append(f"{key}: stale read of {what} at {g['start']:.3f} via n{g['via']}" + around(writes, g))
+                errors.append(f"{key}: stale read of {name_of(g['value']) or 'nothing'} at {g['start']:.3f} via n{g['via']}" + around(writes, g))
         now = time.time()
         if not reg.allows(final[key], now, now):
             errors.append(f"{key}: the final read lost an acknowledged write: {final[key]!r}")

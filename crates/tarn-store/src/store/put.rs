@@ -591,21 +591,22 @@ impl Store {
             .iter()
             .filter(|s| s.has_room(need, self.cfg.drive_reserve_bytes))
             .collect();
-        for s in &room {
-            s.consumed(need);
-        }
-        let room = room.len();
         let quorum = self.meta_write_quorum(members.len());
         if online.len() < quorum {
             // Short of drives, not of room: what the write would answer
             // (drives out of reach were counted as full, and a set with two
             // of four drives cut off answered 507 InsufficientStorage).
+            // Nothing is counted as used for a write that will not happen.
             return Err(StoreError::QuorumLost {
                 what: "metadata write",
                 needed: quorum,
                 available: online.len(),
             });
         }
+        for s in &room {
+            s.consumed(need);
+        }
+        let room = room.len();
         if room < quorum {
             return Err(StoreError::StorageFull(format!(
                 "{room} of {} drives of the set have room beyond their reserve, {quorum} needed",
