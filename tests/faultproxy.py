@@ -37,6 +37,16 @@ class FaultProxy:
         with self.lock:
             self.standing = action
 
+    def drop_all(self):
+        """Closes every connection open now (pooled clients must connect
+        again, and take the next action)."""
+        for s in list(self.open):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
     def close(self):
         self.closed = True
         self.sock.close()

@@ -422,6 +422,9 @@ impl RequestContext for Ctx<'_> {
 pub struct Access {
     store: Arc<Store>,
     pub iam: Arc<Iam>,
+    /// The cache buckets (their settings are read and changed with the
+    /// other buckets' settings).
+    pub caches: Arc<crate::cache::Caches>,
     buckets: RwLock<HashMap<String, Arc<BucketAccess>>>,
     loaded: AtomicBool,
     /// One change of bucket settings (or bucket creation) at a time.
@@ -431,6 +434,7 @@ pub struct Access {
 impl Access {
     pub fn new(store: Arc<Store>, iam: Arc<Iam>) -> Arc<Self> {
         Arc::new(Access {
+            caches: crate::cache::Caches::new(store.clone(), iam.clone()),
             store,
             iam,
             buckets: RwLock::new(HashMap::new()),
@@ -446,14 +450,26 @@ impl Access {
     /// Reads every bucket's settings (after the users: policies name them).
     pub async fn load(&self) -> Result<(), crate::iam::IamError> {
         self.iam.load().await?;
-        self.read_all(false).await
+        self.read_all(false).await?;
+        self.load_caches().await
     }
 
     /// Reads the users and every bucket's settings again: another node of a
     /// cluster changed them.
     pub async fn reload(&self) -> Result<(), crate::iam::IamError> {
         self.iam.reload().await?;
-        self.read_all(true).await
+        self.read_all(true).await?;
+        self.load_caches().await
+    }
+
+    async fn load_caches(&self) -> Result<(), crate::iam::IamError> {
+        self.caches.load().await.map_err(|e| match e {
+            crate::cache::CacheError::Store(e) => crate::iam::IamError::Store(e),
+            e => crate::iam::IamError::Corrupt {
+                what: "cache bucket settings".into(),
+                reason: e.to_string(),
+            },
+        })
     }
 
     /// A bucket another node made a moment ago, not seen here yet: its

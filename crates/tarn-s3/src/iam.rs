@@ -235,7 +235,10 @@ impl Iam {
         Ok(Table { users, keys })
     }
 
-    fn encrypt(&self, access_key: &str, secret: &str) -> String {
+    /// Seals `secret` under the key derived from the root secret, bound to
+    /// `access_key` (any other label a caller gives it: the cache's
+    /// upstream credentials use `cache:<bucket>:<key id>`).
+    pub(crate) fn encrypt(&self, access_key: &str, secret: &str) -> String {
         let mut nonce = [0u8; 12];
         getrandom::fill(&mut nonce).expect("the OS random number source");
         let sealed = self
@@ -253,7 +256,7 @@ impl Iam {
         format!("v1:{}", base64_simd::STANDARD.encode_to_string(&raw))
     }
 
-    fn decrypt(&self, access_key: &str, stored: &str) -> Option<String> {
+    pub(crate) fn decrypt(&self, access_key: &str, stored: &str) -> Option<String> {
         let raw = base64_simd::STANDARD
             .decode_to_vec(stored.strip_prefix("v1:")?)
             .ok()?;

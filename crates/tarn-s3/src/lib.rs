@@ -9,10 +9,12 @@
 pub mod access;
 pub mod acl;
 pub mod body;
+pub mod cache;
 pub mod error;
 pub mod iam;
 pub mod ops;
 mod ops_access;
+mod ops_cache;
 pub mod policy;
 pub mod scope;
 pub mod sysdoc;

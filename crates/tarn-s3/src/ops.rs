@@ -39,6 +39,7 @@ impl TarnS3 {
         range: Option<ByteRange>,
     ) -> S3Result<tarn_store::GetResult> {
         let (bucket, key, version) = copy_source(source)?;
+        self.refuse_on_cache(&bucket, "copying from a cache bucket")?;
         let got = self
             .store
             .get_object_if(&bucket, &key, version.as_deref(), range, None, &conditions)
@@ -493,6 +494,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<GetObjectAclInput>,
     ) -> S3Result<S3Response<GetObjectAclOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "GetObjectAcl")?;
         self.op_get_object_acl(req).await
     }
 
@@ -500,6 +502,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<PutObjectAclInput>,
     ) -> S3Result<S3Response<PutObjectAclOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "PutObjectAcl")?;
         self.op_put_object_acl(req).await
     }
 
@@ -765,6 +768,15 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteBucketInput>,
     ) -> S3Result<S3Response<DeleteBucketOutput>> {
+        if self.cache_of(&req.input.bucket).is_some() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::MethodNotAllowed,
+                format!(
+                    "bucket {} is a cache bucket: remove it with `tarn admin cache remove`",
+                    req.input.bucket
+                ),
+            ));
+        }
         self.access
             .delete_bucket(&req.input.bucket)
             .await
@@ -813,6 +825,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<PutBucketVersioningInput>,
     ) -> S3Result<S3Response<PutBucketVersioningOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         let enabled = match req
             .input
             .versioning_configuration
@@ -840,6 +853,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<PutObjectInput>,
     ) -> S3Result<S3Response<PutObjectOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
@@ -906,6 +920,22 @@ impl S3 for TarnS3 {
             i.if_unmodified_since.as_ref(),
         );
         let range = range_of(i.range);
+        if let Some(cb) = self.cache_of(&i.bucket) {
+            crate::ops_cache::plain_read(i.version_id.as_deref(), i.part_number)?;
+            let (entry, info, (start, end)) = self
+                .cache_open(&req.extensions, &cb, &i.key, range, &conditions)
+                .await?;
+            let content_range = range
+                .is_some()
+                .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size));
+            let body = cb.body(&i.key, entry, start, end);
+            return Ok(S3Response::new(GetObjectOutput {
+                body: Some(StreamingBlob::wrap(body)),
+                content_length: Some((end - start) as i64),
+                content_range,
+                ..object_fields!(GetObjectOutput, info, Default::default(), None)
+            }));
+        }
         let got = self
             .store
             .get_object_if(
@@ -955,11 +985,25 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<HeadObjectOutput>> {
         refuse_unsupported(&req.headers, false)?;
         let i = req.input;
-        let info = self
-            .store
-            .head_object(&i.bucket, &i.key, i.version_id.as_deref())
-            .await
-            .map_err(s3_error)?;
+        let info = match self.cache_of(&i.bucket) {
+            Some(cb) => {
+                crate::ops_cache::plain_read(i.version_id.as_deref(), i.part_number)?;
+                self.cache_open(
+                    &req.extensions,
+                    &cb,
+                    &i.key,
+                    None,
+                    &ReadConditions::default(),
+                )
+                .await?
+                .1
+            }
+            None => self
+                .store
+                .head_object(&i.bucket, &i.key, i.version_id.as_deref())
+                .await
+                .map_err(s3_error)?,
+        };
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
         }
@@ -1026,6 +1070,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteObjectInput>,
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         let i = req.input;
         let r = self
             .store
@@ -1048,6 +1093,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteObjectsInput>,
     ) -> S3Result<S3Response<DeleteObjectsOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         let i = req.input;
         let refused = req.extensions.get::<DeniedDeletes>();
         self.store.head_bucket(&i.bucket).map_err(s3_error)?;
@@ -1128,6 +1174,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CopyObjectInput>,
     ) -> S3Result<S3Response<CopyObjectOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
@@ -1237,8 +1284,7 @@ impl S3 for TarnS3 {
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
         let page = self
-            .store
-            .list_objects(
+            .list_page(
                 &i.bucket,
                 ListParams {
                     prefix: prefix.clone(),
@@ -1247,8 +1293,7 @@ impl S3 for TarnS3 {
                     max_keys: max,
                 },
             )
-            .await
-            .map_err(s3_error)?;
+            .await?;
         let url = listing_url_encoded(
             &i.encoding_type,
             page.objects.iter().map(|o| o.key.as_str()),
@@ -1302,8 +1347,7 @@ impl S3 for TarnS3 {
             None => i.start_after.clone().filter(|s| !s.is_empty()),
         };
         let page = self
-            .store
-            .list_objects(
+            .list_page(
                 &i.bucket,
                 ListParams {
                     prefix: prefix.clone(),
@@ -1312,8 +1356,7 @@ impl S3 for TarnS3 {
                     max_keys: max,
                 },
             )
-            .await
-            .map_err(s3_error)?;
+            .await?;
         let url = listing_url_encoded(
             &i.encoding_type,
             page.objects.iter().map(|o| o.key.as_str()),
@@ -1369,6 +1412,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<ListObjectVersionsInput>,
     ) -> S3Result<S3Response<ListObjectVersionsOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "ListObjectVersions")?;
         let mut i = req.input;
         i.delimiter = delimiter_of(i.delimiter.take());
         let max = max_keys(i.max_keys)?;
@@ -1463,6 +1507,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CreateMultipartUploadInput>,
     ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
@@ -1523,6 +1568,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<UploadPartInput>,
     ) -> S3Result<S3Response<UploadPartOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
@@ -1570,6 +1616,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<UploadPartCopyInput>,
     ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let bad_range = || {
@@ -1664,6 +1711,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CompleteMultipartUploadInput>,
     ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         let mut i = req.input;
         let parts = i
             .multipart_upload
@@ -1879,6 +1927,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<GetObjectTaggingInput>,
     ) -> S3Result<S3Response<GetObjectTaggingOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "GetObjectTagging")?;
         let i = req.input;
         let info = self
             .store
@@ -1903,6 +1952,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<PutObjectTaggingInput>,
     ) -> S3Result<S3Response<PutObjectTaggingOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         let i = req.input;
         let tags: Vec<(String, String)> = i
             .tagging
@@ -1923,6 +1973,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteObjectTaggingInput>,
     ) -> S3Result<S3Response<DeleteObjectTaggingOutput>> {
+        self.refuse_cache_write(&req.input.bucket)?;
         let i = req.input;
         let vid = self
             .store

@@ -10,6 +10,8 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tarn_cluster::node::Node;
+use tarn_s3::access::Access;
+use tarn_s3::cache::Caches;
 use tarn_s3::iam::{Iam, IamError};
 use tarn_store::Store;
 use tokio::net::TcpListener;
@@ -17,7 +19,11 @@ use tokio::sync::watch;
 
 use crate::metrics::Metrics;
 
-fn text(status: u16, content_type: &'static str, body: String) -> http::Response<s3s::Body> {
+pub(crate) fn text(
+    status: u16,
+    content_type: &'static str,
+    body: String,
+) -> http::Response<s3s::Body> {
     let mut r = http::Response::new(s3s::Body::from(body));
     *r.status_mut() =
         http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
@@ -41,7 +47,7 @@ fn json_escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
-fn json(status: u16, v: serde_json::Value) -> http::Response<s3s::Body> {
+pub(crate) fn json(status: u16, v: serde_json::Value) -> http::Response<s3s::Body> {
     text(status, "application/json", format!("{v}\n"))
 }
 
@@ -79,26 +85,36 @@ async fn users(
     node: Option<&Arc<Node>>,
 ) -> http::Response<s3s::Body> {
     let mut r = users_here(method, path, iam).await;
-    if method != "GET" && r.status().is_success() {
-        if let Some(node) = node {
-            let unconfirmed = node.reload_docs_everywhere().await;
-            if !unconfirmed.is_empty() {
-                tracing::warn!(
-                    ?unconfirmed,
-                    "a user or key change was not confirmed by every node"
-                );
-                let names: Vec<String> = unconfirmed
-                    .iter()
-                    .map(|(id, why)| format!("{id} ({})", why.replace(['\r', '\n', ','], " ")))
-                    .collect();
-                if let Ok(v) = http::HeaderValue::from_str(&names.join(", ")) {
-                    r.headers_mut()
-                        .insert(crate::admin_cli::UNCONFIRMED_HEADER, v);
-                }
-            }
-        }
+    if method != "GET" {
+        confirm_everywhere(&mut r, node, "a user or key change").await;
     }
     r
+}
+
+/// After a successful change of documents every node reads (users, keys,
+/// cache buckets): waits until every other reachable node of a cluster
+/// applied it; nodes that did not confirm are named in a header.
+pub(crate) async fn confirm_everywhere(
+    r: &mut http::Response<s3s::Body>,
+    node: Option<&Arc<Node>>,
+    what: &str,
+) {
+    let Some(node) = node.filter(|_| r.status().is_success()) else {
+        return;
+    };
+    let unconfirmed = node.reload_docs_everywhere().await;
+    if unconfirmed.is_empty() {
+        return;
+    }
+    tracing::warn!(?unconfirmed, "{what} was not confirmed by every node");
+    let names: Vec<String> = unconfirmed
+        .iter()
+        .map(|(id, why)| format!("{id} ({})", why.replace(['\r', '\n', ','], " ")))
+        .collect();
+    if let Ok(v) = http::HeaderValue::from_str(&names.join(", ")) {
+        r.headers_mut()
+            .insert(crate::admin_cli::UNCONFIRMED_HEADER, v);
+    }
 }
 
 async fn users_here(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body> {
@@ -318,9 +334,14 @@ async fn handle(
     metrics: Arc<Metrics>,
     token: Arc<String>,
     iam: Arc<Iam>,
+    caches: Arc<Caches>,
     node: Option<Arc<Node>>,
 ) -> Result<http::Response<s3s::Body>, Infallible> {
     let authorized = authorized(&req, &token);
+    let path = req.uri().path();
+    if authorized && (path == "/admin/cache" || path.starts_with("/admin/cache/")) {
+        return Ok(crate::admin_cache::handle(req, &caches, node.as_ref()).await);
+    }
     let r = match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
         ("GET", "/health/ready") => {
@@ -436,11 +457,12 @@ pub async fn serve(
     store: Arc<Store>,
     metrics: Arc<Metrics>,
     token: String,
-    iam: Arc<Iam>,
+    access: Arc<Access>,
     node: Option<Arc<Node>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
+    let (iam, caches) = (access.iam.clone(), access.caches.clone());
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -449,9 +471,9 @@ pub async fn serve(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let (store, metrics, token, iam, node) = (store.clone(), metrics.clone(), token.clone(), iam.clone(), node.clone());
+                let (store, metrics, token, iam, caches, node) = (store.clone(), metrics.clone(), token.clone(), iam.clone(), caches.clone(), node.clone());
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone(), iam.clone(), node.clone()));
+                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone(), iam.clone(), caches.clone(), node.clone()));
                     let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

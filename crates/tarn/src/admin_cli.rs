@@ -37,6 +37,9 @@ enum AdminCommand {
     /// Pools of erasure sets (expansion).
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Cache buckets over upstream S3 buckets.
+    #[command(subcommand)]
+    Cache(crate::admin_cache_cli::CacheCommand),
 }
 
 #[derive(clap::Subcommand)]
@@ -126,8 +129,11 @@ enum KeyCommand {
 }
 
 pub fn run(args: AdminArgs) -> anyhow::Result<()> {
-    let call = |method: &str, path: &str| request(&args.endpoint, &args.token, method, path);
+    let call = |method: &str, path: &str| request(&args.endpoint, &args.token, method, path, b"");
     match args.command {
+        AdminCommand::Cache(c) => crate::admin_cache_cli::run(c, &|method, path, body| {
+            request(&args.endpoint, &args.token, method, path, body)
+        }),
         AdminCommand::User(UserCommand::Add { name, json }) => {
             print_key(&call("POST", &format!("/admin/users/{name}"))?, json)
         }
@@ -402,6 +408,7 @@ fn request(
     token: &str,
     method: &str,
     path: &str,
+    body: &[u8],
 ) -> anyhow::Result<serde_json::Value> {
     let authority = endpoint
         .strip_prefix("http://")
@@ -415,8 +422,10 @@ fn request(
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
     )?;
+    s.write_all(body)?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     let split = raw

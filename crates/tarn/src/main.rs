@@ -2,6 +2,8 @@
 //! serves a single node on ./data at 127.0.0.1:9000.
 
 mod admin;
+mod admin_cache;
+mod admin_cache_cli;
 mod admin_cli;
 mod bench;
 mod bench_drive;
@@ -663,7 +665,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             })
         }));
     }
-    let iam = permissions.iam.clone();
+    let permissions_of_admin = permissions.clone();
     let s3 = tarn_s3::build_service(store.clone(), permissions, &settings);
     println!(
         "Tarn {} — {} drive(s), erasure {k}+{m}, region {region}",
@@ -821,7 +823,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         domains,
         region,
         admin_token: secret,
-        iam,
+        access: permissions_of_admin,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),

@@ -59,8 +59,8 @@ pub struct ServerSettings {
     /// The region requests must be signed for.
     pub region: String,
     pub admin_token: String,
-    /// Users and their keys, managed on the admin port.
-    pub iam: Arc<tarn_s3::iam::Iam>,
+    /// Users and their keys, and cache buckets, managed on the admin port.
+    pub access: Arc<tarn_s3::access::Access>,
     pub scan_interval: Option<Duration>,
     /// The KV engines by tenant and the KV server's connection counts, for
     /// /metrics.
@@ -838,7 +838,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         let admin_ctx = (
             metrics.clone(),
             settings.admin_token.clone(),
-            settings.iam.clone(),
+            settings.access.clone(),
             settings.cluster.clone(),
         );
         let scan = settings.scan_interval;

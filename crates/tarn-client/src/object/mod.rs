@@ -31,7 +31,7 @@ mod engine;
 pub(crate) mod http;
 pub mod plan;
 mod upload;
-mod xml;
+pub mod xml;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;

@@ -2403,6 +2403,20 @@ impl Store {
         self.create_bucket_named(name, durability).await
     }
 
+    /// Creates an internal bucket (its name starts with `.`, so no S3
+    /// request can name it and listings leave it out): a cache bucket's
+    /// chunks. Placed like any bucket of `durability`.
+    pub async fn create_internal_bucket(
+        &self,
+        name: &str,
+        durability: Durability,
+    ) -> Result<(), StoreError> {
+        if !name.starts_with('.') || name == SYSTEM_BUCKET {
+            return Err(StoreError::InvalidBucketName(name.to_string()));
+        }
+        self.create_bucket_named(name, durability).await
+    }
+
     /// Creates the system bucket unless it exists (at start, before serving).
     pub async fn ensure_system_bucket(&self) -> Result<(), StoreError> {
         match self
@@ -2524,13 +2538,13 @@ impl Store {
             .map(|r| r.created_ns)
     }
 
-    /// The users' buckets (not the system bucket).
+    /// The users' buckets (not the system bucket nor internal ones).
     pub fn list_buckets(&self) -> Vec<BucketInfo> {
         self.buckets
             .read()
             .expect("buckets lock")
             .iter()
-            .filter(|(n, _)| n.as_str() != SYSTEM_BUCKET)
+            .filter(|(n, _)| !n.starts_with('.'))
             .map(|(n, r)| BucketInfo {
                 name: n.clone(),
                 created_ns: r.created_ns,

@@ -1,0 +1,635 @@
+//! Reads of a cache bucket: an object's entry (asked of the upstream as the
+//! bucket's validation says), and its bytes, from stored chunks or from
+//! fills that stream to their readers as they arrive.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::StreamExt;
+
+use super::*;
+
+/// The bytes of one cached GET, produced by a task that walks its chunks.
+pub struct CacheBody {
+    rx: mpsc::Receiver<Result<Bytes, CacheError>>,
+}
+
+impl Stream for CacheBody {
+    type Item = Result<Bytes, CacheError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+/// Pieces queued ahead of the client of a cached GET.
+const BODY_QUEUE: usize = 16;
+
+impl CacheBucket {
+    pub(super) fn created_ns_matches(&self, doc: &CacheDoc) -> bool {
+        self.created_ns == doc.created_ns
+    }
+
+    /// The settings as `cache list` shows them (no secret).
+    pub fn summary(&self) -> serde_json::Value {
+        serde_json::json!({
+            "bucket": self.name,
+            "upstream": format!("s3://{}/{}", self.upstream.bucket, self.upstream.prefix),
+            "endpoint": self.upstream.endpoint,
+            "validate": self.validate.to_string(),
+            "writes": self.writes.as_str(),
+            "size": self.size,
+            "replicas": self.replicas,
+            "chunk_bytes": CHUNK_BYTES,
+        })
+    }
+
+    /// Counters, as `cache status` shows them.
+    pub fn status(&self) -> serde_json::Value {
+        let s = &self.stats;
+        let hits = s.hits.load(Ordering::Relaxed);
+        let misses = s.misses.load(Ordering::Relaxed);
+        serde_json::json!({
+            "bucket": self.name,
+            "hits": hits,
+            "misses": misses,
+            "hit_ratio": if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 },
+            "bytes_served": s.bytes_served.load(Ordering::Relaxed),
+            "bytes_from_upstream": s.bytes_from_upstream.load(Ordering::Relaxed),
+            "upstream_gets": s.upstream_gets.load(Ordering::Relaxed),
+            "upstream_heads": s.upstream_heads.load(Ordering::Relaxed),
+            "fills_failed": s.fills_failed.load(Ordering::Relaxed),
+            "chunks_stored": s.chunks_stored.load(Ordering::Relaxed),
+        })
+    }
+
+    fn remember(&self, key: &str, e: Arc<Entry>) {
+        let mut entries = self.entries.lock().expect("cache entries");
+        if entries.len() >= ENTRIES_MAX && !entries.contains_key(key) {
+            // Dropped from memory only: the engine keeps every entry.
+            if let Some(k) = entries.keys().next().cloned() {
+                entries.remove(&k);
+            }
+        }
+        entries.insert(key.to_string(), e);
+    }
+
+    fn forget(&self, key: &str) {
+        self.entries.lock().expect("cache entries").remove(key);
+    }
+
+    fn negative_hit(&self, key: &str) -> bool {
+        let mut neg = self.negative.lock().expect("cache negatives");
+        match neg.get(key) {
+            Some(&until) if until > now_ns() => true,
+            Some(_) => {
+                neg.remove(key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn remember_missing(&self, key: &str) {
+        let mut neg = self.negative.lock().expect("cache negatives");
+        if neg.len() >= NEGATIVE_MAX {
+            let now = now_ns();
+            neg.retain(|_, until| *until > now);
+            if neg.len() >= NEGATIVE_MAX {
+                neg.clear();
+            }
+        }
+        neg.insert(key.to_string(), now_ns() + NEGATIVE_TTL.as_nanos() as u64);
+    }
+
+    /// The entry stored in the engine for `key`, if any.
+    async fn stored_entry(&self, key: &str) -> Result<Option<Entry>, CacheError> {
+        let info = match self.store.head_object(&self.name, key, None).await {
+            Ok(i) => i,
+            Err(StoreError::NoSuchKey { .. }) | Err(StoreError::DeleteMarker { .. }) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let corrupt = |reason: String| CacheError::Corrupt {
+            what: format!("{}/{key}", self.name),
+            reason,
+        };
+        let rec = info
+            .headers
+            .iter()
+            .find(|(k, _)| k == ENTRY_HEADER)
+            .ok_or_else(|| corrupt("no cache record".into()))?;
+        let rec: EntryRecord = serde_json::from_str(&rec.1).map_err(|e| corrupt(e.to_string()))?;
+        Ok(Some(Entry {
+            meta: UpstreamMeta {
+                etag: rec.etag,
+                size: rec.size,
+                last_modified_ns: rec.last_modified_ns,
+                version_id: rec.version_id,
+                content_type: info.content_type,
+                headers: info
+                    .headers
+                    .into_iter()
+                    .filter(|(k, _)| k != ENTRY_HEADER)
+                    .collect(),
+                user_metadata: info.user_metadata,
+            },
+            generation: rec.generation,
+            validated_ns: rec.validated_ns,
+        }))
+    }
+
+    /// Records `meta` as the object at `key`; a different generation before
+    /// it loses its chunks.
+    async fn install(
+        &self,
+        key: &str,
+        meta: UpstreamMeta,
+        old: Option<&Entry>,
+    ) -> Result<Arc<Entry>, CacheError> {
+        let e = Entry::new(key, meta);
+        let rec = EntryRecord {
+            etag: e.meta.etag.clone(),
+            size: e.meta.size,
+            last_modified_ns: e.meta.last_modified_ns,
+            version_id: e.meta.version_id.clone(),
+            generation: e.generation.clone(),
+            validated_ns: e.validated_ns,
+        };
+        let mut headers = e.meta.headers.clone();
+        headers.push((
+            ENTRY_HEADER.to_string(),
+            serde_json::to_string(&rec).expect("an entry record serializes"),
+        ));
+        self.store
+            .put_object(
+                &self.name,
+                key,
+                ObjectBody::from_bytes(Bytes::new()),
+                PutOptions {
+                    content_type: Some(e.meta.content_type.clone()),
+                    headers,
+                    user_metadata: e.meta.user_metadata.clone(),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        let e = Arc::new(e);
+        self.remember(key, e.clone());
+        if let Some(old) = old.filter(|o| o.generation != e.generation) {
+            self.drop_generation(old.generation.clone());
+        }
+        Ok(e)
+    }
+
+    /// Deletes a generation's chunks in the background.
+    fn drop_generation(&self, generation: String) {
+        let (store, bucket) = (self.store.clone(), self.chunks_bucket.clone());
+        tokio::spawn(async move {
+            if let Err(error) = delete_generation(&store, &bucket, &generation).await {
+                tracing::warn!(%bucket, %generation, %error, "cannot delete an old generation's chunks yet");
+            }
+        });
+    }
+
+    /// The upstream object is no longer `entry` (a fill's If-Match failed):
+    /// the entry goes, unless another has replaced it, so the next read
+    /// asks the upstream again, whatever the bucket's validation.
+    async fn invalidate(&self, key: &str, entry: &Entry) {
+        self.forget(key);
+        match self.stored_entry(key).await {
+            Ok(Some(e)) if e.generation == entry.generation => {
+                if let Err(error) = self.vanish(key, &e).await {
+                    tracing::warn!(bucket = %self.name, %key, %error, "cannot drop a changed object's entry yet");
+                }
+                // Not known missing: only changed.
+                self.negative.lock().expect("cache negatives").remove(key);
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(bucket = %self.name, %key, %error, "cannot read a changed object's entry");
+            }
+        }
+    }
+
+    /// The object at `key` gone upstream: its entry and chunks go too.
+    async fn vanish(&self, key: &str, old: &Entry) -> Result<(), CacheError> {
+        self.forget(key);
+        match self.store.delete_object(&self.name, key, None).await {
+            Ok(_) | Err(StoreError::NoSuchKey { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.drop_generation(old.generation.clone());
+        self.remember_missing(key);
+        Ok(())
+    }
+
+    /// The entry of `key`, checked against the upstream as the bucket's
+    /// validation asks; NoSuchKey when the upstream has no such object.
+    pub async fn entry(&self, key: &str) -> Result<Arc<Entry>, CacheError> {
+        let memo = self
+            .entries
+            .lock()
+            .expect("cache entries")
+            .get(key)
+            .cloned();
+        let known = match memo {
+            Some(e) => Some(e),
+            None => self.stored_entry(key).await?.map(Arc::new),
+        };
+        if let Some(e) = known {
+            let fresh = match self.validate {
+                Validate::Never => true,
+                Validate::Ttl(s) => now_ns().saturating_sub(e.validated_ns) < s * 1_000_000_000,
+                Validate::Always => false,
+            };
+            if fresh {
+                self.remember(key, e.clone());
+                return Ok(e);
+            }
+            self.stats.upstream_heads.fetch_add(1, Ordering::Relaxed);
+            return match self.upstream.validate(key, &e.meta.etag).await? {
+                Validation::Unchanged => {
+                    let e = Arc::new(Entry {
+                        validated_ns: now_ns(),
+                        ..(*e).clone()
+                    });
+                    self.remember(key, e.clone());
+                    Ok(e)
+                }
+                Validation::Changed(m) => self.install(key, m, Some(&e)).await,
+                Validation::Gone => {
+                    self.vanish(key, &e).await?;
+                    Err(CacheError::NoSuchKey)
+                }
+            };
+        }
+        if self.negative_hit(key) {
+            return Err(CacheError::NoSuchKey);
+        }
+        self.stats.upstream_heads.fetch_add(1, Ordering::Relaxed);
+        match self.upstream.head(key).await? {
+            None => {
+                self.remember_missing(key);
+                Err(CacheError::NoSuchKey)
+            }
+            Some(m) => self.install(key, m, None).await,
+        }
+    }
+
+    /// The bytes [start, end) of `entry`'s object.
+    pub fn body(self: &Arc<Self>, key: &str, entry: Arc<Entry>, start: u64, end: u64) -> CacheBody {
+        let (tx, rx) = mpsc::channel(BODY_QUEUE);
+        if end > start {
+            tokio::spawn(self.clone().pump(key.to_string(), entry, start, end, tx));
+        }
+        CacheBody { rx }
+    }
+
+    async fn pump(
+        self: Arc<Self>,
+        key: String,
+        entry: Arc<Entry>,
+        start: u64,
+        end: u64,
+        tx: mpsc::Sender<Result<Bytes, CacheError>>,
+    ) {
+        let first = start / CHUNK_BYTES;
+        let last = (end - 1) / CHUNK_BYTES;
+        let mut missed = false;
+        for n in first..=last {
+            let (cs, ce) = entry.chunk_bounds(n);
+            let (a, b) = (start.max(cs) - cs, end.min(ce) - cs);
+            match self.send_chunk(&key, &entry, n, (a, b), last, &tx).await {
+                Ok((true, fill)) => missed |= fill,
+                Ok((false, _)) => return,
+                Err(e) => {
+                    if matches!(e, CacheError::Changed) {
+                        self.invalidate(&key, &entry).await;
+                    }
+                    tracing::warn!(bucket = %self.name, %key, error = %e, "a cached read failed; its response is cut off");
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+        let counter = if missed {
+            &self.stats.misses
+        } else {
+            &self.stats.hits
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sends bytes [a, b) of chunk `n`: (whether the reader is still there,
+    /// whether the upstream was needed).
+    async fn send_chunk(
+        self: &Arc<Self>,
+        key: &str,
+        entry: &Arc<Entry>,
+        n: u64,
+        (a, b): (u64, u64),
+        last: u64,
+        tx: &mpsc::Sender<Result<Bytes, CacheError>>,
+    ) -> Result<(bool, bool), CacheError> {
+        let ck = entry.chunk_key(n);
+        let filling = self.fills.lock().expect("cache fills").get(&ck).cloned();
+        if let Some(fill) = filling {
+            // A fill already whole (being stored) serves like a stored chunk.
+            let whole = matches!(fill.state.lock().expect("fill").end, Some(Ok(())));
+            return Ok((send_from_fill(&fill, a, b, tx, &self.stats).await?, !whole));
+        }
+        let (cs, ce) = entry.chunk_bounds(n);
+        match self
+            .store
+            .get_object(
+                &self.chunks_bucket,
+                &ck,
+                None,
+                Some(ByteRange::Closed(a, b - 1)),
+                None,
+            )
+            .await
+        {
+            Ok(got) if got.info.size == ce - cs => {
+                let mut stream = got.stream;
+                let mut sent = 0;
+                while let Some(piece) = stream.next().await {
+                    let piece = piece?;
+                    sent += piece.len() as u64;
+                    self.stats
+                        .bytes_served
+                        .fetch_add(piece.len() as u64, Ordering::Relaxed);
+                    if tx.send(Ok(piece)).await.is_err() {
+                        return Ok((false, false));
+                    }
+                }
+                if sent != b - a {
+                    return Err(CacheError::Failed(format!(
+                        "chunk {ck} gave {sent} of {} bytes",
+                        b - a
+                    )));
+                }
+                Ok((true, false))
+            }
+            Ok(got) => {
+                tracing::warn!(bucket = %self.chunks_bucket, chunk = %ck, size = got.info.size, "a stored chunk has the wrong size; fetched again");
+                self.fetch_and_send(key, entry, n, (a, b), last, tx).await
+            }
+            Err(StoreError::NoSuchKey { .. }) => {
+                self.fetch_and_send(key, entry, n, (a, b), last, tx).await
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn fetch_and_send(
+        self: &Arc<Self>,
+        key: &str,
+        entry: &Arc<Entry>,
+        n: u64,
+        (a, b): (u64, u64),
+        last: u64,
+        tx: &mpsc::Sender<Result<Bytes, CacheError>>,
+    ) -> Result<(bool, bool), CacheError> {
+        let fill = self.fill(key, entry, n);
+        // The chunks of the read that follow are filled ahead of it, and a
+        // ranged read's next chunk (a reader of ranges tends to go on).
+        let ahead_end = (n + READ_AHEAD_CHUNKS)
+            .min(last + 1)
+            .min(entry.chunks().saturating_sub(1));
+        for m in n + 1..=ahead_end {
+            self.read_ahead(key, entry, m);
+        }
+        Ok((send_from_fill(&fill, a, b, tx, &self.stats).await?, true))
+    }
+
+    /// Starts filling chunk `m` unless it is stored or being filled.
+    fn read_ahead(self: &Arc<Self>, key: &str, entry: &Arc<Entry>, m: u64) {
+        if self
+            .fills
+            .lock()
+            .expect("cache fills")
+            .contains_key(&entry.chunk_key(m))
+        {
+            return;
+        }
+        let (this, key, entry) = (self.clone(), key.to_string(), entry.clone());
+        tokio::spawn(async move {
+            let stored = this
+                .store
+                .head_object(&this.chunks_bucket, &entry.chunk_key(m), None)
+                .await;
+            if let Err(StoreError::NoSuchKey { .. }) = stored {
+                this.fill(&key, &entry, m);
+            }
+        });
+    }
+
+    /// The fill of chunk `n`: the one in progress, or a new one.
+    fn fill(self: &Arc<Self>, key: &str, entry: &Arc<Entry>, n: u64) -> Arc<Fill> {
+        let ck = entry.chunk_key(n);
+        let mut fills = self.fills.lock().expect("cache fills");
+        if let Some(f) = fills.get(&ck) {
+            return f.clone();
+        }
+        let fill = Arc::new(Fill {
+            state: Mutex::new(FillState::default()),
+            changed: Notify::new(),
+        });
+        fills.insert(ck, fill.clone());
+        drop(fills);
+        tokio::spawn(
+            self.clone()
+                .run_fill(key.to_string(), entry.clone(), n, fill.clone()),
+        );
+        fill
+    }
+
+    async fn run_fill(self: Arc<Self>, key: String, entry: Arc<Entry>, n: u64, fill: Arc<Fill>) {
+        let ck = entry.chunk_key(n);
+        let result = self.fetch(&key, &entry, n, &fill).await;
+        let finish = |end: Result<(), String>| {
+            fill.state.lock().expect("fill").end = Some(end);
+            fill.changed.notify_waiters();
+        };
+        match result {
+            Ok(()) => {
+                finish(Ok(()));
+                let (pieces, len) = {
+                    let st = fill.state.lock().expect("fill");
+                    (st.pieces.clone(), st.len)
+                };
+                let body = ObjectBody {
+                    stream: Box::pin(futures::stream::iter(pieces.into_iter().map(Ok))),
+                    declared_len: Some(len),
+                    finish: None,
+                };
+                match self
+                    .store
+                    .put_object(&self.chunks_bucket, &ck, body, PutOptions::default())
+                    .await
+                {
+                    Ok(_) => {
+                        self.stats.chunks_stored.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(error) => {
+                        tracing::warn!(bucket = %self.name, %key, chunk = n, %error, "a fetched chunk could not be stored; it is fetched again when read");
+                    }
+                }
+            }
+            Err(e) => {
+                self.stats.fills_failed.fetch_add(1, Ordering::Relaxed);
+                if matches!(e, CacheError::Changed) {
+                    self.invalidate(&key, &entry).await;
+                }
+                tracing::warn!(bucket = %self.name, %key, chunk = n, error = %e, "a chunk could not be fetched from the upstream");
+                finish(Err(e.to_string()));
+            }
+        }
+        self.fills.lock().expect("cache fills").remove(&ck);
+    }
+
+    /// Fetches chunk `n` into `fill`, resuming from where a broken answer
+    /// stopped.
+    async fn fetch(&self, key: &str, entry: &Entry, n: u64, fill: &Fill) -> Result<(), CacheError> {
+        let _slot = self
+            .fill_slots
+            .acquire()
+            .await
+            .expect("the fill semaphore is never closed");
+        let (cs, ce) = entry.chunk_bounds(n);
+        let mut got = 0u64;
+        let mut failures = 0u32;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let before = got;
+            self.stats.upstream_gets.fetch_add(1, Ordering::Relaxed);
+            let error = match self
+                .upstream
+                .get_range(key, &entry.meta.etag, cs + got, ce)
+                .await
+            {
+                Ok(mut body) => {
+                    let mut broke = None;
+                    while let Some(piece) = body.next().await {
+                        match piece {
+                            Ok(mut p) => {
+                                let room = (ce - cs - got) as usize;
+                                if p.len() > room {
+                                    p.truncate(room);
+                                }
+                                got += p.len() as u64;
+                                self.stats
+                                    .bytes_from_upstream
+                                    .fetch_add(p.len() as u64, Ordering::Relaxed);
+                                {
+                                    let mut st = fill.state.lock().expect("fill");
+                                    st.len += p.len() as u64;
+                                    st.pieces.push(p);
+                                }
+                                fill.changed.notify_waiters();
+                                if got == ce - cs {
+                                    break;
+                                }
+                            }
+                            Err(e) => {
+                                broke = Some(e);
+                                break;
+                            }
+                        }
+                    }
+                    if got == ce - cs {
+                        return Ok(());
+                    }
+                    broke.unwrap_or_else(|| UpstreamError::Unreachable {
+                        endpoint: self.upstream.endpoint.clone(),
+                        reason: format!("the answer ended {} bytes short", ce - cs - got),
+                    })
+                }
+                Err(UpstreamError::Status { status: 412, .. }) => return Err(CacheError::Changed),
+                Err(UpstreamError::Status { status: 404, .. }) => {
+                    // Gone meanwhile: asked again on the next read.
+                    return Err(CacheError::Changed);
+                }
+                Err(e) => e,
+            };
+            if !error.transient() {
+                return Err(error.into());
+            }
+            if got > before {
+                failures = 0;
+                backoff = Duration::from_millis(50);
+            }
+            failures += 1;
+            if failures >= FILL_TRIES {
+                return Err(error.into());
+            }
+            tracing::info!(bucket = %self.name, %key, chunk = n, from = got, %error, "upstream read broke off; resuming");
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+        }
+    }
+}
+
+/// Sends bytes [a, b) of a fill as they arrive; whether the reader is still
+/// there.
+async fn send_from_fill(
+    fill: &Fill,
+    a: u64,
+    b: u64,
+    tx: &mpsc::Sender<Result<Bytes, CacheError>>,
+    stats: &CacheStats,
+) -> Result<bool, CacheError> {
+    let mut pos = a;
+    while pos < b {
+        let piece = loop {
+            let notified = fill.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = fill.state.lock().expect("fill");
+                if pos < st.len {
+                    let mut off = 0u64;
+                    let mut found = None;
+                    for p in &st.pieces {
+                        let len = p.len() as u64;
+                        if pos < off + len {
+                            let from = (pos - off) as usize;
+                            let to = ((b - off).min(len)) as usize;
+                            found = Some(p.slice(from..to));
+                            break;
+                        }
+                        off += len;
+                    }
+                    break found.expect("a position below the length is in a piece");
+                }
+                match &st.end {
+                    Some(Err(e)) => {
+                        return Err(if e == &CacheError::Changed.to_string() {
+                            CacheError::Changed
+                        } else {
+                            CacheError::Failed(format!("upstream read failed: {e}"))
+                        })
+                    }
+                    Some(Ok(())) => {
+                        return Err(CacheError::Failed(
+                            "a fill ended before the bytes asked for".into(),
+                        ))
+                    }
+                    None => {}
+                }
+            }
+            notified.await;
+        };
+        pos += piece.len() as u64;
+        stats
+            .bytes_served
+            .fetch_add(piece.len() as u64, Ordering::Relaxed);
+        if tx.send(Ok(piece)).await.is_err() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}

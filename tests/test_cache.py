@@ -1,0 +1,332 @@
+"""Cache buckets (issue 41): a Tarn bucket in front of an upstream S3 bucket,
+here a second real Tarn server, with a fault proxy between them where the
+upstream must misbehave."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import time
+
+import botocore.exceptions
+import pytest
+
+from conftest import data
+from faultproxy import FaultProxy
+from tarnproc import ACCESS_KEY, BIN, SECRET_KEY, metric
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
+
+
+def cache_admin(server, *args, check=True, env=None):
+    """`tarn admin cache ...` with the upstream's keys in the environment."""
+    e = dict(os.environ)
+    e.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
+    e.update(env or {})
+    r = subprocess.run(
+        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, "cache", *args],
+        capture_output=True, text=True, timeout=60, env=e,
+    )
+    if check:
+        assert r.returncode == 0, f"tarn admin cache {args}: {r.stderr}"
+    return r
+
+
+def upstream_gets(up):
+    try:
+        return metric(up, "tarn_requests_total", op="GetObject")
+    except AssertionError:
+        return 0
+
+
+def upstream_heads(up):
+    try:
+        return metric(up, "tarn_requests_total", op="HeadObject")
+    except AssertionError:
+        return 0
+
+
+def status(cache, bucket="cached"):
+    out = json.loads(cache_admin(cache, "status", "--json").stdout)
+    return next(b for b in out if b["bucket"] == bucket)
+
+
+@pytest.fixture
+def pair(make_server):
+    """(upstream server, its client, cache server, its client); the
+    upstream bucket `up` with objects under `models/`."""
+    up = make_server(drives=1, name="upstream")
+    cache = make_server(drives=4, name="cache")
+    u = up.client()
+    u.create_bucket(Bucket="origin")
+    return up, u, cache, cache.client()
+
+
+def add(cache, up_endpoint, validate="never", prefix="models/", bucket="cached", *extra):
+    return cache_admin(cache, "add", bucket, "--upstream", f"s3://origin/{prefix}",
+                       "--upstream-endpoint", up_endpoint, "--validate", validate, *extra)
+
+
+def test_miss_streams_then_hits_and_ranges_fetch_only_their_chunks(pair):
+    up, u, cache, c = pair
+    big = data(1, 20 * MiB + 5)
+    u.put_object(Bucket="origin", Key="models/big.bin", Body=big, ContentType="application/x-weights",
+                 Metadata={"run": "7"})
+    u.put_object(Bucket="origin", Key="models/small.json", Body=b'{"a": 1}')
+    u.put_object(Bucket="origin", Key="models/empty", Body=b"")
+    u.put_object(Bucket="origin", Key="other/outside", Body=b"not in the cache's prefix")
+    add(cache, up.endpoint)
+
+    before = upstream_gets(up)
+    got = c.get_object(Bucket="cached", Key="big.bin")
+    assert got["ContentLength"] == len(big)
+    assert got["ETag"] == u.head_object(Bucket="origin", Key="models/big.bin")["ETag"]
+    assert got["ContentType"] == "application/x-weights"
+    assert got["Metadata"] == {"run": "7"}
+    assert got["Body"].read() == big
+    # Three chunks, each fetched once.
+    assert upstream_gets(up) - before == 3
+    st = status(cache)
+    assert st["misses"] == 1 and st["bytes_from_upstream"] == len(big)
+
+    # A hit: no upstream GET.
+    before = upstream_gets(up)
+    assert c.get_object(Bucket="cached", Key="big.bin")["Body"].read() == big
+    r = c.get_object(Bucket="cached", Key="big.bin", Range="bytes=8388600-8388700")
+    assert r["ContentRange"] == f"bytes 8388600-8388700/{len(big)}"
+    assert r["Body"].read() == big[8388600:8388701]
+    assert c.get_object(Bucket="cached", Key="big.bin", Range="bytes=-10")["Body"].read() == big[-10:]
+    assert upstream_gets(up) == before
+    assert status(cache)["hits"] == 3
+
+    assert c.get_object(Bucket="cached", Key="small.json")["Body"].read() == b'{"a": 1}'
+    assert c.get_object(Bucket="cached", Key="empty")["Body"].read() == b""
+    h = c.head_object(Bucket="cached", Key="big.bin")
+    assert h["ContentLength"] == len(big) and h["Metadata"] == {"run": "7"}
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.get_object(Bucket="cached", Key="../other/outside")
+    assert e.value.response["Error"]["Code"] in ("NoSuchKey", "InvalidArgument", "KeyTooLongError")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.get_object(Bucket="cached", Key="missing")
+    assert e.value.response["Error"]["Code"] == "NoSuchKey"
+
+    # A ranged miss of a large object fetches its chunk and one more, not
+    # the whole object.
+    huge = data(2, 64 * MiB)
+    u.put_object(Bucket="origin", Key="models/huge.bin", Body=huge)
+    before, from_up = upstream_gets(up), status(cache)["bytes_from_upstream"]
+    r = c.get_object(Bucket="cached", Key="huge.bin", Range=f"bytes={CHUNK + 100}-{CHUNK + 1100}")
+    assert r["Body"].read() == huge[CHUNK + 100:CHUNK + 1101]
+    time.sleep(0.5)
+    assert upstream_gets(up) - before == 2
+    assert status(cache)["bytes_from_upstream"] - from_up == 2 * CHUNK
+    # Conditions are the upstream object's.
+    etag = h["ETag"]
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.get_object(Bucket="cached", Key="big.bin", IfNoneMatch=etag)
+    assert e.value.response["Error"]["Code"] in ("304", "NotModified")
+
+
+def test_concurrent_misses_fetch_each_chunk_once(pair):
+    up, u, cache, c = pair
+    body = data(3, 3 * CHUNK - 7)
+    u.put_object(Bucket="origin", Key="models/shared.bin", Body=body)
+    add(cache, up.endpoint)
+    before = upstream_gets(up)
+
+    def read(_):
+        return cache.client().get_object(Bucket="cached", Key="shared.bin")["Body"].read() == body
+
+    with concurrent.futures.ThreadPoolExecutor(12) as ex:
+        assert all(ex.map(read, range(12)))
+    assert upstream_gets(up) - before == 3
+    assert status(cache)["bytes_from_upstream"] == len(body)
+
+
+@pytest.mark.parametrize("mode", ["always", "ttl=2", "never"])
+def test_an_upstream_change_is_never_served_mixed(pair, mode):
+    up, u, cache, c = pair
+    v1, v2 = data(4, 3 * CHUNK), data(5, 3 * CHUNK + 11)
+    u.put_object(Bucket="origin", Key="models/w.bin", Body=v1)
+    add(cache, up.endpoint, mode)
+    # The first chunk (and one ahead) cached, the last not.
+    assert c.get_object(Bucket="cached", Key="w.bin", Range="bytes=0-99")["Body"].read() == v1[:100]
+    time.sleep(0.5)
+    u.put_object(Bucket="origin", Key="models/w.bin", Body=v2)
+
+    def whole():
+        try:
+            return c.get_object(Bucket="cached", Key="w.bin")["Body"].read()
+        except (botocore.exceptions.ClientError, botocore.exceptions.ResponseStreamingError,
+                botocore.exceptions.IncompleteReadError, ConnectionError) as e:
+            return e
+
+    got = whole()
+    if mode == "always":
+        assert got == v2
+    else:
+        # Cached v1 chunks, then a chunk the upstream no longer has: the
+        # read is cut off, never completed with v2's bytes.
+        assert isinstance(got, Exception), "a read that mixed versions or served a stale tail"
+        got = whole()
+        if mode.startswith("ttl"):
+            assert got == v2
+        else:
+            # The change was seen: the next read is the new object.
+            assert got == v2
+    assert c.head_object(Bucket="cached", Key="w.bin")["ContentLength"] == len(v2)
+
+
+def test_ttl_serves_the_cached_copy_until_it_expires(pair):
+    up, u, cache, c = pair
+    u.put_object(Bucket="origin", Key="models/cfg.json", Body=b"one")
+    add(cache, up.endpoint, "ttl=2")
+    assert c.get_object(Bucket="cached", Key="cfg.json")["Body"].read() == b"one"
+    u.put_object(Bucket="origin", Key="models/cfg.json", Body=b"two!")
+    assert c.get_object(Bucket="cached", Key="cfg.json")["Body"].read() == b"one"
+    time.sleep(2.5)
+    assert c.get_object(Bucket="cached", Key="cfg.json")["Body"].read() == b"two!"
+
+
+def test_upstream_deletes_and_negative_lookups(pair):
+    up, u, cache, c = pair
+    u.put_object(Bucket="origin", Key="models/gone.bin", Body=b"x" * 1000)
+    add(cache, up.endpoint, "always")
+    assert c.get_object(Bucket="cached", Key="gone.bin")["Body"].read() == b"x" * 1000
+    u.delete_object(Bucket="origin", Key="models/gone.bin")
+    for op in (lambda: c.get_object(Bucket="cached", Key="gone.bin"),
+               lambda: c.head_object(Bucket="cached", Key="gone.bin")):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            op()
+        assert e.value.response["Error"]["Code"] in ("NoSuchKey", "404")
+    # A missing key is asked of the upstream once in a short while.
+    before = upstream_heads(up)
+    for _ in range(5):
+        with pytest.raises(botocore.exceptions.ClientError):
+            c.get_object(Bucket="cached", Key="never-there")
+    assert upstream_heads(up) - before == 1
+
+
+def test_upstream_failing_mid_object_resumes_or_fails_the_read_and_caches_nothing_torn(pair):
+    up, u, cache, c = pair
+    body = data(6, 2 * CHUNK + 3)
+    u.put_object(Bucket="origin", Key="models/flaky.bin", Body=body)
+    proxy = FaultProxy("127.0.0.1", int(up.endpoint.rsplit(":", 1)[1]))
+    try:
+        add(cache, proxy.endpoint)
+        # Every connection is cut after 3 MiB: fills resume where they stopped.
+        proxy.always(("reset", 3 * MiB))
+        before = upstream_gets(up)
+        assert c.get_object(Bucket="cached", Key="flaky.bin")["Body"].read() == body
+        assert upstream_gets(up) - before > 3
+
+        # The object known (its HEAD passed), then its GET broken off after
+        # 2 MiB and every later try refused: the read fails, cut off.
+        u.put_object(Bucket="origin", Key="models/broken.bin", Body=body)
+        proxy.always(("pass",))
+        assert c.head_object(Bucket="cached", Key="broken.bin")["ContentLength"] == len(body)
+        proxy.drop_all()
+        proxy.script(("reset", 2 * MiB))
+        proxy.always(("status", 503))
+        with pytest.raises((botocore.exceptions.ResponseStreamingError,
+                            botocore.exceptions.IncompleteReadError, ConnectionError)):
+            c.get_object(Bucket="cached", Key="broken.bin")["Body"].read()
+        assert status(cache)["fills_failed"] >= 1
+        # Nothing torn was kept: with the upstream back, the object is whole.
+        proxy.always(("pass",))
+        assert c.get_object(Bucket="cached", Key="broken.bin")["Body"].read() == body
+    finally:
+        proxy.close()
+
+
+def test_writes_are_refused_clearly(pair):
+    up, u, cache, c = pair
+    u.put_object(Bucket="origin", Key="models/a", Body=b"a")
+    add(cache, up.endpoint)
+    for op in (lambda: c.put_object(Bucket="cached", Key="a", Body=b"b"),
+               lambda: c.delete_object(Bucket="cached", Key="a"),
+               lambda: c.create_multipart_upload(Bucket="cached", Key="m"),
+               lambda: c.copy_object(Bucket="cached", Key="c", CopySource={"Bucket": "cached", "Key": "a"}),
+               lambda: c.delete_bucket(Bucket="cached")):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            op()
+        assert e.value.response["Error"]["Code"] == "MethodNotAllowed", e.value.response
+    c.create_bucket(Bucket="plain")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.copy_object(Bucket="plain", Key="c", CopySource={"Bucket": "cached", "Key": "a"})
+    assert e.value.response["Error"]["Code"] == "NotImplemented"
+    assert u.get_object(Bucket="origin", Key="models/a")["Body"].read() == b"a"
+
+
+def test_listings_come_from_the_upstream(pair):
+    up, u, cache, c = pair
+    keys = ["a/1", "a/2", "b/1", "c", "d/x/y"]
+    for k in keys:
+        u.put_object(Bucket="origin", Key="models/" + k, Body=k.encode())
+    u.put_object(Bucket="origin", Key="modelsX", Body=b"outside")
+    add(cache, up.endpoint)
+    r = c.list_objects_v2(Bucket="cached")
+    assert [o["Key"] for o in r["Contents"]] == keys
+    assert [o["Size"] for o in r["Contents"]] == [len(k) for k in keys]
+    r = c.list_objects_v2(Bucket="cached", Delimiter="/")
+    assert [o["Key"] for o in r.get("Contents", [])] == ["c"]
+    assert [p["Prefix"] for p in r["CommonPrefixes"]] == ["a/", "b/", "d/"]
+    # Pages, V2 and V1, with and without a delimiter.
+    seen, token = [], None
+    while True:
+        kw = {"ContinuationToken": token} if token else {}
+        r = c.list_objects_v2(Bucket="cached", MaxKeys=2, Delimiter="/", **kw)
+        seen += [o["Key"] for o in r.get("Contents", [])] + [p["Prefix"] for p in r.get("CommonPrefixes", [])]
+        if not r["IsTruncated"]:
+            break
+        token = r["NextContinuationToken"]
+    assert seen == ["a/", "b/", "c", "d/"]
+    seen, marker = [], ""
+    while True:
+        r = c.list_objects(Bucket="cached", MaxKeys=2, Marker=marker)
+        seen += [o["Key"] for o in r.get("Contents", [])]
+        if not r["IsTruncated"]:
+            break
+        marker = seen[-1]
+    assert seen == keys
+    assert [o["Key"] for o in c.list_objects_v2(Bucket="cached", Prefix="a/")["Contents"]] == ["a/1", "a/2"]
+    # The cache bucket is listed; its internal bucket is not.
+    assert [b["Name"] for b in c.list_buckets()["Buckets"]] == ["cached"]
+
+
+def test_admin_add_list_remove(pair):
+    up, u, cache, c = pair
+    u.put_object(Bucket="origin", Key="models/a", Body=b"a")
+    r = cache_admin(cache, "add", "cached", "--upstream", "s3://origin/models/", "--upstream-endpoint", up.endpoint,
+                    "--replicas", "2", "--validate", "ttl=30", "--json")
+    assert json.loads(r.stdout)["validate"] == "ttl=30"
+    listed = json.loads(cache_admin(cache, "list", "--json").stdout)
+    assert [b["bucket"] for b in listed] == ["cached"] and listed[0]["replicas"] == 2
+    assert SECRET_KEY not in cache_admin(cache, "list", "--json").stdout
+    assert "cached" in cache_admin(cache, "list").stdout
+    # Refused with clear errors.
+    for args, words in [
+        (["add", "cached", "--upstream", "s3://origin", "--upstream-endpoint", up.endpoint], "already"),
+        (["add", "cache-x1", "--upstream", "origin", "--upstream-endpoint", up.endpoint], "s3://"),
+        (["add", "cache-x2", "--upstream", "s3://origin", "--upstream-endpoint", "http://127.0.0.1:1"], "cannot be listed"),
+        (["add", "cache-x3", "--upstream", "s3://nope", "--upstream-endpoint", up.endpoint], "cannot be listed"),
+        (["add", "cache-x4", "--upstream", "s3://origin", "--upstream-endpoint", up.endpoint, "--validate", "sometimes"], "validate"),
+        (["add", "Bad_Name", "--upstream", "s3://origin", "--upstream-endpoint", up.endpoint], "name"),
+        (["remove", "nosuch"], "no cache bucket"),
+    ]:
+        r = cache_admin(cache, *args, check=False)
+        assert r.returncode != 0 and words in r.stderr, (args, r.stderr)
+    r = cache_admin(cache, "add", "cache-x5", "--upstream", "s3://origin", "--upstream-endpoint", up.endpoint,
+                    check=False, env={"AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert r.returncode != 0 and "cannot be listed" in r.stderr
+    assert c.get_object(Bucket="cached", Key="a")["Body"].read() == b"a"
+    # The settings survive a restart (the secret decrypts).
+    cache.restart()
+    c = cache.client()
+    assert c.get_object(Bucket="cached", Key="a")["Body"].read() == b"a"
+    out = cache_admin(cache, "remove", "cached").stdout
+    assert "removed cache bucket cached" in out
+    assert c.list_buckets()["Buckets"] == []
+    assert json.loads(cache_admin(cache, "list", "--json").stdout) == []
+    assert u.get_object(Bucket="origin", Key="models/a")["Body"].read() == b"a"
