@@ -330,3 +330,98 @@ def test_admin_add_list_remove(pair):
     assert c.list_buckets()["Buckets"] == []
     assert json.loads(cache_admin(cache, "list", "--json").stdout) == []
     assert u.get_object(Bucket="origin", Key="models/a")["Body"].read() == b"a"
+
+
+def wait_until(what, cond, timeout=30):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_eviction_under_a_small_size_keeps_pins_hot_objects_and_metadata(pair):
+    up, u, cache, c = pair
+    names = ["hot", "pinned/p1", "cold1", "cold2", "cold3", "cold4"]
+    bodies = {n: data(10 + i, 4 * MiB) for i, n in enumerate(names)}
+    for n, b in bodies.items():
+        u.put_object(Bucket="origin", Key="models/" + n, Body=b)
+    add(cache, up.endpoint, "never", "models/", "cached", "--size", "20MiB")
+    cache_admin(cache, "pin", "cached", "--prefix", "pinned/")
+
+    def read(n):
+        assert c.get_object(Bucket="cached", Key=n)["Body"].read() == bodies[n]
+
+    read("pinned/p1")
+    read("hot")
+    read("hot")
+    for n in ["cold1", "cold2", "cold3", "cold4"]:
+        read(n)
+        time.sleep(0.2)
+    # 24 MiB read into a 20 MiB cache: down to the low watermark (16 MiB),
+    # the oldest objects read once first.
+    wait_until("eviction", lambda: status(cache)["evictions"] >= 2)
+    st = status(cache)
+    assert st["usage"]["bytes_cached"] <= 16 * MiB, st
+    gets, heads = upstream_gets(up), upstream_heads(up)
+    read("hot")
+    read("pinned/p1")
+    read("cold4")
+    assert upstream_gets(up) == gets, "a pinned, a protected or the newest object was evicted"
+    # Evicted objects keep their metadata: a HEAD asks nothing upstream.
+    assert c.head_object(Bucket="cached", Key="cold1")["ContentLength"] == 4 * MiB
+    assert upstream_heads(up) == heads
+    read("cold1")
+    assert upstream_gets(up) == gets + 1
+    out = cache_admin(cache, "status").stdout
+    assert "cached" in out and "EVICTIONS" in out
+    cache_admin(cache, "unpin", "cached", "--prefix", "pinned/")
+    r = cache_admin(cache, "unpin", "cached", "--prefix", "pinned/", check=False)
+    assert r.returncode != 0 and "no pin" in r.stderr
+
+
+def test_prefetch_jobs_with_progress_a_model_index_and_drop(pair, tmp_path):
+    up, u, cache, c = pair
+    w1, w2 = data(20, 10 * MiB), data(21, 6 * MiB + 1)
+    index = {"metadata": {"total_size": len(w1) + len(w2)},
+             "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                            "b.weight": "model-00002-of-00002.safetensors",
+                            "c.weight": "model-00001-of-00002.safetensors"}}
+    files = {
+        "llama/model.safetensors.index.json": json.dumps(index).encode(),
+        "llama/model-00001-of-00002.safetensors": w1,
+        "llama/model-00002-of-00002.safetensors": w2,
+        "llama/config.json": b"{}",
+        "data/0": data(22, 3 * MiB), "data/1": data(23, 9 * MiB), "data/2": b"",
+    }
+    for k, b in files.items():
+        u.put_object(Bucket="origin", Key="models/" + k, Body=b)
+    add(cache, up.endpoint)
+    keys = tmp_path / "keys"
+    keys.write_text("llama/model.safetensors.index.json\n# a comment\nllama/config.json\n")
+    r = cache_admin(cache, "prefetch", "cached", "--keys-from", str(keys), "--wait")
+    assert "done" in r.stdout, r.stdout
+    r = cache_admin(cache, "prefetch", "cached", "--prefix", "data/", "--wait", "--json")
+    job = json.loads(r.stdout)
+    assert job["state"] == "done" and job["objects_total"] == 3
+    assert job["bytes_done"] == job["bytes_total"] == 12 * MiB
+    jobs = json.loads(cache_admin(cache, "jobs", "--json").stdout)
+    assert len(jobs) == 2 and all(j["state"] == "done" for j in jobs)
+    first = next(j for j in jobs if j["id"] != job["id"])
+    assert first["objects_total"] == 4 and first["bytes_done"] == sum(len(files[k]) for k in files if k.startswith("llama/"))
+    assert "prefix" in cache_admin(cache, "jobs").stdout
+    # Everything is a hit now.
+    gets = upstream_gets(up)
+    for k, b in files.items():
+        assert c.get_object(Bucket="cached", Key=k)["Body"].read() == b
+    assert upstream_gets(up) == gets
+    # A prefetch of what is cached reads nothing from the upstream.
+    r = json.loads(cache_admin(cache, "prefetch", "cached", "--prefix", "llama/", "--wait", "--json").stdout)
+    assert r["bytes_from_upstream"] == 0 and upstream_gets(up) == gets
+    # Drop: the prefix is fetched again when read.
+    out = cache_admin(cache, "drop", "cached", "--prefix", "data/").stdout
+    assert "dropped 2 object(s)" in out, out
+    assert c.get_object(Bucket="cached", Key="data/1")["Body"].read() == files["data/1"]
+    assert upstream_gets(up) == gets + 2
+    # A job that cannot list its prefix fails and says why.
+    r = cache_admin(cache, "prefetch", "nosuch", "--prefix", "x", check=False)
+    assert r.returncode != 0 and "no cache bucket" in r.stderr

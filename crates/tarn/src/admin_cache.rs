@@ -6,7 +6,7 @@ use std::sync::Arc;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tarn_cluster::node::Node;
-use tarn_s3::cache::{CacheError, CacheSpec, Caches};
+use tarn_s3::cache::{CacheError, CacheSpec, Caches, PrefetchSpec};
 
 use crate::admin::{json, text};
 
@@ -23,6 +23,32 @@ fn error(e: CacheError) -> http::Response<s3s::Body> {
         _ => 500,
     };
     json(status, serde_json::json!({ "error": e.to_string() }))
+}
+
+#[derive(serde::Deserialize)]
+struct PrefixArg {
+    #[serde(default)]
+    prefix: Option<String>,
+    #[serde(default)]
+    ttl: Option<u64>,
+}
+
+/// A request's JSON body, or the answer that refuses it.
+async fn body_of<T: serde::de::DeserializeOwned>(
+    req: http::Request<Incoming>,
+) -> Result<T, http::Response<s3s::Body>> {
+    let body = http_body_util::Limited::new(req.into_body(), BODY_MAX_BYTES)
+        .collect()
+        .await
+        .map_err(|e| {
+            json(
+                400,
+                serde_json::json!({ "error": format!("request body: {e}") }),
+            )
+        })?
+        .to_bytes();
+    serde_json::from_slice(&body)
+        .map_err(|e| json(400, serde_json::json!({ "error": format!("request: {e}") })))
 }
 
 pub async fn handle(
@@ -47,31 +73,58 @@ pub async fn handle(
             200,
             serde_json::Value::Array(caches.all().iter().map(|b| b.status()).collect()),
         ),
-        ("POST", ["buckets", name]) => {
-            let name = name.to_string();
-            let body = match http_body_util::Limited::new(req.into_body(), BODY_MAX_BYTES)
-                .collect()
-                .await
-            {
-                Ok(b) => b.to_bytes(),
-                Err(e) => {
-                    return json(
-                        400,
-                        serde_json::json!({ "error": format!("request body: {e}") }),
-                    )
-                }
+        ("POST", ["buckets", name]) => match body_of::<CacheSpec>(req).await {
+            Err(r) => r,
+            Ok(spec) => match caches.add(name, spec).await {
+                Ok(v) => json(200, v),
+                Err(e) => error(e),
+            },
+        },
+        ("POST", ["buckets", name, action @ ("pin" | "unpin" | "drop")]) => {
+            let arg = match body_of::<PrefixArg>(req).await {
+                Err(r) => return r,
+                Ok(a) => a,
             };
-            match serde_json::from_slice::<CacheSpec>(&body) {
-                Err(e) => json(
-                    400,
-                    serde_json::json!({ "error": format!("cache settings: {e}") }),
-                ),
-                Ok(spec) => match caches.add(&name, spec).await {
-                    Ok(v) => json(200, v),
-                    Err(e) => error(e),
+            let prefix = arg.prefix.unwrap_or_default();
+            let r = match *action {
+                "pin" => caches
+                    .pin(name, &prefix, arg.ttl)
+                    .await
+                    .map(|pins| serde_json::json!({ "bucket": name, "pins": pins })),
+                "unpin" => caches
+                    .unpin(name, &prefix)
+                    .await
+                    .map(|pins| serde_json::json!({ "bucket": name, "pins": pins })),
+                _ => match caches.get(name) {
+                    None => Err(CacheError::NoSuchCache(name.to_string())),
+                    Some(b) => b.drop_prefix(&prefix).await.map(|(objects, bytes)| {
+                        serde_json::json!({ "bucket": name, "prefix": prefix, "objects_dropped": objects, "bytes_dropped": bytes })
+                    }),
                 },
+            };
+            match r {
+                Ok(v) => json(200, v),
+                Err(e) => error(e),
             }
         }
+        ("POST", ["buckets", name, "prefetch"]) => match body_of::<PrefetchSpec>(req).await {
+            Err(r) => r,
+            Ok(spec) => match caches.prefetch(name, spec) {
+                Ok(job) => json(200, job.json()),
+                Err(e) => error(e),
+            },
+        },
+        ("GET", ["jobs"]) => json(
+            200,
+            serde_json::Value::Array(caches.jobs().iter().map(|j| j.json()).collect()),
+        ),
+        ("GET", ["jobs", id]) => match caches.job(id) {
+            Some(j) => json(200, j.json()),
+            None => json(
+                404,
+                serde_json::json!({ "error": format!("no cache job {id}") }),
+            ),
+        },
         ("DELETE", ["buckets", name]) => match caches.remove(name).await {
             Ok(v) => json(200, v),
             Err(e) => error(e),

@@ -47,6 +47,8 @@ pub struct FileConfig {
     pub response_buffer_max_bytes: Option<u64>,
     pub response_buffer_per_key_max_bytes: Option<u64>,
     pub scan_interval_secs: Option<u64>,
+    /// Bytes every cache bucket of the node may hold together.
+    pub cache_max_bytes: Option<u64>,
     pub io_uring: Option<bool>,
     /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
     pub drive_reserve_bytes: Option<u64>,

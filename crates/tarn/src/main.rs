@@ -126,6 +126,10 @@ struct ServerArgs {
     /// Seconds between background heal scans (0 = off).
     #[arg(long)]
     scan_interval_secs: Option<u64>,
+    /// Bytes every cache bucket of this node may hold together (e.g.
+    /// 500GiB; default: no budget beyond each bucket's --size).
+    #[arg(long)]
+    cache_max_bytes: Option<String>,
     /// Bytes of objects per second a backfill of a joining drive may visit
     /// (e.g. 200MiB; 0 = no limit).
     #[arg(long)]
@@ -649,6 +653,11 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     };
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
     let permissions = load_permissions(&store, &access, &secret, io_uring)?;
+    let cache_budget = match &args.cache_max_bytes {
+        Some(b) => parse_size(b).context("--cache-max-bytes")?,
+        None => file.cache_max_bytes.unwrap_or(0),
+    };
+    permissions.caches.set_budget(cache_budget);
     if let Some(node) = &node {
         // Users, keys and buckets' settings changed through another node.
         let p = permissions.clone();

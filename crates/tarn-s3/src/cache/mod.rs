@@ -18,8 +18,13 @@
 //! chunk and stream to their readers as the bytes arrive; a chunk is stored
 //! only once whole.
 
+mod evict;
+mod prefetch;
 mod read;
 pub mod upstream;
+
+pub use evict::{Pin, HIGH_WATERMARK, LOW_WATERMARK};
+pub use prefetch::{Job, PrefetchSpec};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -182,6 +187,8 @@ struct CacheDoc {
     size: Option<u64>,
     replicas: Option<u8>,
     created_ns: u64,
+    #[serde(default)]
+    pins: Vec<Pin>,
 }
 
 fn doc_key(bucket: &str) -> String {
@@ -219,6 +226,8 @@ pub struct CacheStats {
     pub upstream_heads: AtomicU64,
     pub fills_failed: AtomicU64,
     pub chunks_stored: AtomicU64,
+    pub evictions: AtomicU64,
+    pub bytes_evicted: AtomicU64,
 }
 
 /// What the cache knows of one object: the upstream's answer, pinned by a
@@ -314,6 +323,8 @@ struct FillState {
     len: u64,
     /// Some once finished: Ok when whole.
     end: Option<Result<(), String>>,
+    /// Some once the chunk is stored, or will not be.
+    stored: Option<Result<(), String>>,
 }
 
 /// Every cache bucket of this node.
@@ -323,6 +334,8 @@ pub struct Caches {
     buckets: RwLock<HashMap<String, Arc<CacheBucket>>>,
     changes: tokio::sync::Mutex<()>,
     fills: Arc<Semaphore>,
+    shared: Arc<evict::Shared>,
+    jobs: Mutex<Vec<Arc<Job>>>,
 }
 
 /// One cache bucket.
@@ -343,6 +356,12 @@ pub struct CacheBucket {
     /// When its settings were made: a bucket removed and added again under
     /// the same name is a new cache.
     created_ns: u64,
+    resident: Mutex<HashMap<String, evict::Resident>>,
+    used: AtomicU64,
+    pins: RwLock<Vec<Pin>>,
+    shared: Arc<evict::Shared>,
+    /// Whether what the engine holds was counted since the start.
+    counted: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CacheBucket {
@@ -362,7 +381,33 @@ impl Caches {
             buckets: RwLock::new(HashMap::new()),
             changes: tokio::sync::Mutex::new(()),
             fills: Arc::new(Semaphore::new(FILLS_MAX)),
+            shared: Arc::new(evict::Shared::default()),
+            jobs: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The node-wide budget over every cache bucket (0: none).
+    pub fn set_budget(&self, bytes: u64) {
+        self.shared.budget.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.shared.budget.load(Ordering::Relaxed)
+    }
+
+    /// Bytes every cache bucket holds, as counted on this node.
+    pub fn used(&self) -> u64 {
+        self.shared.used.load(Ordering::Relaxed)
+    }
+
+    fn install_bucket(&self, b: CacheBucket) -> Arc<CacheBucket> {
+        let b = Arc::new(b);
+        self.shared
+            .buckets
+            .lock()
+            .expect("cache registry")
+            .push(Arc::downgrade(&b));
+        b
     }
 
     /// The cache bucket `name`, if it is one.
@@ -407,8 +452,11 @@ impl Caches {
             }
             let kept = self.get(&doc.bucket).filter(|b| b.created_ns_matches(&doc));
             let b = match kept {
-                Some(b) => b,
-                None => Arc::new(self.bucket_of(&doc)?),
+                Some(b) => {
+                    *b.pins.write().expect("cache pins") = doc.pins.clone();
+                    b
+                }
+                None => self.install_bucket(self.bucket_of(&doc)?),
             };
             next.insert(doc.bucket.clone(), b);
         }
@@ -459,6 +507,11 @@ impl Caches {
             fills: Mutex::new(HashMap::new()),
             fill_slots: self.fills.clone(),
             created_ns: doc.created_ns,
+            resident: Mutex::new(HashMap::new()),
+            used: AtomicU64::new(0),
+            pins: RwLock::new(doc.pins.clone()),
+            shared: self.shared.clone(),
+            counted: Default::default(),
         })
     }
 
@@ -478,10 +531,8 @@ impl Caches {
                 "--writes through is not available yet: cache buckets refuse writes".into(),
             ));
         }
-        if spec.size.is_some() {
-            return Err(CacheError::Invalid(
-                "--size is not available yet: cache buckets are not evicted".into(),
-            ));
+        if spec.size == Some(0) {
+            return Err(CacheError::Invalid("--size must be at least 1 byte".into()));
         }
         let durability = match spec.replicas {
             None => Durability::ErasureCoded,
@@ -532,6 +583,7 @@ impl Caches {
             size: spec.size,
             replicas: spec.replicas,
             created_ns: now_ns(),
+            pins: Vec::new(),
         };
         let chunks = format!("{CHUNKS_BUCKET_PREFIX}{name}");
         match self.store.create_internal_bucket(&chunks, durability).await {
@@ -548,7 +600,7 @@ impl Caches {
                 e => e.into(),
             });
         }
-        let b = Arc::new(self.bucket_of(&doc)?);
+        let b = self.install_bucket(self.bucket_of(&doc)?);
         let summary = b.summary();
         self.buckets
             .write()
@@ -581,6 +633,65 @@ impl Caches {
             "entries_removed": entries,
             "chunks_removed": chunks,
         }))
+    }
+}
+
+impl Caches {
+    /// Pins `prefix` of cache bucket `name` (for `ttl` seconds, or until
+    /// unpinned): its objects are never evicted. Kept with the settings.
+    pub async fn pin(
+        &self,
+        name: &str,
+        prefix: &str,
+        ttl: Option<u64>,
+    ) -> Result<Vec<Pin>, CacheError> {
+        let until_ns = ttl.map(|s| now_ns() + s.saturating_mul(1_000_000_000));
+        self.change_pins(name, |pins| {
+            pins.retain(|p| p.prefix != prefix);
+            pins.push(Pin {
+                prefix: prefix.to_string(),
+                until_ns,
+            });
+            Ok(())
+        })
+        .await
+    }
+
+    pub async fn unpin(&self, name: &str, prefix: &str) -> Result<Vec<Pin>, CacheError> {
+        self.change_pins(name, |pins| {
+            let before = pins.len();
+            pins.retain(|p| p.prefix != prefix);
+            if pins.len() == before {
+                return Err(CacheError::Invalid(format!(
+                    "cache bucket {name} has no pin of prefix {prefix:?}"
+                )));
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn change_pins(
+        &self,
+        name: &str,
+        change: impl FnOnce(&mut Vec<Pin>) -> Result<(), CacheError>,
+    ) -> Result<Vec<Pin>, CacheError> {
+        let _g = self.changes.lock().await;
+        let b = self
+            .get(name)
+            .ok_or_else(|| CacheError::NoSuchCache(name.to_string()))?;
+        let key = doc_key(name);
+        let mut doc: CacheDoc = serde_json::from_slice(&sysdoc::read(&self.store, &key).await?)
+            .map_err(|e| CacheError::Corrupt {
+                what: key.clone(),
+                reason: e.to_string(),
+            })?;
+        let now = now_ns();
+        doc.pins.retain(|p| p.until_ns.is_none_or(|u| u > now));
+        change(&mut doc.pins)?;
+        sysdoc::write(&self.store, &key, &doc).await?;
+        *b.pins.write().expect("cache pins") = doc.pins.clone();
+        Ok(doc.pins)
     }
 }
 

@@ -60,6 +60,11 @@ impl CacheBucket {
             "upstream_heads": s.upstream_heads.load(Ordering::Relaxed),
             "fills_failed": s.fills_failed.load(Ordering::Relaxed),
             "chunks_stored": s.chunks_stored.load(Ordering::Relaxed),
+            "evictions": s.evictions.load(Ordering::Relaxed),
+            "bytes_evicted": s.bytes_evicted.load(Ordering::Relaxed),
+            "size": self.size,
+            "pins": self.pins(),
+            "usage": self.usage(),
         })
     }
 
@@ -74,7 +79,7 @@ impl CacheBucket {
         entries.insert(key.to_string(), e);
     }
 
-    fn forget(&self, key: &str) {
+    pub(super) fn forget(&self, key: &str) {
         self.entries.lock().expect("cache entries").remove(key);
     }
 
@@ -103,7 +108,7 @@ impl CacheBucket {
     }
 
     /// The entry stored in the engine for `key`, if any.
-    async fn stored_entry(&self, key: &str) -> Result<Option<Entry>, CacheError> {
+    pub(super) async fn stored_entry(&self, key: &str) -> Result<Option<Entry>, CacheError> {
         let info = match self.store.head_object(&self.name, key, None).await {
             Ok(i) => i,
             Err(StoreError::NoSuchKey { .. }) | Err(StoreError::DeleteMarker { .. }) => {
@@ -178,6 +183,7 @@ impl CacheBucket {
         let e = Arc::new(e);
         self.remember(key, e.clone());
         if let Some(old) = old.filter(|o| o.generation != e.generation) {
+            self.uncharge(key, &old.generation);
             self.drop_generation(old.generation.clone());
         }
         Ok(e)
@@ -220,6 +226,7 @@ impl CacheBucket {
             Ok(_) | Err(StoreError::NoSuchKey { .. }) => {}
             Err(e) => return Err(e.into()),
         }
+        self.uncharge(key, &old.generation);
         self.drop_generation(old.generation.clone());
         self.remember_missing(key);
         Ok(())
@@ -295,6 +302,8 @@ impl CacheBucket {
         end: u64,
         tx: mpsc::Sender<Result<Bytes, CacheError>>,
     ) {
+        self.ensure_counted();
+        let _reading = self.reading(&key, &entry);
         let first = start / CHUNK_BYTES;
         let last = (end - 1) / CHUNK_BYTES;
         let mut missed = false;
@@ -428,7 +437,7 @@ impl CacheBucket {
     }
 
     /// The fill of chunk `n`: the one in progress, or a new one.
-    fn fill(self: &Arc<Self>, key: &str, entry: &Arc<Entry>, n: u64) -> Arc<Fill> {
+    pub(super) fn fill(self: &Arc<Self>, key: &str, entry: &Arc<Entry>, n: u64) -> Arc<Fill> {
         let ck = entry.chunk_key(n);
         let mut fills = self.fills.lock().expect("cache fills");
         if let Some(f) = fills.get(&ck) {
@@ -454,6 +463,10 @@ impl CacheBucket {
             fill.state.lock().expect("fill").end = Some(end);
             fill.changed.notify_waiters();
         };
+        let stored = |r: Result<(), String>| {
+            fill.state.lock().expect("fill").stored = Some(r);
+            fill.changed.notify_waiters();
+        };
         match result {
             Ok(()) => {
                 finish(Ok(()));
@@ -473,9 +486,12 @@ impl CacheBucket {
                 {
                     Ok(_) => {
                         self.stats.chunks_stored.fetch_add(1, Ordering::Relaxed);
+                        self.charge(&key, &entry, len);
+                        stored(Ok(()));
                     }
                     Err(error) => {
                         tracing::warn!(bucket = %self.name, %key, chunk = n, %error, "a fetched chunk could not be stored; it is fetched again when read");
+                        stored(Err(format!("the chunk could not be stored: {error}")));
                     }
                 }
             }
@@ -486,6 +502,7 @@ impl CacheBucket {
                 }
                 tracing::warn!(bucket = %self.name, %key, chunk = n, error = %e, "a chunk could not be fetched from the upstream");
                 finish(Err(e.to_string()));
+                stored(Err(e.to_string()));
             }
         }
         self.fills.lock().expect("cache fills").remove(&ck);
