@@ -425,3 +425,60 @@ def test_prefetch_jobs_with_progress_a_model_index_and_drop(pair, tmp_path):
     # A job that cannot list its prefix fails and says why.
     r = cache_admin(cache, "prefetch", "nosuch", "--prefix", "x", check=False)
     assert r.returncode != 0 and "no cache bucket" in r.stderr
+
+
+def test_write_through_goes_upstream_first_then_serves_from_the_cache(pair):
+    import base64
+    import hashlib
+    import io
+
+    import boto3.s3.transfer
+
+    up, u, cache, c = pair
+    add(cache, up.endpoint, "never", "models/", "cached", "--writes", "through")
+    body = data(30, 20 * MiB + 3)
+    r = c.put_object(Bucket="cached", Key="ckpt/step1.bin", Body=body, ContentType="application/x-ckpt",
+                     Metadata={"step": "1"})
+    h = u.head_object(Bucket="origin", Key="models/ckpt/step1.bin")
+    assert r["ETag"] == h["ETag"] and h["ContentLength"] == len(body)
+    assert h["ContentType"] == "application/x-ckpt" and h["Metadata"] == {"step": "1"}
+    gets = upstream_gets(up)
+    got = c.get_object(Bucket="cached", Key="ckpt/step1.bin")
+    assert got["Body"].read() == body and got["Metadata"] == {"step": "1"}
+    assert upstream_gets(up) == gets, "a written object was fetched back from the upstream"
+    # An overwrite is served at once, whatever the validation.
+    body2 = data(31, 9 * MiB)
+    c.put_object(Bucket="cached", Key="ckpt/step1.bin", Body=body2)
+    assert c.get_object(Bucket="cached", Key="ckpt/step1.bin")["Body"].read() == body2
+    assert u.get_object(Bucket="origin", Key="models/ckpt/step1.bin")["Body"].read() == body2
+    # A body that fails its digest reaches neither.
+    bad = base64.b64encode(hashlib.md5(b"other").digest()).decode()
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.put_object(Bucket="cached", Key="ckpt/bad.bin", Body=b"x" * 1000, ContentMD5=bad)
+    assert e.value.response["Error"]["Code"] in ("BadDigest", "InvalidDigest")
+    with pytest.raises(botocore.exceptions.ClientError):
+        u.head_object(Bucket="origin", Key="models/ckpt/bad.bin")
+    # Multipart through.
+    big = data(32, 13 * MiB)
+    cfg = boto3.s3.transfer.TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+    c.upload_fileobj(io.BytesIO(big), "cached", "ckpt/step2.bin", Config=cfg)
+    assert u.get_object(Bucket="origin", Key="models/ckpt/step2.bin")["Body"].read() == big
+    assert c.get_object(Bucket="cached", Key="ckpt/step2.bin")["Body"].read() == big
+    up_id = c.create_multipart_upload(Bucket="cached", Key="ckpt/aborted")["UploadId"]
+    c.upload_part(Bucket="cached", Key="ckpt/aborted", UploadId=up_id, PartNumber=1, Body=b"p" * 100)
+    c.abort_multipart_upload(Bucket="cached", Key="ckpt/aborted", UploadId=up_id)
+    assert u.list_multipart_uploads(Bucket="origin").get("Uploads", []) == []
+    # Deletes: the upstream first, then the cache.
+    c.delete_object(Bucket="cached", Key="ckpt/step1.bin")
+    with pytest.raises(botocore.exceptions.ClientError):
+        u.head_object(Bucket="origin", Key="models/ckpt/step1.bin")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.get_object(Bucket="cached", Key="ckpt/step1.bin")
+    assert e.value.response["Error"]["Code"] == "NoSuchKey"
+    r = c.delete_objects(Bucket="cached", Delete={"Objects": [{"Key": "ckpt/step2.bin"}]})
+    assert [d["Key"] for d in r["Deleted"]] == ["ckpt/step2.bin"]
+    assert u.list_objects_v2(Bucket="origin").get("KeyCount") == 0
+    # What a cache bucket cannot write through is refused clearly.
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.copy_object(Bucket="cached", Key="c", CopySource={"Bucket": "cached", "Key": "x"})
+    assert e.value.response["Error"]["Code"] == "NotImplemented"

@@ -853,7 +853,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<PutObjectInput>,
     ) -> S3Result<S3Response<PutObjectOutput>> {
-        self.refuse_cache_write(&req.input.bucket)?;
+        let through = self.cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
@@ -878,6 +878,9 @@ impl S3 for TarnS3 {
             spec,
             trailers,
         );
+        if let Some(cb) = through {
+            return self.put_through(&cb, &i.key, body, &headers).await;
+        }
         let info = self
             .store
             .put_object(&i.bucket, &i.key, body, opts)
@@ -1070,8 +1073,13 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteObjectInput>,
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
-        self.refuse_cache_write(&req.input.bucket)?;
+        let through = self.cache_write(&req.input.bucket)?;
         let i = req.input;
+        if let Some(cb) = through {
+            return self
+                .delete_through(&cb, &i.key, i.version_id.as_deref())
+                .await;
+        }
         let r = self
             .store
             .delete_object_if(
@@ -1093,7 +1101,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<DeleteObjectsInput>,
     ) -> S3Result<S3Response<DeleteObjectsOutput>> {
-        self.refuse_cache_write(&req.input.bucket)?;
+        let through = self.cache_write(&req.input.bucket)?;
         let i = req.input;
         let refused = req.extensions.get::<DeniedDeletes>();
         self.store.head_bucket(&i.bucket).map_err(s3_error)?;
@@ -1133,11 +1141,28 @@ impl S3 for TarnS3 {
                 });
                 continue;
             }
-            match self
-                .store
-                .delete_object(&i.bucket, &o.key, o.version_id.as_deref())
-                .await
-            {
+            let r = match &through {
+                Some(cb) => match o.version_id {
+                    Some(_) => Err(S3Error::with_message(
+                        S3ErrorCode::NotImplemented,
+                        "a cache bucket deletes the upstream's current object only (no versionId)",
+                    )),
+                    None => cb
+                        .delete_through(&o.key)
+                        .await
+                        .map(|_| tarn_store::DeleteResult {
+                            delete_marker: false,
+                            version_id: None,
+                        })
+                        .map_err(crate::ops_cache::cache_error),
+                },
+                None => self
+                    .store
+                    .delete_object(&i.bucket, &o.key, o.version_id.as_deref())
+                    .await
+                    .map_err(s3_error),
+            };
+            match r {
                 Ok(r) => {
                     if !quiet {
                         deleted.push(DeletedObject {
@@ -1152,8 +1177,7 @@ impl S3 for TarnS3 {
                         });
                     }
                 }
-                Err(e) => {
-                    let s3e = s3_error(e);
+                Err(s3e) => {
                     errors.push(Error {
                         code: Some(s3e.code().as_str().to_string()),
                         key: Some(o.key),
@@ -1507,8 +1531,13 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CreateMultipartUploadInput>,
     ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
-        self.refuse_cache_write(&req.input.bucket)?;
+        let through = self.cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
+        if let Some(cb) = through {
+            return self
+                .create_upload_through(&cb, &req.input.key, &req.headers)
+                .await;
+        }
         let i = req.input;
         let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
@@ -1568,7 +1597,7 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<UploadPartInput>,
     ) -> S3Result<S3Response<UploadPartOutput>> {
-        self.refuse_cache_write(&req.input.bucket)?;
+        let through = self.cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
@@ -1587,6 +1616,11 @@ impl S3 for TarnS3 {
             spec,
             trailers,
         );
+        if let Some(cb) = through {
+            return self
+                .upload_part_through(&cb, &i.key, &i.upload_id, i.part_number, body, &headers)
+                .await;
+        }
         let part = self
             .store
             .upload_part(
@@ -1711,13 +1745,18 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CompleteMultipartUploadInput>,
     ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
-        self.refuse_cache_write(&req.input.bucket)?;
+        let through = self.cache_write(&req.input.bucket)?;
         let mut i = req.input;
         let parts = i
             .multipart_upload
             .take()
             .and_then(|m| m.parts)
             .unwrap_or_default();
+        if let Some(cb) = through {
+            return self
+                .complete_upload_through(&cb, &i.key, &i.upload_id, &parts)
+                .await;
+        }
         let mut list = Vec::with_capacity(parts.len());
         let mut part_checksums = Vec::new();
         for p in parts {
@@ -1777,7 +1816,11 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<AbortMultipartUploadInput>,
     ) -> S3Result<S3Response<AbortMultipartUploadOutput>> {
+        let through = self.cache_write(&req.input.bucket)?;
         let i = req.input;
+        if let Some(cb) = through {
+            return self.abort_upload_through(&cb, &i.key, &i.upload_id).await;
+        }
         self.store
             .abort_multipart_upload(&i.bucket, &i.key, &i.upload_id)
             .await

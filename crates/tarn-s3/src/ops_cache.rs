@@ -7,12 +7,32 @@ use std::sync::Arc;
 use s3s::{S3Error, S3ErrorCode, S3Result};
 use tarn_store::{ByteRange, ListPage, ListParams, ObjectInfo, ReadConditions};
 
+use s3s::dto::*;
+use s3s::S3Response;
+use tarn_store::ObjectBody;
+
+use crate::cache::upstream::{Upstream, UpstreamError};
 use crate::cache::{CacheBucket, CacheError, Writes};
 use crate::error::s3_error;
 use crate::ops::TarnS3;
 
 pub(crate) fn cache_error(e: CacheError) -> S3Error {
     match e {
+        // The upstream refused a request (a write, a bad part): its own
+        // error, as it said it.
+        CacheError::Upstream(UpstreamError::Status {
+            status,
+            code,
+            message,
+        }) if (400..500).contains(&status) && status != 429 => {
+            let c = S3ErrorCode::from_bytes(code.as_bytes())
+                .unwrap_or_else(|| S3ErrorCode::Custom(code.clone().into()));
+            let mut err = S3Error::with_message(c, format!("the upstream answered: {message}"));
+            if let Ok(st) = http::StatusCode::from_u16(status) {
+                err.set_status_code(st);
+            }
+            err
+        }
         CacheError::NoSuchKey => {
             S3Error::with_message(S3ErrorCode::NoSuchKey, "The specified key does not exist.")
         }
@@ -54,6 +74,175 @@ impl TarnS3 {
             )),
             None => Ok(()),
         }
+    }
+
+    /// A write to `bucket`: None when it is no cache bucket, the cache
+    /// bucket when it writes through, an error when it refuses writes.
+    pub(crate) fn cache_write(&self, bucket: &str) -> S3Result<Option<Arc<CacheBucket>>> {
+        match self.cache_of(bucket) {
+            Some(cb) if cb.writes == Writes::Through => Ok(Some(cb)),
+            Some(_) => self.refuse_cache_write(bucket).map(|()| None),
+            None => Ok(None),
+        }
+    }
+
+    pub(crate) async fn put_through(
+        &self,
+        cb: &Arc<CacheBucket>,
+        key: &str,
+        body: ObjectBody,
+        headers: &http::HeaderMap,
+    ) -> S3Result<S3Response<PutObjectOutput>> {
+        let (e, version_id) = cb
+            .put_through(key, body, forwarded(headers, false))
+            .await
+            .map_err(cache_error)?;
+        Ok(S3Response::new(PutObjectOutput {
+            e_tag: Some(crate::util::etag(&e)),
+            version_id,
+            ..Default::default()
+        }))
+    }
+
+    pub(crate) async fn delete_through(
+        &self,
+        cb: &Arc<CacheBucket>,
+        key: &str,
+        version_id: Option<&str>,
+    ) -> S3Result<S3Response<DeleteObjectOutput>> {
+        if version_id.is_some() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::NotImplemented,
+                "a cache bucket deletes the upstream's current object only (no versionId)",
+            ));
+        }
+        cb.delete_through(key).await.map_err(cache_error)?;
+        Ok(S3Response::new(DeleteObjectOutput::default()))
+    }
+
+    pub(crate) async fn create_upload_through(
+        &self,
+        cb: &Arc<CacheBucket>,
+        key: &str,
+        headers: &http::HeaderMap,
+    ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        let h = forwarded(headers, false);
+        let h: Vec<(&str, String)> = h.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let (_, doc) = cb
+            .multipart_through(
+                "POST",
+                key,
+                &[("uploads", "")],
+                &h,
+                Upstream::body_of(Default::default()),
+            )
+            .await
+            .map_err(cache_error)?;
+        let upload_id = tarn_client::object::xml::first(&doc, "UploadId").ok_or_else(|| {
+            S3Error::with_message(
+                S3ErrorCode::InternalError,
+                "the upstream answered no UploadId",
+            )
+        })?;
+        Ok(S3Response::new(CreateMultipartUploadOutput {
+            bucket: Some(cb.name.clone()),
+            key: Some(key.to_string()),
+            upload_id: Some(upload_id),
+            ..Default::default()
+        }))
+    }
+
+    pub(crate) async fn upload_part_through(
+        &self,
+        cb: &Arc<CacheBucket>,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: ObjectBody,
+        headers: &http::HeaderMap,
+    ) -> S3Result<S3Response<UploadPartOutput>> {
+        let e = cb
+            .upload_part_through(key, upload_id, part_number, body, forwarded(headers, true))
+            .await
+            .map_err(cache_error)?;
+        Ok(S3Response::new(UploadPartOutput {
+            e_tag: Some(crate::util::etag(&e)),
+            ..Default::default()
+        }))
+    }
+
+    pub(crate) async fn complete_upload_through(
+        &self,
+        cb: &Arc<CacheBucket>,
+        key: &str,
+        upload_id: &str,
+        parts: &[CompletedPart],
+    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        let mut xml = String::from("<CompleteMultipartUpload>");
+        for p in parts {
+            let (Some(n), Some(e)) = (p.part_number, p.e_tag.as_ref()) else {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::MalformedXML,
+                    "every part needs PartNumber and ETag",
+                ));
+            };
+            let e = match e {
+                ETag::Strong(s) | ETag::Weak(s) => s,
+            };
+            xml.push_str(&format!(
+                "<Part><PartNumber>{n}</PartNumber><ETag>\"{}\"</ETag></Part>",
+                tarn_client::object::xml::escape(e.trim_matches('"'))
+            ));
+        }
+        xml.push_str("</CompleteMultipartUpload>");
+        let (h, doc) = cb
+            .multipart_through(
+                "POST",
+                key,
+                &[("uploadId", upload_id)],
+                &[("content-type", "application/xml".into())],
+                Upstream::body_of(xml.into()),
+            )
+            .await
+            .map_err(cache_error)?;
+        // S3 may answer 200 with an error document.
+        if let Some(code) = tarn_client::object::xml::first(&doc, "Code") {
+            let message = tarn_client::object::xml::first(&doc, "Message").unwrap_or_default();
+            return Err(cache_error(CacheError::Upstream(UpstreamError::Status {
+                status: 400,
+                code,
+                message,
+            })));
+        }
+        let e = tarn_client::object::xml::first(&doc, "ETag").unwrap_or_default();
+        Ok(S3Response::new(CompleteMultipartUploadOutput {
+            bucket: Some(cb.name.clone()),
+            key: Some(key.to_string()),
+            e_tag: Some(crate::util::etag(e.trim_matches('"'))),
+            version_id: h
+                .get("x-amz-version-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            ..Default::default()
+        }))
+    }
+
+    pub(crate) async fn abort_upload_through(
+        &self,
+        cb: &Arc<CacheBucket>,
+        key: &str,
+        upload_id: &str,
+    ) -> S3Result<S3Response<AbortMultipartUploadOutput>> {
+        cb.multipart_through(
+            "DELETE",
+            key,
+            &[("uploadId", upload_id)],
+            &[],
+            Upstream::body_of(Default::default()),
+        )
+        .await
+        .map_err(cache_error)?;
+        Ok(S3Response::new(AbortMultipartUploadOutput::default()))
     }
 
     /// Operations a cache bucket does not offer.
@@ -169,4 +358,45 @@ pub(crate) fn plain_read(version_id: Option<&str>, part_number: Option<i32>) -> 
         ));
     }
     Ok(())
+}
+
+/// The headers of a write the upstream must see: the object's type,
+/// stored headers, user metadata, tags and declared digests (for a part:
+/// its digests only). aws-chunked framing is this server's business.
+fn forwarded(h: &http::HeaderMap, part: bool) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (k, v) in h {
+        let name = k.as_str();
+        let Ok(v) = v.to_str() else { continue };
+        let keep = name == "content-md5"
+            // Digests sent up front; an upload's algorithm is not (its
+            // parts' checksums come in trailers this server checks).
+            || (name.starts_with("x-amz-checksum-")
+                && !part
+                && name != "x-amz-checksum-algorithm"
+                && name != "x-amz-checksum-type")
+            || (!part
+                && (matches!(
+                    name,
+                    "content-type"
+                        | "cache-control"
+                        | "content-disposition"
+                        | "content-language"
+                        | "expires"
+                        | "x-amz-tagging"
+                ) || name.starts_with("x-amz-meta-")));
+        if keep {
+            out.push((name.to_string(), v.to_string()));
+        } else if name == "content-encoding" && !part {
+            let rest: Vec<&str> = v
+                .split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty() && *e != "aws-chunked")
+                .collect();
+            if !rest.is_empty() {
+                out.push((name.to_string(), rest.join(",")));
+            }
+        }
+    }
+    out
 }

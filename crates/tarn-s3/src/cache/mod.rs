@@ -22,6 +22,7 @@ mod evict;
 mod prefetch;
 mod read;
 pub mod upstream;
+mod write;
 
 pub use evict::{Pin, HIGH_WATERMARK, LOW_WATERMARK};
 pub use prefetch::{Job, PrefetchSpec};
@@ -526,11 +527,6 @@ impl Caches {
             .map_err(CacheError::Invalid)?;
         let writes = Writes::parse(spec.writes.as_deref().unwrap_or("refuse"))
             .map_err(CacheError::Invalid)?;
-        if writes == Writes::Through {
-            return Err(CacheError::Invalid(
-                "--writes through is not available yet: cache buckets refuse writes".into(),
-            ));
-        }
         if spec.size == Some(0) {
             return Err(CacheError::Invalid("--size must be at least 1 byte".into()));
         }

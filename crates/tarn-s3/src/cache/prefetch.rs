@@ -90,12 +90,6 @@ impl Job {
     }
 }
 
-fn job_id() -> String {
-    let mut b = [0u8; 8];
-    getrandom::fill(&mut b).expect("the OS random number source");
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 impl Caches {
     /// Starts a prefetch job on this node; it runs on the calling core.
     pub fn prefetch(&self, name: &str, spec: PrefetchSpec) -> Result<Arc<Job>, CacheError> {
@@ -113,7 +107,7 @@ impl Caches {
             (None, n) => format!("{n} key(s)"),
         };
         let job = Arc::new(Job {
-            id: job_id(),
+            id: super::write::random_hex(),
             bucket: name.to_string(),
             what,
             started_ns: now_ns(),

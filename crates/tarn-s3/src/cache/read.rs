@@ -95,7 +95,7 @@ impl CacheBucket {
         }
     }
 
-    fn remember_missing(&self, key: &str) {
+    pub(super) fn remember_missing(&self, key: &str) {
         let mut neg = self.negative.lock().expect("cache negatives");
         if neg.len() >= NEGATIVE_MAX {
             let now = now_ns();
@@ -153,7 +153,16 @@ impl CacheBucket {
         meta: UpstreamMeta,
         old: Option<&Entry>,
     ) -> Result<Arc<Entry>, CacheError> {
-        let e = Entry::new(key, meta);
+        self.record(key, Entry::new(key, meta), old).await
+    }
+
+    /// Stores `e` as the entry of `key`.
+    pub(super) async fn record(
+        &self,
+        key: &str,
+        e: Entry,
+        old: Option<&Entry>,
+    ) -> Result<Arc<Entry>, CacheError> {
         let rec = EntryRecord {
             etag: e.meta.etag.clone(),
             size: e.meta.size,
@@ -190,7 +199,7 @@ impl CacheBucket {
     }
 
     /// Deletes a generation's chunks in the background.
-    fn drop_generation(&self, generation: String) {
+    pub(super) fn drop_generation(&self, generation: String) {
         let (store, bucket) = (self.store.clone(), self.chunks_bucket.clone());
         tokio::spawn(async move {
             if let Err(error) = delete_generation(&store, &bucket, &generation).await {
@@ -220,7 +229,7 @@ impl CacheBucket {
     }
 
     /// The object at `key` gone upstream: its entry and chunks go too.
-    async fn vanish(&self, key: &str, old: &Entry) -> Result<(), CacheError> {
+    pub(super) async fn vanish(&self, key: &str, old: &Entry) -> Result<(), CacheError> {
         self.forget(key);
         match self.store.delete_object(&self.name, key, None).await {
             Ok(_) | Err(StoreError::NoSuchKey { .. }) => {}

@@ -15,8 +15,9 @@ use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use s3s::dto::{Timestamp, TimestampFormat};
 use tarn_client::sigv4::{uri_encode, Signer};
+use tokio::sync::mpsc;
 
-type ReqBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+pub type ReqBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 /// How long a connection may take to open, and an answer's head to come.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -407,6 +408,88 @@ impl Upstream {
             });
         }
         Ok(RangeBody { answer: a })
+    }
+
+    /// PUT of `len` bytes from `body`; the upstream's ETag and version id.
+    pub async fn put(
+        &self,
+        key: &str,
+        len: u64,
+        headers: &[(&str, String)],
+        body: ReqBody,
+    ) -> Result<(String, Option<String>), UpstreamError> {
+        let key = self.key_of(key);
+        let mut h = headers.to_vec();
+        h.push(("content-length", len.to_string()));
+        let a = self.send("PUT", Some(&key), &[], &h, body).await?;
+        let status = a.resp.status().as_u16();
+        if status != 200 {
+            return Err(a.error(status).await);
+        }
+        let etag = header(a.resp.headers(), "etag")
+            .map(|e| e.trim_matches('"').to_string())
+            .ok_or_else(|| UpstreamError::Invalid("a PUT answered without an ETag".into()))?;
+        let version = header(a.resp.headers(), "x-amz-version-id")
+            .filter(|v| *v != "null")
+            .map(str::to_string);
+        a.text().await?;
+        Ok((etag, version))
+    }
+
+    /// DELETE of one object (a missing one is no error, as in S3).
+    pub async fn delete(&self, key: &str) -> Result<Option<String>, UpstreamError> {
+        let key = self.key_of(key);
+        let a = self
+            .send("DELETE", Some(&key), &[], &[], Self::empty())
+            .await?;
+        let status = a.resp.status().as_u16();
+        if status != 204 && status != 200 {
+            return Err(a.error(status).await);
+        }
+        let version = header(a.resp.headers(), "x-amz-version-id").map(str::to_string);
+        a.text().await?;
+        Ok(version)
+    }
+
+    /// A multipart request passed through (create, part, complete, abort):
+    /// the answer's headers and body as the upstream sent them.
+    pub async fn multipart(
+        &self,
+        method: &str,
+        key: &str,
+        query: &[(&str, &str)],
+        headers: &[(&str, String)],
+        body: ReqBody,
+    ) -> Result<(http::HeaderMap, String), UpstreamError> {
+        let key = self.key_of(key);
+        let a = self.send(method, Some(&key), query, headers, body).await?;
+        let status = a.resp.status().as_u16();
+        if !(200..300).contains(&status) {
+            return Err(a.error(status).await);
+        }
+        let h = a.resp.headers().clone();
+        Ok((h, a.text().await?))
+    }
+
+    pub fn body_of(bytes: Bytes) -> ReqBody {
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed()
+    }
+
+    /// A request body fed piece by piece; an error sent into it aborts the
+    /// request (the upstream never completes it).
+    pub fn channel_body(rx: mpsc::Receiver<Result<Bytes, std::io::Error>>) -> ReqBody {
+        let stream = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| {
+                (
+                    item.map(hyper::body::Frame::data)
+                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>),
+                    rx,
+                )
+            })
+        });
+        http_body_util::StreamBody::new(stream).boxed()
     }
 
     /// One page of a ListObjectsV2 under the cache's prefix; keys come back
