@@ -25,7 +25,8 @@ def cache_admin(server, *args, check=True, env=None):
     e.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
     e.update(env or {})
     r = subprocess.run(
-        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, "cache", *args],
+        [BIN, "admin", "--endpoint", server.admin, "--token", getattr(server, "secret_key", SECRET_KEY),
+         "cache", *args],
         capture_output=True, text=True, timeout=60, env=e,
     )
     if check:
@@ -89,6 +90,8 @@ def test_miss_streams_then_hits_and_ranges_fetch_only_their_chunks(pair):
     assert upstream_gets(up) - before == 3
     st = status(cache)
     assert st["misses"] == 1 and st["bytes_from_upstream"] == len(big)
+    assert metric(cache, "tarn_cache_misses_total") == 1
+    assert metric(cache, "tarn_cache_upstream_bytes_total") == len(big)
 
     # A hit: no upstream GET.
     before = upstream_gets(up)
@@ -422,6 +425,14 @@ def test_prefetch_jobs_with_progress_a_model_index_and_drop(pair, tmp_path):
     assert "dropped 2 object(s)" in out, out
     assert c.get_object(Bucket="cached", Key="data/1")["Body"].read() == files["data/1"]
     assert upstream_gets(up) == gets + 2
+    # Any S3 client can ask for a prefetch: a GET of .tarn-prefetch/PREFIX.
+    doc = json.loads(c.get_object(Bucket="cached", Key=".tarn-prefetch/data/")["Body"].read())
+    assert doc["kind"] == "prefetch" and doc["what"] == 'prefix "data/"'
+    wait_until("the S3-asked prefetch", lambda: next(
+        j for j in json.loads(cache_admin(cache, "jobs", "--json").stdout) if j["id"] == doc["id"])["state"] == "done")
+    gets = upstream_gets(up)
+    assert c.get_object(Bucket="cached", Key="data/0")["Body"].read() == files["data/0"]
+    assert upstream_gets(up) == gets
     # A job that cannot list its prefix fails and says why.
     r = cache_admin(cache, "prefetch", "nosuch", "--prefix", "x", check=False)
     assert r.returncode != 0 and "no cache bucket" in r.stderr
@@ -482,3 +493,70 @@ def test_write_through_goes_upstream_first_then_serves_from_the_cache(pair):
     with pytest.raises(botocore.exceptions.ClientError) as e:
         c.copy_object(Bucket="cached", Key="c", CopySource={"Bucket": "cached", "Key": "x"})
     assert e.value.response["Error"]["Code"] == "NotImplemented"
+
+
+def test_a_cluster_caches_once_and_every_node_serves_hits(make_server, formed_cluster, tmp_path):
+    _, nodes = formed_cluster
+    up = make_server(drives=1, name="upstream")
+    u = up.client()
+    u.create_bucket(Bucket="origin")
+    shards = {"model-00001-of-00002.safetensors": data(40, 10 * MiB),
+              "model-00002-of-00002.safetensors": data(41, 7 * MiB + 5)}
+    index = {"weight_map": {"w1": "model-00001-of-00002.safetensors", "w2": "model-00002-of-00002.safetensors"}}
+    files = {"m/model.safetensors.index.json": json.dumps(index).encode(), "m/config.json": b"{}"}
+    files.update({"m/" + k: v for k, v in shards.items()})
+    for k, v in files.items():
+        u.put_object(Bucket="origin", Key="hub/" + k, Body=v)
+    cache_admin(nodes[0], "add", "shared", "--upstream", "s3://origin/hub/", "--upstream-endpoint", up.endpoint,
+                "--validate", "never")
+    for n in nodes:
+        assert "shared" in cache_admin(n, "list").stdout
+    keys = tmp_path / "keys"
+    keys.write_text("m/model.safetensors.index.json\nm/config.json\n")
+    r = json.loads(cache_admin(nodes[1], "prefetch", "shared", "--keys-from", str(keys), "--wait", "--json").stdout)
+    assert r["state"] == "done" and r["objects_total"] == 4, r
+    gets = upstream_gets(up)
+    assert gets == 5  # one per chunk: 2 + 1, the index and the config
+    for n in nodes:
+        c = n.client()
+        for k, v in files.items():
+            assert c.get_object(Bucket="shared", Key=k)["Body"].read() == v
+    assert upstream_gets(up) == gets, "a node read the upstream after the prefetch"
+    for n in nodes:
+        st = status(n, "shared")
+        assert st["misses"] == 0 and st["hits"] == len(files), st
+
+
+def test_python_prefetch_pin_drop_status(pair, monkeypatch):
+    import tarn
+    import tarn.cache
+
+    up, u, cache, c = pair
+    objs = {f"ds/{i}": data(50 + i, (i + 1) * MiB) for i in range(4)}
+    for k, v in objs.items():
+        u.put_object(Bucket="origin", Key="models/" + k, Body=v)
+    add(cache, up.endpoint)
+    monkeypatch.setenv("TARN_ADMIN_ENDPOINT", cache.admin)
+    monkeypatch.setenv("TARN_ADMIN_TOKEN", SECRET_KEY)
+    job = tarn.cache.prefetch("s3://cached/ds/", wait=False)
+    final = job.wait(timeout=60)
+    assert final["state"] == "done" and final["objects_done"] == 4
+    assert final["bytes_done"] == sum(len(v) for v in objs.values())
+    assert job.done and job.progress()["bytes_from_upstream"] == final["bytes_done"]
+    st = tarn.cache.status("cached")
+    assert st["usage"]["bytes_cached"] == final["bytes_done"]
+    assert [p["prefix"] for p in st["usage"]["prefixes"]] == ["ds/"]
+    job = tarn.cache.prefetch("s3://cached/ds/", keys=["0", "1"], wait=True)
+    assert job.progress()["objects_total"] == 2
+    assert [p["prefix"] for p in tarn.cache.pin("s3://cached/ds/", ttl=60)] == ["ds/"]
+    assert tarn.cache.unpin("s3://cached/ds/") == []
+    assert tarn.cache.drop("s3://cached/ds/")["objects_dropped"] == 4
+    with pytest.raises(tarn.cache.CacheError) as e:
+        tarn.cache.prefetch("s3://nosuch/x", wait=True)
+    assert e.value.status == 404
+    # A prefetch whose objects fail says so.
+    with pytest.raises(tarn.cache.CacheError) as e:
+        tarn.cache.prefetch("s3://cached/", keys=["ds/0", "missing"], wait=True)
+    assert e.value.job["failures"] == 1 and e.value.job["failed"][0]["key"] == "missing"
+    with pytest.raises(tarn.cache.CacheError):
+        tarn.cache.status("nosuch")

@@ -2,12 +2,13 @@
 
 ``tarn.objects`` is the object client (Tarn or any S3 endpoint, batched
 reads straight into host or GPU memory, parallel uploads); ``tarn.loader``
-loads safetensors models through it; ``tarn.kv`` is the KV-cache store
+loads safetensors models through it; ``tarn.cache`` prefetches, pins and
+drops what cache buckets hold; ``tarn.kv`` is the KV-cache store
 client; ``tarn.vllm`` is the vLLM KV connector and ``tarn.vllm_loader`` the
 vLLM model loader (imported only by vLLM).
 """
 
-from . import errors, kv, objects
+from . import cache, errors, kv, objects
 from .errors import (
     KvConnectionError,
     KvPermissionError,
@@ -22,6 +23,7 @@ from .errors import (
 
 __version__ = "0.1.0"
 __all__ = [
+    "cache",
     "errors",
     "kv",
     "objects",

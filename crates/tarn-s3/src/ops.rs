@@ -924,6 +924,9 @@ impl S3 for TarnS3 {
         );
         let range = range_of(i.range);
         if let Some(cb) = self.cache_of(&i.bucket) {
+            if let Some(prefix) = i.key.strip_prefix(crate::cache::PREFETCH_KEY_PREFIX) {
+                return self.prefetch_by_get(&cb, prefix);
+            }
             crate::ops_cache::plain_read(i.version_id.as_deref(), i.part_number)?;
             let (entry, info, (start, end)) = self
                 .cache_open(&req.extensions, &cb, &i.key, range, &conditions)

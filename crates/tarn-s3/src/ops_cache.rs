@@ -245,6 +245,37 @@ impl TarnS3 {
         Ok(S3Response::new(AbortMultipartUploadOutput::default()))
     }
 
+    /// GET `.tarn-prefetch/PREFIX`: a prefetch of PREFIX started, its job
+    /// answered as a JSON document.
+    pub(crate) fn prefetch_by_get(
+        &self,
+        cb: &Arc<CacheBucket>,
+        prefix: &str,
+    ) -> S3Result<S3Response<GetObjectOutput>> {
+        let job = self
+            .access
+            .caches
+            .prefetch(
+                &cb.name,
+                crate::cache::PrefetchSpec {
+                    prefix: Some(prefix.to_string()),
+                    keys: Vec::new(),
+                },
+            )
+            .map_err(cache_error)?;
+        let mut doc = serde_json::to_vec_pretty(&job.json()).expect("a job serializes");
+        doc.push(b'\n');
+        let len = doc.len() as i64;
+        Ok(S3Response::new(GetObjectOutput {
+            body: Some(StreamingBlob::from(s3s::Body::from(bytes::Bytes::from(
+                doc,
+            )))),
+            content_length: Some(len),
+            content_type: Some("application/json".into()),
+            ..Default::default()
+        }))
+    }
+
     /// Operations a cache bucket does not offer.
     pub(crate) fn refuse_on_cache(&self, bucket: &str, what: &str) -> S3Result<()> {
         if self.cache_of(bucket).is_some() {

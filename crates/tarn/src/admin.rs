@@ -383,20 +383,21 @@ async fn handle(
         }
         ("GET", "/metrics") => {
             let under = store.under_replicated().await.objects;
-            text(
-                200,
-                "text/plain; version=0.0.4",
-                metrics.render(
-                    &store,
-                    under,
-                    node.as_ref().and_then(|n| n.drain_job()).as_ref(),
-                    if authorized {
-                        crate::metrics::Names::Shown
-                    } else {
-                        crate::metrics::Names::Redacted
-                    },
-                ),
-            )
+            let names = || {
+                if authorized {
+                    crate::metrics::Names::Shown
+                } else {
+                    crate::metrics::Names::Redacted
+                }
+            };
+            let mut out = metrics.render(
+                &store,
+                under,
+                node.as_ref().and_then(|n| n.drain_job()).as_ref(),
+                names(),
+            );
+            out.push_str(&metrics.render_cache(&caches, names()));
+            text(200, "text/plain; version=0.0.4", out)
         }
         (_, p) if p.starts_with("/admin/") && !authorized => {
             text(401, "text/plain", "missing or wrong bearer token\n".into())

@@ -350,6 +350,113 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    /// The cache buckets' counters (docs/cache.md), bucket names redacted
+    /// as the KV namespaces are.
+    pub fn render_cache(&self, caches: &tarn_s3::cache::Caches, names: Names) -> String {
+        use std::fmt::Write;
+        let name = |n: &str| -> String {
+            match names {
+                Names::Shown => label(n.as_bytes()),
+                Names::Redacted => {
+                    use std::hash::BuildHasher;
+                    format!("h-{:016x}", self.redact_key.hash_one(n.as_bytes()))
+                }
+            }
+        };
+        let buckets = caches.all();
+        let mut out = String::new();
+        let series: [(&str, &str, &str); 11] = [
+            (
+                "tarn_cache_hits_total",
+                "counter",
+                "GETs of cache buckets served from cached bytes only.",
+            ),
+            (
+                "tarn_cache_misses_total",
+                "counter",
+                "GETs of cache buckets that needed the upstream.",
+            ),
+            (
+                "tarn_cache_served_bytes_total",
+                "counter",
+                "Bytes cache buckets served.",
+            ),
+            (
+                "tarn_cache_upstream_bytes_total",
+                "counter",
+                "Bytes read from upstreams.",
+            ),
+            (
+                "tarn_cache_upstream_gets_total",
+                "counter",
+                "Ranged GETs sent to upstreams (retries included).",
+            ),
+            (
+                "tarn_cache_upstream_heads_total",
+                "counter",
+                "HEADs sent to upstreams (lookups and validations).",
+            ),
+            (
+                "tarn_cache_fills_failed_total",
+                "counter",
+                "Chunk fills that failed (their readers cut off).",
+            ),
+            ("tarn_cache_evictions_total", "counter", "Objects evicted."),
+            (
+                "tarn_cache_evicted_bytes_total",
+                "counter",
+                "Bytes evicted.",
+            ),
+            (
+                "tarn_cache_bytes",
+                "gauge",
+                "Bytes a cache bucket holds, as counted on this node.",
+            ),
+            (
+                "tarn_cache_size_bytes",
+                "gauge",
+                "A cache bucket's size limit (0: none).",
+            ),
+        ];
+        for (metric, kind, help) in series {
+            let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} {kind}");
+            for b in &buckets {
+                let st = &b.stats;
+                let v = match metric {
+                    "tarn_cache_hits_total" => st.hits.load(Ordering::Relaxed),
+                    "tarn_cache_misses_total" => st.misses.load(Ordering::Relaxed),
+                    "tarn_cache_served_bytes_total" => st.bytes_served.load(Ordering::Relaxed),
+                    "tarn_cache_upstream_bytes_total" => {
+                        st.bytes_from_upstream.load(Ordering::Relaxed)
+                    }
+                    "tarn_cache_upstream_gets_total" => st.upstream_gets.load(Ordering::Relaxed),
+                    "tarn_cache_upstream_heads_total" => st.upstream_heads.load(Ordering::Relaxed),
+                    "tarn_cache_fills_failed_total" => st.fills_failed.load(Ordering::Relaxed),
+                    "tarn_cache_evictions_total" => st.evictions.load(Ordering::Relaxed),
+                    "tarn_cache_evicted_bytes_total" => st.bytes_evicted.load(Ordering::Relaxed),
+                    "tarn_cache_bytes" => b.used(),
+                    _ => b.size.unwrap_or(0),
+                };
+                let _ = writeln!(out, "{metric}{{bucket=\"{}\"}} {v}", name(&b.name));
+            }
+        }
+        let jobs = caches.jobs();
+        let running = jobs.iter().filter(|j| !j.finished()).count();
+        let _ = write!(
+            out,
+            "# HELP tarn_cache_budget_bytes Bytes every cache bucket of the node may hold together (0: no budget).\n# TYPE tarn_cache_budget_bytes gauge\ntarn_cache_budget_bytes {}\n\
+             # HELP tarn_cache_used_bytes Bytes every cache bucket holds, as counted on this node.\n# TYPE tarn_cache_used_bytes gauge\ntarn_cache_used_bytes {}\n\
+             # HELP tarn_cache_prefetch_jobs Prefetch jobs this node remembers, by state.\n# TYPE tarn_cache_prefetch_jobs gauge\n\
+             tarn_cache_prefetch_jobs{{state=\"running\"}} {running}\ntarn_cache_prefetch_jobs{{state=\"finished\"}} {}\n",
+            caches.budget(),
+            caches.used(),
+            jobs.len() - running
+        );
+        out
+    }
+}
+
 /// A Prometheus label value: escaped, at most 200 characters.
 fn label(raw: &[u8]) -> String {
     String::from_utf8_lossy(raw)

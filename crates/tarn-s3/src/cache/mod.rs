@@ -64,6 +64,10 @@ const DOCS_PREFIX: &str = "cache/buckets/";
 const DOC_FORMAT: u32 = 1;
 /// The metadata header of an entry object that holds its cache state.
 const ENTRY_HEADER: &str = "x-tarn-cache";
+/// A GET of `<this><prefix>` in a cache bucket starts a prefetch of
+/// `<prefix>` and answers the job (JSON): a prefetch any S3 client can ask
+/// for. Upstream keys under it are not reachable through the cache.
+pub const PREFETCH_KEY_PREFIX: &str = ".tarn-prefetch/";
 /// Prefix of a cache bucket's internal bucket.
 pub const CHUNKS_BUCKET_PREFIX: &str = ".cache.";
 

@@ -209,7 +209,7 @@ impl CacheBucket {
                 "model index {index_key} is larger than {INDEX_MAX_BYTES} bytes"
             )));
         }
-        let mut body = self.body(index_key, entry.clone(), 0, entry.meta.size);
+        let mut body = self.body_of(index_key, entry.clone(), (0, entry.meta.size), false);
         let mut bytes = Vec::with_capacity(entry.meta.size as usize);
         while let Some(p) = body.next().await {
             bytes.extend_from_slice(&p?);

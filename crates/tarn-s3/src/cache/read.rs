@@ -296,9 +296,24 @@ impl CacheBucket {
 
     /// The bytes [start, end) of `entry`'s object.
     pub fn body(self: &Arc<Self>, key: &str, entry: Arc<Entry>, start: u64, end: u64) -> CacheBody {
+        self.body_of(key, entry, (start, end), true)
+    }
+
+    /// A read of the server's own (a model index a prefetch reads): not
+    /// counted as a client's hit or miss.
+    pub(super) fn body_of(
+        self: &Arc<Self>,
+        key: &str,
+        entry: Arc<Entry>,
+        (start, end): (u64, u64),
+        counted: bool,
+    ) -> CacheBody {
         let (tx, rx) = mpsc::channel(BODY_QUEUE);
         if end > start {
-            tokio::spawn(self.clone().pump(key.to_string(), entry, start, end, tx));
+            tokio::spawn(
+                self.clone()
+                    .pump(key.to_string(), entry, (start, end), counted, tx),
+            );
         }
         CacheBody { rx }
     }
@@ -307,8 +322,8 @@ impl CacheBucket {
         self: Arc<Self>,
         key: String,
         entry: Arc<Entry>,
-        start: u64,
-        end: u64,
+        (start, end): (u64, u64),
+        counted: bool,
         tx: mpsc::Sender<Result<Bytes, CacheError>>,
     ) {
         self.ensure_counted();
@@ -331,6 +346,9 @@ impl CacheBucket {
                     return;
                 }
             }
+        }
+        if !counted {
+            return;
         }
         let counter = if missed {
             &self.stats.misses
