@@ -33,6 +33,24 @@ class FaultProxy:
         with self.lock:
             self.actions.extend(actions)
 
+    def limit(self, bytes_per_second):
+        """Caps the answers of every connection together at this rate (a
+        slow upstream); None lifts it."""
+        with self.lock:
+            self.rate = bytes_per_second
+            self.rate_next = time.monotonic()
+
+    def _pace(self, n):
+        with self.lock:
+            rate = getattr(self, "rate", None)
+            if not rate:
+                return
+            now = time.monotonic()
+            start = max(now, self.rate_next)
+            self.rate_next = start + n / rate
+        if start > now:
+            time.sleep(start - now)
+
     def always(self, action):
         with self.lock:
             self.standing = action
@@ -113,6 +131,8 @@ class FaultProxy:
                     time.sleep(action[2])
                     data = data[cut:]
                     sent += cut
+                if action is not None:
+                    self._pace(len(data))
                 dst.sendall(data)
                 sent += len(data)
         except OSError:

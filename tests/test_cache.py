@@ -560,3 +560,54 @@ def test_python_prefetch_pin_drop_status(pair, monkeypatch):
     assert e.value.job["failures"] == 1 and e.value.job["failed"][0]["key"] == "missing"
     with pytest.raises(tarn.cache.CacheError):
         tarn.cache.status("nosuch")
+
+
+def test_a_cluster_prefetch_runs_on_every_node_and_survives_the_loss_of_the_one_asked(make_server, formed_cluster):
+    import signal
+
+    _, nodes = formed_cluster
+    up = make_server(drives=1, name="upstream")
+    u = up.client()
+    u.create_bucket(Bucket="origin")
+    files = {f"ds/{i}": data(60 + i, 12 * MiB) for i in range(4)}
+    for k, v in files.items():
+        u.put_object(Bucket="origin", Key=k, Body=v)
+    proxy = FaultProxy("127.0.0.1", int(up.endpoint.rsplit(":", 1)[1]))
+    try:
+        cache_admin(nodes[0], "add", "shared", "--upstream", "s3://origin", "--upstream-endpoint", proxy.endpoint,
+                    "--validate", "never")
+        # A slow upstream: the job takes seconds.
+        proxy.limit(12 * MiB)
+        job = json.loads(cache_admin(nodes[0], "prefetch", "shared", "--prefix", "ds/", "--json").stdout)
+        # Every node runs it (the record in etcd), sharing chunks by claims.
+        for n in nodes[1:]:
+            wait_until("the job on every node", lambda n=n: any(
+                j["id"] == job["id"] for j in json.loads(cache_admin(n, "jobs", "--json").stdout)), timeout=20)
+        time.sleep(1)
+        nodes[0].signal(signal.SIGKILL)
+        proxy.limit(None)
+
+        def done_on(n):
+            j = next(j for j in json.loads(cache_admin(n, "jobs", "--json").stdout) if j["id"] == job["id"])
+            return j["state"] != "running" and j
+
+        for n in nodes[1:]:
+            final = None
+
+            def finished(n=n):
+                nonlocal final
+                final = done_on(n)
+                return final
+
+            wait_until("the job's end on a surviving node", finished, timeout=120)
+            assert final["state"] == "done", final
+        gets = upstream_gets(up)
+        # Each chunk was read once, or twice when the killed node held its claim.
+        assert gets <= 2 * 8, gets
+        for n in nodes[1:]:
+            c = n.client()
+            for k, v in files.items():
+                assert c.get_object(Bucket="shared", Key=k)["Body"].read() == v
+        assert upstream_gets(up) == gets
+    finally:
+        proxy.close()

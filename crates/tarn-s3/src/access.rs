@@ -459,7 +459,11 @@ impl Access {
     pub async fn reload(&self) -> Result<(), crate::iam::IamError> {
         self.iam.reload().await?;
         self.read_all(true).await?;
-        self.load_caches().await
+        self.load_caches().await?;
+        if let Err(error) = self.caches.join_jobs().await {
+            tracing::warn!(%error, "cannot read the cluster's prefetch jobs");
+        }
+        Ok(())
     }
 
     async fn load_caches(&self) -> Result<(), crate::iam::IamError> {

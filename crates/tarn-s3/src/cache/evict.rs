@@ -303,8 +303,10 @@ impl CacheBucket {
                 )
                 .await?;
             for o in &page.objects {
-                if let Some((g, _)) = o.key.split_once('/') {
-                    *gens.entry(g.to_string()).or_default() += o.size;
+                match o.key.split_once('/') {
+                    // A fill's claim (cluster), not a generation.
+                    Some(("claims", _)) | None => {}
+                    Some((g, _)) => *gens.entry(g.to_string()).or_default() += o.size,
                 }
             }
             if !page.is_truncated {

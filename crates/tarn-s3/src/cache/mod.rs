@@ -330,6 +330,8 @@ struct FillState {
     end: Option<Result<(), String>>,
     /// Some once the chunk is stored, or will not be.
     stored: Option<Result<(), String>>,
+    /// Whether this node read it from the upstream (not another node).
+    fetched: bool,
 }
 
 /// Every cache bucket of this node.

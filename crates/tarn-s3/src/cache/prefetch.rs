@@ -25,6 +25,27 @@ pub struct PrefetchSpec {
     pub keys: Vec<String>,
 }
 
+const JOBS_PREFIX: &str = "cache/jobs/";
+
+/// A job's record in etcd while it runs (cluster).
+#[derive(Debug, Serialize, Deserialize)]
+struct JobDoc {
+    format: u32,
+    id: String,
+    bucket: String,
+    prefix: Option<String>,
+    keys: Vec<String>,
+    created_ns: u64,
+}
+
+fn describe(spec: &PrefetchSpec) -> String {
+    match (&spec.prefix, spec.keys.len()) {
+        (Some(p), 0) => format!("prefix {p:?}"),
+        (Some(p), n) => format!("prefix {p:?} and {n} key(s)"),
+        (None, n) => format!("{n} key(s)"),
+    }
+}
+
 #[derive(Debug, Default)]
 struct JobState {
     objects_total: u64,
@@ -101,11 +122,7 @@ impl Caches {
                 "a prefetch needs a prefix or keys".into(),
             ));
         }
-        let what = match (&spec.prefix, spec.keys.len()) {
-            (Some(p), 0) => format!("prefix {p:?}"),
-            (Some(p), n) => format!("prefix {p:?} and {n} key(s)"),
-            (None, n) => format!("{n} key(s)"),
-        };
+        let what = describe(&spec);
         let job = Arc::new(Job {
             id: super::write::random_hex(),
             bucket: name.to_string(),
@@ -113,25 +130,106 @@ impl Caches {
             started_ns: now_ns(),
             state: Mutex::new(JobState::default()),
         });
-        {
-            let mut jobs = self.jobs.lock().expect("cache jobs");
-            if jobs.len() >= JOBS_KEPT {
-                if let Some(i) = jobs.iter().position(|j| j.finished()) {
-                    jobs.remove(i);
+        self.remember_job(job.clone());
+        let record = self.store.catalog().is_some().then(|| JobDoc {
+            format: DOC_FORMAT,
+            id: job.id.clone(),
+            bucket: name.to_string(),
+            prefix: spec.prefix.clone(),
+            keys: spec.keys.clone(),
+            created_ns: job.started_ns,
+        });
+        self.run_job(b, job.clone(), spec, record);
+        Ok(job)
+    }
+
+    /// Runs `job` on this node. In a cluster its record is in etcd while it
+    /// runs: every node runs it too (the chunks' claims share the work, so
+    /// each chunk is fetched once), and it goes on when this node stops.
+    fn run_job(
+        &self,
+        b: Arc<CacheBucket>,
+        job: Arc<Job>,
+        spec: PrefetchSpec,
+        record: Option<JobDoc>,
+    ) {
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            let key = format!("{JOBS_PREFIX}{}.json", job.id);
+            if let Some(doc) = &record {
+                if let Err(error) = sysdoc::write(&store, &key, doc).await {
+                    tracing::warn!(job = %job.id, %error, "a prefetch job runs on this node only: its record was not written");
                 }
             }
-            jobs.push(job.clone());
-        }
-        let j = job.clone();
-        tokio::spawn(async move {
-            let r = b.run_prefetch(&j, spec).await;
-            let mut s = j.state.lock().expect("job");
-            if let Err(e) = r {
-                s.error = Some(e.to_string());
+            let r = b.run_prefetch(&job, spec).await;
+            let clean = {
+                let mut s = job.state.lock().expect("job");
+                if let Err(e) = r {
+                    s.error = Some(e.to_string());
+                }
+                s.finished_ns = Some(now_ns());
+                s.error.is_none() && s.failures == 0
+            };
+            if clean && store.catalog().is_some() {
+                // Done for everyone: every chunk is stored.
+                match sysdoc::delete(&store, &key).await {
+                    Ok(()) | Err(StoreError::NoSuchKey { .. }) => {}
+                    Err(error) => {
+                        tracing::warn!(job = %job.id, %error, "cannot delete a finished prefetch job's record")
+                    }
+                }
             }
-            s.finished_ns = Some(now_ns());
         });
-        Ok(job)
+    }
+
+    /// Prefetch jobs recorded in etcd by other nodes that this node does
+    /// not run yet: started here (after a change of the cluster's
+    /// documents, never at start).
+    pub async fn join_jobs(&self) -> Result<(), CacheError> {
+        if self.store.catalog().is_none() {
+            return Ok(());
+        }
+        for key in sysdoc::list(&self.store, JOBS_PREFIX).await? {
+            let bytes = match sysdoc::read(&self.store, &key).await {
+                Ok(b) => b,
+                Err(StoreError::NoSuchKey { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let Ok(doc) = serde_json::from_slice::<JobDoc>(&bytes) else {
+                tracing::warn!(%key, "an unreadable prefetch job record is ignored");
+                continue;
+            };
+            if self.job(&doc.id).is_some() {
+                continue;
+            }
+            let Some(b) = self.get(&doc.bucket) else {
+                continue;
+            };
+            let spec = PrefetchSpec {
+                prefix: doc.prefix,
+                keys: doc.keys,
+            };
+            let job = Arc::new(Job {
+                id: doc.id,
+                bucket: doc.bucket,
+                what: describe(&spec),
+                started_ns: now_ns(),
+                state: Mutex::new(JobState::default()),
+            });
+            self.remember_job(job.clone());
+            self.run_job(b, job, spec, None);
+        }
+        Ok(())
+    }
+
+    fn remember_job(&self, job: Arc<Job>) {
+        let mut jobs = self.jobs.lock().expect("cache jobs");
+        if jobs.len() >= JOBS_KEPT {
+            if let Some(i) = jobs.iter().position(|j| j.finished()) {
+                jobs.remove(i);
+            }
+        }
+        jobs.push(job);
     }
 
     pub fn jobs(&self) -> Vec<Arc<Job>> {
@@ -290,7 +388,8 @@ impl CacheBucket {
         }
         let fill = self.fill(key, entry, n);
         wait_stored(&fill).await?;
-        Ok(!filling)
+        let fetched = fill.state.lock().expect("fill").fetched;
+        Ok(fetched)
     }
 }
 

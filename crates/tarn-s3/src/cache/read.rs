@@ -374,7 +374,8 @@ impl CacheBucket {
         if let Some(fill) = filling {
             // A fill already whole (being stored) serves like a stored chunk.
             let whole = matches!(fill.state.lock().expect("fill").end, Some(Ok(())));
-            return Ok((send_from_fill(&fill, a, b, tx, &self.stats).await?, !whole));
+            let sent = send_from_fill(&fill, a, b, tx, &self.stats).await?;
+            return Ok((sent, !whole && fetched(&fill)));
         }
         let (cs, ce) = entry.chunk_bounds(n);
         match self
@@ -438,7 +439,9 @@ impl CacheBucket {
         for m in n + 1..=ahead_end {
             self.read_ahead(key, entry, m);
         }
-        Ok((send_from_fill(&fill, a, b, tx, &self.stats).await?, true))
+        let sent = send_from_fill(&fill, a, b, tx, &self.stats).await?;
+        // Another node's fill, read from the engine, is no miss.
+        Ok((sent, fetched(&fill)))
     }
 
     /// Starts filling chunk `m` unless it is stored or being filled.
@@ -485,7 +488,6 @@ impl CacheBucket {
 
     async fn run_fill(self: Arc<Self>, key: String, entry: Arc<Entry>, n: u64, fill: Arc<Fill>) {
         let ck = entry.chunk_key(n);
-        let result = self.fetch(&key, &entry, n, &fill).await;
         let finish = |end: Result<(), String>| {
             fill.state.lock().expect("fill").end = Some(end);
             fill.changed.notify_waiters();
@@ -494,6 +496,28 @@ impl CacheBucket {
             fill.state.lock().expect("fill").stored = Some(r);
             fill.changed.notify_waiters();
         };
+        // In a cluster one node fills a chunk: the others wait for it to be
+        // stored and read it from the engine.
+        let claimed = match self.claim(&entry, n).await {
+            Ok(Claim::Ours(c)) => Some(c),
+            Ok(Claim::None) => None,
+            Ok(Claim::StoredElsewhere) => {
+                let r = self.fill_from_store(&entry, n, &fill).await;
+                let r = r.map_err(|e| e.to_string());
+                finish(r.clone());
+                stored(r);
+                self.fills.lock().expect("cache fills").remove(&ck);
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(bucket = %self.name, %key, chunk = n, error = %e, "cannot claim a chunk's fill");
+                finish(Err(e.to_string()));
+                stored(Err(e.to_string()));
+                self.fills.lock().expect("cache fills").remove(&ck);
+                return;
+            }
+        };
+        let result = self.fetch(&key, &entry, n, &fill).await;
         match result {
             Ok(()) => {
                 finish(Ok(()));
@@ -531,6 +555,9 @@ impl CacheBucket {
                 finish(Err(e.to_string()));
                 stored(Err(e.to_string()));
             }
+        }
+        if let Some(c) = claimed {
+            self.release_claim(&c).await;
         }
         self.fills.lock().expect("cache fills").remove(&ck);
     }
@@ -572,6 +599,7 @@ impl CacheBucket {
                                     let mut st = fill.state.lock().expect("fill");
                                     st.len += p.len() as u64;
                                     st.pieces.push(p);
+                                    st.fetched = true;
                                 }
                                 fill.changed.notify_waiters();
                                 if got == ce - cs {
@@ -615,6 +643,10 @@ impl CacheBucket {
             backoff *= 2;
         }
     }
+}
+
+fn fetched(fill: &Fill) -> bool {
+    fill.state.lock().expect("fill").fetched
 }
 
 /// Sends bytes [a, b) of a fill as they arrive; whether the reader is still
@@ -676,4 +708,125 @@ async fn send_from_fill(
         }
     }
     Ok(true)
+}
+
+/// Who fills a chunk, in a cluster.
+enum Claim {
+    /// This node: its claim object's key, deleted once the chunk is stored.
+    Ours(String),
+    /// Another node filled it while this one waited.
+    StoredElsewhere,
+    /// One node: no claims needed (fills are single-flight in memory).
+    None,
+}
+
+/// How long a node waits for a chunk another node claimed before it takes
+/// the claim over (the claimer stopped or stalled).
+const CLAIM_WAIT: Duration = Duration::from_secs(30);
+const CLAIMS_PREFIX: &str = "claims/";
+
+impl CacheBucket {
+    /// Claims the fill of chunk `n` across a cluster with a conditional
+    /// create of `claims/<chunk>` in the internal bucket (creates are
+    /// linearizable): the node whose create succeeds fetches; the others
+    /// wait for the chunk. A claim older than `CLAIM_WAIT` is taken over.
+    async fn claim(&self, entry: &Entry, n: u64) -> Result<Claim, CacheError> {
+        if self.store.catalog().is_none() {
+            return Ok(Claim::None);
+        }
+        let ck = entry.chunk_key(n);
+        let (cs, ce) = entry.chunk_bounds(n);
+        let claim = format!("{CLAIMS_PREFIX}{ck}");
+        loop {
+            let made = self
+                .store
+                .put_object(
+                    &self.chunks_bucket,
+                    &claim,
+                    // Each claim its own bytes, so its own ETag: a takeover
+                    // deletes only the claim it found stale.
+                    ObjectBody::from_bytes(Bytes::from(super::write::random_hex())),
+                    PutOptions {
+                        if_none_match: Some("*".into()),
+                        ..Default::default()
+                    },
+                )
+                .await;
+            match made {
+                Ok(_) => {
+                    // The chunk may have been stored before this claim.
+                    return match self.store.head_object(&self.chunks_bucket, &ck, None).await {
+                        Ok(i) if i.size == ce - cs => {
+                            self.release_claim(&claim).await;
+                            Ok(Claim::StoredElsewhere)
+                        }
+                        _ => Ok(Claim::Ours(claim)),
+                    };
+                }
+                Err(StoreError::PreconditionFailed) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let deadline = tokio::time::Instant::now() + CLAIM_WAIT;
+            let mut pause = Duration::from_millis(20);
+            loop {
+                match self.store.head_object(&self.chunks_bucket, &ck, None).await {
+                    Ok(i) if i.size == ce - cs => return Ok(Claim::StoredElsewhere),
+                    _ => {}
+                }
+                match self
+                    .store
+                    .head_object(&self.chunks_bucket, &claim, None)
+                    .await
+                {
+                    // Released without the chunk (its fill failed): try to
+                    // claim it.
+                    Err(StoreError::NoSuchKey { .. }) => break,
+                    Ok(c)
+                        if tokio::time::Instant::now() >= deadline
+                            && now_ns().saturating_sub(c.last_modified_ns)
+                                >= CLAIM_WAIT.as_nanos() as u64 =>
+                    {
+                        tracing::warn!(bucket = %self.chunks_bucket, chunk = %ck, "a chunk's claim outlived its fill; taking it over");
+                        let _ = self
+                            .store
+                            .delete_object_if(&self.chunks_bucket, &claim, None, Some(&c.etag))
+                            .await;
+                        break;
+                    }
+                    _ => {}
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+        }
+    }
+
+    async fn release_claim(&self, claim: &str) {
+        if let Err(error) = self
+            .store
+            .delete_object(&self.chunks_bucket, claim, None)
+            .await
+        {
+            tracing::warn!(bucket = %self.chunks_bucket, %claim, %error, "cannot release a chunk's claim; it lapses");
+        }
+    }
+
+    /// A chunk another node stored, into `fill` for its readers.
+    async fn fill_from_store(&self, entry: &Entry, n: u64, fill: &Fill) -> Result<(), CacheError> {
+        let got = self
+            .store
+            .get_object(&self.chunks_bucket, &entry.chunk_key(n), None, None, None)
+            .await?;
+        let mut stream = got.stream;
+        while let Some(p) = stream.next().await {
+            let p = p?;
+            {
+                let mut st = fill.state.lock().expect("fill");
+                st.len += p.len() as u64;
+                st.pieces.push(p);
+            }
+            fill.changed.notify_waiters();
+        }
+        Ok(())
+    }
 }
