@@ -50,7 +50,8 @@ use upstream::{Upstream, UpstreamError, UpstreamMeta, Validation};
 pub const CHUNK_BYTES: u64 = 8 << 20;
 /// Chunks filled ahead of a reader that missed.
 const READ_AHEAD_CHUNKS: u64 = 4;
-/// Chunks filled at once by one node (each held in memory while it fills).
+/// Chunks filled and stored at once by one node (each held in memory until
+/// it is stored).
 const FILLS_MAX: usize = 32;
 /// Tries of an upstream GET that makes no progress before the fill fails.
 const FILL_TRIES: u32 = 4;
@@ -320,7 +321,16 @@ impl Entry {
 struct Fill {
     state: Mutex<FillState>,
     changed: Notify,
+    /// Whether the chunk is stored once whole: a fill holds one of the
+    /// node's `FILLS_MAX` slots from its start until it is stored; a read
+    /// that misses when every slot is taken streams from the upstream
+    /// without keeping the chunk (the cache fills as fast as it can write,
+    /// readers get the upstream's speed, memory stays bounded).
+    keeps: bool,
 }
+
+/// What a fill that does not keep its chunk says to a prefetch waiting on it.
+const NOT_KEPT: &str = "read through without being kept (every fill slot was taken)";
 
 #[derive(Default)]
 struct FillState {

@@ -378,18 +378,38 @@ impl CacheBucket {
     ) -> Result<bool, CacheError> {
         let ck = entry.chunk_key(n);
         let (cs, ce) = entry.chunk_bounds(n);
-        let filling = self.fills.lock().expect("cache fills").contains_key(&ck);
-        if !filling {
-            match self.store.head_object(&self.chunks_bucket, &ck, None).await {
-                Ok(i) if i.size == ce - cs => return Ok(false),
-                Ok(_) | Err(StoreError::NoSuchKey { .. }) => {}
-                Err(e) => return Err(e.into()),
+        loop {
+            let filling = self.fills.lock().expect("cache fills").get(&ck).cloned();
+            let fill = match filling {
+                Some(f) => f,
+                None => {
+                    match self.store.head_object(&self.chunks_bucket, &ck, None).await {
+                        Ok(i) if i.size == ce - cs => return Ok(false),
+                        Ok(_) | Err(StoreError::NoSuchKey { .. }) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                    // A prefetch waits for a slot: it always keeps.
+                    let slot = self
+                        .fill_slots
+                        .clone()
+                        .acquire_owned()
+                        .await
+                        .expect("the fill semaphore is never closed");
+                    self.fill(key, entry, n, Some(slot))
+                }
+            };
+            if !fill.keeps {
+                // A read through in progress: once it ends, fill for keeps.
+                let _ = wait_stored(&fill).await;
+                while self.fills.lock().expect("cache fills").contains_key(&ck) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                continue;
             }
+            wait_stored(&fill).await?;
+            let fetched = fill.state.lock().expect("fill").fetched;
+            return Ok(fetched);
         }
-        let fill = self.fill(key, entry, n);
-        wait_stored(&fill).await?;
-        let fetched = fill.state.lock().expect("fill").fetched;
-        Ok(fetched)
     }
 }
 

@@ -22,6 +22,13 @@ impl Stream for CacheBody {
     }
 }
 
+/// Where a chunk's bytes come from.
+enum Source {
+    Stored(tarn_store::ObjectStream),
+    /// A fill, and whether this read started it.
+    Fill(Arc<Fill>, bool),
+}
+
 /// Pieces queued ahead of the client of a cached GET.
 const BODY_QUEUE: usize = 16;
 
@@ -331,10 +338,29 @@ impl CacheBucket {
         let first = start / CHUNK_BYTES;
         let last = (end - 1) / CHUNK_BYTES;
         let mut missed = false;
-        for n in first..=last {
+        let span = |n: u64| {
             let (cs, ce) = entry.chunk_bounds(n);
-            let (a, b) = (start.max(cs) - cs, end.min(ce) - cs);
-            match self.send_chunk(&key, &entry, n, (a, b), last, &tx).await {
+            (start.max(cs) - cs, end.min(ce) - cs)
+        };
+        // The next chunk is opened (its metadata read, its first stripe
+        // read ahead) while this one is sent: no gap between chunks.
+        let mut next = Some(self.open_ahead(&key, &entry, first, span(first), last));
+        for n in first..=last {
+            let opened = match next.take() {
+                Some(h) => h.await.unwrap_or_else(|e| {
+                    Err(CacheError::Failed(format!("a chunk's read stopped: {e}")))
+                }),
+                None => unreachable!("each chunk is opened before it is sent"),
+            };
+            if n < last {
+                next = Some(self.open_ahead(&key, &entry, n + 1, span(n + 1), last));
+            }
+            let (a, b) = span(n);
+            let sent = match opened {
+                Ok(src) => self.send_source(src, &entry, n, (a, b), &tx).await,
+                Err(e) => Err(e),
+            };
+            match sent {
                 Ok((true, fill)) => missed |= fill,
                 Ok((false, _)) => return,
                 Err(e) => {
@@ -358,24 +384,32 @@ impl CacheBucket {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Sends bytes [a, b) of chunk `n`: (whether the reader is still there,
-    /// whether the upstream was needed).
-    async fn send_chunk(
+    fn open_ahead(
+        self: &Arc<Self>,
+        key: &str,
+        entry: &Arc<Entry>,
+        n: u64,
+        span: (u64, u64),
+        last: u64,
+    ) -> tokio::task::JoinHandle<Result<Source, CacheError>> {
+        let (this, key, entry) = (self.clone(), key.to_string(), entry.clone());
+        tokio::spawn(async move { this.open_chunk(&key, &entry, n, span, last).await })
+    }
+
+    /// Where bytes [a, b) of chunk `n` come from: the engine, or a fill
+    /// (started here when the chunk is not stored, with its read-ahead).
+    async fn open_chunk(
         self: &Arc<Self>,
         key: &str,
         entry: &Arc<Entry>,
         n: u64,
         (a, b): (u64, u64),
         last: u64,
-        tx: &mpsc::Sender<Result<Bytes, CacheError>>,
-    ) -> Result<(bool, bool), CacheError> {
+    ) -> Result<Source, CacheError> {
         let ck = entry.chunk_key(n);
         let filling = self.fills.lock().expect("cache fills").get(&ck).cloned();
         if let Some(fill) = filling {
-            // A fill already whole (being stored) serves like a stored chunk.
-            let whole = matches!(fill.state.lock().expect("fill").end, Some(Ok(())));
-            let sent = send_from_fill(&fill, a, b, tx, &self.stats).await?;
-            return Ok((sent, !whole && fetched(&fill)));
+            return Ok(Source::Fill(fill, false));
         }
         let (cs, ce) = entry.chunk_bounds(n);
         match self
@@ -389,8 +423,46 @@ impl CacheBucket {
             )
             .await
         {
-            Ok(got) if got.info.size == ce - cs => {
-                let mut stream = got.stream;
+            Ok(got) if got.info.size == ce - cs => return Ok(Source::Stored(got.stream)),
+            Ok(got) => {
+                tracing::warn!(bucket = %self.chunks_bucket, chunk = %ck, size = got.info.size, "a stored chunk has the wrong size; fetched again");
+            }
+            Err(StoreError::NoSuchKey { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let slot = self.fill_slots.clone().try_acquire_owned().ok();
+        let fill = self.fill(key, entry, n, slot);
+        // The chunks of the read that follow are filled ahead of it, and a
+        // ranged read's next chunk (a reader of ranges tends to go on).
+        let ahead_end = (n + READ_AHEAD_CHUNKS)
+            .min(last + 1)
+            .min(entry.chunks().saturating_sub(1));
+        for m in n + 1..=ahead_end {
+            self.read_ahead(key, entry, m);
+        }
+        Ok(Source::Fill(fill, true))
+    }
+
+    /// Sends bytes [a, b) of chunk `n` from where it was opened: (whether
+    /// the reader is still there, whether the upstream was needed).
+    async fn send_source(
+        &self,
+        src: Source,
+        entry: &Entry,
+        n: u64,
+        (a, b): (u64, u64),
+        tx: &mpsc::Sender<Result<Bytes, CacheError>>,
+    ) -> Result<(bool, bool), CacheError> {
+        match src {
+            Source::Fill(fill, started) => {
+                // A fill already whole (being stored) serves like a stored chunk.
+                let whole =
+                    !started && matches!(fill.state.lock().expect("fill").end, Some(Ok(())));
+                let sent = send_from_fill(&fill, a, b, tx, &self.stats).await?;
+                // Another node's fill, read from the engine, is no miss.
+                Ok((sent, !whole && fetched(&fill)))
+            }
+            Source::Stored(mut stream) => {
                 let mut sent = 0;
                 while let Some(piece) = stream.next().await {
                     let piece = piece?;
@@ -404,44 +476,14 @@ impl CacheBucket {
                 }
                 if sent != b - a {
                     return Err(CacheError::Failed(format!(
-                        "chunk {ck} gave {sent} of {} bytes",
+                        "chunk {} gave {sent} of {} bytes",
+                        entry.chunk_key(n),
                         b - a
                     )));
                 }
                 Ok((true, false))
             }
-            Ok(got) => {
-                tracing::warn!(bucket = %self.chunks_bucket, chunk = %ck, size = got.info.size, "a stored chunk has the wrong size; fetched again");
-                self.fetch_and_send(key, entry, n, (a, b), last, tx).await
-            }
-            Err(StoreError::NoSuchKey { .. }) => {
-                self.fetch_and_send(key, entry, n, (a, b), last, tx).await
-            }
-            Err(e) => Err(e.into()),
         }
-    }
-
-    async fn fetch_and_send(
-        self: &Arc<Self>,
-        key: &str,
-        entry: &Arc<Entry>,
-        n: u64,
-        (a, b): (u64, u64),
-        last: u64,
-        tx: &mpsc::Sender<Result<Bytes, CacheError>>,
-    ) -> Result<(bool, bool), CacheError> {
-        let fill = self.fill(key, entry, n);
-        // The chunks of the read that follow are filled ahead of it, and a
-        // ranged read's next chunk (a reader of ranges tends to go on).
-        let ahead_end = (n + READ_AHEAD_CHUNKS)
-            .min(last + 1)
-            .min(entry.chunks().saturating_sub(1));
-        for m in n + 1..=ahead_end {
-            self.read_ahead(key, entry, m);
-        }
-        let sent = send_from_fill(&fill, a, b, tx, &self.stats).await?;
-        // Another node's fill, read from the engine, is no miss.
-        Ok((sent, fetched(&fill)))
     }
 
     /// Starts filling chunk `m` unless it is stored or being filled.
@@ -454,6 +496,10 @@ impl CacheBucket {
         {
             return;
         }
+        // Only into a free slot: read-ahead is never read through.
+        let Ok(slot) = self.fill_slots.clone().try_acquire_owned() else {
+            return;
+        };
         let (this, key, entry) = (self.clone(), key.to_string(), entry.clone());
         tokio::spawn(async move {
             let stored = this
@@ -461,13 +507,20 @@ impl CacheBucket {
                 .head_object(&this.chunks_bucket, &entry.chunk_key(m), None)
                 .await;
             if let Err(StoreError::NoSuchKey { .. }) = stored {
-                this.fill(&key, &entry, m);
+                this.fill(&key, &entry, m, Some(slot));
             }
         });
     }
 
-    /// The fill of chunk `n`: the one in progress, or a new one.
-    pub(super) fn fill(self: &Arc<Self>, key: &str, entry: &Arc<Entry>, n: u64) -> Arc<Fill> {
+    /// The fill of chunk `n`: the one in progress, or a new one, which keeps
+    /// the chunk when it has a slot.
+    pub(super) fn fill(
+        self: &Arc<Self>,
+        key: &str,
+        entry: &Arc<Entry>,
+        n: u64,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Arc<Fill> {
         let ck = entry.chunk_key(n);
         let mut fills = self.fills.lock().expect("cache fills");
         if let Some(f) = fills.get(&ck) {
@@ -476,17 +529,25 @@ impl CacheBucket {
         let fill = Arc::new(Fill {
             state: Mutex::new(FillState::default()),
             changed: Notify::new(),
+            keeps: slot.is_some(),
         });
         fills.insert(ck, fill.clone());
         drop(fills);
         tokio::spawn(
             self.clone()
-                .run_fill(key.to_string(), entry.clone(), n, fill.clone()),
+                .run_fill(key.to_string(), entry.clone(), n, fill.clone(), slot),
         );
         fill
     }
 
-    async fn run_fill(self: Arc<Self>, key: String, entry: Arc<Entry>, n: u64, fill: Arc<Fill>) {
+    async fn run_fill(
+        self: Arc<Self>,
+        key: String,
+        entry: Arc<Entry>,
+        n: u64,
+        fill: Arc<Fill>,
+        _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
         let ck = entry.chunk_key(n);
         let finish = |end: Result<(), String>| {
             fill.state.lock().expect("fill").end = Some(end);
@@ -498,7 +559,12 @@ impl CacheBucket {
         };
         // In a cluster one node fills a chunk: the others wait for it to be
         // stored and read it from the engine.
-        let claimed = match self.claim(&entry, n).await {
+        let claim = if fill.keeps {
+            self.claim(&entry, n).await
+        } else {
+            Ok(Claim::None)
+        };
+        let claimed = match claim {
             Ok(Claim::Ours(c)) => Some(c),
             Ok(Claim::None) => None,
             Ok(Claim::StoredElsewhere) => {
@@ -519,6 +585,10 @@ impl CacheBucket {
         };
         let result = self.fetch(&key, &entry, n, &fill).await;
         match result {
+            Ok(()) if !fill.keeps => {
+                finish(Ok(()));
+                stored(Err(NOT_KEPT.into()));
+            }
             Ok(()) => {
                 finish(Ok(()));
                 let (pieces, len) = {
@@ -565,11 +635,6 @@ impl CacheBucket {
     /// Fetches chunk `n` into `fill`, resuming from where a broken answer
     /// stopped.
     async fn fetch(&self, key: &str, entry: &Entry, n: u64, fill: &Fill) -> Result<(), CacheError> {
-        let _slot = self
-            .fill_slots
-            .acquire()
-            .await
-            .expect("the fill semaphore is never closed");
         let (cs, ce) = entry.chunk_bounds(n);
         let mut got = 0u64;
         let mut failures = 0u32;

@@ -44,7 +44,12 @@ impl CacheBucket {
             (Ok(a), Ok(stored)) => (a, stored),
             (answer, fed) => {
                 self.drop_generation(generation);
-                // The body's own failure says more than the aborted upload.
+                // The upstream's refusal says most (the body stopped because
+                // of it); else the body's own failure (the upload was
+                // aborted because of it).
+                if let Err(e @ UpstreamError::Status { .. }) = answer {
+                    return Err(e.into());
+                }
                 fed?;
                 return Err(answer.err().map_or_else(
                     || CacheError::Failed("the upstream took the write".into()),
