@@ -934,7 +934,7 @@ impl S3 for TarnS3 {
             let content_range = range
                 .is_some()
                 .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size));
-            let body = cb.body(&i.key, entry, start, end);
+            let body = cb.body(&i.key, entry, start, end).await;
             return Ok(S3Response::new(GetObjectOutput {
                 body: Some(StreamingBlob::wrap(body)),
                 content_length: Some((end - start) as i64),

@@ -10,15 +10,23 @@ use futures::StreamExt;
 use super::*;
 
 /// The bytes of one cached GET, produced by a task that walks its chunks.
-pub struct CacheBody {
-    rx: mpsc::Receiver<Result<Bytes, CacheError>>,
+pub enum CacheBody {
+    Channel(mpsc::Receiver<Result<Bytes, CacheError>>),
+    /// A read within one stored chunk: the engine's stream itself (no task
+    /// between), the object kept from eviction while it is read.
+    Direct(tarn_store::ObjectStream, super::evict::Reading),
 }
 
 impl Stream for CacheBody {
     type Item = Result<Bytes, CacheError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.rx.poll_recv(cx)
+        match &mut *self {
+            CacheBody::Channel(rx) => rx.poll_recv(cx),
+            CacheBody::Direct(s, _) => Pin::new(s)
+                .poll_next(cx)
+                .map(|o| o.map(|r| r.map_err(CacheError::from))),
+        }
     }
 }
 
@@ -302,7 +310,40 @@ impl CacheBucket {
     }
 
     /// The bytes [start, end) of `entry`'s object.
-    pub fn body(self: &Arc<Self>, key: &str, entry: Arc<Entry>, start: u64, end: u64) -> CacheBody {
+    pub async fn body(
+        self: &Arc<Self>,
+        key: &str,
+        entry: Arc<Entry>,
+        start: u64,
+        end: u64,
+    ) -> CacheBody {
+        let (first, last) = (start / CHUNK_BYTES, end.saturating_sub(1) / CHUNK_BYTES);
+        if end > start && first == last {
+            let ck = entry.chunk_key(first);
+            let filling = self.fills.lock().expect("cache fills").contains_key(&ck);
+            let (cs, ce) = entry.chunk_bounds(first);
+            if !filling {
+                let got = self
+                    .store
+                    .get_object(
+                        &self.chunks_bucket,
+                        &ck,
+                        None,
+                        Some(ByteRange::Closed(start - cs, end - cs - 1)),
+                        None,
+                    )
+                    .await;
+                if let Some(got) = got.ok().filter(|g| g.info.size == ce - cs) {
+                    let reading = self.reading(key, &entry);
+                    self.ensure_counted();
+                    self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .bytes_served
+                        .fetch_add(end - start, Ordering::Relaxed);
+                    return CacheBody::Direct(got.stream, reading);
+                }
+            }
+        }
         self.body_of(key, entry, (start, end), true)
     }
 
@@ -322,7 +363,7 @@ impl CacheBucket {
                     .pump(key.to_string(), entry, (start, end), counted, tx),
             );
         }
-        CacheBody { rx }
+        CacheBody::Channel(rx)
     }
 
     async fn pump(
