@@ -462,6 +462,11 @@ def test_write_through_goes_upstream_first_then_serves_from_the_cache(pair):
     c.put_object(Bucket="cached", Key="ckpt/step1.bin", Body=body2)
     assert c.get_object(Bucket="cached", Key="ckpt/step1.bin")["Body"].read() == body2
     assert u.get_object(Bucket="origin", Key="models/ckpt/step1.bin")["Body"].read() == body2
+    # Conditions are the upstream's to honour, never dropped.
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.put_object(Bucket="cached", Key="ckpt/step1.bin", Body=b"late", IfNoneMatch="*")
+    assert e.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert u.get_object(Bucket="origin", Key="models/ckpt/step1.bin")["Body"].read() == body2
     # A body that fails its digest reaches neither.
     bad = base64.b64encode(hashlib.md5(b"other").digest()).decode()
     with pytest.raises(botocore.exceptions.ClientError) as e:

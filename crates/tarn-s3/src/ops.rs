@@ -1079,8 +1079,9 @@ impl S3 for TarnS3 {
         let through = self.cache_write(&req.input.bucket)?;
         let i = req.input;
         if let Some(cb) = through {
+            let if_match = condition_string(i.if_match.as_ref());
             return self
-                .delete_through(&cb, &i.key, i.version_id.as_deref())
+                .delete_through(&cb, &i.key, i.version_id.as_deref(), if_match)
                 .await;
         }
         let r = self
@@ -1151,7 +1152,7 @@ impl S3 for TarnS3 {
                         "a cache bucket deletes the upstream's current object only (no versionId)",
                     )),
                     None => cb
-                        .delete_through(&o.key)
+                        .delete_through(&o.key, None)
                         .await
                         .map(|_| tarn_store::DeleteResult {
                             delete_marker: false,
@@ -1756,8 +1757,15 @@ impl S3 for TarnS3 {
             .and_then(|m| m.parts)
             .unwrap_or_default();
         if let Some(cb) = through {
+            let conditions: Vec<(&str, String)> = [
+                ("if-match", condition_string(i.if_match.as_ref())),
+                ("if-none-match", condition_string(i.if_none_match.as_ref())),
+            ]
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v?)))
+            .collect();
             return self
-                .complete_upload_through(&cb, &i.key, &i.upload_id, &parts)
+                .complete_upload_through(&cb, &i.key, &i.upload_id, &parts, conditions)
                 .await;
         }
         let mut list = Vec::with_capacity(parts.len());

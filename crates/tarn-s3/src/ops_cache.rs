@@ -38,6 +38,7 @@ pub(crate) fn cache_error(e: CacheError) -> S3Error {
         }
         CacheError::Store(e) => s3_error(e),
         CacheError::Invalid(m) => S3Error::with_message(S3ErrorCode::InvalidArgument, m),
+        CacheError::Busy(m) => S3Error::with_message(S3ErrorCode::SlowDown, m),
         e @ (CacheError::Upstream(_) | CacheError::Changed | CacheError::Failed(_)) => {
             S3Error::with_message(
                 S3ErrorCode::ServiceUnavailable,
@@ -109,6 +110,7 @@ impl TarnS3 {
         cb: &Arc<CacheBucket>,
         key: &str,
         version_id: Option<&str>,
+        if_match: Option<String>,
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
         if version_id.is_some() {
             return Err(S3Error::with_message(
@@ -116,7 +118,9 @@ impl TarnS3 {
                 "a cache bucket deletes the upstream's current object only (no versionId)",
             ));
         }
-        cb.delete_through(key).await.map_err(cache_error)?;
+        cb.delete_through(key, if_match)
+            .await
+            .map_err(cache_error)?;
         Ok(S3Response::new(DeleteObjectOutput::default()))
     }
 
@@ -177,6 +181,7 @@ impl TarnS3 {
         key: &str,
         upload_id: &str,
         parts: &[CompletedPart],
+        mut headers: Vec<(&str, String)>,
     ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
         let mut xml = String::from("<CompleteMultipartUpload>");
         for p in parts {
@@ -195,12 +200,13 @@ impl TarnS3 {
             ));
         }
         xml.push_str("</CompleteMultipartUpload>");
+        headers.push(("content-type", "application/xml".into()));
         let (h, doc) = cb
             .multipart_through(
                 "POST",
                 key,
                 &[("uploadId", upload_id)],
-                &[("content-type", "application/xml".into())],
+                &headers,
                 Upstream::body_of(xml.into()),
             )
             .await
@@ -392,8 +398,8 @@ pub(crate) fn plain_read(version_id: Option<&str>, part_number: Option<i32>) -> 
 }
 
 /// The headers of a write the upstream must see: the object's type,
-/// stored headers, user metadata, tags and declared digests (for a part:
-/// its digests only). aws-chunked framing is this server's business.
+/// stored headers, user metadata, tags, ACL, conditions and declared
+/// digests (for a part: its digests only). aws-chunked framing is this server's business.
 fn forwarded(h: &http::HeaderMap, part: bool) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for (k, v) in h {
@@ -415,7 +421,13 @@ fn forwarded(h: &http::HeaderMap, part: bool) -> Vec<(String, String)> {
                         | "content-language"
                         | "expires"
                         | "x-amz-tagging"
-                ) || name.starts_with("x-amz-meta-")));
+                        // Conditions and ACLs are the upstream's to honour
+                        // or refuse, never dropped.
+                        | "if-match"
+                        | "if-none-match"
+                        | "x-amz-acl"
+                ) || name.starts_with("x-amz-meta-")
+                    || name.starts_with("x-amz-grant-")));
         if keep {
             out.push((name.to_string(), v.to_string()));
         } else if name == "content-encoding" && !part {

@@ -19,7 +19,7 @@ fn error(e: CacheError) -> http::Response<s3s::Body> {
         CacheError::NoSuchCache(_) => 404,
         CacheError::Exists(_) => 409,
         CacheError::Store(tarn_store::StoreError::InvalidBucketName(_)) => 400,
-        CacheError::Store(_) | CacheError::Upstream(_) => 503,
+        CacheError::Store(_) | CacheError::Upstream(_) | CacheError::Busy(_) => 503,
         _ => 500,
     };
     json(status, serde_json::json!({ "error": e.to_string() }))

@@ -85,6 +85,9 @@ pub enum CacheError {
     /// The upstream object changed while it was read.
     #[error("the upstream object changed while it was read")]
     Changed,
+    /// Too much at once (prefetch jobs running): try again later.
+    #[error("{0}")]
+    Busy(String),
     /// A read broke off (the upstream failed past its retries).
     #[error("{0}")]
     Failed(String),

@@ -9,7 +9,8 @@ use super::*;
 /// Objects prefetched at once by one job, and chunks of one object.
 const OBJECTS_AT_ONCE: usize = 4;
 const CHUNKS_AT_ONCE: usize = 8;
-/// Jobs remembered (finished ones are forgotten oldest first).
+/// Jobs remembered (finished ones are forgotten oldest first), and jobs
+/// running at most on a node.
 const JOBS_KEPT: usize = 100;
 /// Failures a job lists (it counts them all).
 const FAILURES_LISTED: usize = 20;
@@ -122,6 +123,11 @@ impl Caches {
                 "a prefetch needs a prefix or keys".into(),
             ));
         }
+        if self.jobs().iter().filter(|j| !j.finished()).count() >= JOBS_KEPT {
+            return Err(CacheError::Busy(format!(
+                "{JOBS_KEPT} prefetch jobs are running on this node: wait for some to finish"
+            )));
+        }
         let what = describe(&spec);
         let job = Arc::new(Job {
             id: super::write::random_hex(),
@@ -200,6 +206,10 @@ impl Caches {
                 continue;
             };
             if self.job(&doc.id).is_some() {
+                continue;
+            }
+            if self.jobs().iter().filter(|j| !j.finished()).count() >= JOBS_KEPT {
+                tracing::warn!(job = %doc.id, "a cluster prefetch job is left to the other nodes: {JOBS_KEPT} run here");
                 continue;
             }
             let Some(b) = self.get(&doc.bucket) else {

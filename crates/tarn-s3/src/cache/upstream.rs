@@ -436,11 +436,17 @@ impl Upstream {
         Ok((etag, version))
     }
 
-    /// DELETE of one object (a missing one is no error, as in S3).
-    pub async fn delete(&self, key: &str) -> Result<Option<String>, UpstreamError> {
+    /// DELETE of one object (a missing one is no error, as in S3), under
+    /// the client's If-Match when it sent one.
+    pub async fn delete(
+        &self,
+        key: &str,
+        if_match: Option<String>,
+    ) -> Result<Option<String>, UpstreamError> {
         let key = self.key_of(key);
+        let h: Vec<(&str, String)> = if_match.map(|m| ("if-match", m)).into_iter().collect();
         let a = self
-            .send("DELETE", Some(&key), &[], &[], Self::empty())
+            .send("DELETE", Some(&key), &[], &h, Self::empty())
             .await?;
         let status = a.resp.status().as_u16();
         if status != 204 && status != 200 {

@@ -184,8 +184,12 @@ impl CacheBucket {
     }
 
     /// DELETE through: the upstream first, then the cached object.
-    pub async fn delete_through(&self, key: &str) -> Result<Option<String>, CacheError> {
-        let version = self.upstream.delete(key).await?;
+    pub async fn delete_through(
+        &self,
+        key: &str,
+        if_match: Option<String>,
+    ) -> Result<Option<String>, CacheError> {
+        let version = self.upstream.delete(key, if_match).await?;
         self.forget(key);
         if let Some(old) = self.stored_entry(key).await? {
             self.vanish(key, &old).await?;
