@@ -122,6 +122,13 @@ class FaultProxy:
                 if action and action[0] == "reset" and sent + len(data) >= action[1]:
                     dst.sendall(data[: max(0, action[1] - sent)])
                     dst.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    # Wake the thread reading the request side first: a
+                    # socket closed while another thread is blocked in its
+                    # recv() is not torn down (no RST) until that returns.
+                    try:
+                        dst.shutdown(socket.SHUT_RD)
+                    except OSError:
+                        pass
                     dst.close()
                     src.close()
                     return

@@ -298,6 +298,77 @@ def test_listings_come_from_the_upstream(pair):
     assert [b["Name"] for b in c.list_buckets()["Buckets"]] == ["cached"]
 
 
+def listed(c, bucket="cached", page=1000, **kw):
+    """Every row of a paged ListObjectsV2: [(key or prefix, size, etag)]."""
+    rows, token = [], None
+    while True:
+        more = {"ContinuationToken": token} if token else {}
+        r = c.list_objects_v2(Bucket=bucket, MaxKeys=page, **kw, **more)
+        rows += [(o["Key"], o["Size"], o["ETag"].strip('"')) for o in r.get("Contents", [])]
+        rows += [(p["Prefix"], None, None) for p in r.get("CommonPrefixes", [])]
+        if not r["IsTruncated"]:
+            return sorted(rows)
+        token = r["NextContinuationToken"]
+
+
+@pytest.mark.parametrize("mode", ["never", "ttl=3", "always"])
+def test_listings_merge_what_the_cache_would_serve(pair, mode):
+    """A listing agrees with GETs: where the cache serves an object without
+    asking the upstream (never, ttl while fresh), its cached ETag and size
+    are listed even after the upstream changed or deleted it; otherwise the
+    upstream's rows are."""
+    up, u, cache, c = pair
+    for k, v in [("a", b"aa"), ("b", b"bb"), ("c", b"cc"), ("dir/x", b"xx")]:
+        u.put_object(Bucket="origin", Key="models/" + k, Body=v)
+    add(cache, up.endpoint, mode)
+    cached = {k: c.get_object(Bucket="cached", Key=k) for k in ("a", "b", "dir/x")}
+    etag = {k: r["ETag"].strip('"') for k, r in cached.items()}
+    u.delete_object(Bucket="origin", Key="models/a")
+    u.delete_object(Bucket="origin", Key="models/dir/x")
+    new_b = u.put_object(Bucket="origin", Key="models/b", Body=b"bbbb")["ETag"].strip('"')
+    new_d = u.put_object(Bucket="origin", Key="models/d", Body=b"d")["ETag"].strip('"')
+    c_etag = u.head_object(Bucket="origin", Key="models/c")["ETag"].strip('"')
+
+    def check(serves_cached):
+        if serves_cached:
+            want = [("a", 2, etag["a"]), ("b", 2, etag["b"]), ("c", 2, c_etag), ("d", 1, new_d),
+                    ("dir/x", 2, etag["dir/x"])]
+            prefixes = [("a", 2, etag["a"]), ("b", 2, etag["b"]), ("c", 2, c_etag), ("d", 1, new_d),
+                        ("dir/", None, None)]
+        else:
+            want = [("b", 4, new_b), ("c", 2, c_etag), ("d", 1, new_d)]
+            prefixes = want
+        for page in (1, 2, 1000):
+            assert listed(c, page=page) == want, (mode, page)
+            assert listed(c, page=page, Delimiter="/") == prefixes, (mode, page)
+        # ... and what is listed is what a GET serves.
+        for key, size, tag in want:
+            r = c.get_object(Bucket="cached", Key=key)
+            assert (len(r["Body"].read()), r["ETag"].strip('"')) == (size, tag)
+        if not serves_cached:
+            with pytest.raises(botocore.exceptions.ClientError):
+                c.get_object(Bucket="cached", Key="a")
+
+    check(mode != "always")
+    if mode.startswith("ttl"):
+        time.sleep(3.5)
+        check(False)
+
+
+def test_get_object_attributes_of_a_cache_bucket(pair):
+    up, u, cache, c = pair
+    u.put_object(Bucket="origin", Key="models/w.bin", Body=b"w" * 1000)
+    add(cache, up.endpoint)
+    a = c.get_object_attributes(Bucket="cached", Key="w.bin",
+                                ObjectAttributes=["ETag", "ObjectSize", "StorageClass", "ObjectParts"])
+    want = u.head_object(Bucket="origin", Key="models/w.bin")
+    assert a["ETag"].strip('"') == want["ETag"].strip('"') and a["ObjectSize"] == 1000
+    assert a["StorageClass"] == "STANDARD" and "ObjectParts" not in a
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.get_object_attributes(Bucket="cached", Key="nope", ObjectAttributes=["ETag"])
+    assert e.value.response["Error"]["Code"] == "NoSuchKey"
+
+
 def test_admin_add_list_remove(pair):
     up, u, cache, c = pair
     u.put_object(Bucket="origin", Key="models/a", Body=b"a")

@@ -3,6 +3,7 @@ with the bug it pins: what Tarn answered before, and what S3 answers."""
 
 import base64
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -376,3 +377,75 @@ def test_s3cmd_default_configuration(server, tmp_path):
     assert _s3cmd(cfg, "ls", "s3://cmd").stdout.strip() == ""
     _s3cmd(cfg, "rb", "s3://cmd")
     assert os.path.getsize(out) == len(big)
+
+
+def test_get_object_attributes(server, s3):
+    """Bug: GetObjectAttributes answered 501. It answers the attributes
+    asked for (ETag, checksum, parts, size, storage class) of the latest or
+    a named version, pages a multipart object's parts, refuses unknown
+    attribute names, and needs both s3:GetObjectAttributes and
+    s3:GetObject."""
+    from tarnproc import add_user
+    s3.create_bucket(Bucket="attrs")
+    r = s3.put_object(Bucket="attrs", Key="one", Body=b"hello", ChecksumAlgorithm="CRC32C")
+    a = s3.get_object_attributes(Bucket="attrs", Key="one",
+                                 ObjectAttributes=["ETag", "Checksum", "ObjectSize", "StorageClass", "ObjectParts"])
+    assert a["ETag"].strip('"') == r["ETag"].strip('"')
+    assert a["ObjectSize"] == 5 and a["StorageClass"] == "STANDARD"
+    assert a["Checksum"]["ChecksumCRC32C"] == r["ChecksumCRC32C"]
+    assert "ObjectParts" not in a  # one piece: no parts
+    a = s3.get_object_attributes(Bucket="attrs", Key="one", ObjectAttributes=["ObjectSize"])
+    assert a["ObjectSize"] == 5 and "ETag" not in a and "Checksum" not in a
+    assert a["LastModified"] is not None
+
+    # A multipart object with checksums: parts, paged.
+    up = s3.create_multipart_upload(Bucket="attrs", Key="mp", ChecksumAlgorithm="SHA256")["UploadId"]
+    parts, sizes = [], [5 * MIB, 5 * MIB, 1234]
+    for n, size in enumerate(sizes, 1):
+        p = s3.upload_part(Bucket="attrs", Key="mp", UploadId=up, PartNumber=n, Body=data(n, size),
+                           ChecksumAlgorithm="SHA256")
+        parts.append({"PartNumber": n, "ETag": p["ETag"], "ChecksumSHA256": p["ChecksumSHA256"]})
+    s3.complete_multipart_upload(Bucket="attrs", Key="mp", UploadId=up, MultipartUpload={"Parts": parts})
+    a = s3.get_object_attributes(Bucket="attrs", Key="mp", ObjectAttributes=["ObjectParts", "ObjectSize"],
+                                 MaxParts=2)
+    op = a["ObjectParts"]
+    assert a["ObjectSize"] == sum(sizes)
+    assert op["TotalPartsCount"] == 3 and op["IsTruncated"] is True and op["NextPartNumberMarker"] == 2
+    assert [(p["PartNumber"], p["Size"], p["ChecksumSHA256"]) for p in op["Parts"]] == [
+        (1, sizes[0], parts[0]["ChecksumSHA256"]), (2, sizes[1], parts[1]["ChecksumSHA256"])]
+    op = s3.get_object_attributes(Bucket="attrs", Key="mp", ObjectAttributes=["ObjectParts"],
+                                  PartNumberMarker=2)["ObjectParts"]
+    assert [p["PartNumber"] for p in op["Parts"]] == [3] and op["IsTruncated"] is False
+
+    # Versions: the latest, a named one, a delete marker.
+    s3.put_bucket_versioning(Bucket="attrs", VersioningConfiguration={"Status": "Enabled"})
+    v1 = s3.put_object(Bucket="attrs", Key="v", Body=b"first")["VersionId"]
+    s3.put_object(Bucket="attrs", Key="v", Body=b"second!")
+    assert s3.get_object_attributes(Bucket="attrs", Key="v", ObjectAttributes=["ObjectSize"])["ObjectSize"] == 7
+    a = s3.get_object_attributes(Bucket="attrs", Key="v", VersionId=v1, ObjectAttributes=["ObjectSize"])
+    assert a["ObjectSize"] == 5 and a["VersionId"] == v1
+    s3.delete_object(Bucket="attrs", Key="v")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.get_object_attributes(Bucket="attrs", Key="v", ObjectAttributes=["ObjectSize"])
+    assert status(e) == 404
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.get_object_attributes(Bucket="attrs", Key="missing", ObjectAttributes=["ETag"])
+    assert code(e) == "NoSuchKey"
+
+    # Unknown attribute names are refused.
+    r = signed_request(server.endpoint, "GET", "/attrs/one", query=[("attributes", "")],
+                       headers={"x-amz-object-attributes": "ETag,Colour"})
+    assert r.status_code == 400 and "InvalidArgument" in r.text, r.text
+
+    # Both actions are needed.
+    bob = server.client(add_user(server, "bob"), s3={"addressing_style": "path"})
+    def grant(actions):
+        s3.put_bucket_policy(Bucket="attrs", Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": {"AWS": ["arn:aws:iam::000000000000:user/bob"]},
+            "Action": actions, "Resource": ["arn:aws:s3:::attrs/*"]}]}))
+    grant(["s3:GetObject"])
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        bob.get_object_attributes(Bucket="attrs", Key="one", ObjectAttributes=["ETag"])
+    assert code(e) == "AccessDenied"
+    grant(["s3:GetObject", "s3:GetObjectAttributes"])
+    assert bob.get_object_attributes(Bucket="attrs", Key="one", ObjectAttributes=["ObjectSize"])["ObjectSize"] == 5

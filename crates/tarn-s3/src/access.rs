@@ -279,6 +279,7 @@ fn action_of(op: &str, versioned: bool) -> Option<&'static str> {
         "PutObjectTagging" => v("s3:PutObjectTagging", "s3:PutObjectVersionTagging"),
         "DeleteObjectTagging" => v("s3:DeleteObjectTagging", "s3:DeleteObjectVersionTagging"),
         "GetObjectAcl" => v("s3:GetObjectAcl", "s3:GetObjectVersionAcl"),
+        "GetObjectAttributes" => v("s3:GetObjectAttributes", "s3:GetObjectVersionAttributes"),
         "PutObjectAcl" => v("s3:PutObjectAcl", "s3:PutObjectVersionAcl"),
         _ => None,
     }
@@ -891,7 +892,23 @@ impl Access {
             Decision::Allow
         } else {
             let versioned = r.query.is_some() && ctx.query_param("versionId").is_some();
+            let also = match op {
+                // AWS asks for both: the attributes and the object.
+                "GetObjectAttributes" => {
+                    action_of("GetObject", versioned).map(|a| self.judge(&b, &ctx, a, bucket, key))
+                }
+                _ => None,
+            };
             match action_of(op, versioned) {
+                Some(action) if also.is_some() => {
+                    match (self.judge(&b, &ctx, action, bucket, key), also) {
+                        (Decision::Deny, _) | (_, Some(Decision::Deny)) => Decision::Deny,
+                        (Decision::ObjectAcl(c), _) | (_, Some(Decision::ObjectAcl(c))) => {
+                            Decision::ObjectAcl(c)
+                        }
+                        _ => Decision::Allow,
+                    }
+                }
                 Some(action) => self.judge(&b, &ctx, action, bucket, key),
                 // An operation Tarn does not serve: the owner hears
                 // NotImplemented from it, others are refused here.

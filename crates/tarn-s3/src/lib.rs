@@ -14,6 +14,7 @@ pub mod error;
 pub mod iam;
 pub mod ops;
 mod ops_access;
+mod ops_attributes;
 mod ops_cache;
 pub mod policy;
 pub mod scope;

@@ -390,12 +390,12 @@ fn checksum_type_arg(t: &ChecksumType) -> S3Result<ChecksumKind> {
     })
 }
 
-fn checksum_type_of(c: &Option<(String, String)>) -> Option<ChecksumType> {
+pub(crate) fn checksum_type_of(c: &Option<(String, String)>) -> Option<ChecksumType> {
     c.as_ref()
         .map(|(_, v)| ChecksumType::from(ChecksumKind::of_value(v).as_str().to_string()))
 }
 
-fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 5] {
+pub(crate) fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 5] {
     let mut out: [Option<String>; 5] = Default::default();
     if let Some((algo, v)) = c {
         if let Some(i) = CHECKSUM_ALGORITHMS.iter().position(|a| a == algo) {
@@ -488,6 +488,14 @@ impl S3 for TarnS3 {
         req: S3Request<PutBucketAclInput>,
     ) -> S3Result<S3Response<PutBucketAclOutput>> {
         self.op_put_bucket_acl(req).await
+    }
+
+    async fn get_object_attributes(
+        &self,
+        req: S3Request<GetObjectAttributesInput>,
+    ) -> S3Result<S3Response<GetObjectAttributesOutput>> {
+        refuse_unsupported(&req.headers, false)?;
+        self.op_get_object_attributes(req).await
     }
 
     async fn get_object_acl(

@@ -49,10 +49,6 @@ pub(crate) fn cache_error(e: CacheError) -> S3Error {
     }
 }
 
-/// The largest key in UTF-8 order under a common prefix: a listing that
-/// resumes after a common prefix starts after every key it holds.
-const AFTER_ALL: char = '\u{10FFFF}';
-
 impl TarnS3 {
     pub(crate) fn cache_of(&self, bucket: &str) -> Option<Arc<CacheBucket>> {
         self.access.caches.get(bucket)
@@ -303,56 +299,14 @@ impl TarnS3 {
                 .await
                 .map_err(s3_error);
         };
-        let after = params.after.map(|a| match &params.delimiter {
-            Some(d) if a.ends_with(d.as_str()) && a.len() > params.prefix.len() => {
-                format!("{a}{AFTER_ALL}")
-            }
-            _ => a,
-        });
-        let max = i32::try_from(params.max_keys).unwrap_or(1000);
-        let page = cb
-            .upstream
-            .list(
-                &params.prefix,
-                params.delimiter.as_deref(),
-                None,
-                after.as_deref(),
-                max,
-            )
-            .await
-            .map_err(|e| cache_error(e.into()))?;
-        let next_after = page
-            .objects
-            .last()
-            .map(|o| o.key.clone())
-            .into_iter()
-            .chain(page.prefixes.last().cloned())
-            .max();
-        Ok(ListPage {
-            objects: page
-                .objects
-                .into_iter()
-                .map(|o| ObjectInfo {
-                    bucket: bucket.to_string(),
-                    key: o.key,
-                    version_id: None,
-                    is_latest: true,
-                    delete_marker: false,
-                    size: o.size,
-                    etag: o.etag,
-                    last_modified_ns: o.last_modified_ns,
-                    content_type: String::new(),
-                    headers: Vec::new(),
-                    user_metadata: Vec::new(),
-                    tags: Vec::new(),
-                    checksum: None,
-                    parts: Vec::new(),
-                })
-                .collect(),
-            common_prefixes: page.prefixes,
-            is_truncated: page.truncated,
-            next_after,
-        })
+        cb.list(
+            &params.prefix,
+            params.delimiter.as_deref(),
+            params.after.as_deref(),
+            params.max_keys,
+        )
+        .await
+        .map_err(cache_error)
     }
 
     /// A GET or HEAD of a cache bucket's object: its entry (validated as

@@ -19,6 +19,7 @@
 //! only once whole.
 
 mod evict;
+mod list;
 mod prefetch;
 mod read;
 pub mod upstream;

@@ -131,8 +131,13 @@ impl CacheBucket {
             }
             Err(e) => return Err(e.into()),
         };
+        self.entry_of(info).map(Some)
+    }
+
+    /// The entry an object of the cache bucket records.
+    pub(super) fn entry_of(&self, info: ObjectInfo) -> Result<Entry, CacheError> {
         let corrupt = |reason: String| CacheError::Corrupt {
-            what: format!("{}/{key}", self.name),
+            what: format!("{}/{}", self.name, info.key),
             reason,
         };
         let rec = info
@@ -141,7 +146,7 @@ impl CacheBucket {
             .find(|(k, _)| k == ENTRY_HEADER)
             .ok_or_else(|| corrupt("no cache record".into()))?;
         let rec: EntryRecord = serde_json::from_str(&rec.1).map_err(|e| corrupt(e.to_string()))?;
-        Ok(Some(Entry {
+        Ok(Entry {
             meta: UpstreamMeta {
                 etag: rec.etag,
                 size: rec.size,
@@ -157,7 +162,7 @@ impl CacheBucket {
             },
             generation: rec.generation,
             validated_ns: rec.validated_ns,
-        }))
+        })
     }
 
     /// Records `meta` as the object at `key`; a different generation before
@@ -256,6 +261,15 @@ impl CacheBucket {
         Ok(())
     }
 
+    /// Whether a read may serve `e` without asking the upstream.
+    pub(super) fn fresh(&self, e: &Entry) -> bool {
+        match self.validate {
+            Validate::Never => true,
+            Validate::Ttl(s) => now_ns().saturating_sub(e.validated_ns) < s * 1_000_000_000,
+            Validate::Always => false,
+        }
+    }
+
     /// The entry of `key`, checked against the upstream as the bucket's
     /// validation asks; NoSuchKey when the upstream has no such object.
     pub async fn entry(&self, key: &str) -> Result<Arc<Entry>, CacheError> {
@@ -270,12 +284,7 @@ impl CacheBucket {
             None => self.stored_entry(key).await?.map(Arc::new),
         };
         if let Some(e) = known {
-            let fresh = match self.validate {
-                Validate::Never => true,
-                Validate::Ttl(s) => now_ns().saturating_sub(e.validated_ns) < s * 1_000_000_000,
-                Validate::Always => false,
-            };
-            if fresh {
+            if self.fresh(&e) {
                 self.remember(key, e.clone());
                 return Ok(e);
             }
