@@ -1,8 +1,10 @@
 """Cache bucket benchmark, driven by scripts/bench-cache: the same
 safetensors model loaded with tarn.loader from the upstream directly,
 through a cache bucket cold and warm, and from a plain bucket of the cache's
-server, each load in a fresh process; a prefetch of it; the same through an
-upstream slowed to a given rate by a proxy. Prints a Markdown table: GB/s,
+server, each load in a fresh process (warm and plain interleaved, with the
+page cache holding both, then, where it may be dropped (root), dropped
+before each load); a prefetch of it; the same through an upstream slowed to
+a given rate by a proxy, and a prefetch through it. Prints a Markdown table: GB/s,
 the share of its reference, and the bytes read from the upstream.
 
     python bench_cache.py UPSTREAM CACHE CACHE_ADMIN TARN_BIN SIZE_BYTES ROUNDS SLOW_BYTES_PER_SEC
@@ -49,6 +51,17 @@ def status(bin_, admin_url, bucket):
     return next(b for b in json.loads(admin(bin_, admin_url, "status", "--json")) if b["bucket"] == bucket)
 
 
+def drop_page_cache():
+    """Empties the kernel's page cache (root only): whether it could."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
 def upstream_get_rate(bin_, endpoint):
     """The upstream's GET rate by tarn bench's own client (8 MiB objects,
     the prefetch's chunk, at its concurrency)."""
@@ -70,26 +83,48 @@ def main():
     def rounds_of(fn):
         return statistics.median(fn() for _ in range(rounds))
 
+    load(upstream, "origin", "model/")  # untimed: the page cache holds it, as below
     direct = rounds_of(lambda: load(upstream, "origin", "model/"))
-    plain = rounds_of(lambda: load(cache, "plain", "model/"))
-    colds, warms, ups, warm_ups = [], [], [], []
+    colds, ups = [], []
     for _ in range(rounds):
         admin(bin_, cache_admin, "drop", "cached", "--prefix", "model/")
         before = status(bin_, cache_admin, "cached")["bytes_from_upstream"]
         colds.append(load(cache, "cached", "model/"))
         # What the cold load read through without keeping (every fill slot
-        # taken) is kept now: the warm load finds everything cached.
+        # taken) is kept now: the warm loads find everything cached.
         admin(bin_, cache_admin, "prefetch", "cached", "--prefix", "model/", "--wait")
-        mid = status(bin_, cache_admin, "cached")["bytes_from_upstream"]
-        ups.append(mid - before)
+        ups.append(status(bin_, cache_admin, "cached")["bytes_from_upstream"] - before)
+    cold = statistics.median(colds)
+    # Warm against plain in the same state: the page cache holds both (one
+    # untimed load each first), loads interleaved; then, where this process
+    # may drop the page cache, both read from the drives.
+    mid = status(bin_, cache_admin, "cached")["bytes_from_upstream"]
+    load(cache, "plain", "model/")
+    load(cache, "cached", "model/")
+    plains, warms = [], []
+    for _ in range(rounds):
+        plains.append(load(cache, "plain", "model/"))
         warms.append(load(cache, "cached", "model/"))
-        warm_ups.append(status(bin_, cache_admin, "cached")["bytes_from_upstream"] - mid)
-    warm_up = max(warm_ups)
-    cold, warm = statistics.median(colds), statistics.median(warms)
+    plain, warm = statistics.median(plains), statistics.median(warms)
+    dropped = None
+    if drop_page_cache():
+        dplains, dwarms = [], []
+        for _ in range(rounds):
+            drop_page_cache()
+            dplains.append(load(cache, "plain", "model/"))
+            drop_page_cache()
+            dwarms.append(load(cache, "cached", "model/"))
+        dropped = statistics.median(dplains), statistics.median(dwarms)
+    warm_up = status(bin_, cache_admin, "cached")["bytes_from_upstream"] - mid
     rows.append(("direct from the upstream (tarn.loader)", direct, "-", "all"))
-    rows.append(("plain bucket on the cache's server", plain, "-", "0"))
-    rows.append(("cache, cold (streams while filling)", cold, f"{cold / direct:.0%} of direct", f"{statistics.median(ups) / MIB:.0f} MiB (with the prefetch that keeps what it read through)"))
-    rows.append(("cache, warm", warm, f"{warm / plain:.0%} of plain", f"{warm_up} B"))
+    rows.append(("cache, cold (streams while filling)", cold, f"{cold / direct:.0%} of direct",
+                 f"{statistics.median(ups) / MIB:.0f} MiB (with the prefetch that keeps what it read through)"))
+    rows.append(("plain bucket on the cache's server, page cache hot", plain, "-", "0"))
+    rows.append(("cache, warm, page cache hot", warm, f"{warm / plain:.0%} of plain", f"{warm_up} B"))
+    if dropped:
+        rows.append(("plain bucket, page cache dropped before each load", dropped[0], "-", "0"))
+        rows.append(("cache, warm, page cache dropped before each load", dropped[1],
+                     f"{dropped[1] / dropped[0]:.0%} of plain", "0"))
     get_rate = upstream_get_rate(bin_, upstream)
     pf = []
     for _ in range(rounds):
@@ -111,13 +146,21 @@ def main():
             scold = load(cache, "slowcache", "model/")
             admin(bin_, cache_admin, "prefetch", "slowcache", "--prefix", "model/", "--wait")
             sup = status(bin_, cache_admin, "slowcache")["bytes_from_upstream"] - before
+            load(cache, "slowcache", "model/")
             swarm = load(cache, "slowcache", "model/")
+            sget = upstream_get_rate(bin_, proxy.endpoint)
+            admin(bin_, cache_admin, "drop", "slowcache", "--prefix", "model/")
+            job = json.loads(admin(bin_, cache_admin, "prefetch", "slowcache", "--prefix", "model/", "--wait",
+                                   "--json"))
+            spf = job["bytes_per_second"] / 1e9
         finally:
             proxy.close()
         label = f"{slow * 8 / 1e9:.1f} Gbit/s"
         rows.append((f"direct from the upstream at {label}", sdirect, "-", "all"))
-        rows.append((f"cache over it, cold", scold, f"{scold / sdirect:.0%} of direct", f"{sup / MIB:.0f} MiB"))
-        rows.append((f"cache over it, warm", swarm, f"{swarm / plain:.0%} of plain", "0"))
+        rows.append(("cache over it, cold", scold, f"{scold / sdirect:.0%} of direct", f"{sup / MIB:.0f} MiB"))
+        rows.append(("cache over it, warm (page cache hot)", swarm, f"{swarm / plain:.0%} of plain", "0"))
+        rows.append((f"its GET rate (tarn bench s3, 8 MiB x 32)", sget, "-", "all"))
+        rows.append(("prefetch over it", spf, f"{spf / sget:.0%} of its GET rate", "all"))
 
     print(f"model {size / MIB:.0f} MiB in 4 files; median of {rounds} load(s) each, each in a fresh process")
     print("| load | GB/s | vs | from the upstream |")

@@ -408,9 +408,10 @@ def test_admin_add_list_remove(pair):
 
 def wait_until(what, cond, timeout=30):
     deadline = time.time() + timeout
-    while not cond():
+    while not (v := cond()):
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+    return v
 
 
 def test_eviction_under_a_small_size_keeps_pins_hot_objects_and_metadata(pair):
@@ -507,6 +508,44 @@ def test_prefetch_jobs_with_progress_a_model_index_and_drop(pair, tmp_path):
     # A job that cannot list its prefix fails and says why.
     r = cache_admin(cache, "prefetch", "nosuch", "--prefix", "x", check=False)
     assert r.returncode != 0 and "no cache bucket" in r.stderr
+
+
+def test_a_prefetch_goes_on_after_a_restart(pair):
+    """A prefetch job's record is kept while it runs: a server killed
+    mid-job runs it again when it starts (same id), fetching only what it
+    had not stored, and the record goes once the job is done."""
+    up, u, cache, c = pair
+    files = {f"ds/{i}": data(40 + i, 3 * CHUNK) for i in range(4)}
+    for k, b in files.items():
+        u.put_object(Bucket="origin", Key="models/" + k, Body=b)
+    proxy = FaultProxy("127.0.0.1", int(up.endpoint.rsplit(":", 1)[1]))
+    try:
+        add(cache, proxy.endpoint)
+        proxy.limit(16 * MiB)  # ~6 s for the 96 MiB
+        job = json.loads(cache_admin(cache, "prefetch", "cached", "--prefix", "ds/", "--json").stdout)
+        wait_until("some of the prefetch", lambda: json.loads(
+            cache_admin(cache, "jobs", "--json").stdout)[0]["bytes_done"] >= CHUNK)
+        cache.kill()
+        before = upstream_gets(up)
+        cache.start()
+        proxy.limit(None)
+        jobs = json.loads(cache_admin(cache, "jobs", "--json").stdout)
+        assert [j["id"] for j in jobs] == [job["id"]], jobs
+        done = wait_until("the resumed prefetch", lambda: next(
+            (j for j in json.loads(cache_admin(cache, "jobs", "--json").stdout) if j["state"] != "running"), None))
+        assert done["state"] == "done" and done["objects_done"] == 4, done
+        # What was stored before the kill was not fetched again.
+        assert upstream_gets(up) - before < 4 * 3
+        gets = upstream_gets(up)
+        c = cache.client()
+        for k, b in files.items():
+            assert c.get_object(Bucket="cached", Key=k)["Body"].read() == b
+        assert upstream_gets(up) == gets
+        # Done: no record left, so a restart runs nothing.
+        cache.restart()
+        assert json.loads(cache_admin(cache, "jobs", "--json").stdout) == []
+    finally:
+        proxy.close()
 
 
 def test_write_through_goes_upstream_first_then_serves_from_the_cache(pair):

@@ -854,6 +854,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                                 node.spawn_watch();
                             }
                             tokio::spawn(trim_memory(store.clone()));
+                            tokio::spawn(resume_prefetches(admin_ctx.2.clone()));
                         }
                         if let Some(admin) = admin {
                             let listener = TcpListener::from_std(admin)?;
@@ -1011,5 +1012,16 @@ async fn serve_core(
         .is_err()
     {
         tracing::warn!("in-flight requests did not finish within the grace period");
+    }
+}
+
+/// Prefetch jobs that were running when the server stopped (their records
+/// are kept until they finish) run again, once the settings are read.
+async fn resume_prefetches(access: Arc<tarn_s3::access::Access>) {
+    while !access.is_loaded() {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    if let Err(error) = access.caches.join_jobs().await {
+        tracing::warn!(%error, "cannot read the prefetch jobs that were running");
     }
 }

@@ -28,7 +28,8 @@ pub struct PrefetchSpec {
 
 const JOBS_PREFIX: &str = "cache/jobs/";
 
-/// A job's record in etcd while it runs (cluster).
+/// A job's record while it runs (a system document: etcd in a cluster), so
+/// that it goes on after a restart and on every node of a cluster.
 #[derive(Debug, Serialize, Deserialize)]
 struct JobDoc {
     format: u32,
@@ -137,7 +138,7 @@ impl Caches {
             state: Mutex::new(JobState::default()),
         });
         self.remember_job(job.clone());
-        let record = self.store.catalog().is_some().then(|| JobDoc {
+        let record = Some(JobDoc {
             format: DOC_FORMAT,
             id: job.id.clone(),
             bucket: name.to_string(),
@@ -149,9 +150,11 @@ impl Caches {
         Ok(job)
     }
 
-    /// Runs `job` on this node. In a cluster its record is in etcd while it
-    /// runs: every node runs it too (the chunks' claims share the work, so
-    /// each chunk is fetched once), and it goes on when this node stops.
+    /// Runs `job` on this node. Its record is kept while it runs: a node
+    /// that starts finds it and runs the job again (what is stored is not
+    /// fetched twice), and in a cluster every node runs it too (the chunks'
+    /// claims share the work, so each chunk is fetched once), so it goes on
+    /// when this node stops. The first node to finish it deletes the record.
     fn run_job(
         &self,
         b: Arc<CacheBucket>,
@@ -168,16 +171,17 @@ impl Caches {
                 }
             }
             let r = b.run_prefetch(&job, spec).await;
-            let clean = {
+            {
                 let mut s = job.state.lock().expect("job");
                 if let Err(e) = r {
                     s.error = Some(e.to_string());
                 }
                 s.finished_ns = Some(now_ns());
-                s.error.is_none() && s.failures == 0
-            };
-            if clean && store.catalog().is_some() {
-                // Done for everyone: every chunk is stored.
+            }
+            {
+                // Done for everyone: every chunk it could fetch is stored,
+                // and what it could not is reported here (nodes that run it
+                // still finish their copies).
                 match sysdoc::delete(&store, &key).await {
                     Ok(()) | Err(StoreError::NoSuchKey { .. }) => {}
                     Err(error) => {
@@ -188,13 +192,10 @@ impl Caches {
         });
     }
 
-    /// Prefetch jobs recorded in etcd by other nodes that this node does
-    /// not run yet: started here (after a change of the cluster's
-    /// documents, never at start).
+    /// Prefetch jobs recorded (by this node before it stopped, or by other
+    /// nodes of its cluster) that this node does not run yet: started here.
+    /// Called at start and after a change of a cluster's documents.
     pub async fn join_jobs(&self) -> Result<(), CacheError> {
-        if self.store.catalog().is_none() {
-            return Ok(());
-        }
         for key in sysdoc::list(&self.store, JOBS_PREFIX).await? {
             let bytes = match sysdoc::read(&self.store, &key).await {
                 Ok(b) => b,
@@ -213,6 +214,13 @@ impl Caches {
                 continue;
             }
             let Some(b) = self.get(&doc.bucket) else {
+                // Its cache bucket was removed.
+                match sysdoc::delete(&self.store, &key).await {
+                    Ok(()) | Err(StoreError::NoSuchKey { .. }) => {}
+                    Err(error) => {
+                        tracing::warn!(%key, %error, "cannot delete a removed cache bucket's prefetch job record")
+                    }
+                }
                 continue;
             };
             let spec = PrefetchSpec {
