@@ -5,7 +5,11 @@ upstream must misbehave."""
 import concurrent.futures
 import json
 import os
+import select
+import socket
+import ssl
 import subprocess
+import threading
 import time
 
 import botocore.exceptions
@@ -241,6 +245,96 @@ def test_upstream_failing_mid_object_resumes_or_fails_the_read_and_caches_nothin
         assert c.get_object(Bucket="cached", Key="broken.bin")["Body"].read() == body
     finally:
         proxy.close()
+
+
+class TlsFront:
+    """A TLS terminator in front of a plain HTTP server: an https upstream
+    whose certificate a test CA signed."""
+
+    def __init__(self, target_port, cert, key):
+        self.target = target_port
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(cert, key)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.endpoint = f"https://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        try:
+            s = self.ctx.wrap_socket(c, server_side=True)
+        except (OSError, ssl.SSLError):
+            c.close()
+            return
+        u = socket.create_connection(("127.0.0.1", self.target))
+        try:
+            while not self.closed:
+                ready = [s] if s.pending() else select.select([s, u], [], [], 60)[0]
+                if not ready:
+                    return
+                for x in ready:
+                    got = x.recv(65536)
+                    if not got:
+                        return
+                    (u if x is s else s).sendall(got)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            s.close()
+            u.close()
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+
+
+def test_an_https_upstream(pair, tmp_path):
+    """An https:// upstream is reached over TLS, its certificate checked
+    against the CA given with --upstream-ca (kept with the settings) or the
+    system's; an unknown certificate is refused when the bucket is added."""
+    up, u, cache, c = pair
+    d = str(tmp_path)
+    run = lambda *a: subprocess.run(a, cwd=d, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "1", "-subj", "/CN=tarn test CA")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
+        "-subj", "/CN=127.0.0.1")
+    (tmp_path / "ext").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    run("openssl", "x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "srv.pem", "-days", "1", "-extfile", "ext")
+    body = data(50, CHUNK + 5)
+    u.put_object(Bucket="origin", Key="models/w.bin", Body=body)
+    front = TlsFront(int(up.endpoint.rsplit(":", 1)[1]), f"{d}/srv.pem", f"{d}/srv.key")
+    try:
+        r = cache_admin(cache, "add", "cached", "--upstream", "s3://origin/models/", "--upstream-endpoint",
+                        front.endpoint, check=False)
+        assert r.returncode != 0 and "cannot be listed" in r.stderr and "TLS" in r.stderr, r.stderr
+        r = cache_admin(cache, "add", "cached", "--upstream", "s3://origin/models/", "--upstream-endpoint",
+                        up.endpoint, "--upstream-ca", f"{d}/ca.pem", check=False)
+        assert r.returncode != 0 and "https" in r.stderr, r.stderr
+        cache_admin(cache, "add", "cached", "--upstream", "s3://origin/models/", "--upstream-endpoint",
+                    front.endpoint, "--upstream-ca", f"{d}/ca.pem", "--validate", "always")
+        assert c.get_object(Bucket="cached", Key="w.bin")["Body"].read() == body
+        assert [o["Key"] for o in c.list_objects_v2(Bucket="cached")["Contents"]] == ["w.bin"]
+        # The CA is kept with the settings.
+        cache.restart()
+        c = cache.client()
+        gets = upstream_gets(up)
+        assert c.get_object(Bucket="cached", Key="w.bin")["Body"].read() == body
+        assert upstream_gets(up) == gets  # validated over TLS, served from the cache
+        assert c.head_object(Bucket="cached", Key="w.bin")["ContentLength"] == len(body)
+    finally:
+        front.close()
 
 
 def test_writes_are_refused_clearly(pair):

@@ -15,9 +15,13 @@ pub enum CacheCommand {
         /// s3://UPSTREAM-BUCKET[/PREFIX]
         #[arg(long)]
         upstream: String,
-        /// The upstream's S3 endpoint, http://host:port.
+        /// The upstream's S3 endpoint, http[s]://host[:port].
         #[arg(long)]
         upstream_endpoint: String,
+        /// CA certificates (PEM file) an https:// upstream's certificate
+        /// must chain to (default: the system's); stored with the settings.
+        #[arg(long)]
+        upstream_ca: Option<std::path::PathBuf>,
         /// A profile of the shared credentials file (~/.aws/credentials,
         /// or AWS_SHARED_CREDENTIALS_FILE).
         #[arg(long)]
@@ -189,6 +193,7 @@ pub fn run(command: CacheCommand, call: Call<'_>) -> anyhow::Result<()> {
             bucket,
             upstream,
             upstream_endpoint,
+            upstream_ca,
             upstream_profile,
             upstream_region,
             validate,
@@ -211,8 +216,15 @@ pub fn run(command: CacheCommand, call: Call<'_>) -> anyhow::Result<()> {
             let size = size
                 .map(|s| crate::config::parse_size(&s).context("--size"))
                 .transpose()?;
+            let ca = upstream_ca
+                .map(|p| {
+                    std::fs::read_to_string(&p)
+                        .with_context(|| format!("--upstream-ca {}", p.display()))
+                })
+                .transpose()?;
             let body = serde_json::json!({
                 "upstream": upstream,
+                "ca": ca,
                 "endpoint": upstream_endpoint,
                 "region": upstream_region,
                 "access_key": credentials.as_ref().map(|c| &c.0),

@@ -178,6 +178,9 @@ pub struct CacheSpec {
     pub size: Option<u64>,
     #[serde(default)]
     pub replicas: Option<u8>,
+    /// PEM CA certificates of an https:// upstream (default: the system's).
+    #[serde(default)]
+    pub ca: Option<String>,
 }
 
 /// One cache bucket's settings as stored (`cache/buckets/<name>.json`);
@@ -199,6 +202,9 @@ struct CacheDoc {
     created_ns: u64,
     #[serde(default)]
     pins: Vec<Pin>,
+    /// PEM CA certificates of an https:// upstream.
+    #[serde(default)]
+    ca: Option<String>,
 }
 
 fn doc_key(bucket: &str) -> String {
@@ -511,6 +517,7 @@ impl Caches {
             &doc.upstream_prefix,
             &doc.region,
             credentials,
+            doc.ca.as_deref(),
         )
         .map_err(corrupt)?;
         Ok(CacheBucket {
@@ -571,6 +578,7 @@ impl Caches {
             &upstream_prefix,
             &region,
             credentials.clone(),
+            spec.ca.as_deref(),
         )
         .map_err(CacheError::Invalid)?;
         probe.list("", None, None, None, 1).await.map_err(|e| {
@@ -600,6 +608,7 @@ impl Caches {
             replicas: spec.replicas,
             created_ns: now_ns(),
             pins: Vec::new(),
+            ca: spec.ca.clone(),
         };
         let chunks = format!("{CHUNKS_BUCKET_PREFIX}{name}");
         match self.store.create_internal_bucket(&chunks, durability).await {

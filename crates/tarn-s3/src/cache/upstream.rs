@@ -109,6 +109,9 @@ pub struct Upstream {
     pub endpoint: String,
     /// host[:port], as sent in Host and signed.
     host: String,
+    /// host:port to connect to.
+    connect: String,
+    tls: Option<Tls>,
     pub bucket: String,
     /// Prefix of the upstream keys this cache shows ("" or ending in `/`
     /// as configured).
@@ -127,23 +130,110 @@ impl std::fmt::Debug for Upstream {
     }
 }
 
-/// The host[:port] of an `http://` endpoint; other schemes are refused.
-pub fn endpoint_host(endpoint: &str) -> Result<String, String> {
-    if endpoint.starts_with("https://") {
+/// Where an endpoint is: its host[:port] as written (sent in Host and
+/// signed), the address to connect to (with the scheme's default port), and
+/// whether it is `https://`. Other schemes, paths and user info are refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointAddr {
+    pub host: String,
+    pub connect: String,
+    pub tls: bool,
+}
+
+pub fn endpoint_addr(endpoint: &str) -> Result<EndpointAddr, String> {
+    let (tls, rest) = if let Some(r) = endpoint.strip_prefix("https://") {
+        (true, r)
+    } else if let Some(r) = endpoint.strip_prefix("http://") {
+        (false, r)
+    } else {
         return Err(format!(
-            "upstream endpoint {endpoint}: https is not supported yet; use an http:// endpoint (a TLS-terminating proxy in front of the upstream)"
+            "upstream endpoint {endpoint:?} must start with http:// or https://"
         ));
-    }
-    let rest = endpoint
-        .strip_prefix("http://")
-        .ok_or_else(|| format!("upstream endpoint {endpoint:?} must start with http://"))?;
+    };
     let host = rest.trim_end_matches('/');
     if host.is_empty() || host.contains('/') || host.contains('@') {
         return Err(format!(
-            "upstream endpoint {endpoint:?} must be http://host[:port] with no path"
+            "upstream endpoint {endpoint:?} must be http[s]://host[:port] with no path"
         ));
     }
-    Ok(host.to_string())
+    // A port follows the last ':' outside an IPv6 literal's brackets.
+    let has_port = match host.rsplit_once(':') {
+        Some((h, p)) => {
+            !p.is_empty()
+                && p.bytes().all(|b| b.is_ascii_digit())
+                && (!h.contains(':') || h.ends_with(']'))
+        }
+        None => false,
+    };
+    let connect = match has_port {
+        true => host.to_string(),
+        false => format!("{host}:{}", if tls { 443 } else { 80 }),
+    };
+    Ok(EndpointAddr {
+        host: host.to_string(),
+        connect,
+        tls,
+    })
+}
+
+/// rustls's client configuration for an `https://` upstream: the CA
+/// certificates of `ca` (PEM) when given, else the system's (which
+/// `SSL_CERT_FILE` and `SSL_CERT_DIR` can name).
+fn tls_config(ca: Option<&str>) -> Result<rustls::ClientConfig, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(pem) => {
+            for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                let cert = cert.map_err(|e| format!("upstream CA: {e}"))?;
+                roots.add(cert).map_err(|e| format!("upstream CA: {e}"))?;
+            }
+            if roots.is_empty() {
+                return Err("upstream CA: no PEM certificate in it".into());
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            for cert in found.certs {
+                // One unusable certificate of the system's does not stop the rest.
+                let _ = roots.add(cert);
+            }
+            if roots.is_empty() {
+                return Err(format!(
+                    "no CA certificates found on this system for https upstreams ({}); install ca-certificates, set SSL_CERT_FILE, or give --upstream-ca FILE",
+                    found
+                        .errors
+                        .first()
+                        .map_or("none in the usual places".to_string(), |e| e.to_string())
+                ));
+            }
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+/// How an `https://` upstream is reached.
+struct Tls {
+    connector: tokio_rustls::TlsConnector,
+    name: rustls_pki_types::ServerName<'static>,
+}
+
+/// hyper's HTTP/1.1 client over `io`, its connection driven by a task.
+async fn handshake<T>(io: T) -> Result<SendRequest<ReqBody>, hyper::Error>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
 }
 
 fn unix_now() -> u64 {
@@ -166,17 +256,46 @@ fn iso_date_ns(v: &str) -> Option<u64> {
 }
 
 impl Upstream {
+    /// `ca`: PEM CA certificates an `https://` endpoint's certificate must
+    /// chain to (default: the system's).
     pub fn new(
         endpoint: &str,
         bucket: &str,
         prefix: &str,
         region: &str,
         credentials: Option<(String, String)>,
+        ca: Option<&str>,
     ) -> Result<Upstream, String> {
-        let host = endpoint_host(endpoint)?;
+        let addr = endpoint_addr(endpoint)?;
+        if ca.is_some() && !addr.tls {
+            return Err(format!(
+                "an upstream CA is for https:// endpoints, not {endpoint}"
+            ));
+        }
+        let tls = match addr.tls {
+            false => None,
+            true => {
+                let bare = addr
+                    .connect
+                    .rsplit_once(':')
+                    .map_or(addr.connect.as_str(), |(h, _)| h)
+                    .trim_start_matches('[')
+                    .trim_end_matches(']');
+                let name = rustls_pki_types::ServerName::try_from(bare.to_string())
+                    .map_err(|e| format!("{bare:?} is not a name a certificate can carry: {e}"))?;
+                Some(Tls {
+                    connector: tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls_config(
+                        ca,
+                    )?)),
+                    name,
+                })
+            }
+        };
         Ok(Upstream {
             endpoint: endpoint.trim_end_matches('/').to_string(),
-            host,
+            host: addr.host,
+            connect: addr.connect,
+            tls,
             bucket: bucket.to_string(),
             prefix: prefix.to_string(),
             signer: credentials.map(|(access_key, secret_key)| Signer {
@@ -213,19 +332,28 @@ impl Upstream {
                 return Ok(s);
             }
         }
-        let stream =
-            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&self.host))
-                .await
-                .map_err(|_| self.unreachable("connect timed out"))?
-                .map_err(|e| self.unreachable(format!("connect: {e}")))?;
+        let stream = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            tokio::net::TcpStream::connect(&self.connect),
+        )
+        .await
+        .map_err(|_| self.unreachable("connect timed out"))?
+        .map_err(|e| self.unreachable(format!("connect: {e}")))?;
         let _ = stream.set_nodelay(true);
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| self.unreachable(format!("handshake: {e}")))?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Ok(sender)
+        let sender = match &self.tls {
+            None => handshake(stream).await,
+            Some(tls) => {
+                let stream = tokio::time::timeout(
+                    CONNECT_TIMEOUT,
+                    tls.connector.connect(tls.name.clone(), stream),
+                )
+                .await
+                .map_err(|_| self.unreachable("TLS handshake timed out"))?
+                .map_err(|e| self.unreachable(format!("TLS: {e}")))?;
+                handshake(stream).await
+            }
+        };
+        sender.map_err(|e| self.unreachable(format!("handshake: {e}")))
     }
 
     fn give_back(&self, s: SendRequest<ReqBody>) {
@@ -714,15 +842,41 @@ mod tests {
 
     #[test]
     fn endpoints() {
+        let a = endpoint_addr("http://127.0.0.1:9000").unwrap();
         assert_eq!(
-            endpoint_host("http://127.0.0.1:9000").unwrap(),
-            "127.0.0.1:9000"
+            (a.host.as_str(), a.connect.as_str(), a.tls),
+            ("127.0.0.1:9000", "127.0.0.1:9000", false)
         );
-        assert_eq!(endpoint_host("http://s3.local/").unwrap(), "s3.local");
-        assert!(endpoint_host("https://s3.amazonaws.com").is_err());
-        assert!(endpoint_host("ftp://x").is_err());
-        assert!(endpoint_host("http://x/path").is_err());
-        assert!(endpoint_host("http://").is_err());
+        let a = endpoint_addr("http://s3.local/").unwrap();
+        assert_eq!(
+            (a.host.as_str(), a.connect.as_str()),
+            ("s3.local", "s3.local:80")
+        );
+        let a = endpoint_addr("https://s3.us-west-2.amazonaws.com").unwrap();
+        assert_eq!(
+            (a.host.as_str(), a.connect.as_str(), a.tls),
+            (
+                "s3.us-west-2.amazonaws.com",
+                "s3.us-west-2.amazonaws.com:443",
+                true
+            )
+        );
+        let a = endpoint_addr("https://[::1]").unwrap();
+        assert_eq!(a.connect, "[::1]:443");
+        let a = endpoint_addr("https://[::1]:9443").unwrap();
+        assert_eq!(a.connect, "[::1]:9443");
+        assert!(endpoint_addr("ftp://x").is_err());
+        assert!(endpoint_addr("http://x/path").is_err());
+        assert!(endpoint_addr("http://").is_err());
+        assert!(endpoint_addr("https://user@x").is_err());
+    }
+
+    #[test]
+    fn a_ca_is_only_for_https() {
+        assert!(Upstream::new("http://x:1", "b", "", "us-east-1", None, Some("x")).is_err());
+        let e =
+            Upstream::new("https://x:1", "b", "", "us-east-1", None, Some("not pem")).unwrap_err();
+        assert!(e.contains("no PEM certificate"), "{e}");
     }
 
     #[test]
