@@ -327,6 +327,7 @@ def test_an_https_upstream(pair, tmp_path):
         assert c.get_object(Bucket="cached", Key="w.bin")["Body"].read() == body
         assert [o["Key"] for o in c.list_objects_v2(Bucket="cached")["Contents"]] == ["w.bin"]
         # The CA is kept with the settings.
+        wait_until("the chunks stored", lambda: status(cache)["chunks_stored"] == 2)
         cache.restart()
         c = cache.client()
         gets = upstream_gets(up)
@@ -734,6 +735,48 @@ def test_a_cluster_caches_once_and_every_node_serves_hits(make_server, formed_cl
     for n in nodes:
         st = status(n, "shared")
         assert st["misses"] == 0 and st["hits"] == len(files), st
+
+
+def test_a_cluster_keeps_a_cache_bucket_under_its_size(make_server, formed_cluster):
+    """--size bounds what the cluster holds, not each node: every node
+    counts what all of them filled, and one node at a time evicts (after a
+    fresh count), so nodes that each filled less than the size still evict,
+    and never all for the same excess."""
+    _, nodes = formed_cluster
+    up = make_server(drives=1, name="upstream")
+    u = up.client()
+    u.create_bucket(Bucket="origin")
+    bodies = {f"o{i}": data(60 + i, 4 * MiB) for i in range(8)}
+    for k, v in bodies.items():
+        u.put_object(Bucket="origin", Key="set/" + k, Body=v)
+    cache_admin(nodes[0], "add", "small", "--upstream", "s3://origin/set/", "--upstream-endpoint", up.endpoint,
+                "--validate", "never", "--size", "24MiB")
+    # 32 MiB read, 8 MiB through each node: no node alone passes 90% of 24 MiB.
+    for i, (k, v) in enumerate(bodies.items()):
+        c = nodes[i % len(nodes)].client()
+        assert c.get_object(Bucket="small", Key=k)["Body"].read() == v
+        time.sleep(0.1)
+
+    def held():
+        return [status(n, "small")["usage"]["bytes_cached"] for n in nodes]
+
+    def evictions():
+        return sum(status(n, "small")["evictions"] for n in nodes)
+
+    # Down to the low watermark (19.2 MiB: 4 objects), counted alike by all.
+    wait_until("the cluster's eviction", lambda: evictions() >= 4, timeout=60)
+    wait_until("every node's count", lambda: all(h <= 19.2 * MiB for h in held()), timeout=60)
+    time.sleep(1)
+    assert evictions() == 4, "nodes evicted for the same excess"
+    assert all(h == 16 * MiB for h in held()), held()
+    # The oldest went; what is left is served from the cache by any node.
+    gets = upstream_gets(up)
+    for i, k in enumerate(["o4", "o5", "o6", "o7"]):
+        c = nodes[(i + 1) % len(nodes)].client()
+        assert c.get_object(Bucket="small", Key=k)["Body"].read() == bodies[k]
+    assert upstream_gets(up) == gets
+    assert nodes[0].client().get_object(Bucket="small", Key="o0")["Body"].read() == bodies["o0"]
+    assert upstream_gets(up) == gets + 1
 
 
 def test_python_prefetch_pin_drop_status(pair, monkeypatch):

@@ -270,24 +270,52 @@ impl CacheBucket {
         })
     }
 
-    /// Counts what the engine holds for this bucket (once, after start):
-    /// the chunks of each entry's generation. Chunks of no entry's
-    /// generation (left by a change or a crash) are deleted.
+    /// Whether the bucket is shared by the nodes of a cluster (counted
+    /// again from time to time; one node evicts it at a time).
+    fn clustered(&self) -> bool {
+        self.store.catalog().is_some()
+    }
+
+    /// Counts what the engine holds for this bucket: once after the start
+    /// on one node; in a cluster again every `RECOUNT_MIN` or more (ten
+    /// times what a count takes), so that each node's count includes what
+    /// the others filled, evicted and dropped.
     pub(super) fn ensure_counted(self: &Arc<Self>) {
         if self.counted.swap(true, Ordering::AcqRel) {
             return;
         }
-        let this = self.clone();
+        let weak = Arc::downgrade(self);
         tokio::spawn(async move {
-            if let Err(error) = this.count().await {
-                tracing::warn!(bucket = %this.name, %error, "cannot count what the cache holds; counted again on the next read");
-                this.counted.store(false, Ordering::Release);
+            loop {
+                let Some(this) = weak.upgrade() else { return };
+                let t0 = std::time::Instant::now();
+                let r = this.count().await;
+                if let Err(error) = &r {
+                    tracing::warn!(bucket = %this.name, %error, "cannot count what the cache holds; counted again later");
+                }
+                if !this.clustered() {
+                    if r.is_err() {
+                        // Again on the next read.
+                        this.counted.store(false, Ordering::Release);
+                    }
+                    return;
+                }
+                let pause = RECOUNT_MIN.max(t0.elapsed() * 10);
+                drop(this);
+                tokio::time::sleep(pause).await;
             }
         });
     }
 
-    async fn count(self: &Arc<Self>) -> Result<(), CacheError> {
-        let mut gens: HashMap<String, u64> = HashMap::new();
+    /// Counts what the engine holds for this bucket: the chunks of each
+    /// entry's generation, which replace this node's count. Chunks of no
+    /// entry's generation (left by a change or a crash) are deleted: on one
+    /// node those written before this process started, in a cluster those
+    /// untouched for `ORPHAN_AGE` (a write through another node may be
+    /// storing a generation whose entry comes last).
+    pub(super) async fn count(self: &Arc<Self>) -> Result<(), CacheError> {
+        // Generation → (bytes, newest chunk's time).
+        let mut gens: HashMap<String, (u64, u64)> = HashMap::new();
         let mut after = None;
         loop {
             let page = self
@@ -304,9 +332,13 @@ impl CacheBucket {
                 .await?;
             for o in &page.objects {
                 match o.key.split_once('/') {
-                    // A fill's claim (cluster), not a generation.
+                    // A fill's claim or the evictor's lease, not a generation.
                     Some(("claims", _)) | None => {}
-                    Some((g, _)) => *gens.entry(g.to_string()).or_default() += o.size,
+                    Some((g, _)) => {
+                        let e = gens.entry(g.to_string()).or_default();
+                        e.0 += o.size;
+                        e.1 = e.1.max(o.last_modified_ns);
+                    }
                 }
             }
             if !page.is_truncated {
@@ -315,7 +347,7 @@ impl CacheBucket {
             after = page.next_after;
         }
         let mut after = None;
-        let mut found = Vec::new();
+        let mut found: HashMap<String, (Entry, u64)> = HashMap::new();
         loop {
             let page = self
                 .store
@@ -329,25 +361,47 @@ impl CacheBucket {
                     },
                 )
                 .await?;
-            for o in &page.objects {
-                if let Some(e) = self.stored_entry(&o.key).await? {
-                    if let Some(bytes) = gens.remove(&e.generation) {
-                        found.push((o.key.clone(), e, bytes));
+            let last = page.next_after.clone();
+            for o in page.objects {
+                let key = o.key.clone();
+                match self.entry_of(o) {
+                    Ok(e) => {
+                        if let Some((bytes, _)) = gens.remove(&e.generation) {
+                            found.insert(key, (e, bytes));
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(bucket = %self.name, %key, %error, "an unreadable cache entry is not counted")
                     }
                 }
             }
             if !page.is_truncated {
                 break;
             }
-            after = page.next_after;
+            after = last;
         }
         {
             let mut res = self.resident.lock().expect("cache residents");
-            for (key, e, bytes) in found {
-                if res.contains_key(&key) {
-                    // Counted as it was read or filled since the start.
-                    continue;
+            if !self.clustered() {
+                // One node: what was filled and read since the start is
+                // counted already (and may be newer than the listing).
+                found.retain(|k, _| !res.contains_key(k));
+            }
+            for (key, r) in res.iter_mut() {
+                if !self.clustered() {
+                    break;
                 }
+                match found.remove(key) {
+                    Some((e, bytes)) => {
+                        r.generation = e.generation;
+                        r.bytes = bytes;
+                    }
+                    // Evicted or dropped (by another node), or not stored.
+                    None => r.bytes = 0,
+                }
+            }
+            res.retain(|_, r| r.bytes > 0 || r.readers > 0);
+            for (key, (e, bytes)) in found {
                 res.insert(
                     key,
                     Resident {
@@ -358,8 +412,21 @@ impl CacheBucket {
                         readers: 0,
                     },
                 );
-                self.used.fetch_add(bytes, Ordering::Relaxed);
-                self.shared.used.fetch_add(bytes, Ordering::Relaxed);
+            }
+            let total: u64 = res.values().map(|r| r.bytes).sum();
+            let before = self.used.swap(total, Ordering::Relaxed);
+            if total >= before {
+                self.shared
+                    .used
+                    .fetch_add(total - before, Ordering::Relaxed);
+            } else {
+                let d = before - total;
+                let _ = self
+                    .shared
+                    .used
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                        Some(u.saturating_sub(d))
+                    });
             }
         }
         let filling: Vec<String> = self
@@ -369,21 +436,108 @@ impl CacheBucket {
             .keys()
             .filter_map(|k| k.split_once('/').map(|(g, _)| g.to_string()))
             .collect();
-        for (g, _) in gens {
-            if !filling.contains(&g) {
+        let orphan_before = match self.clustered() {
+            true => now_ns().saturating_sub(ORPHAN_AGE.as_nanos() as u64),
+            false => *PROCESS_START_NS,
+        };
+        for (g, (_, newest)) in gens {
+            if !filling.contains(&g) && newest < orphan_before {
                 delete_generation(&self.store, &self.chunks_bucket, &g).await?;
             }
         }
         self.maybe_evict();
         Ok(())
     }
+
+    /// The lease that lets one node of a cluster evict this bucket at a
+    /// time: its ETag when this node took it, None when another holds it.
+    /// A lease older than `LEASE_TTL` (its node stopped) is taken over.
+    async fn take_lease(&self) -> Result<Option<String>, StoreError> {
+        for _ in 0..2 {
+            let made = self
+                .store
+                .put_object(
+                    &self.chunks_bucket,
+                    EVICTOR_LEASE,
+                    ObjectBody::from_bytes(Bytes::from(super::write::random_hex())),
+                    PutOptions {
+                        if_none_match: Some("*".into()),
+                        ..Default::default()
+                    },
+                )
+                .await;
+            match made {
+                Ok(info) => return Ok(Some(info.etag)),
+                Err(StoreError::PreconditionFailed) => {}
+                Err(e) => return Err(e),
+            }
+            match self
+                .store
+                .head_object(&self.chunks_bucket, EVICTOR_LEASE, None)
+                .await
+            {
+                Ok(l)
+                    if now_ns().saturating_sub(l.last_modified_ns)
+                        >= LEASE_TTL.as_nanos() as u64 =>
+                {
+                    tracing::warn!(bucket = %self.name, "an evictor's lease outlived it; taking it over");
+                    let _ = self
+                        .store
+                        .delete_object_if(&self.chunks_bucket, EVICTOR_LEASE, None, Some(&l.etag))
+                        .await;
+                }
+                Ok(_) => return Ok(None),
+                // Released meanwhile: try again.
+                Err(StoreError::NoSuchKey { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    async fn release_lease(&self, etag: &str) {
+        if let Err(error) = self
+            .store
+            .delete_object_if(&self.chunks_bucket, EVICTOR_LEASE, None, Some(etag))
+            .await
+        {
+            tracing::warn!(bucket = %self.name, %error, "cannot release the evictor's lease; it lapses");
+        }
+    }
+}
+
+/// The evictor's lease in a cluster (among the claims: never a generation).
+const EVICTOR_LEASE: &str = "claims/evictor";
+/// How long a lease is held at most (then it is released, and taken again
+/// after a fresh count), and when another node takes it over.
+const LEASE_HOLD: Duration = Duration::from_secs(20);
+const LEASE_TTL: Duration = Duration::from_secs(60);
+/// A cluster's counts are renewed at most this often.
+const RECOUNT_MIN: Duration = Duration::from_secs(10);
+/// Chunks of no entry untouched this long are orphans (cluster).
+const ORPHAN_AGE: Duration = Duration::from_secs(3600);
+
+static PROCESS_START_NS: std::sync::LazyLock<u64> = std::sync::LazyLock::new(now_ns);
+
+/// Sets the time before which chunks of no entry are orphans on one node.
+pub(super) fn mark_process_start() {
+    std::sync::LazyLock::force(&PROCESS_START_NS);
 }
 
 /// Evicts until every bucket is under its low watermark and the node under
-/// its budget's.
+/// its budget's. In a cluster a bucket is evicted by the node that holds
+/// its lease, after a fresh count (so two nodes never evict for the same
+/// excess); a bucket another node evicts is left to it.
 async fn evict(shared: &Arc<Shared>) {
+    let mut leases: HashMap<String, (Arc<CacheBucket>, String, std::time::Instant)> =
+        HashMap::new();
+    let mut others: std::collections::HashSet<String> = Default::default();
     loop {
-        let buckets = shared.live();
+        let buckets: Vec<_> = shared
+            .live()
+            .into_iter()
+            .filter(|b| !others.contains(&b.name))
+            .collect();
         let budget = shared.budget.load(Ordering::Relaxed);
         let node_over = over(shared.used.load(Ordering::Relaxed), budget, LOW_WATERMARK);
         // A bucket over its own limit first; then, for the node's budget,
@@ -403,11 +557,45 @@ async fn evict(shared: &Arc<Shared>) {
                     .flatten()
             });
         let Some((bucket, (key, r))) = pick else {
-            return;
+            break;
         };
+        if bucket.clustered() {
+            if let Some((b, etag, since)) = leases.get(&bucket.name) {
+                if since.elapsed() >= LEASE_HOLD {
+                    b.release_lease(etag).await;
+                    leases.remove(&bucket.name);
+                }
+            }
+            if !leases.contains_key(&bucket.name) {
+                match bucket.take_lease().await {
+                    Ok(Some(etag)) => {
+                        leases.insert(
+                            bucket.name.clone(),
+                            (bucket.clone(), etag, std::time::Instant::now()),
+                        );
+                        // What the other nodes filled and evicted, then pick again.
+                        if let Err(error) = bucket.count().await {
+                            tracing::warn!(bucket = %bucket.name, %error, "cannot count the cache before evicting");
+                            break;
+                        }
+                    }
+                    Ok(None) => {
+                        others.insert(bucket.name.clone());
+                    }
+                    Err(error) => {
+                        tracing::warn!(bucket = %bucket.name, %error, "cannot take the evictor's lease now");
+                        break;
+                    }
+                }
+                continue;
+            }
+        }
         if let Err(error) = bucket.evict_object(&key, &r).await {
             tracing::warn!(bucket = %bucket.name, %key, %error, "cannot evict a cached object now");
-            return;
+            break;
         }
+    }
+    for (b, etag, _) in leases.values() {
+        b.release_lease(etag).await;
     }
 }

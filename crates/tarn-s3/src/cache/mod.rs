@@ -402,6 +402,7 @@ impl std::fmt::Debug for CacheBucket {
 
 impl Caches {
     pub fn new(store: Arc<Store>, iam: Arc<Iam>) -> Arc<Caches> {
+        evict::mark_process_start();
         Arc::new(Caches {
             store,
             iam,
