@@ -999,25 +999,15 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<HeadObjectOutput>> {
         refuse_unsupported(&req.headers, false)?;
         let i = req.input;
-        let info = match self.cache_of(&i.bucket) {
-            Some(cb) => {
-                crate::ops_cache::plain_read(i.version_id.as_deref(), i.part_number)?;
-                self.cache_open(
-                    &req.extensions,
-                    &cb,
-                    &i.key,
-                    None,
-                    &ReadConditions::default(),
-                )
-                .await?
-                .1
-            }
-            None => self
-                .store
-                .head_object(&i.bucket, &i.key, i.version_id.as_deref())
-                .await
-                .map_err(s3_error)?,
-        };
+        let info = self
+            .object_info(
+                &req.extensions,
+                &i.bucket,
+                &i.key,
+                i.version_id.as_deref(),
+                i.part_number,
+            )
+            .await?;
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
         }

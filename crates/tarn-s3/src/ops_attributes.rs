@@ -5,7 +5,6 @@ use s3s::dto::*;
 use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result};
 
 use crate::access::permit_of;
-use crate::error::s3_error;
 use crate::ops::{checksum_fields, checksum_type_of, TarnS3};
 use crate::util::*;
 
@@ -52,20 +51,15 @@ impl TarnS3 {
         let [want_etag, want_checksum, want_parts, want_size, want_class] =
             wanted(&i.object_attributes)?;
         let (max, marker) = parts_window(i.max_parts, i.part_number_marker)?;
-        let info = match self.cache_of(&i.bucket) {
-            Some(cb) => {
-                crate::ops_cache::plain_read(i.version_id.as_deref(), None)?;
-                let (_, info, _) = self
-                    .cache_open(&req.extensions, &cb, &i.key, None, &Default::default())
-                    .await?;
-                info
-            }
-            None => self
-                .store
-                .head_object(&i.bucket, &i.key, i.version_id.as_deref())
-                .await
-                .map_err(s3_error)?,
-        };
+        let info = self
+            .object_info(
+                &req.extensions,
+                &i.bucket,
+                &i.key,
+                i.version_id.as_deref(),
+                None,
+            )
+            .await?;
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
         }

@@ -309,6 +309,32 @@ impl TarnS3 {
         .map_err(cache_error)
     }
 
+    /// What a HEAD says of an object: the engine's version, or a cache
+    /// bucket's entry (validated as the bucket says).
+    pub(crate) async fn object_info(
+        &self,
+        ext: &http::Extensions,
+        bucket: &str,
+        key: &str,
+        version_id: Option<&str>,
+        part_number: Option<i32>,
+    ) -> S3Result<ObjectInfo> {
+        match self.cache_of(bucket) {
+            Some(cb) => {
+                plain_read(version_id, part_number)?;
+                let (_, info, _) = self
+                    .cache_open(ext, &cb, key, None, &ReadConditions::default())
+                    .await?;
+                Ok(info)
+            }
+            None => self
+                .store
+                .head_object(bucket, key, version_id)
+                .await
+                .map_err(s3_error),
+        }
+    }
+
     /// A GET or HEAD of a cache bucket's object: its entry (validated as
     /// the bucket says), with the request's conditions and range applied.
     pub(crate) async fn cache_open(

@@ -207,18 +207,7 @@ impl CacheBucket {
         let (mut objects, mut bytes) = (0, 0);
         let mut after = None;
         loop {
-            let page = self
-                .store
-                .list_objects(
-                    &self.name,
-                    ListParams {
-                        prefix: prefix.to_string(),
-                        delimiter: None,
-                        after: after.clone(),
-                        max_keys: 1000,
-                    },
-                )
-                .await?;
+            let page = engine_page(&self.store, &self.name, prefix, None, after.clone()).await?;
             for o in &page.objects {
                 self.forget(&o.key);
                 let Some(e) = self.stored_entry(&o.key).await? else {
@@ -318,18 +307,8 @@ impl CacheBucket {
         let mut gens: HashMap<String, (u64, u64)> = HashMap::new();
         let mut after = None;
         loop {
-            let page = self
-                .store
-                .list_objects(
-                    &self.chunks_bucket,
-                    ListParams {
-                        prefix: String::new(),
-                        delimiter: None,
-                        after: after.clone(),
-                        max_keys: 1000,
-                    },
-                )
-                .await?;
+            let page =
+                engine_page(&self.store, &self.chunks_bucket, "", None, after.clone()).await?;
             for o in &page.objects {
                 match o.key.split_once('/') {
                     // A fill's claim or the evictor's lease, not a generation.
@@ -349,18 +328,7 @@ impl CacheBucket {
         let mut after = None;
         let mut found: HashMap<String, (Entry, u64)> = HashMap::new();
         loop {
-            let page = self
-                .store
-                .list_objects(
-                    &self.name,
-                    ListParams {
-                        prefix: String::new(),
-                        delimiter: None,
-                        after: after.clone(),
-                        max_keys: 1000,
-                    },
-                )
-                .await?;
+            let page = engine_page(&self.store, &self.name, "", None, after.clone()).await?;
             let last = page.next_after.clone();
             for o in page.objects {
                 let key = o.key.clone();
@@ -454,22 +422,8 @@ impl CacheBucket {
     /// A lease older than `LEASE_TTL` (its node stopped) is taken over.
     async fn take_lease(&self) -> Result<Option<String>, StoreError> {
         for _ in 0..2 {
-            let made = self
-                .store
-                .put_object(
-                    &self.chunks_bucket,
-                    EVICTOR_LEASE,
-                    ObjectBody::from_bytes(Bytes::from(super::write::random_hex())),
-                    PutOptions {
-                        if_none_match: Some("*".into()),
-                        ..Default::default()
-                    },
-                )
-                .await;
-            match made {
-                Ok(info) => return Ok(Some(info.etag)),
-                Err(StoreError::PreconditionFailed) => {}
-                Err(e) => return Err(e),
+            if let Some(etag) = self.create_claim(EVICTOR_LEASE).await? {
+                return Ok(Some(etag));
             }
             match self
                 .store

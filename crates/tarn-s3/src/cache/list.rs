@@ -18,9 +18,6 @@ use super::*;
 /// resumes after a common prefix starts after every key it holds.
 const AFTER_ALL: char = '\u{10FFFF}';
 
-/// Keys asked of the engine per page when listing entries.
-const LOCAL_PAGE: usize = 1000;
-
 /// One row of a listing.
 enum Row {
     Object(Box<ObjectInfo>),
@@ -180,18 +177,8 @@ impl CacheBucket {
         let mut rows = Vec::new();
         let mut after = after.map(str::to_string);
         loop {
-            let page = self
-                .store
-                .list_objects(
-                    &self.name,
-                    ListParams {
-                        prefix: prefix.to_string(),
-                        delimiter: delimiter.map(str::to_string),
-                        after: after.clone(),
-                        max_keys: LOCAL_PAGE,
-                    },
-                )
-                .await?;
+            let page =
+                engine_page(&self.store, &self.name, prefix, delimiter, after.clone()).await?;
             for row in rows_of(page.objects, page.common_prefixes) {
                 if rows.len() >= limit || end.is_some_and(|end| row.name() > end) {
                     return Ok(rows);
@@ -226,18 +213,7 @@ impl CacheBucket {
         }
         let mut after = None;
         loop {
-            let page = self
-                .store
-                .list_objects(
-                    &self.name,
-                    ListParams {
-                        prefix: prefix.to_string(),
-                        delimiter: None,
-                        after: after.clone(),
-                        max_keys: LOCAL_PAGE,
-                    },
-                )
-                .await?;
+            let page = engine_page(&self.store, &self.name, prefix, None, after.clone()).await?;
             for info in page.objects {
                 if self.fresh(&*self.listed_entry(info)?) {
                     return Ok(true);

@@ -729,18 +729,7 @@ fn credential_label(bucket: &str, access_key: &str) -> String {
 async fn delete_all(store: &Arc<Store>, bucket: &str) -> Result<u64, StoreError> {
     let mut n = 0;
     loop {
-        let page = match store
-            .list_objects(
-                bucket,
-                ListParams {
-                    prefix: String::new(),
-                    delimiter: None,
-                    after: None,
-                    max_keys: 1000,
-                },
-            )
-            .await
-        {
+        let page = match engine_page(store, bucket, "", None, None).await {
             Ok(p) => p,
             Err(StoreError::NoSuchBucket(_)) => return Ok(n),
             Err(e) => return Err(e),
@@ -758,6 +747,31 @@ async fn delete_all(store: &Arc<Store>, bucket: &str) -> Result<u64, StoreError>
 }
 
 /// Deletes the chunks of one generation.
+/// Keys asked of the engine per page when a cache lists its own buckets.
+const ENGINE_PAGE: usize = 1000;
+
+/// One page of the engine's listing of `bucket`: keys under `prefix` after
+/// `after`, folded at `delimiter` when given.
+async fn engine_page(
+    store: &Arc<Store>,
+    bucket: &str,
+    prefix: &str,
+    delimiter: Option<&str>,
+    after: Option<String>,
+) -> Result<tarn_store::ListPage, StoreError> {
+    store
+        .list_objects(
+            bucket,
+            ListParams {
+                prefix: prefix.to_string(),
+                delimiter: delimiter.map(str::to_string),
+                after,
+                max_keys: ENGINE_PAGE,
+            },
+        )
+        .await
+}
+
 async fn delete_generation(
     store: &Arc<Store>,
     bucket: &str,
@@ -766,17 +780,14 @@ async fn delete_generation(
     let mut n = 0;
     let mut after = None;
     loop {
-        let page = store
-            .list_objects(
-                bucket,
-                ListParams {
-                    prefix: format!("{generation}/"),
-                    delimiter: None,
-                    after: after.clone(),
-                    max_keys: 1000,
-                },
-            )
-            .await?;
+        let page = engine_page(
+            store,
+            bucket,
+            &format!("{generation}/"),
+            None,
+            after.clone(),
+        )
+        .await?;
         for o in &page.objects {
             match store.delete_object(bucket, &o.key, None).await {
                 Ok(_) | Err(StoreError::NoSuchKey { .. }) => n += 1,

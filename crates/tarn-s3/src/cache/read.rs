@@ -853,33 +853,15 @@ impl CacheBucket {
         let (cs, ce) = entry.chunk_bounds(n);
         let claim = format!("{CLAIMS_PREFIX}{ck}");
         loop {
-            let made = self
-                .store
-                .put_object(
-                    &self.chunks_bucket,
-                    &claim,
-                    // Each claim its own bytes, so its own ETag: a takeover
-                    // deletes only the claim it found stale.
-                    ObjectBody::from_bytes(Bytes::from(super::write::random_hex())),
-                    PutOptions {
-                        if_none_match: Some("*".into()),
-                        ..Default::default()
-                    },
-                )
-                .await;
-            match made {
-                Ok(_) => {
-                    // The chunk may have been stored before this claim.
-                    return match self.store.head_object(&self.chunks_bucket, &ck, None).await {
-                        Ok(i) if i.size == ce - cs => {
-                            self.release_claim(&claim).await;
-                            Ok(Claim::StoredElsewhere)
-                        }
-                        _ => Ok(Claim::Ours(claim)),
-                    };
-                }
-                Err(StoreError::PreconditionFailed) => {}
-                Err(e) => return Err(e.into()),
+            if self.create_claim(&claim).await?.is_some() {
+                // The chunk may have been stored before this claim.
+                return match self.store.head_object(&self.chunks_bucket, &ck, None).await {
+                    Ok(i) if i.size == ce - cs => {
+                        self.release_claim(&claim).await;
+                        Ok(Claim::StoredElsewhere)
+                    }
+                    _ => Ok(Claim::Ours(claim)),
+                };
             }
             let deadline = tokio::time::Instant::now() + CLAIM_WAIT;
             let mut pause = Duration::from_millis(20);
@@ -913,6 +895,30 @@ impl CacheBucket {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(250));
             }
+        }
+    }
+
+    /// Creates `claim` in the internal bucket unless it exists (a
+    /// conditional create, linearizable in a cluster): its ETag, or None
+    /// when another holds it. Each claim has its own bytes, so its own
+    /// ETag: a takeover deletes only the claim it found stale.
+    pub(super) async fn create_claim(&self, claim: &str) -> Result<Option<String>, StoreError> {
+        let made = self
+            .store
+            .put_object(
+                &self.chunks_bucket,
+                claim,
+                ObjectBody::from_bytes(Bytes::from(super::write::random_hex())),
+                PutOptions {
+                    if_none_match: Some("*".into()),
+                    ..Default::default()
+                },
+            )
+            .await;
+        match made {
+            Ok(info) => Ok(Some(info.etag)),
+            Err(StoreError::PreconditionFailed) => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
