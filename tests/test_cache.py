@@ -779,6 +779,59 @@ def test_a_cluster_keeps_a_cache_bucket_under_its_size(make_server, formed_clust
     assert upstream_gets(up) == gets + 1
 
 
+def test_tarn_clients_read_a_cache_bucket(pair, tmp_path):
+    """tarn.objects, the loader and the checkpoint reader read a cache
+    bucket as they read any bucket: a model and a DCP checkpoint the
+    upstream holds load equal, the second time without the upstream."""
+    import safetensors.torch as st
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import tarn.checkpoint as ckpt
+    import tarn.loader as loader
+    import tarn.objects as objects
+
+    up, u, cache, c = pair
+    g = torch.Generator().manual_seed(7)
+    weights, index = {}, {"metadata": {}, "weight_map": {}}
+    for s in range(2):
+        part = {f"layers.{s}.w{t}": torch.randn(300_000 + 37 * t, generator=g).to(torch.bfloat16)
+                for t in range(6)}
+        name = f"model-{s + 1:05}-of-00002.safetensors"
+        st.save_file(part, str(tmp_path / name))
+        u.put_object(Bucket="origin", Key="models/llama/" + name, Body=(tmp_path / name).read_bytes())
+        index["weight_map"].update({k: name for k in part})
+        weights.update(part)
+    u.put_object(Bucket="origin", Key="models/llama/model.safetensors.index.json", Body=json.dumps(index).encode())
+    state = {"w": torch.randn(1 << 20, generator=g), "b": torch.arange(1000), "step": 7}
+    upc = objects.Client(up.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    dcp.save(state, storage_writer=ckpt.StorageWriter("s3://origin/models/ckpt/step-7", client=upc))
+    add(cache, up.endpoint, "never")
+    cc = objects.Client(cache.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+
+    assert sorted(o.key for o in cc.list("cached", "llama/")) == sorted(
+        ["llama/model.safetensors.index.json", "llama/model-00001-of-00002.safetensors",
+         "llama/model-00002-of-00002.safetensors"])
+    assert cc.get("cached", "llama/model.safetensors.index.json") == json.dumps(index).encode()
+    assert cc.head("cached", "llama/model-00001-of-00002.safetensors").size == (
+        tmp_path / "model-00001-of-00002.safetensors").stat().st_size
+
+    def load_both():
+        got = loader.load("s3://cached/llama/", client=cc)
+        assert got.keys() == weights.keys()
+        for k in weights:
+            assert torch.equal(got[k], weights[k]), k
+        back = {"w": torch.zeros(1 << 20), "b": torch.zeros(1000, dtype=torch.int64), "step": 0}
+        dcp.load(back, storage_reader=ckpt.StorageReader("s3://cached/ckpt/step-7", client=cc))
+        assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+        assert back["step"] == 7
+
+    load_both()
+    gets = upstream_gets(up)
+    load_both()
+    assert upstream_gets(up) == gets, "the second loads read the upstream"
+
+
 def test_python_prefetch_pin_drop_status(pair, monkeypatch):
     import tarn
     import tarn.cache
