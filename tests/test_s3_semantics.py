@@ -449,3 +449,31 @@ def test_get_object_attributes(server, s3):
     assert code(e) == "AccessDenied"
     grant(["s3:GetObject", "s3:GetObjectAttributes"])
     assert bob.get_object_attributes(Bucket="attrs", Key="one", ObjectAttributes=["ObjectSize"])["ObjectSize"] == 5
+
+
+def test_metrics_name_each_operation_as_aws_does(server, s3):
+    """Bug: metrics and logs named operations by request shape:
+    PutBucketLifecycleConfiguration counted as CreateBucket,
+    GetObjectAttributes as GetObject. Each is counted under its AWS name,
+    the refused ones too."""
+    from tarnproc import metric
+
+    def count(op):
+        try:
+            return metric(server, "tarn_requests_total", op=op)
+        except AssertionError:  # none yet
+            return 0
+
+    s3.create_bucket(Bucket="named")
+    s3.put_object(Bucket="named", Key="k", Body=b"v")
+    creates, gets = count("CreateBucket"), count("GetObject")
+    s3.get_object_attributes(Bucket="named", Key="k", ObjectAttributes=["ObjectSize"])
+    with pytest.raises(botocore.exceptions.ClientError):
+        s3.put_bucket_lifecycle_configuration(Bucket="named", LifecycleConfiguration={"Rules": [
+            {"ID": "x", "Status": "Enabled", "Filter": {"Prefix": ""}, "Expiration": {"Days": 1}}]})
+    with pytest.raises(botocore.exceptions.ClientError):
+        s3.get_bucket_cors(Bucket="named")
+    assert count("GetObjectAttributes") == 1
+    assert count("PutBucketLifecycleConfiguration") == 1
+    assert count("GetBucketCors") == 1
+    assert (count("CreateBucket"), count("GetObject")) == (creates, gets)

@@ -577,8 +577,174 @@ fn render_drain(out: &mut String, d: Option<&tarn_cluster::node::DrainJob>) {
     }
 }
 
-/// The S3 operation a request names, from its method, path and query (for
-/// metrics only; s3s does the authoritative routing).
+/// Bucket subresources and the operations that GET, PUT and DELETE name
+/// with them ("" where AWS has none); configurations kept by id also have a
+/// List operation for a GET without `id`.
+const BUCKET_SUBRESOURCES: &[(&str, &str, &str, &str)] = &[
+    (
+        "accelerate",
+        "GetBucketAccelerateConfiguration",
+        "PutBucketAccelerateConfiguration",
+        "",
+    ),
+    ("acl", "GetBucketAcl", "PutBucketAcl", ""),
+    (
+        "analytics",
+        "GetBucketAnalyticsConfiguration",
+        "PutBucketAnalyticsConfiguration",
+        "DeleteBucketAnalyticsConfiguration",
+    ),
+    ("cors", "GetBucketCors", "PutBucketCors", "DeleteBucketCors"),
+    (
+        "encryption",
+        "GetBucketEncryption",
+        "PutBucketEncryption",
+        "DeleteBucketEncryption",
+    ),
+    (
+        "intelligent-tiering",
+        "GetBucketIntelligentTieringConfiguration",
+        "PutBucketIntelligentTieringConfiguration",
+        "DeleteBucketIntelligentTieringConfiguration",
+    ),
+    (
+        "inventory",
+        "GetBucketInventoryConfiguration",
+        "PutBucketInventoryConfiguration",
+        "DeleteBucketInventoryConfiguration",
+    ),
+    (
+        "lifecycle",
+        "GetBucketLifecycleConfiguration",
+        "PutBucketLifecycleConfiguration",
+        "DeleteBucketLifecycle",
+    ),
+    ("location", "GetBucketLocation", "", ""),
+    ("logging", "GetBucketLogging", "PutBucketLogging", ""),
+    (
+        "metadataTable",
+        "GetBucketMetadataTableConfiguration",
+        "CreateBucketMetadataTableConfiguration",
+        "DeleteBucketMetadataTableConfiguration",
+    ),
+    (
+        "metrics",
+        "GetBucketMetricsConfiguration",
+        "PutBucketMetricsConfiguration",
+        "DeleteBucketMetricsConfiguration",
+    ),
+    (
+        "notification",
+        "GetBucketNotificationConfiguration",
+        "PutBucketNotificationConfiguration",
+        "",
+    ),
+    (
+        "object-lock",
+        "GetObjectLockConfiguration",
+        "PutObjectLockConfiguration",
+        "",
+    ),
+    (
+        "ownershipControls",
+        "GetBucketOwnershipControls",
+        "PutBucketOwnershipControls",
+        "DeleteBucketOwnershipControls",
+    ),
+    ("policyStatus", "GetBucketPolicyStatus", "", ""),
+    (
+        "policy",
+        "GetBucketPolicy",
+        "PutBucketPolicy",
+        "DeleteBucketPolicy",
+    ),
+    (
+        "publicAccessBlock",
+        "GetPublicAccessBlock",
+        "PutPublicAccessBlock",
+        "DeletePublicAccessBlock",
+    ),
+    (
+        "replication",
+        "GetBucketReplication",
+        "PutBucketReplication",
+        "DeleteBucketReplication",
+    ),
+    (
+        "requestPayment",
+        "GetBucketRequestPayment",
+        "PutBucketRequestPayment",
+        "",
+    ),
+    ("session", "CreateSession", "", ""),
+    (
+        "tagging",
+        "GetBucketTagging",
+        "PutBucketTagging",
+        "DeleteBucketTagging",
+    ),
+    ("uploads", "ListMultipartUploads", "", ""),
+    (
+        "versioning",
+        "GetBucketVersioning",
+        "PutBucketVersioning",
+        "",
+    ),
+    ("versions", "ListObjectVersions", "", ""),
+    (
+        "website",
+        "GetBucketWebsite",
+        "PutBucketWebsite",
+        "DeleteBucketWebsite",
+    ),
+];
+
+/// Bucket configurations kept by id: a GET without `id` lists them.
+const LISTED_BY_ID: &[(&str, &str)] = &[
+    ("analytics", "ListBucketAnalyticsConfigurations"),
+    (
+        "intelligent-tiering",
+        "ListBucketIntelligentTieringConfigurations",
+    ),
+    ("inventory", "ListBucketInventoryConfigurations"),
+    ("metrics", "ListBucketMetricsConfigurations"),
+];
+
+/// Object subresources and the operations that GET, PUT, POST and DELETE
+/// name with them.
+const OBJECT_SUBRESOURCES: &[(&str, &str, &str, &str, &str)] = &[
+    ("acl", "GetObjectAcl", "PutObjectAcl", "", ""),
+    ("attributes", "GetObjectAttributes", "", "", ""),
+    (
+        "legal-hold",
+        "GetObjectLegalHold",
+        "PutObjectLegalHold",
+        "",
+        "",
+    ),
+    (
+        "retention",
+        "GetObjectRetention",
+        "PutObjectRetention",
+        "",
+        "",
+    ),
+    (
+        "tagging",
+        "GetObjectTagging",
+        "PutObjectTagging",
+        "",
+        "DeleteObjectTagging",
+    ),
+    ("torrent", "GetObjectTorrent", "", "", ""),
+    ("restore", "", "", "RestoreObject", ""),
+    ("select", "", "", "SelectObjectContent", ""),
+    ("renameObject", "", "RenameObject", "", ""),
+];
+
+/// The S3 operation a request names, from its method, path and query, by
+/// AWS's names, those Tarn refuses included (for metrics and logs; s3s does
+/// the authoritative routing). "Other" for what names no S3 operation.
 pub fn operation(
     method: &http::Method,
     path: &str,
@@ -599,53 +765,68 @@ pub fn operation(
         .count()
         + usize::from(bucket_in_host);
     let m = method.as_str();
+    if m == "OPTIONS" && segments > 0 {
+        return "PreflightRequest";
+    }
     match segments {
-        0 => "ListBuckets",
-        1 => match m {
-            "GET" if has("uploads") => "ListMultipartUploads",
-            "GET" if has("versions") => "ListObjectVersions",
-            "GET" if has("versioning") => "GetBucketVersioning",
-            "PUT" if has("versioning") => "PutBucketVersioning",
-            "GET" if has("location") => "GetBucketLocation",
-            "POST" if has("delete") => "DeleteObjects",
-            "GET" if has("acl") => "GetBucketAcl",
-            "PUT" if has("acl") => "PutBucketAcl",
-            "GET" if has("policyStatus") => "GetBucketPolicyStatus",
-            "GET" if has("policy") => "GetBucketPolicy",
-            "PUT" if has("policy") => "PutBucketPolicy",
-            "DELETE" if has("policy") => "DeleteBucketPolicy",
-            "GET" if has("publicAccessBlock") => "GetPublicAccessBlock",
-            "PUT" if has("publicAccessBlock") => "PutPublicAccessBlock",
-            "DELETE" if has("publicAccessBlock") => "DeletePublicAccessBlock",
-            "GET" if has("ownershipControls") => "GetBucketOwnershipControls",
-            "PUT" if has("ownershipControls") => "PutBucketOwnershipControls",
-            "DELETE" if has("ownershipControls") => "DeleteBucketOwnershipControls",
-            "GET" if query.contains("list-type=2") => "ListObjectsV2",
-            "GET" => "ListObjects",
-            "PUT" => "CreateBucket",
-            "HEAD" => "HeadBucket",
-            "DELETE" => "DeleteBucket",
+        0 => match m {
+            "GET" => "ListBuckets",
             _ => "Other",
         },
-        _ => match m {
-            "PUT" if has("partNumber") && has_copy_source => "UploadPartCopy",
-            "PUT" if has("partNumber") => "UploadPart",
-            "POST" if has("uploadId") => "CompleteMultipartUpload",
-            "POST" if has("uploads") => "CreateMultipartUpload",
-            "GET" if has("uploadId") => "ListParts",
-            "DELETE" if has("uploadId") => "AbortMultipartUpload",
-            "GET" if has("tagging") => "GetObjectTagging",
-            "PUT" if has("tagging") => "PutObjectTagging",
-            "DELETE" if has("tagging") => "DeleteObjectTagging",
-            "GET" if has("acl") => "GetObjectAcl",
-            "PUT" if has("acl") => "PutObjectAcl",
-            "PUT" if has_copy_source => "CopyObject",
-            "PUT" => "PutObject",
-            "GET" => "GetObject",
-            "HEAD" => "HeadObject",
-            "DELETE" => "DeleteObject",
-            _ => "Other",
-        },
+        1 => {
+            let sub = BUCKET_SUBRESOURCES.iter().find(|(k, ..)| has(k));
+            if let Some(&(k, get, put, delete)) = sub {
+                let name = match m {
+                    "GET" if !has("id") => LISTED_BY_ID
+                        .iter()
+                        .find(|(l, _)| *l == k)
+                        .map_or(get, |(_, list)| list),
+                    "GET" => get,
+                    "PUT" => put,
+                    "DELETE" => delete,
+                    _ => "",
+                };
+                return if name.is_empty() { "Other" } else { name };
+            }
+            match m {
+                "GET" if query.contains("list-type=2") => "ListObjectsV2",
+                "GET" => "ListObjects",
+                "PUT" => "CreateBucket",
+                "HEAD" => "HeadBucket",
+                "DELETE" => "DeleteBucket",
+                "POST" if has("delete") => "DeleteObjects",
+                // An HTML form upload.
+                "POST" => "PostObject",
+                _ => "Other",
+            }
+        }
+        _ => {
+            let sub = OBJECT_SUBRESOURCES.iter().find(|(k, ..)| has(k));
+            if let Some(&(_, get, put, post, delete)) = sub {
+                let name = match m {
+                    "GET" => get,
+                    "PUT" => put,
+                    "POST" => post,
+                    "DELETE" => delete,
+                    _ => "",
+                };
+                return if name.is_empty() { "Other" } else { name };
+            }
+            match m {
+                "PUT" if has("partNumber") && has_copy_source => "UploadPartCopy",
+                "PUT" if has("partNumber") => "UploadPart",
+                "POST" if has("uploadId") => "CompleteMultipartUpload",
+                "POST" if has("uploads") => "CreateMultipartUpload",
+                "GET" if has("uploadId") => "ListParts",
+                "DELETE" if has("uploadId") => "AbortMultipartUpload",
+                "PUT" if has_copy_source => "CopyObject",
+                "PUT" => "PutObject",
+                "GET" => "GetObject",
+                "HEAD" => "HeadObject",
+                "DELETE" => "DeleteObject",
+                _ => "Other",
+            }
+        }
     }
 }
 
@@ -722,6 +903,143 @@ mod tests {
         assert_eq!(
             operation(&Method::POST, "/b", "delete", false, false),
             "DeleteObjects"
+        );
+    }
+
+    #[test]
+    fn every_operation_by_its_aws_name() {
+        let cases: &[(Method, &str, &str, bool, &str)] = &[
+            (
+                Method::PUT,
+                "/b",
+                "lifecycle",
+                false,
+                "PutBucketLifecycleConfiguration",
+            ),
+            (
+                Method::GET,
+                "/b",
+                "lifecycle",
+                false,
+                "GetBucketLifecycleConfiguration",
+            ),
+            (
+                Method::DELETE,
+                "/b",
+                "lifecycle",
+                false,
+                "DeleteBucketLifecycle",
+            ),
+            (
+                Method::GET,
+                "/b/k",
+                "attributes",
+                false,
+                "GetObjectAttributes",
+            ),
+            (Method::PUT, "/b", "cors", false, "PutBucketCors"),
+            (Method::OPTIONS, "/b/k", "", false, "PreflightRequest"),
+            (Method::POST, "/b", "", false, "PostObject"),
+            (
+                Method::GET,
+                "/b",
+                "encryption",
+                false,
+                "GetBucketEncryption",
+            ),
+            (
+                Method::PUT,
+                "/b",
+                "object-lock",
+                false,
+                "PutObjectLockConfiguration",
+            ),
+            (
+                Method::PUT,
+                "/b/k",
+                "retention",
+                false,
+                "PutObjectRetention",
+            ),
+            (
+                Method::GET,
+                "/b/k",
+                "legal-hold",
+                false,
+                "GetObjectLegalHold",
+            ),
+            (Method::POST, "/b/k", "restore", false, "RestoreObject"),
+            (
+                Method::POST,
+                "/b/k",
+                "select&select-type=2",
+                false,
+                "SelectObjectContent",
+            ),
+            (Method::GET, "/b", "tagging", false, "GetBucketTagging"),
+            (
+                Method::DELETE,
+                "/b/k",
+                "tagging",
+                false,
+                "DeleteObjectTagging",
+            ),
+            (
+                Method::GET,
+                "/b",
+                "metrics",
+                false,
+                "ListBucketMetricsConfigurations",
+            ),
+            (
+                Method::GET,
+                "/b",
+                "metrics&id=x",
+                false,
+                "GetBucketMetricsConfiguration",
+            ),
+            (
+                Method::GET,
+                "/b",
+                "policyStatus",
+                false,
+                "GetBucketPolicyStatus",
+            ),
+            (Method::GET, "/b", "policy", false, "GetBucketPolicy"),
+            (
+                Method::GET,
+                "/b",
+                "versions&prefix=a",
+                false,
+                "ListObjectVersions",
+            ),
+            (Method::PUT, "/b", "", false, "CreateBucket"),
+            (Method::GET, "/", "logging", true, "GetBucketLogging"),
+            (
+                Method::GET,
+                "/b",
+                "requestPayment",
+                false,
+                "GetBucketRequestPayment",
+            ),
+            (Method::PUT, "/b/k", "", false, "PutObject"),
+            (Method::PATCH, "/b/k", "", false, "Other"),
+            (Method::PUT, "/b", "location", false, "Other"),
+        ];
+        for (m, path, query, vhost, want) in cases {
+            assert_eq!(
+                operation(m, path, query, *vhost, false),
+                *want,
+                "{m} {path}?{query}"
+            );
+        }
+        assert_eq!(
+            operation(&Method::PUT, "/b/k", "partNumber=2&uploadId=u", false, true),
+            "UploadPartCopy"
+        );
+        assert_eq!(
+            operation(&Method::PUT, "/b/k", "", false, true),
+            "CopyObject"
         );
     }
 }

@@ -645,8 +645,9 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             .unwrap_or(0);
         let has_body =
             declared_in > 0 || req.headers().contains_key(http::header::TRANSFER_ENCODING);
-        // Bodies that s3s reads whole into memory; object data streams.
-        let whole_body = !matches!(op, "PutObject" | "UploadPart" | "Other");
+        // Bodies that s3s reads whole into memory; object data (a form
+        // upload's too) streams.
+        let whole_body = !matches!(op, "PutObject" | "UploadPart" | "PostObject" | "Other");
         let declared_payload = req
             .headers()
             .get("x-amz-decoded-content-length")
