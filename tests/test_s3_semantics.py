@@ -477,3 +477,19 @@ def test_metrics_name_each_operation_as_aws_does(server, s3):
     assert count("PutBucketLifecycleConfiguration") == 1
     assert count("GetBucketCors") == 1
     assert (count("CreateBucket"), count("GetObject")) == (creates, gets)
+
+
+def test_invalid_bucket_names_are_explained(server):
+    """Bug: an invalid bucket name answered `<Code>InvalidBucketName</Code>`
+    with no message (s3s's own refusal). Every error body has one."""
+    for method, path in [("PUT", "/Bad_Bucket"), ("PUT", "/ab"), ("PUT", "/a..b"), ("GET", "/Bad_Bucket/key")]:
+        r = signed_request(server.endpoint, method, path)
+        assert r.status_code == 400, (path, r.text)
+        root = ET.fromstring(r.text)
+        assert root.findtext("Code") == "InvalidBucketName"
+        assert root.findtext("Message") == "The specified bucket is not valid.", r.text
+        assert root.findtext("RequestId") == r.headers["x-amz-request-id"]
+    # Errors Tarn words itself keep their words.
+    r = signed_request(server.endpoint, "GET", "/no-such-bucket-here/k")
+    assert ET.fromstring(r.text).findtext("Message"), r.text
+    assert r.text.count("<Message>") == 1

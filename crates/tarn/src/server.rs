@@ -293,12 +293,21 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
     let Some(end) = find(&body, b"</Error>") else {
         return;
     };
-    if find(&body, b"<RequestId>").is_some() {
+    let message = match find(&body, b"<Message>") {
+        Some(_) => None,
+        None => Some(default_message(&body)),
+    };
+    if find(&body, b"<RequestId>").is_some() && message.is_none() {
         return;
     }
-    let mut out = Vec::with_capacity(body.len() + id.len() + 24);
+    let mut out = Vec::with_capacity(body.len() + id.len() + 128);
     out.extend_from_slice(&body[..end]);
-    out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());
+    if let Some(m) = message {
+        out.extend_from_slice(format!("<Message>{m}</Message>").as_bytes());
+    }
+    if find(&body, b"<RequestId>").is_none() {
+        out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());
+    }
     out.extend_from_slice(&body[end..]);
     if r.headers().contains_key(http::header::CONTENT_LENGTH) {
         r.headers_mut().insert(
@@ -307,6 +316,31 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
         );
     }
     *r.body_mut() = s3s::Body::from(out);
+}
+
+/// S3's message for an error whose body has none (s3s answers some of its
+/// own refusals, an invalid bucket name among them, with a code only).
+fn default_message(body: &[u8]) -> &'static str {
+    let code = find(body, b"<Code>")
+        .and_then(|a| {
+            let rest = &body[a + 6..];
+            find(rest, b"</Code>").map(|b| &rest[..b])
+        })
+        .unwrap_or_default();
+    match code {
+        b"InvalidBucketName" => "The specified bucket is not valid.",
+        b"NoSuchBucket" => "The specified bucket does not exist",
+        b"NoSuchKey" => "The specified key does not exist.",
+        b"MethodNotAllowed" => "The specified method is not allowed against this resource.",
+        b"MalformedXML" => "The XML you provided was not well-formed or did not validate against our published schema.",
+        b"AccessDenied" => "Access Denied",
+        b"NotImplemented" => "A header or operation you provided implies functionality that is not implemented.",
+        b"SignatureDoesNotMatch" => "The request signature we calculated does not match the signature you provided. Check your key and signing method.",
+        b"InvalidURI" => "Couldn't parse the specified URI.",
+        b"InvalidArgument" => "Invalid Argument",
+        b"InvalidRequest" => "Invalid Request",
+        _ => "The request could not be served.",
+    }
 }
 
 /// An ACL body that is not valid XML is `MalformedACLError` in S3, not the
