@@ -493,3 +493,16 @@ def test_invalid_bucket_names_are_explained(server):
     r = signed_request(server.endpoint, "GET", "/no-such-bucket-here/k")
     assert ET.fromstring(r.text).findtext("Message"), r.text
     assert r.text.count("<Message>") == 1
+
+
+def test_content_encoding_is_kept_as_sent(s3):
+    """Bug: `Content-Encoding: deflate, gzip` was stored as `deflate,gzip`.
+    It is kept as sent; only the transfer's `aws-chunked` is left out."""
+    s3.create_bucket(Bucket="encodings")
+    s3.put_object(Bucket="encodings", Key="k", Body=b"x" * 100, ContentEncoding="deflate, gzip")
+    assert s3.head_object(Bucket="encodings", Key="k")["ContentEncoding"] == "deflate, gzip"
+    assert s3.get_object(Bucket="encodings", Key="k")["ContentEncoding"] == "deflate, gzip"
+    # boto3 streams with aws-chunked and a trailing checksum: that coding is not the object's.
+    import io
+    s3.upload_fileobj(io.BytesIO(b"y" * 100), "encodings", "c", ExtraArgs={"ContentEncoding": "gzip"})
+    assert s3.head_object(Bucket="encodings", Key="c")["ContentEncoding"] == "gzip"

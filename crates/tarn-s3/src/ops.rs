@@ -168,15 +168,17 @@ fn delimiter_of(d: Option<String>) -> Option<String> {
 
 /// The stored Content-Encoding: `aws-chunked` describes how the request body
 /// was sent, not the object, and is left out (S3 does the same); nothing is
-/// stored when it was the only coding.
+/// stored when it was the only coding. The rest is kept as it was sent
+/// (`deflate, gzip` stays so, spaces included).
 fn stored_content_encoding(v: Option<String>) -> Option<String> {
     let v = v?;
     let kept: Vec<&str> = v
         .split(',')
-        .map(str::trim)
-        .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("aws-chunked"))
+        .filter(|c| !c.trim().is_empty() && !c.trim().eq_ignore_ascii_case("aws-chunked"))
         .collect();
-    (!kept.is_empty()).then(|| kept.join(","))
+    let joined = kept.join(",");
+    let joined = joined.trim();
+    (!joined.is_empty()).then(|| joined.to_string())
 }
 
 /// The system headers S3 stores with an object, from any request input that
