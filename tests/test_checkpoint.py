@@ -285,7 +285,7 @@ def test_a_rank_killed_mid_save_leaves_nothing_committed(store, tmp_path):
 
 
 def test_latest_moves_by_compare_and_swap(store):
-    _, c = store
+    server, c = store
     root = "s3://ckpt/cas"
     assert ckpt.read_latest(root, client=c) is None
     etag = ckpt.set_latest(root, "step-0", expected=None, client=c)
@@ -312,6 +312,12 @@ def test_latest_moves_by_compare_and_swap(store):
         now = ckpt.read_latest(root, client=c)
         assert now.checkpoint == f"step-{r}-{'ab'[winners[0]]}"
         etag = now.etag
+    # A pointer deleted meanwhile is a conflict too (S3 answers If-Match
+    # on a missing key 404, not 412).
+    server.client().delete_object(Bucket="ckpt", Key="cas/latest")
+    with pytest.raises(ckpt.LatestConflictError):
+        ckpt.set_latest(root, "step-late", expected=etag, client=c)
+    assert ckpt.read_latest(root, client=c) is None
 
 
 def test_torch_save_and_load_streams(store):

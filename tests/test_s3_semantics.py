@@ -32,20 +32,41 @@ def status(e):
 def test_conditional_writes_with_etags_and_star(s3):
     """Bug: a PUT or CompleteMultipartUpload with `If-None-Match: "<etag>"`
     ignored the condition (only `*` was read) and overwrote the object; one
-    with `If-Match: *` on a missing key created it. Both are 412 and write
-    nothing."""
+    with `If-Match: *` on a missing key created it. Neither writes anything:
+    a failed condition is 412 naming it in `<Condition>` (issue 42: clients
+    map If-None-Match to FileExistsError by that element; it was missing),
+    and If-Match on a key with no current version is 404 NoSuchKey, as AWS
+    answers (it was 412)."""
     s3.create_bucket(Bucket="cond")
     etag = s3.put_object(Bucket="cond", Key="k", Body=b"v1")["ETag"]
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.put_object(Bucket="cond", Key="k", Body=b"v2", IfNoneMatch=etag)
     assert status(e) == 412
+    assert e.value.response["Error"]["Condition"] == "If-None-Match"
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.put_object(Bucket="cond", Key="k", Body=b"v2", IfNoneMatch="*")
+    assert e.value.response["Error"]["Condition"] == "If-None-Match"
+    assert "x-tarn-condition" not in e.value.response["ResponseMetadata"]["HTTPHeaders"]
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.put_object(Bucket="cond", Key="k", Body=b"v2", IfMatch='"0123456789abcdef0123456789abcdef"')
+    assert status(e) == 412
+    assert e.value.response["Error"]["Condition"] == "If-Match"
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.get_object(Bucket="cond", Key="k", IfMatch='"0123456789abcdef0123456789abcdef"')
+    assert e.value.response["Error"]["Condition"] == "If-Match"
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.copy_object(Bucket="cond", Key="c", CopySource="cond/k", CopySourceIfNoneMatch=etag)
+    assert e.value.response["Error"]["Condition"] == "x-amz-copy-source-If-None-Match"
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.delete_object(Bucket="cond", Key="k", IfMatch='"0123456789abcdef0123456789abcdef"')
+    assert e.value.response["Error"]["Condition"] == "If-Match"
     assert s3.get_object(Bucket="cond", Key="k")["Body"].read() == b"v1"
     # Another ETag does not match: the write goes ahead.
     s3.put_object(Bucket="cond", Key="k", Body=b"v2", IfNoneMatch='"0123456789abcdef0123456789abcdef"')
     assert s3.get_object(Bucket="cond", Key="k")["Body"].read() == b"v2"
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.put_object(Bucket="cond", Key="missing", Body=b"x", IfMatch="*")
-    assert status(e) == 412
+    assert (status(e), code(e)) == (404, "NoSuchKey")
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.head_object(Bucket="cond", Key="missing")
     assert status(e) == 404
@@ -62,11 +83,12 @@ def test_conditional_writes_with_etags_and_star(s3):
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.complete_multipart_upload(Bucket="cond", Key="k", UploadId=up, MultipartUpload=parts, IfNoneMatch=current)
     assert status(e) == 412
+    assert e.value.response["Error"]["Condition"] == "If-None-Match"
     assert s3.get_object(Bucket="cond", Key="k")["Body"].read() == b"v3"
     up2, parts2 = upload("gone", b"multipart")
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.complete_multipart_upload(Bucket="cond", Key="gone", UploadId=up2, MultipartUpload=parts2, IfMatch="*")
-    assert status(e) == 412
+    assert (status(e), code(e)) == (404, "NoSuchKey")
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.head_object(Bucket="cond", Key="gone")
     assert status(e) == 404
@@ -506,3 +528,53 @@ def test_content_encoding_is_kept_as_sent(s3):
     import io
     s3.upload_fileobj(io.BytesIO(b"y" * 100), "encodings", "c", ExtraArgs={"ContentEncoding": "gzip"})
     assert s3.head_object(Bucket="encodings", Key="c")["ContentEncoding"] == "gzip"
+
+
+def test_version_listing_resumes_after_its_marker_was_deleted(s3):
+    """Bug (issue 42): ListObjectVersions with a `version-id-marker` whose
+    version was deleted meanwhile skipped every older version of that key,
+    so a loop that deletes each page and then asks for the next left
+    versions behind and DeleteBucket failed. Every version is listed and
+    deleted; a malformed marker, or one without a key marker, is 400."""
+    s3.create_bucket(Bucket="vpages")
+    s3.put_bucket_versioning(Bucket="vpages", VersioningConfiguration={"Status": "Enabled"})
+    made = []
+    for key, n in (("a", 3), ("k", 7), ("z", 2)):
+        for i in range(n):
+            made.append((key, s3.put_object(Bucket="vpages", Key=key, Body=b"%d" % i)["VersionId"]))
+    s3.delete_object(Bucket="vpages", Key="k")  # a delete marker too
+    total = len(made) + 1
+    # Paging without deleting lists each version once.
+    seen, kw = [], {}
+    while True:
+        page = s3.list_object_versions(Bucket="vpages", MaxKeys=2, **kw)
+        seen += [(v["Key"], v["VersionId"]) for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
+        if not page["IsTruncated"]:
+            break
+        kw = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page["NextVersionIdMarker"]}
+    assert len(seen) == total and len(set(seen)) == total
+    # Delete each page, then ask for the next after its (deleted) marker.
+    deleted, kw, rounds = 0, {}, 0
+    while True:
+        rounds += 1
+        assert rounds < 50
+        page = s3.list_object_versions(Bucket="vpages", MaxKeys=2, **kw)
+        batch = [{"Key": v["Key"], "VersionId": v["VersionId"]}
+                 for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
+        if batch:
+            r = s3.delete_objects(Bucket="vpages", Delete={"Objects": batch})
+            assert not r.get("Errors"), r
+            deleted += len(batch)
+        if not page["IsTruncated"]:
+            break
+        kw = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page["NextVersionIdMarker"]}
+    assert deleted == total
+    assert "Versions" not in s3.list_object_versions(Bucket="vpages")
+    s3.delete_bucket(Bucket="vpages")
+    s3.create_bucket(Bucket="vbad")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.list_object_versions(Bucket="vbad", KeyMarker="k", VersionIdMarker="not-a-version")
+    assert (status(e), code(e)) == (400, "InvalidArgument")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.list_object_versions(Bucket="vbad", VersionIdMarker="null")
+    assert (status(e), code(e)) == (400, "InvalidArgument")

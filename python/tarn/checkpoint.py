@@ -129,8 +129,12 @@ def _client(client: Optional[Client]) -> Client:
     return client if client is not None else Client()
 
 
-def _is_412(e: BaseException) -> bool:
-    return isinstance(e, ObjectError) and e.status == 412
+def _condition_failed(e: BaseException, cond: dict[str, Any]) -> bool:
+    """A conditional PUT lost: 412, or (as S3 answers If-Match on a key
+    that has no current version) 404."""
+    if not isinstance(e, ObjectError):
+        return False
+    return e.status == 412 or (e.status == 404 and "if_match" in cond)
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -512,7 +516,7 @@ class StorageWriter(dcp.StorageWriter, AsyncStager):
         try:
             self.client.put(self.bucket, key, body, **cond)
         except ObjectError as e:
-            if not _is_412(e):
+            if not _condition_failed(e, cond):
                 raise
             # A retried PUT whose first try did commit answers 412 too:
             # ours if the committed bytes are these (they hold our save id).
@@ -930,7 +934,7 @@ def set_latest(root: str, checkpoint: str, *, expected: Optional[str], client: O
     try:
         return c.put(bucket, key, body, **cond)
     except ObjectError as e:
-        if not _is_412(e):
+        if not _condition_failed(e, cond):
             raise
         # A retried PUT whose first try went through answers 412 as well.
         try:

@@ -24,7 +24,7 @@ pub fn s3_error(e: StoreError) -> S3Error {
         StoreError::InvalidPartOrder => (C::InvalidPartOrder, e.to_string()),
         StoreError::EntityTooSmall { .. } => (C::EntityTooSmall, e.to_string()),
         StoreError::EntityTooLarge { .. } => (C::EntityTooLarge, e.to_string()),
-        StoreError::PreconditionFailed => (
+        StoreError::PreconditionFailed(_) => (
             C::PreconditionFailed,
             "At least one of the pre-conditions you specified did not hold".into(),
         ),
@@ -95,6 +95,9 @@ pub fn s3_error(e: StoreError) -> S3Error {
         }
         err.set_headers(h);
     }
+    if let StoreError::PreconditionFailed(condition) = &e {
+        err.set_headers(condition_header(condition));
+    }
     if let StoreError::DeleteMarker { version, .. } = &e {
         let mut h = http::HeaderMap::new();
         h.insert(
@@ -110,4 +113,20 @@ pub fn s3_error(e: StoreError) -> S3Error {
         err.set_headers(h);
     }
     err
+}
+
+/// The internal header that names a failed precondition; the server turns
+/// it into the error body's `<Condition>` element (which s3s cannot write)
+/// and never sends it.
+pub const CONDITION_HEADER: &str = "x-tarn-condition";
+
+pub fn condition_header(condition: &'static str) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    h.insert(CONDITION_HEADER, http::HeaderValue::from_static(condition));
+    h
+}
+
+/// A 412 that names the condition that did not hold.
+pub fn precondition_failed(condition: &'static str) -> S3Error {
+    s3_error(StoreError::PreconditionFailed(condition))
 }

@@ -44,11 +44,21 @@ impl TarnS3 {
             .store
             .get_object_if(&bucket, &key, version.as_deref(), range, None, &conditions)
             .await
-            .map_err(|e| match e {
-                tarn_store::StoreError::NotModified { .. } => {
-                    S3Error::new(S3ErrorCode::PreconditionFailed)
+            .map_err(|e| {
+                use crate::error::precondition_failed;
+                match e {
+                    tarn_store::StoreError::NotModified { .. } => {
+                        precondition_failed(match conditions.if_none_match {
+                            Some(_) => "x-amz-copy-source-If-None-Match",
+                            None => "x-amz-copy-source-If-Modified-Since",
+                        })
+                    }
+                    tarn_store::StoreError::PreconditionFailed(c) => precondition_failed(match c {
+                        "If-Match" => "x-amz-copy-source-If-Match",
+                        _ => "x-amz-copy-source-If-Unmodified-Since",
+                    }),
+                    e => s3_error(e),
                 }
-                e => s3_error(e),
             })?;
         if let Some(p) = permit_of(ext) {
             p.allows_source(self.access.bucket(&bucket).as_deref(), &got.info)?;
@@ -1445,6 +1455,20 @@ impl S3 for TarnS3 {
         i.delimiter = delimiter_of(i.delimiter.take());
         let max = max_keys(i.max_keys)?;
         let prefix = i.prefix.clone().unwrap_or_default();
+        if let Some(v) = i.version_id_marker.as_deref().filter(|v| !v.is_empty()) {
+            if i.key_marker.as_deref().is_none_or(str::is_empty) {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "A version-id marker cannot be specified without a key marker.",
+                ));
+            }
+            if tarn_store::parse_version(v).is_none() {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "Invalid version id specified",
+                ));
+            }
+        }
         let page = self
             .store
             .list_object_versions(

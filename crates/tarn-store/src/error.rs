@@ -40,8 +40,10 @@ pub enum StoreError {
     EntityTooSmall { number: u32, size: u64, min: u64 },
     #[error("object too large: {size} bytes, limit {max}")]
     EntityTooLarge { size: u64, max: u64 },
-    #[error("precondition failed")]
-    PreconditionFailed,
+    /// The named condition (`If-Match`, `If-None-Match`,
+    /// `If-Unmodified-Since`, ...) did not hold; S3 names it in the error.
+    #[error("precondition failed: {0}")]
+    PreconditionFailed(&'static str),
     #[error("not modified")]
     NotModified { etag: String },
     #[error("requested range not satisfiable")]

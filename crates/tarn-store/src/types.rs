@@ -141,11 +141,11 @@ impl ReadConditions {
         let modified = (info.last_modified_ns / 1_000_000_000) as i64;
         if let Some(c) = &self.if_match {
             if !matches(c) {
-                return Err(StoreError::PreconditionFailed);
+                return Err(StoreError::PreconditionFailed("If-Match"));
             }
         } else if let Some(t) = self.if_unmodified_since_s {
             if modified > t {
-                return Err(StoreError::PreconditionFailed);
+                return Err(StoreError::PreconditionFailed("If-Unmodified-Since"));
             }
         }
         let not_modified = || StoreError::NotModified {

@@ -1021,7 +1021,7 @@ fn concurrent_writers_of_one_key_share_its_commits() {
         assert_eq!(won.len(), 1, "one creator wins");
         for r in &results {
             if let Err(e) = r {
-                assert!(matches!(e, StoreError::PreconditionFailed), "{e}");
+                assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e}");
             }
         }
         assert_eq!(get(&store, "bk-g", "new").await, bodies[won[0]]);

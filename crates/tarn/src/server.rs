@@ -280,8 +280,11 @@ impl RequestIds {
 }
 
 /// Every response carries `x-amz-request-id`; an error body also names it in
-/// `<RequestId>`, as S3's do (clients log it, support asks for it).
+/// `<RequestId>`, as S3's do (clients log it, support asks for it), and a
+/// failed precondition its `<Condition>` (clients tell "exists" from
+/// "changed" by it).
 fn stamp_request_id(r: &mut Resp, id: &str) {
+    let condition = r.headers_mut().remove(tarn_s3::error::CONDITION_HEADER);
     let Ok(v) = http::HeaderValue::from_str(id) else {
         return;
     };
@@ -297,13 +300,19 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
         Some(_) => None,
         None => Some(default_message(&body)),
     };
-    if find(&body, b"<RequestId>").is_some() && message.is_none() {
+    let condition = condition.filter(|_| find(&body, b"<Condition>").is_none());
+    if find(&body, b"<RequestId>").is_some() && message.is_none() && condition.is_none() {
         return;
     }
     let mut out = Vec::with_capacity(body.len() + id.len() + 128);
     out.extend_from_slice(&body[..end]);
     if let Some(m) = message {
         out.extend_from_slice(format!("<Message>{m}</Message>").as_bytes());
+    }
+    if let Some(c) = condition {
+        out.extend_from_slice(b"<Condition>");
+        out.extend_from_slice(c.as_bytes());
+        out.extend_from_slice(b"</Condition>");
     }
     if find(&body, b"<RequestId>").is_none() {
         out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());

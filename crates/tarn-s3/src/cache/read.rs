@@ -917,7 +917,7 @@ impl CacheBucket {
             .await;
         match made {
             Ok(info) => Ok(Some(info.etag)),
-            Err(StoreError::PreconditionFailed) => Ok(None),
+            Err(StoreError::PreconditionFailed(_)) => Ok(None),
             Err(e) => Err(e),
         }
     }

@@ -297,13 +297,22 @@ impl Store {
             let current = rec.versions.first().filter(|v| !v.delete_marker);
             if let Some(none) = &v.if_none_match {
                 if current.is_some_and(|c| etag_matches(none, &c.etag)) {
-                    answers.push(Err(StoreError::PreconditionFailed));
+                    answers.push(Err(StoreError::PreconditionFailed("If-None-Match")));
                     continue;
                 }
             }
             if let Some(want) = &v.if_match {
-                if !current.is_some_and(|c| etag_matches(want, &c.etag)) {
-                    answers.push(Err(StoreError::PreconditionFailed));
+                // As S3: If-Match on a key with no current version is
+                // NoSuchKey, not a failed condition.
+                let Some(c) = current else {
+                    answers.push(Err(StoreError::NoSuchKey {
+                        bucket: bucket.to_string(),
+                        key: key.to_string(),
+                    }));
+                    continue;
+                };
+                if !etag_matches(want, &c.etag) {
+                    answers.push(Err(StoreError::PreconditionFailed("If-Match")));
                     continue;
                 }
             }

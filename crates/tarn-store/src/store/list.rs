@@ -503,19 +503,24 @@ impl Store {
                         }
                         if key == mk.as_str() {
                             // Skip up to and including the marker version.
+                            // A marker version deleted since (a client that
+                            // deletes each page before asking for the next)
+                            // leaves no position to resume from: version ids
+                            // are random, so which of the key's versions came
+                            // after it is unknown. Every version the key still
+                            // has is listed then: what the page before
+                            // showed may show again, but nothing older is
+                            // skipped (it was, and DeleteBucket then failed).
                             let pos = rec.versions.iter().position(|v| {
                                 version_to_string(&v.version_id)
                                     .as_deref()
                                     .unwrap_or("null")
                                     == mv
                             });
-                            match pos {
-                                Some(pos) => {
-                                    for _ in 0..=pos {
-                                        versions.next();
-                                    }
+                            if let Some(pos) = pos {
+                                for _ in 0..=pos {
+                                    versions.next();
                                 }
-                                None => return Step::Next,
                             }
                         }
                     }

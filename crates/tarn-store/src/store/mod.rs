@@ -2861,7 +2861,7 @@ impl Store {
                 return Err(StoreError::MethodNotAllowed);
             }
             if !put::etag_matches(condition, &v.etag) {
-                return Err(StoreError::PreconditionFailed);
+                return Err(StoreError::PreconditionFailed("If-Match"));
             }
         }
         let mut removed: Vec<VersionMeta> = Vec::new();
