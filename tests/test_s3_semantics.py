@@ -578,3 +578,50 @@ def test_version_listing_resumes_after_its_marker_was_deleted(s3):
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.list_object_versions(Bucket="vbad", VersionIdMarker="null")
     assert (status(e), code(e)) == (400, "InvalidArgument")
+
+
+def test_listings_name_the_real_owner_and_initiator(server, s3):
+    """Bug (issue 42): Owner and Initiator in ListObjects V1/V2,
+    ListObjectVersions, ListBuckets, ListMultipartUploads and ListParts were
+    the constant "tarn". They name the real user: the bucket owner for
+    objects in a bucket that enforces ownership, the writer where objects
+    are the writer's (ObjectWriter), the uploader as Initiator, and the
+    caller in ListBuckets."""
+    from tarnproc import add_user
+    dana = add_user(server, "dana")
+    d = server.client(dana)
+    policy = lambda b: json.dumps({"Statement": [{"Effect": "Allow", "Principal": {"AWS": ["dana"]},
+                                                  "Action": "s3:*", "Resource": [f"arn:aws:s3:::{b}", f"arn:aws:s3:::{b}/*"]}]})
+    s3.create_bucket(Bucket="owned")
+    s3.create_bucket(Bucket="written", ObjectOwnership="ObjectWriter")
+    for b in ("owned", "written"):
+        s3.put_bucket_policy(Bucket=b, Policy=policy(b))
+        s3.put_bucket_versioning(Bucket=b, VersioningConfiguration={"Status": "Enabled"})
+        d.put_object(Bucket=b, Key="by-dana", Body=b"x")
+        s3.put_object(Bucket=b, Key="by-root", Body=b"y")
+        up = d.create_multipart_upload(Bucket=b, Key="up-dana")["UploadId"]
+        expect = {"by-dana": "root" if b == "owned" else "dana", "by-root": "root"}
+        for lister in (s3, d):
+            v1 = lister.list_objects(Bucket=b)["Contents"]
+            assert {o["Key"]: o["Owner"]["ID"] for o in v1} == expect
+            v2 = lister.list_objects_v2(Bucket=b, FetchOwner=True)["Contents"]
+            assert {o["Key"]: (o["Owner"]["ID"], o["Owner"]["DisplayName"]) for o in v2} == {k: (v, v) for k, v in expect.items()}
+            assert all("Owner" not in o for o in lister.list_objects_v2(Bucket=b)["Contents"])
+            vs = lister.list_object_versions(Bucket=b)["Versions"]
+            assert {o["Key"]: o["Owner"]["ID"] for o in vs} == expect
+            [u] = lister.list_multipart_uploads(Bucket=b)["Uploads"]
+            assert u["Initiator"]["ID"] == "dana"
+            assert u["Owner"]["ID"] == expect["by-dana"]
+            parts = lister.list_parts(Bucket=b, Key="up-dana", UploadId=up)
+            assert parts["Initiator"]["ID"] == "dana" and parts["Owner"]["ID"] == expect["by-dana"]
+        root_up = s3.create_multipart_upload(Bucket=b, Key="up-root")["UploadId"]
+        assert s3.list_parts(Bucket=b, Key="up-root", UploadId=root_up)["Initiator"]["ID"] == "root"
+        # The internal initiator record does not travel with a completed
+        # object or its copies.
+        p = d.upload_part(Bucket=b, Key="up-dana", UploadId=up, PartNumber=1, Body=b"z")
+        d.complete_multipart_upload(Bucket=b, Key="up-dana", UploadId=up,
+                                    MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": p["ETag"]}]})
+        head = d.head_object(Bucket=b, Key="up-dana")["ResponseMetadata"]["HTTPHeaders"]
+        assert not any(h.startswith("x-tarn") for h in head)
+    assert s3.list_buckets()["Owner"]["ID"] == "root"
+    assert d.list_buckets()["Owner"] == {"ID": "dana", "DisplayName": "dana"}

@@ -198,9 +198,13 @@ impl BucketAccess {
 
     /// The ACL of an object of this bucket.
     pub fn object_acl(&self, info: &ObjectInfo) -> Acl {
+        self.acl_of(&info.headers)
+    }
+
+    /// The ACL of an object version or upload with these stored headers.
+    pub fn acl_of(&self, headers: &[(String, String)]) -> Acl {
         if !self.enforced() {
-            if let Some(acl) = info
-                .headers
+            if let Some(acl) = headers
                 .iter()
                 .find(|(k, _)| k == ACL_HEADER)
                 .and_then(|(_, v)| Acl::decode(v))

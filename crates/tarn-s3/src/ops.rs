@@ -110,11 +110,33 @@ impl TarnS3 {
 /// UploadPartCopy ranges.
 const COPY_SOURCE_MAX_BYTES: u64 = 5 << 30;
 
-fn owner() -> Owner {
+/// An owner as S3 lists it: Tarn's canonical ID and display name of a user
+/// are its name.
+fn owner_named(name: &str) -> Owner {
     Owner {
-        display_name: Some("tarn".into()),
-        id: Some("tarn".into()),
+        display_name: Some(name.to_string()),
+        id: Some(name.to_string()),
     }
+}
+
+/// The internal header of an upload that names the user who created it
+/// (`Initiator` in ListParts and ListMultipartUploads); never returned.
+const INITIATOR_HEADER: &str = "x-tarn-initiator";
+
+/// The owner and initiator of an upload with these stored headers.
+fn upload_people(b: &BucketAccess, headers: &[(String, String)]) -> (Owner, Initiator) {
+    let owner = b.acl_of(headers).owner;
+    let initiator = headers
+        .iter()
+        .find(|(k, _)| k == INITIATOR_HEADER)
+        .map_or(owner.as_str(), |(_, v)| v.as_str());
+    (
+        owner_named(&owner),
+        Initiator {
+            display_name: Some(initiator.to_string()),
+            id: Some(initiator.to_string()),
+        },
+    )
 }
 
 /// Characters XML 1.0 cannot carry at all (C0 controls but tab and line
@@ -655,7 +677,7 @@ impl S3 for TarnS3 {
             .flatten();
         Ok(S3Response::new(ListBucketsOutput {
             buckets: Some(page),
-            owner: Some(owner()),
+            owner: caller.map(owner_named),
             continuation_token: next,
             prefix: i.prefix,
         }))
@@ -1266,7 +1288,7 @@ impl S3 for TarnS3 {
                 headers: src
                     .headers
                     .iter()
-                    .filter(|(k, _)| k != ACL_HEADER)
+                    .filter(|(k, _)| k != ACL_HEADER && k != INITIATOR_HEADER)
                     .cloned()
                     .collect(),
                 user_metadata: src.user_metadata.clone(),
@@ -1343,7 +1365,12 @@ impl S3 for TarnS3 {
                 page.next_after.as_deref(),
             ],
         );
-        let contents: Vec<Object> = page.objects.iter().map(|o| list_entry(o, url)).collect();
+        let b = self.bucket_access(&req.extensions, &i.bucket)?;
+        let contents: Vec<Object> = page
+            .objects
+            .iter()
+            .map(|o| list_entry(o, url, &b))
+            .collect();
         let next_marker = if page.is_truncated && i.delimiter.is_some() {
             page.next_after.clone().map(|m| encode_if(url, m))
         } else {
@@ -1406,11 +1433,12 @@ impl S3 for TarnS3 {
             ],
         );
         let fetch_owner = i.fetch_owner.unwrap_or(false);
+        let b = self.bucket_access(&req.extensions, &i.bucket)?;
         let contents: Vec<Object> = page
             .objects
             .iter()
             .map(|o| {
-                let mut e = list_entry(o, url);
+                let mut e = list_entry(o, url, &b);
                 if !fetch_owner {
                     e.owner = None;
                 }
@@ -1494,6 +1522,7 @@ impl S3 for TarnS3 {
                 page.next_key_marker.as_deref(),
             ],
         );
+        let b = self.bucket_access(&req.extensions, &i.bucket)?;
         let mut versions = Vec::new();
         let mut markers = Vec::new();
         for v in page.versions {
@@ -1503,7 +1532,7 @@ impl S3 for TarnS3 {
                     is_latest: Some(v.is_latest),
                     key: Some(encode_if(url, v.key.clone())),
                     last_modified: Some(timestamp(v.last_modified_ns)),
-                    owner: Some(owner()),
+                    owner: Some(owner_named(&b.acl_of(&v.headers).owner)),
                     version_id: vid,
                 });
             } else {
@@ -1512,7 +1541,7 @@ impl S3 for TarnS3 {
                     is_latest: Some(v.is_latest),
                     key: Some(encode_if(url, v.key.clone())),
                     last_modified: Some(timestamp(v.last_modified_ns)),
-                    owner: Some(owner()),
+                    owner: Some(owner_named(&b.acl_of(&v.headers).owner)),
                     size: Some(v.size as i64),
                     storage_class: Some(ObjectVersionStorageClass::from_static(
                         ObjectVersionStorageClass::STANDARD,
@@ -1576,6 +1605,10 @@ impl S3 for TarnS3 {
             tags,
         );
         opts.headers.extend(acl);
+        if let Some(who) = permit_of(&req.extensions).and_then(Permit::caller) {
+            opts.headers
+                .push((INITIATOR_HEADER.to_string(), who.to_string()));
+        }
         let algo = i
             .checksum_algorithm
             .as_ref()
@@ -1879,11 +1912,13 @@ impl S3 for TarnS3 {
             Some(n) => (n as usize).min(1000),
         };
         let after = i.part_number_marker.unwrap_or(0).max(0) as u32;
-        let (parts, truncated, _) = self
+        let (parts, truncated, upload) = self
             .store
             .list_parts(&i.bucket, &i.key, &i.upload_id, after, max)
             .await
             .map_err(s3_error)?;
+        let (owner, initiator) =
+            upload_people(&*self.bucket_access(&req.extensions, &i.bucket)?, &upload.headers);
         let next = parts.last().map(|p| p.number as i32);
         let parts = parts
             .into_iter()
@@ -1911,11 +1946,8 @@ impl S3 for TarnS3 {
             part_number_marker: i.part_number_marker,
             next_part_number_marker: if truncated { next } else { None },
             parts: Some(parts),
-            owner: Some(owner()),
-            initiator: Some(Initiator {
-                display_name: Some("tarn".into()),
-                id: Some("tarn".into()),
-            }),
+            owner: Some(owner),
+            initiator: Some(initiator),
             storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
             ..Default::default()
         }))
@@ -1962,19 +1994,20 @@ impl S3 for TarnS3 {
         );
         let next_key = uploads.last().map(|u| encode_if(url, u.key.clone()));
         let next_id = uploads.last().map(|u| u.upload_id.clone());
+        let b = self.bucket_access(&req.extensions, &i.bucket)?;
         let uploads = uploads
             .into_iter()
-            .map(|u| MultipartUpload {
-                initiated: Some(timestamp(u.initiated_ns)),
-                key: Some(encode_if(url, u.key)),
-                upload_id: Some(u.upload_id),
-                owner: Some(owner()),
-                initiator: Some(Initiator {
-                    display_name: Some("tarn".into()),
-                    id: Some("tarn".into()),
-                }),
-                storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
-                ..Default::default()
+            .map(|u| {
+                let (owner, initiator) = upload_people(&b, &u.headers);
+                MultipartUpload {
+                    initiated: Some(timestamp(u.initiated_ns)),
+                    key: Some(encode_if(url, u.key)),
+                    upload_id: Some(u.upload_id),
+                    owner: Some(owner),
+                    initiator: Some(initiator),
+                    storage_class: Some(StorageClass::from_static(StorageClass::STANDARD)),
+                    ..Default::default()
+                }
             })
             .collect();
         Ok(S3Response::new(ListMultipartUploadsOutput {
@@ -2064,7 +2097,7 @@ impl S3 for TarnS3 {
     }
 }
 
-fn list_entry(o: &ObjectInfo, url: bool) -> Object {
+fn list_entry(o: &ObjectInfo, url: bool, b: &BucketAccess) -> Object {
     Object {
         key: Some(encode_if(url, o.key.clone())),
         e_tag: Some(etag(&o.etag)),
@@ -2073,7 +2106,7 @@ fn list_entry(o: &ObjectInfo, url: bool) -> Object {
         storage_class: Some(ObjectStorageClass::from_static(
             ObjectStorageClass::STANDARD,
         )),
-        owner: Some(owner()),
+        owner: Some(owner_named(&b.acl_of(&o.headers).owner)),
         ..Default::default()
     }
 }

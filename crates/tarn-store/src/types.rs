@@ -235,6 +235,8 @@ pub struct UploadInfo {
     pub key: String,
     pub upload_id: String,
     pub initiated_ns: u64,
+    /// The headers the upload was created with (the object's to be).
+    pub headers: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone)]

@@ -337,6 +337,7 @@ impl Store {
                 key: key.into(),
                 upload_id: upload_id.into(),
                 initiated_ns: upload.initiated_ns,
+                headers: upload.headers,
             },
         ))
     }
@@ -564,20 +565,22 @@ impl Store {
     ) -> Result<(Vec<UploadInfo>, Vec<String>, bool), StoreError> {
         self.bucket_record(bucket)?;
         let drives: Vec<_> = self.topo().slots.iter().filter_map(|d| d.db()).collect();
-        let mut seen: BTreeMap<(String, u64, String), ()> = BTreeMap::new();
+        let mut seen: BTreeMap<(String, u64, String), Vec<(String, String)>> = BTreeMap::new();
         for d in drives {
             for (key, rec) in d
                 .scan_uploads(bucket.to_string(), prefix.to_string(), 100_000)
                 .await?
             {
-                seen.insert((key, rec.initiated_ns, id_to_hex(&rec.upload_id)), ());
+                seen.insert(
+                    (key, rec.initiated_ns, id_to_hex(&rec.upload_id)),
+                    rec.headers,
+                );
             }
         }
-        let all: Vec<_> = seen.into_keys().collect();
         let mut out: Vec<UploadInfo> = Vec::new();
         let mut prefixes: Vec<String> = Vec::new();
         let mut truncated = false;
-        for (key, initiated_ns, id) in all {
+        for ((key, initiated_ns, id), headers) in seen {
             if let Some(km) = key_marker {
                 let after_marker = match upload_id_marker {
                     Some(um) if key == km => id.as_str() > um,
@@ -611,6 +614,7 @@ impl Store {
                     key,
                     upload_id: id,
                     initiated_ns,
+                    headers,
                 }),
             }
         }
