@@ -415,3 +415,43 @@ def test_aws_cli_under_two_users(server, team, tmp_path):
     (tmp_path / "up").write_bytes(b"bob's")
     r = aws(server, bob, "s3", "cp", str(tmp_path / "up"), "s3://aaa/up")
     assert r.returncode != 0 and "AccessDenied" in r.stderr
+
+
+def test_reads_of_missing_keys_reveal_nothing_without_list(server, team):
+    """Bug (issue 42): on a bucket with ACLs a GET or HEAD of a missing key
+    answered 404 to anyone and of an existing key 403, which told strangers
+    which keys exist. As on AWS, a caller who may not list the bucket
+    (s3:ListBucket, or READ on the bucket's ACL) hears 403 for both; one who
+    may list hears 404."""
+    a, b, alice, bob = team
+    anon = anonymous(server)
+    a.create_bucket(Bucket="acls", ObjectOwnership="ObjectWriter")
+    a.delete_public_access_block(Bucket="acls")
+    a.put_object(Bucket="acls", Key="secret", Body=b"s")
+    a.put_object(Bucket="acls", Key="open", Body=b"o", ACL="public-read")
+    for who in (anon, b):
+        assert read(who, "acls", "open") == b"o"
+        for key in ("secret", "missing"):
+            fails(lambda: read(who, "acls", key))
+            fails(lambda: who.head_object(Bucket="acls", Key=key), "403")
+            fails(lambda: who.get_object_attributes(Bucket="acls", Key=key, ObjectAttributes=["ETag"]))
+    # A bucket ACL that lets everyone list: the missing key is 404 again.
+    a.put_bucket_acl(Bucket="acls", ACL="public-read")
+    for who in (anon, b):
+        fails(lambda: read(who, "acls", "missing"), "NoSuchKey")
+        fails(lambda: who.head_object(Bucket="acls", Key="missing"), "404")
+        fails(lambda: read(who, "acls", "secret"))
+    # Policies the same: GetObject alone hides absence, ListBucket shows it.
+    grant = lambda actions, res: json.dumps({"Statement": [
+        {"Effect": "Allow", "Principal": {"AWS": ["bob"]}, "Action": a_, "Resource": r}
+        for a_, r in zip(actions, res)]})
+    a.put_bucket_policy(Bucket="aaa", Policy=grant(["s3:GetObject"], ["arn:aws:s3:::aaa/*"]))
+    assert read(b, "aaa", "doc.txt") == b"alice's"
+    fails(lambda: read(b, "aaa", "missing"))
+    fails(lambda: b.head_object(Bucket="aaa", Key="missing"), "403")
+    a.put_bucket_policy(Bucket="aaa", Policy=grant(["s3:GetObject", "s3:ListBucket"],
+                                                   ["arn:aws:s3:::aaa/*", "arn:aws:s3:::aaa"]))
+    fails(lambda: read(b, "aaa", "missing"), "NoSuchKey")
+    fails(lambda: b.head_object(Bucket="aaa", Key="missing"), "404")
+    # The owner (and root) always hear 404.
+    fails(lambda: read(a, "aaa", "missing"), "NoSuchKey")

@@ -61,6 +61,9 @@ pub struct Permit {
     pub object: Option<ObjectCheck>,
     /// The same, for the source object of a copy.
     pub source: Option<ObjectCheck>,
+    /// A read of an object that is missing is refused (403), not 404: the
+    /// caller may not list the bucket.
+    pub hide_missing: bool,
 }
 
 impl Permit {
@@ -241,7 +244,7 @@ fn doc_key(bucket: &str) -> String {
     format!("{BUCKETS_PREFIX}{bucket}.json")
 }
 
-fn denied() -> S3Error {
+pub(crate) fn denied() -> S3Error {
     S3Error::with_message(S3ErrorCode::AccessDenied, "Access Denied")
 }
 
@@ -925,11 +928,17 @@ impl Access {
             Decision::Deny => return Err(denied()),
             Decision::ObjectAcl(c) => Some(c),
         };
+        let hide_missing = matches!(op, "GetObject" | "HeadObject" | "GetObjectAttributes")
+            && !matches!(
+                self.judge(&b, &ctx, "s3:ListBucket", bucket, None),
+                Decision::Allow
+            );
         Ok(Permit {
             caller: user,
             bucket: Some(b),
             object,
             source,
+            hide_missing,
         })
     }
 }

@@ -529,7 +529,10 @@ impl S3 for TarnS3 {
         req: S3Request<GetObjectAttributesInput>,
     ) -> S3Result<S3Response<GetObjectAttributesOutput>> {
         refuse_unsupported(&req.headers, false)?;
-        self.op_get_object_attributes(req).await
+        let hide = hides_missing(&req.extensions);
+        self.op_get_object_attributes(req)
+            .await
+            .map_err(|e| missing_unless_listable(e, hide))
     }
 
     async fn get_object_acl(
@@ -945,164 +948,23 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<GetObjectInput>,
     ) -> S3Result<S3Response<GetObjectOutput>> {
-        refuse_unsupported(&req.headers, false)?;
-        let i = req.input;
-        let part_number = match i.part_number {
-            Some(n) if !(1..=10_000).contains(&n) => {
-                return Err(S3Error::with_message(
-                    S3ErrorCode::InvalidArgument,
-                    "Part number must be an integer between 1 and 10000",
-                ))
-            }
-            n => n.map(|n| n as u32),
-        };
-        // Conditions are evaluated on the version before any byte is read, on
-        // the same metadata read that serves the GET.
-        let conditions = read_conditions(
-            i.if_match.as_ref(),
-            i.if_none_match.as_ref(),
-            i.if_modified_since.as_ref(),
-            i.if_unmodified_since.as_ref(),
-        );
-        let range = range_of(i.range);
-        if let Some(cb) = self.cache_of(&i.bucket) {
-            if let Some(prefix) = i.key.strip_prefix(crate::cache::PREFETCH_KEY_PREFIX) {
-                return self.prefetch_by_get(&cb, prefix);
-            }
-            crate::ops_cache::plain_read(i.version_id.as_deref(), i.part_number)?;
-            let (entry, info, (start, end)) = self
-                .cache_open(&req.extensions, &cb, &i.key, range, &conditions)
-                .await?;
-            let content_range = range
-                .is_some()
-                .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size));
-            let body = cb.body(&i.key, entry, start, end).await;
-            return Ok(S3Response::new(GetObjectOutput {
-                body: Some(StreamingBlob::wrap(body)),
-                content_length: Some((end - start) as i64),
-                content_range,
-                ..object_fields!(GetObjectOutput, info, Default::default(), None)
-            }));
-        }
-        let got = self
-            .store
-            .get_object_if(
-                &i.bucket,
-                &i.key,
-                i.version_id.as_deref(),
-                range,
-                part_number,
-                &conditions,
-            )
+        let hide = hides_missing(&req.extensions);
+        self.read_object(req)
             .await
-            .map_err(s3_error)?;
-        let info = got.info;
-        if let Some(p) = permit_of(&req.extensions) {
-            p.allows_object(&info)?;
-        }
-        let (start, end) = got.range;
-        let partial = range.is_some() || part_number.is_some();
-        let content_range = partial
-            .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size))
-            .filter(|_| end > start || info.size > 0);
-        let checksum = i
-            .checksum_mode
-            .as_ref()
-            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
-            .then(|| response_checksum(&info, part_number, range.is_some()))
-            .flatten();
-        let parts_count = part_number.map(|_| info.parts_count() as i32);
-        Ok(S3Response::new(GetObjectOutput {
-            body: Some(StreamingBlob::wrap(got.stream)),
-            content_length: Some((end - start) as i64),
-            content_range,
-            tag_count: (!info.tags.is_empty()).then_some(info.tags.len() as i32),
-            parts_count,
-            ..object_fields!(
-                GetObjectOutput,
-                info,
-                checksum_fields(&checksum),
-                checksum_type_of(&checksum)
-            )
-        }))
+            .map_err(|e| missing_unless_listable(e, hide))
     }
 
     async fn head_object(
         &self,
         req: S3Request<HeadObjectInput>,
     ) -> S3Result<S3Response<HeadObjectOutput>> {
-        refuse_unsupported(&req.headers, false)?;
-        let i = req.input;
-        let info = self
-            .object_info(
-                &req.extensions,
-                &i.bucket,
-                &i.key,
-                i.version_id.as_deref(),
-                i.part_number,
-            )
-            .await?;
-        if let Some(p) = permit_of(&req.extensions) {
-            p.allows_object(&info)?;
-        }
-        check_conditions(
-            &info,
-            i.if_match.as_ref(),
-            i.if_none_match.as_ref(),
-            i.if_modified_since.as_ref(),
-            i.if_unmodified_since.as_ref(),
-        )?;
-        let (len, content_range, parts_count) = match (i.part_number, range_of(i.range)) {
-            (Some(n), _) => {
-                let (a, b) = info.part_range(n.max(0) as u32).map_err(s3_error)?;
-                (
-                    b - a,
-                    Some(format!("bytes {}-{}/{}", a, b.saturating_sub(1), info.size)),
-                    Some(info.parts_count() as i32),
-                )
-            }
-            (None, Some(r)) => {
-                let (a, b) = r.resolve(info.size).map_err(s3_error)?;
-                (
-                    b - a,
-                    Some(format!("bytes {}-{}/{}", a, b - 1, info.size)),
-                    None,
-                )
-            }
-            (None, None) => (info.size, None, None),
-        };
-        let checksum = i
-            .checksum_mode
-            .as_ref()
-            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
-            .then(|| {
-                response_checksum(
-                    &info,
-                    i.part_number.map(|n| n.max(0) as u32),
-                    i.range.is_some(),
-                )
-            })
-            .flatten();
-        let mut resp = S3Response::new(HeadObjectOutput {
-            content_length: Some(len as i64),
-            content_range,
-            parts_count,
-            ..object_fields!(
-                HeadObjectOutput,
-                info,
-                checksum_fields(&checksum),
-                checksum_type_of(&checksum)
-            )
-        });
-        // HeadObject's model has no tag count; S3 sends the header anyway.
-        if !info.tags.is_empty() {
-            resp.headers.insert(
-                "x-amz-tagging-count",
-                http::HeaderValue::from(info.tags.len()),
-            );
-        }
-        Ok(resp)
+        let hide = hides_missing(&req.extensions);
+        self.head_of_object(req)
+            .await
+            .map_err(|e| missing_unless_listable(e, hide))
     }
+
+
 
     async fn delete_object(
         &self,
@@ -2108,5 +1970,186 @@ fn list_entry(o: &ObjectInfo, url: bool, b: &BucketAccess) -> Object {
         )),
         owner: Some(owner_named(&b.acl_of(&o.headers).owner)),
         ..Default::default()
+    }
+}
+
+/// Whether a missing key must be answered as a refusal: the caller may not
+/// list the bucket (S3 answers 404 only to those who could have listed the
+/// key's absence anyway, 403 to others, so that reads do not reveal which
+/// keys exist).
+fn hides_missing(ext: &http::Extensions) -> bool {
+    permit_of(ext).is_some_and(|p| p.hide_missing)
+}
+
+fn missing_unless_listable(e: S3Error, hide: bool) -> S3Error {
+    if hide && *e.code() == S3ErrorCode::NoSuchKey {
+        crate::access::denied()
+    } else {
+        e
+    }
+}
+
+impl TarnS3 {
+    async fn read_object(
+        &self,
+        req: S3Request<GetObjectInput>,
+    ) -> S3Result<S3Response<GetObjectOutput>> {
+        refuse_unsupported(&req.headers, false)?;
+        let i = req.input;
+        let part_number = match i.part_number {
+            Some(n) if !(1..=10_000).contains(&n) => {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "Part number must be an integer between 1 and 10000",
+                ))
+            }
+            n => n.map(|n| n as u32),
+        };
+        // Conditions are evaluated on the version before any byte is read, on
+        // the same metadata read that serves the GET.
+        let conditions = read_conditions(
+            i.if_match.as_ref(),
+            i.if_none_match.as_ref(),
+            i.if_modified_since.as_ref(),
+            i.if_unmodified_since.as_ref(),
+        );
+        let range = range_of(i.range);
+        if let Some(cb) = self.cache_of(&i.bucket) {
+            if let Some(prefix) = i.key.strip_prefix(crate::cache::PREFETCH_KEY_PREFIX) {
+                return self.prefetch_by_get(&cb, prefix);
+            }
+            crate::ops_cache::plain_read(i.version_id.as_deref(), i.part_number)?;
+            let (entry, info, (start, end)) = self
+                .cache_open(&req.extensions, &cb, &i.key, range, &conditions)
+                .await?;
+            let content_range = range
+                .is_some()
+                .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size));
+            let body = cb.body(&i.key, entry, start, end).await;
+            return Ok(S3Response::new(GetObjectOutput {
+                body: Some(StreamingBlob::wrap(body)),
+                content_length: Some((end - start) as i64),
+                content_range,
+                ..object_fields!(GetObjectOutput, info, Default::default(), None)
+            }));
+        }
+        let got = self
+            .store
+            .get_object_if(
+                &i.bucket,
+                &i.key,
+                i.version_id.as_deref(),
+                range,
+                part_number,
+                &conditions,
+            )
+            .await
+            .map_err(s3_error)?;
+        let info = got.info;
+        if let Some(p) = permit_of(&req.extensions) {
+            p.allows_object(&info)?;
+        }
+        let (start, end) = got.range;
+        let partial = range.is_some() || part_number.is_some();
+        let content_range = partial
+            .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size))
+            .filter(|_| end > start || info.size > 0);
+        let checksum = i
+            .checksum_mode
+            .as_ref()
+            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
+            .then(|| response_checksum(&info, part_number, range.is_some()))
+            .flatten();
+        let parts_count = part_number.map(|_| info.parts_count() as i32);
+        Ok(S3Response::new(GetObjectOutput {
+            body: Some(StreamingBlob::wrap(got.stream)),
+            content_length: Some((end - start) as i64),
+            content_range,
+            tag_count: (!info.tags.is_empty()).then_some(info.tags.len() as i32),
+            parts_count,
+            ..object_fields!(
+                GetObjectOutput,
+                info,
+                checksum_fields(&checksum),
+                checksum_type_of(&checksum)
+            )
+        }))
+    }
+
+    async fn head_of_object(
+        &self,
+        req: S3Request<HeadObjectInput>,
+    ) -> S3Result<S3Response<HeadObjectOutput>> {
+        refuse_unsupported(&req.headers, false)?;
+        let i = req.input;
+        let info = self
+            .object_info(
+                &req.extensions,
+                &i.bucket,
+                &i.key,
+                i.version_id.as_deref(),
+                i.part_number,
+            )
+            .await?;
+        if let Some(p) = permit_of(&req.extensions) {
+            p.allows_object(&info)?;
+        }
+        check_conditions(
+            &info,
+            i.if_match.as_ref(),
+            i.if_none_match.as_ref(),
+            i.if_modified_since.as_ref(),
+            i.if_unmodified_since.as_ref(),
+        )?;
+        let (len, content_range, parts_count) = match (i.part_number, range_of(i.range)) {
+            (Some(n), _) => {
+                let (a, b) = info.part_range(n.max(0) as u32).map_err(s3_error)?;
+                (
+                    b - a,
+                    Some(format!("bytes {}-{}/{}", a, b.saturating_sub(1), info.size)),
+                    Some(info.parts_count() as i32),
+                )
+            }
+            (None, Some(r)) => {
+                let (a, b) = r.resolve(info.size).map_err(s3_error)?;
+                (
+                    b - a,
+                    Some(format!("bytes {}-{}/{}", a, b - 1, info.size)),
+                    None,
+                )
+            }
+            (None, None) => (info.size, None, None),
+        };
+        let checksum = i
+            .checksum_mode
+            .as_ref()
+            .is_some_and(|m| m.as_str() == ChecksumMode::ENABLED)
+            .then(|| {
+                response_checksum(
+                    &info,
+                    i.part_number.map(|n| n.max(0) as u32),
+                    i.range.is_some(),
+                )
+            })
+            .flatten();
+        let mut resp = S3Response::new(HeadObjectOutput {
+            content_length: Some(len as i64),
+            content_range,
+            parts_count,
+            ..object_fields!(
+                HeadObjectOutput,
+                info,
+                checksum_fields(&checksum),
+                checksum_type_of(&checksum)
+            )
+        });
+        // HeadObject's model has no tag count; S3 sends the header anyway.
+        if !info.tags.is_empty() {
+            resp.headers.insert(
+                "x-amz-tagging-count",
+                http::HeaderValue::from(info.tags.len()),
+            );
+        }
+        Ok(resp)
     }
 }
