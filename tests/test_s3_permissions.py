@@ -241,7 +241,9 @@ def test_acls_grant_exactly_what_they_name(server, team):
     assert a.get_bucket_ownership_controls(Bucket="aaa")["OwnershipControls"]["Rules"] == [
         {"ObjectOwnership": "BucketOwnerEnforced"}
     ]
-    fails(lambda: a.put_object(Bucket="aaa", Key="k", Body=b"x", ACL="public-read"), "AccessControlListNotSupported")
+    # (A public ACL meets the public access block first: 403, as AWS.)
+    fails(lambda: a.put_object(Bucket="aaa", Key="k", Body=b"x", ACL="public-read"))
+    fails(lambda: a.put_object(Bucket="aaa", Key="k", Body=b"x", GrantRead="id=bob"), "AccessControlListNotSupported")
     fails(lambda: a.put_bucket_acl(Bucket="aaa", GrantRead="id=bob"), "AccessControlListNotSupported")
     a.put_object(Bucket="aaa", Key="k", Body=b"x", ACL="bucket-owner-full-control")  # what it is anyway
     acl = a.get_object_acl(Bucket="aaa", Key="k")
@@ -455,3 +457,46 @@ def test_reads_of_missing_keys_reveal_nothing_without_list(server, team):
     fails(lambda: b.head_object(Bucket="aaa", Key="missing"), "404")
     # The owner (and root) always hear 404.
     fails(lambda: read(a, "aaa", "missing"), "NoSuchKey")
+
+
+def test_acl_answers_as_aws(server, team):
+    """Bugs (issue 42): PutBucketAcl on a bucket whose ACLs are disabled
+    answered 200 to an ACL of no grants or `private` and changed nothing
+    (AWS: 400 AccessControlListNotSupported, ACLs cannot be set there);
+    recreating one's own bucket with an ACL was 400 (AWS: 409
+    BucketAlreadyOwnedByYou); a public ACL under BlockPublicAcls was 400
+    where the bucket also disabled ACLs (AWS: 403, the block decides
+    first). Grants come back in the order S3 gives them; GetBucketPolicyStatus
+    without a policy is 404 NoSuchBucketPolicy, as AWS answers."""
+    a, b, alice, bob = team
+    owner = {"ID": "alice", "DisplayName": "alice"}
+    # ACLs disabled (the default): setting any ACL is refused.
+    fails(lambda: a.put_bucket_acl(Bucket="aaa", ACL="private"), "AccessControlListNotSupported")
+    fails(lambda: a.put_bucket_acl(Bucket="aaa", AccessControlPolicy={"Owner": owner, "Grants": []}),
+          "AccessControlListNotSupported")
+    fails(lambda: a.put_object_acl(Bucket="aaa", Key="doc.txt", ACL="private"), "AccessControlListNotSupported")
+    a.put_object_acl(Bucket="aaa", Key="doc.txt", ACL="bucket-owner-full-control")
+    acl = a.get_bucket_acl(Bucket="aaa")
+    assert acl["Grants"] == [{"Grantee": {**owner, "Type": "CanonicalUser"}, "Permission": "FULL_CONTROL"}]
+    # Public ACLs meet the public access block first: 403.
+    fails(lambda: a.put_bucket_acl(Bucket="aaa", ACL="public-read"))
+    fails(lambda: a.put_object(Bucket="aaa", Key="p", Body=b"x", ACL="public-read"))
+    fails(lambda: a.put_object_acl(Bucket="aaa", Key="doc.txt", ACL="public-read"))
+    # One's own bucket again, with an ACL: 409, unchanged.
+    fails(lambda: a.create_bucket(Bucket="aaa", ACL="public-read"), "BucketAlreadyOwnedByYou")
+    fails(lambda: a.create_bucket(Bucket="aaa", GrantRead='id="bob"'), "BucketAlreadyOwnedByYou")
+    a.create_bucket(Bucket="aaa")  # us-east-1: 200 for the same bucket
+    fails(lambda: b.create_bucket(Bucket="aaa"), "BucketAlreadyExists")
+    # An ACL bucket: an ACL of no grants is stored as given.
+    a.create_bucket(Bucket="oww", ObjectOwnership="ObjectWriter")
+    a.delete_public_access_block(Bucket="oww")
+    a.put_bucket_acl(Bucket="oww", AccessControlPolicy={"Owner": owner, "Grants": []})
+    assert a.get_bucket_acl(Bucket="oww").get("Grants", []) == []
+    a.put_bucket_acl(Bucket="oww", ACL="public-read-write")
+    grants = [(g["Grantee"].get("ID") or g["Grantee"]["URI"].rsplit("/", 1)[1], g["Permission"])
+              for g in a.get_bucket_acl(Bucket="oww")["Grants"]]
+    assert grants == [("alice", "FULL_CONTROL"), ("AllUsers", "READ"), ("AllUsers", "WRITE")]
+    a.put_bucket_acl(Bucket="oww", GrantFullControl='id="alice"', GrantRead='id="bob"', GrantWriteACP='id="bob"')
+    grants = [(g["Grantee"]["ID"], g["Permission"]) for g in a.get_bucket_acl(Bucket="oww")["Grants"]]
+    assert grants == [("bob", "READ"), ("bob", "WRITE_ACP"), ("alice", "FULL_CONTROL")]
+    fails(lambda: a.get_bucket_policy_status(Bucket="oww"), "NoSuchBucketPolicy")

@@ -684,15 +684,15 @@ impl Access {
         let acl = self
             .requested_acl(headers, owner, bucket_owner)?
             .unwrap_or_else(|| Acl::private(owner));
+        if acl.is_public() && b.pab().block_public_acls {
+            return Err(denied());
+        }
         if b.enforced() {
             return if acl.owner_only(bucket_owner) {
                 Ok(None)
             } else {
                 Err(acl_not_supported())
             };
-        }
-        if acl.is_public() && b.pab().block_public_acls {
-            return Err(denied());
         }
         if owner == bucket_owner && acl.owner_only(bucket_owner) {
             return Ok(None);

@@ -741,6 +741,16 @@ impl S3 for TarnS3 {
             .transpose()?;
         let ownership = asked_ownership.unwrap_or(Ownership::BucketOwnerEnforced);
         let asked_acl = self.access.requested_acl(&req.headers, &caller, &caller)?;
+        let bucket = req.input.bucket.as_str();
+        // An existing bucket is answered as such before what the request
+        // asks of a new one is judged (AWS: 409 BucketAlreadyOwnedByYou for
+        // one's own bucket asked with an ACL it cannot have, not 400).
+        if self.access.bucket(bucket).is_some() {
+            self.create_existing_bucket(&req.headers, bucket, &caller, durability, asked_ownership, asked_acl.as_ref())?;
+            return Ok(S3Response::new(CreateBucketOutput {
+                location: Some(format!("/{bucket}")),
+            }));
+        }
         let acl = asked_acl.clone().unwrap_or_else(|| Acl::private(&caller));
         if ownership == Ownership::BucketOwnerEnforced && !acl.owner_only(&caller) {
             return Err(S3Error::with_message(
@@ -761,33 +771,7 @@ impl S3 for TarnS3 {
         {
             Ok(()) => {}
             Err(tarn_store::StoreError::BucketExists(_)) => {
-                // S3 in us-east-1 answers 200 to a CreateBucket of a bucket
-                // the caller already owns (and changes nothing); other
-                // regions 409. A durability, object ownership or ACL the
-                // bucket does not have would not be honoured: 409 as well.
-                // Another's bucket: 409 BucketAlreadyExists.
-                let existing = self
-                    .access
-                    .bucket(&req.input.bucket)
-                    .filter(|b| b.doc.owner == caller)
-                    .ok_or_else(|| {
-                        S3Error::with_message(
-                            S3ErrorCode::BucketAlreadyExists,
-                            "The requested bucket name is not available.",
-                        )
-                    })?;
-                let same = (!req.headers.contains_key("x-tarn-durability")
-                    || self
-                        .store
-                        .head_bucket(&req.input.bucket)
-                        .is_ok_and(|b| b.durability == durability))
-                    && asked_ownership.is_none_or(|o| existing.doc.ownership == Some(o))
-                    && asked_acl.is_none_or(|a| existing.doc.grants == a.grants);
-                if self.region != "us-east-1" || !same {
-                    return Err(s3_error(tarn_store::StoreError::BucketExists(
-                        req.input.bucket.clone(),
-                    )));
-                }
+                self.create_existing_bucket(&req.headers, bucket, &caller, durability, asked_ownership, asked_acl.as_ref())?;
             }
             Err(e) => return Err(s3_error(e)),
         }
@@ -1990,6 +1974,45 @@ fn missing_unless_listable(e: S3Error, hide: bool) -> S3Error {
 }
 
 impl TarnS3 {
+    /// CreateBucket of a bucket that exists. S3 in us-east-1 answers 200 to
+    /// a CreateBucket of a bucket the caller already owns (and changes
+    /// nothing); other regions 409 BucketAlreadyOwnedByYou. A durability,
+    /// object ownership or ACL the bucket does not have would not be
+    /// honoured: 409 as well. Another's bucket: 409 BucketAlreadyExists.
+    fn create_existing_bucket(
+        &self,
+        headers: &http::HeaderMap,
+        bucket: &str,
+        caller: &str,
+        durability: Durability,
+        asked_ownership: Option<Ownership>,
+        asked_acl: Option<&Acl>,
+    ) -> S3Result<()> {
+        let existing = self
+            .access
+            .bucket(bucket)
+            .filter(|b| b.doc.owner == caller)
+            .ok_or_else(|| {
+                S3Error::with_message(
+                    S3ErrorCode::BucketAlreadyExists,
+                    "The requested bucket name is not available.",
+                )
+            })?;
+        let same = (!headers.contains_key("x-tarn-durability")
+            || self
+                .store
+                .head_bucket(bucket)
+                .is_ok_and(|b| b.durability == durability))
+            && asked_ownership.is_none_or(|o| existing.doc.ownership == Some(o))
+            && asked_acl.is_none_or(|a| existing.doc.grants == a.grants);
+        if self.region != "us-east-1" || !same {
+            return Err(s3_error(tarn_store::StoreError::BucketExists(
+                bucket.to_string(),
+            )));
+        }
+        Ok(())
+    }
+
     async fn read_object(
         &self,
         req: S3Request<GetObjectInput>,

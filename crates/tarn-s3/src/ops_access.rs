@@ -84,15 +84,13 @@ impl TarnS3 {
             &owner,
             &owner,
         )?;
-        if b.enforced() {
-            return if acl.owner_only(&owner) {
-                Ok(S3Response::new(PutBucketAclOutput {}))
-            } else {
-                Err(acl_not_supported())
-            };
-        }
+        // A public ACL under BlockPublicAcls is 403 whatever else; where
+        // ACLs are disabled, setting one (even `private`) is 400, as AWS.
         if acl.is_public() && b.pab().block_public_acls {
             return Err(public_blocked("ACL"));
+        }
+        if b.enforced() {
+            return Err(acl_not_supported());
         }
         self.access
             .update(&i.bucket, |d| {
@@ -146,15 +144,17 @@ impl TarnS3 {
             &owner,
             &b.doc.owner,
         )?;
+        if acl.is_public() && b.pab().block_public_acls {
+            return Err(public_blocked("ACL"));
+        }
         if b.enforced() {
-            return if acl.owner_only(&owner) {
+            // Only the ACL the object has anyway, named as AWS accepts it.
+            let canned = req.headers.get("x-amz-acl").map(|v| v.as_bytes());
+            return if canned == Some(b"bucket-owner-full-control") {
                 Ok(S3Response::new(PutObjectAclOutput::default()))
             } else {
                 Err(acl_not_supported())
             };
-        }
-        if acl.is_public() && b.pab().block_public_acls {
-            return Err(public_blocked("ACL"));
         }
         let value = (owner != b.doc.owner || !acl.owner_only(&owner)).then(|| acl.encode());
         let version = info.version_id.clone();
