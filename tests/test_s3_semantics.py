@@ -625,3 +625,26 @@ def test_listings_name_the_real_owner_and_initiator(server, s3):
         assert not any(h.startswith("x-tarn") for h in head)
     assert s3.list_buckets()["Owner"]["ID"] == "root"
     assert d.list_buckets()["Owner"] == {"ID": "dana", "DisplayName": "dana"}
+
+
+def test_part_number_past_the_last_part(s3):
+    """Bug (issue 42): GET or HEAD with a partNumber past the object's last
+    part answered 416 InvalidRange; S3 answers 416 InvalidPartNumber ("The
+    requested partnumber is not satisfiable")."""
+    s3.create_bucket(Bucket="parts")
+    up = s3.create_multipart_upload(Bucket="parts", Key="mp")["UploadId"]
+    p1 = s3.upload_part(Bucket="parts", Key="mp", UploadId=up, PartNumber=1, Body=b"a" * (5 * MIB))
+    p2 = s3.upload_part(Bucket="parts", Key="mp", UploadId=up, PartNumber=2, Body=b"b" * 10)
+    s3.complete_multipart_upload(Bucket="parts", Key="mp", UploadId=up, MultipartUpload={"Parts": [
+        {"PartNumber": 1, "ETag": p1["ETag"]}, {"PartNumber": 2, "ETag": p2["ETag"]}]})
+    s3.put_object(Bucket="parts", Key="one", Body=b"single")
+    assert s3.get_object(Bucket="parts", Key="mp", PartNumber=2)["Body"].read() == b"b" * 10
+    assert s3.get_object(Bucket="parts", Key="one", PartNumber=1)["Body"].read() == b"single"
+    for key, n in (("mp", 3), ("one", 2)):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            s3.get_object(Bucket="parts", Key=key, PartNumber=n)
+        assert (status(e), code(e)) == (416, "InvalidPartNumber")
+        assert "partnumber is not satisfiable" in e.value.response["Error"]["Message"]
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            s3.head_object(Bucket="parts", Key=key, PartNumber=n)
+        assert status(e) == 416

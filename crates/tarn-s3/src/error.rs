@@ -33,6 +33,7 @@ pub fn s3_error(e: StoreError) -> S3Error {
             C::InvalidRange,
             "The requested range is not satisfiable".into(),
         ),
+        StoreError::InvalidPartNumber => (C::Custom("InvalidPartNumber".into()), e.to_string()),
         StoreError::InvalidArgument(_) => (C::InvalidArgument, e.to_string()),
         StoreError::InvalidRequest(_) => (C::InvalidRequest, e.to_string()),
         StoreError::BadDigest => (
@@ -81,6 +82,7 @@ pub fn s3_error(e: StoreError) -> S3Error {
     };
     let custom_status = match e {
         StoreError::BodyHash => Some(http::StatusCode::BAD_REQUEST),
+        StoreError::InvalidPartNumber => Some(http::StatusCode::RANGE_NOT_SATISFIABLE),
         StoreError::StorageFull(_) => Some(http::StatusCode::INSUFFICIENT_STORAGE),
         _ => None,
     };

@@ -48,6 +48,8 @@ pub enum StoreError {
     NotModified { etag: String },
     #[error("requested range not satisfiable")]
     InvalidRange,
+    #[error("The requested partnumber is not satisfiable")]
+    InvalidPartNumber,
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// The cluster's catalog (etcd) could not be reached or refused.

@@ -104,7 +104,7 @@ impl ObjectInfo {
             return if n == 1 {
                 Ok((0, self.size))
             } else {
-                Err(StoreError::InvalidRange)
+                Err(StoreError::InvalidPartNumber)
             };
         }
         let mut offset = 0;
@@ -114,7 +114,7 @@ impl ObjectInfo {
             }
             offset += p.size;
         }
-        Err(StoreError::InvalidRange)
+        Err(StoreError::InvalidPartNumber)
     }
 
     /// How many parts the object has (1 for one written in one piece).
