@@ -648,3 +648,74 @@ def test_part_number_past_the_last_part(s3):
         with pytest.raises(botocore.exceptions.ClientError) as e:
             s3.head_object(Bucket="parts", Key=key, PartNumber=n)
         assert status(e) == 416
+
+
+def test_bucket_tagging_logging_request_payment_and_expected_owner(server, s3):
+    """Issue 42: bucket tagging was 501; bucket logging and request payment
+    were 501 where AWS answers a bucket without them; x-amz-expected-bucket-
+    owner was ignored. Tags are kept (50 at most, no aws: keys, unique);
+    logging and Requester Pays are refused when asked to be turned on and
+    change nothing; a request naming another owner is 403."""
+    s3.create_bucket(Bucket="tagged")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.get_bucket_tagging(Bucket="tagged")
+    assert (status(e), code(e)) == (404, "NoSuchTagSet")
+    tags = [{"Key": f"k{i}", "Value": f"v{i}"} for i in range(50)]
+    s3.put_bucket_tagging(Bucket="tagged", Tagging={"TagSet": tags})
+    assert s3.get_bucket_tagging(Bucket="tagged")["TagSet"] == tags
+    for bad in ([*tags, {"Key": "x", "Value": "y"}], [{"Key": "a", "Value": "1"}, {"Key": "a", "Value": "2"}],
+                [{"Key": "aws:cloudformation", "Value": "x"}], [{"Key": "k" * 129, "Value": "v"}]):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            s3.put_bucket_tagging(Bucket="tagged", Tagging={"TagSet": bad})
+        assert (status(e), code(e)) == (400, "InvalidTag")
+    assert s3.get_bucket_tagging(Bucket="tagged")["TagSet"] == tags
+    s3.delete_bucket_tagging(Bucket="tagged")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.get_bucket_tagging(Bucket="tagged")
+    assert code(e) == "NoSuchTagSet"
+    assert "LoggingEnabled" not in s3.get_bucket_logging(Bucket="tagged")
+    s3.put_bucket_logging(Bucket="tagged", BucketLoggingStatus={})
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.put_bucket_logging(Bucket="tagged", BucketLoggingStatus={
+            "LoggingEnabled": {"TargetBucket": "tagged", "TargetPrefix": "logs/"}})
+    assert (status(e), code(e)) == (501, "NotImplemented")
+    assert "LoggingEnabled" not in s3.get_bucket_logging(Bucket="tagged")
+    assert s3.get_bucket_request_payment(Bucket="tagged")["Payer"] == "BucketOwner"
+    s3.put_bucket_request_payment(Bucket="tagged", RequestPaymentConfiguration={"Payer": "BucketOwner"})
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s3.put_bucket_request_payment(Bucket="tagged", RequestPaymentConfiguration={"Payer": "Requester"})
+    assert (status(e), code(e)) == (501, "NotImplemented")
+    # x-amz-expected-bucket-owner: the owner's canonical ID is its name.
+    s3.put_object(Bucket="tagged", Key="k", Body=b"x", ExpectedBucketOwner="root")
+    assert s3.head_object(Bucket="tagged", Key="k", ExpectedBucketOwner="root")["ContentLength"] == 1
+    for call in (lambda: s3.get_object(Bucket="tagged", Key="k", ExpectedBucketOwner="someone"),
+                 lambda: s3.put_object(Bucket="tagged", Key="k2", Body=b"x", ExpectedBucketOwner="someone"),
+                 lambda: s3.list_objects_v2(Bucket="tagged", ExpectedBucketOwner="someone"),
+                 lambda: s3.copy_object(Bucket="tagged", Key="c", CopySource="tagged/k",
+                                        ExpectedSourceBucketOwner="someone")):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            call()
+        assert (status(e), code(e)) == (403, "AccessDenied")
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket="tagged")["Contents"]] == ["k"]
+
+
+def test_pre_2023_bucket_defaults(make_server):
+    """Issue 42 (migrations): `--bucket-defaults legacy` gives new buckets
+    the defaults from before April 2023 (ObjectWriter, no public access
+    block) so that clients moved from RGW or MinIO keep their ACLs;
+    x-amz-object-ownership still chooses per bucket."""
+    srv = make_server(extra_args=["--bucket-defaults", "legacy"])
+    c = srv.client()
+    c.create_bucket(Bucket="old", ACL="public-read")
+    assert c.get_bucket_ownership_controls(Bucket="old")["OwnershipControls"]["Rules"] == [
+        {"ObjectOwnership": "ObjectWriter"}]
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.get_public_access_block(Bucket="old")
+    assert code(e) == "NoSuchPublicAccessBlockConfiguration"
+    c.put_object(Bucket="old", Key="k", Body=b"x", ACL="public-read")
+    assert any(g["Permission"] == "READ" for g in c.get_object_acl(Bucket="old", Key="k")["Grants"])
+    import requests
+    assert requests.get(f"{srv.endpoint}/old/k").content == b"x"
+    c.create_bucket(Bucket="new", ObjectOwnership="BucketOwnerEnforced")
+    assert c.get_bucket_ownership_controls(Bucket="new")["OwnershipControls"]["Rules"] == [
+        {"ObjectOwnership": "BucketOwnerEnforced"}]

@@ -171,6 +171,9 @@ pub struct BucketDoc {
     pub grants: Vec<Grant>,
     pub policy: Option<String>,
     pub public_access_block: Option<PublicAccessBlock>,
+    /// The bucket's tags (PutBucketTagging), in the order given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<(String, String)>,
 }
 
 /// A bucket's settings as checked: the document with its policy parsed.
@@ -237,6 +240,7 @@ fn new_doc(
         grants: acl.grants,
         policy: None,
         public_access_block: Some(PublicAccessBlock::ALL),
+        tags: Vec::new(),
     }
 }
 
@@ -269,6 +273,12 @@ fn action_of(op: &str, versioned: bool) -> Option<&'static str> {
         "GetPublicAccessBlock" => Some("s3:GetBucketPublicAccessBlock"),
         "PutPublicAccessBlock" | "DeletePublicAccessBlock" => Some("s3:PutBucketPublicAccessBlock"),
         "GetBucketOwnershipControls" => Some("s3:GetBucketOwnershipControls"),
+        "GetBucketTagging" => Some("s3:GetBucketTagging"),
+        "PutBucketTagging" | "DeleteBucketTagging" => Some("s3:PutBucketTagging"),
+        "GetBucketLogging" => Some("s3:GetBucketLogging"),
+        "PutBucketLogging" => Some("s3:PutBucketLogging"),
+        "GetBucketRequestPayment" => Some("s3:GetBucketRequestPayment"),
+        "PutBucketRequestPayment" => Some("s3:PutBucketRequestPayment"),
         "PutBucketOwnershipControls" | "DeleteBucketOwnershipControls" => {
             Some("s3:PutBucketOwnershipControls")
         }
@@ -437,6 +447,9 @@ pub struct Access {
     loaded: AtomicBool,
     /// One change of bucket settings (or bucket creation) at a time.
     changes: tokio::sync::Mutex<()>,
+    /// New buckets get the defaults from before April 2023 (ObjectWriter,
+    /// no public access block) instead of AWS's current ones.
+    legacy_defaults: AtomicBool,
 }
 
 impl Access {
@@ -448,6 +461,7 @@ impl Access {
             buckets: RwLock::new(HashMap::new()),
             loaded: AtomicBool::new(false),
             changes: tokio::sync::Mutex::new(()),
+            legacy_defaults: AtomicBool::new(false),
         })
     }
 
@@ -564,6 +578,24 @@ impl Access {
 
     /// Creates a bucket owned by `owner`. Its settings are written right
     /// after it; if that fails, the (empty) bucket is removed again.
+    pub fn set_legacy_bucket_defaults(&self, on: bool) {
+        self.legacy_defaults.store(on, Ordering::Relaxed);
+    }
+
+    /// The object ownership of a bucket created without one.
+    pub fn default_ownership(&self) -> Ownership {
+        if self.legacy_defaults.load(Ordering::Relaxed) {
+            Ownership::ObjectWriter
+        } else {
+            Ownership::BucketOwnerEnforced
+        }
+    }
+
+    /// Whether new buckets start with their public access blocked.
+    pub fn blocks_new_buckets(&self) -> bool {
+        !self.legacy_defaults.load(Ordering::Relaxed)
+    }
+
     pub async fn create_bucket(
         &self,
         owner: &str,
@@ -575,7 +607,10 @@ impl Access {
         let _g = self.changes.lock().await;
         self.store.create_bucket(name, durability).await?;
         let created_ns = self.store.head_bucket(name)?.created_ns;
-        let doc = new_doc(name, created_ns, owner, ownership, acl);
+        let mut doc = new_doc(name, created_ns, owner, ownership, acl);
+        if !self.blocks_new_buckets() {
+            doc.public_access_block = None;
+        }
         if let Err(e) = sysdoc::write(&self.store, &doc_key(name), &doc).await {
             let _ = self.store.delete_bucket(name).await;
             return Err(e);
@@ -943,6 +978,38 @@ impl Access {
     }
 }
 
+impl Access {
+    /// `x-amz-expected-bucket-owner` (and, for copies,
+    /// `x-amz-source-expected-bucket-owner`): the request is refused (403)
+    /// unless the bucket's owner is the one named, whoever asks (root too).
+    fn check_expected_owners(&self, path: &S3Path, headers: &http::HeaderMap) -> S3Result<()> {
+        let owner_of = |bucket: &str| self.bucket(bucket).map(|b| b.doc.owner.clone());
+        if let Some(want) = headers.get("x-amz-expected-bucket-owner") {
+            if let S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } = path {
+                if let Some(owner) = owner_of(bucket) {
+                    if want.as_bytes() != owner.as_bytes() {
+                        return Err(denied());
+                    }
+                }
+            }
+        }
+        if let Some(want) = headers.get("x-amz-source-expected-bucket-owner") {
+            let source = headers
+                .get("x-amz-copy-source")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|s| CopySource::parse(s).ok());
+            if let Some(CopySource::Bucket { bucket, .. }) = source {
+                if let Some(owner) = owner_of(&bucket) {
+                    if want.as_bytes() != owner.as_bytes() {
+                        return Err(denied());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// An access checker bound to `Access` (the S3 service keeps it).
 pub struct Checker(pub Arc<Access>);
 
@@ -967,6 +1034,7 @@ impl S3Access for Checker {
             query: cx.uri().query(),
             peer,
         })?;
+        self.0.check_expected_owners(cx.s3_path(), cx.headers())?;
         cx.extensions_mut().insert(permit);
         Ok(())
     }

@@ -15,6 +15,7 @@ pub mod iam;
 pub mod ops;
 mod ops_access;
 mod ops_attributes;
+mod ops_bucket;
 mod ops_cache;
 pub mod policy;
 pub mod scope;

@@ -600,6 +600,55 @@ impl S3 for TarnS3 {
         self.op_delete_public_access_block(req).await
     }
 
+    async fn get_bucket_tagging(
+        &self,
+        req: S3Request<GetBucketTaggingInput>,
+    ) -> S3Result<S3Response<GetBucketTaggingOutput>> {
+        self.op_get_bucket_tagging(req).await
+    }
+
+    async fn put_bucket_tagging(
+        &self,
+        req: S3Request<PutBucketTaggingInput>,
+    ) -> S3Result<S3Response<PutBucketTaggingOutput>> {
+        self.op_put_bucket_tagging(req).await
+    }
+
+    async fn delete_bucket_tagging(
+        &self,
+        req: S3Request<DeleteBucketTaggingInput>,
+    ) -> S3Result<S3Response<DeleteBucketTaggingOutput>> {
+        self.op_delete_bucket_tagging(req).await
+    }
+
+    async fn get_bucket_logging(
+        &self,
+        req: S3Request<GetBucketLoggingInput>,
+    ) -> S3Result<S3Response<GetBucketLoggingOutput>> {
+        self.op_get_bucket_logging(req).await
+    }
+
+    async fn put_bucket_logging(
+        &self,
+        req: S3Request<PutBucketLoggingInput>,
+    ) -> S3Result<S3Response<PutBucketLoggingOutput>> {
+        self.op_put_bucket_logging(req).await
+    }
+
+    async fn get_bucket_request_payment(
+        &self,
+        req: S3Request<GetBucketRequestPaymentInput>,
+    ) -> S3Result<S3Response<GetBucketRequestPaymentOutput>> {
+        self.op_get_bucket_request_payment(req).await
+    }
+
+    async fn put_bucket_request_payment(
+        &self,
+        req: S3Request<PutBucketRequestPaymentInput>,
+    ) -> S3Result<S3Response<PutBucketRequestPaymentOutput>> {
+        self.op_put_bucket_request_payment(req).await
+    }
+
     async fn get_bucket_ownership_controls(
         &self,
         req: S3Request<GetBucketOwnershipControlsInput>,
@@ -739,7 +788,7 @@ impl S3 for TarnS3 {
             .get("x-amz-object-ownership")
             .map(|v| Ownership::parse(v.to_str().unwrap_or("")))
             .transpose()?;
-        let ownership = asked_ownership.unwrap_or(Ownership::BucketOwnerEnforced);
+        let ownership = asked_ownership.unwrap_or_else(|| self.access.default_ownership());
         let asked_acl = self.access.requested_acl(&req.headers, &caller, &caller)?;
         let bucket = req.input.bucket.as_str();
         // An existing bucket is answered as such before what the request
@@ -758,7 +807,7 @@ impl S3 for TarnS3 {
                 "Bucket cannot have ACLs set with ObjectOwnership's BucketOwnerEnforced setting",
             ));
         }
-        if acl.is_public() {
+        if acl.is_public() && self.access.blocks_new_buckets() {
             return Err(S3Error::with_message(
                 S3ErrorCode::AccessDenied,
                 "A new bucket blocks public access: create it, delete its public access block, then put the ACL.",

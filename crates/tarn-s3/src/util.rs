@@ -23,6 +23,9 @@ pub const TAGS_MAX: usize = 10;
 pub const TAG_KEY_MAX_CHARS: usize = 128;
 pub const TAG_VALUE_MAX_CHARS: usize = 256;
 
+/// Most tags a bucket may have.
+pub const BUCKET_TAGS_MAX: usize = 50;
+
 pub fn check_tags(tags: &[(String, String)]) -> S3Result<()> {
     if tags.len() > TAGS_MAX {
         return Err(S3Error::with_message(
@@ -30,6 +33,26 @@ pub fn check_tags(tags: &[(String, String)]) -> S3Result<()> {
             "Object tags cannot be greater than 10",
         ));
     }
+    check_tag_items(tags)
+}
+
+pub fn check_bucket_tags(tags: &[(String, String)]) -> S3Result<()> {
+    if tags.len() > BUCKET_TAGS_MAX {
+        return Err(S3Error::with_message(
+            S3ErrorCode::InvalidTag,
+            "Bucket tags cannot be greater than 50",
+        ));
+    }
+    if tags.iter().any(|(k, _)| k.starts_with("aws:")) {
+        return Err(S3Error::with_message(
+            S3ErrorCode::InvalidTag,
+            "System tags (aws:*) cannot be set",
+        ));
+    }
+    check_tag_items(tags)
+}
+
+fn check_tag_items(tags: &[(String, String)]) -> S3Result<()> {
     for (i, (k, v)) in tags.iter().enumerate() {
         if k.is_empty()
             || k.chars().count() > TAG_KEY_MAX_CHARS

@@ -49,6 +49,8 @@ pub struct FileConfig {
     pub scan_interval_secs: Option<u64>,
     /// Bytes every cache bucket of the node may hold together.
     pub cache_max_bytes: Option<u64>,
+    /// `aws` (default) or `legacy`: see `--bucket-defaults`.
+    pub bucket_defaults: Option<String>,
     pub io_uring: Option<bool>,
     /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
     pub drive_reserve_bytes: Option<u64>,

@@ -130,6 +130,13 @@ struct ServerArgs {
     /// 500GiB; default: no budget beyond each bucket's --size).
     #[arg(long)]
     cache_max_bytes: Option<String>,
+    /// What a bucket created without x-amz-object-ownership gets: `aws`
+    /// (AWS's defaults since April 2023: ACLs disabled, public access
+    /// blocked) or `legacy` (the defaults before: ObjectWriter ownership,
+    /// no public access block; for clients moved from RGW or MinIO that
+    /// rely on ACLs). Every node of a cluster needs the same.
+    #[arg(long, value_parser = ["aws", "legacy"])]
+    bucket_defaults: Option<String>,
     /// Bytes of objects per second a backfill of a joining drive may visit
     /// (e.g. 200MiB; 0 = no limit).
     #[arg(long)]
@@ -658,6 +665,15 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         None => file.cache_max_bytes.unwrap_or(0),
     };
     permissions.caches.set_budget(cache_budget);
+    match args
+        .bucket_defaults
+        .as_deref()
+        .or(file.bucket_defaults.as_deref())
+    {
+        None | Some("aws") => {}
+        Some("legacy") => permissions.set_legacy_bucket_defaults(true),
+        Some(other) => anyhow::bail!("bucket_defaults must be aws or legacy, not {other:?}"),
+    }
     if let Some(node) = &node {
         // Users, keys and buckets' settings changed through another node.
         let p = permissions.clone();

@@ -1,0 +1,124 @@
+//! Bucket settings that are documents of their own: tags, and the logging
+//! and request-payment settings Tarn answers as a bucket that has neither
+//! (it refuses to turn them on, never ignores them).
+
+use s3s::dto::*;
+use s3s::{S3Error, S3ErrorCode, S3Request, S3Response, S3Result};
+
+use crate::ops::TarnS3;
+use crate::util::check_bucket_tags;
+
+impl TarnS3 {
+    pub(crate) async fn op_get_bucket_tagging(
+        &self,
+        req: S3Request<GetBucketTaggingInput>,
+    ) -> S3Result<S3Response<GetBucketTaggingOutput>> {
+        let b = self.bucket_access(&req.extensions, &req.input.bucket)?;
+        if b.doc.tags.is_empty() {
+            let mut e = S3Error::with_message(
+                S3ErrorCode::Custom("NoSuchTagSet".into()),
+                "The TagSet does not exist",
+            );
+            e.set_status_code(http::StatusCode::NOT_FOUND);
+            return Err(e);
+        }
+        Ok(S3Response::new(GetBucketTaggingOutput {
+            tag_set: b
+                .doc
+                .tags
+                .iter()
+                .map(|(k, v)| Tag {
+                    key: Some(k.clone()),
+                    value: Some(v.clone()),
+                })
+                .collect(),
+        }))
+    }
+
+    pub(crate) async fn op_put_bucket_tagging(
+        &self,
+        req: S3Request<PutBucketTaggingInput>,
+    ) -> S3Result<S3Response<PutBucketTaggingOutput>> {
+        let i = req.input;
+        let tags: Vec<(String, String)> = i
+            .tagging
+            .tag_set
+            .into_iter()
+            .map(|t| (t.key.unwrap_or_default(), t.value.unwrap_or_default()))
+            .collect();
+        check_bucket_tags(&tags)?;
+        self.access
+            .update(&i.bucket, |d| {
+                d.tags = tags;
+                Ok(())
+            })
+            .await?;
+        Ok(S3Response::new(PutBucketTaggingOutput {}))
+    }
+
+    pub(crate) async fn op_delete_bucket_tagging(
+        &self,
+        req: S3Request<DeleteBucketTaggingInput>,
+    ) -> S3Result<S3Response<DeleteBucketTaggingOutput>> {
+        self.access
+            .update(&req.input.bucket, |d| {
+                d.tags.clear();
+                Ok(())
+            })
+            .await?;
+        Ok(S3Response::new(DeleteBucketTaggingOutput {}))
+    }
+
+    /// Server access logging is never on: the answer of a bucket without
+    /// it.
+    pub(crate) async fn op_get_bucket_logging(
+        &self,
+        req: S3Request<GetBucketLoggingInput>,
+    ) -> S3Result<S3Response<GetBucketLoggingOutput>> {
+        self.bucket_access(&req.extensions, &req.input.bucket)?;
+        Ok(S3Response::new(GetBucketLoggingOutput {
+            logging_enabled: None,
+        }))
+    }
+
+    /// Turning logging off is what it is already; turning it on is refused.
+    pub(crate) async fn op_put_bucket_logging(
+        &self,
+        req: S3Request<PutBucketLoggingInput>,
+    ) -> S3Result<S3Response<PutBucketLoggingOutput>> {
+        self.bucket_access(&req.extensions, &req.input.bucket)?;
+        if req.input.bucket_logging_status.logging_enabled.is_some() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::NotImplemented,
+                "Server access logging is not supported; Tarn's request log and metrics are on the admin port. Nothing was changed.",
+            ));
+        }
+        Ok(S3Response::new(PutBucketLoggingOutput {}))
+    }
+
+    /// The bucket owner pays: there is no one else to bill.
+    pub(crate) async fn op_get_bucket_request_payment(
+        &self,
+        req: S3Request<GetBucketRequestPaymentInput>,
+    ) -> S3Result<S3Response<GetBucketRequestPaymentOutput>> {
+        self.bucket_access(&req.extensions, &req.input.bucket)?;
+        Ok(S3Response::new(GetBucketRequestPaymentOutput {
+            payer: Some(Payer::from_static(Payer::BUCKET_OWNER)),
+        }))
+    }
+
+    pub(crate) async fn op_put_bucket_request_payment(
+        &self,
+        req: S3Request<PutBucketRequestPaymentInput>,
+    ) -> S3Result<S3Response<PutBucketRequestPaymentOutput>> {
+        self.bucket_access(&req.extensions, &req.input.bucket)?;
+        let payer = req.input.request_payment_configuration.payer;
+        if payer.as_str() != Payer::BUCKET_OWNER {
+            return Err(S3Error::with_message(
+                S3ErrorCode::NotImplemented,
+                "Requester Pays is not supported: the bucket owner pays. Nothing was changed.",
+            ));
+        }
+        Ok(S3Response::new(PutBucketRequestPaymentOutput {}))
+    }
+}
