@@ -174,6 +174,15 @@ pub struct BucketDoc {
     /// The bucket's tags (PutBucketTagging), in the order given.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tags: Vec<(String, String)>,
+    /// The lifecycle rules (PutBucketLifecycleConfiguration).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<crate::lifecycle::Lifecycle>,
+}
+
+impl BucketDoc {
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
 }
 
 /// A bucket's settings as checked: the document with its policy parsed.
@@ -241,6 +250,7 @@ fn new_doc(
         policy: None,
         public_access_block: Some(PublicAccessBlock::ALL),
         tags: Vec::new(),
+        lifecycle: None,
     }
 }
 
@@ -274,6 +284,10 @@ fn action_of(op: &str, versioned: bool) -> Option<&'static str> {
         "PutPublicAccessBlock" | "DeletePublicAccessBlock" => Some("s3:PutBucketPublicAccessBlock"),
         "GetBucketOwnershipControls" => Some("s3:GetBucketOwnershipControls"),
         "GetBucketTagging" => Some("s3:GetBucketTagging"),
+        "GetBucketLifecycleConfiguration" => Some("s3:GetLifecycleConfiguration"),
+        "PutBucketLifecycleConfiguration" | "DeleteBucketLifecycle" => {
+            Some("s3:PutLifecycleConfiguration")
+        }
         "PutBucketTagging" | "DeleteBucketTagging" => Some("s3:PutBucketTagging"),
         "GetBucketLogging" => Some("s3:GetBucketLogging"),
         "PutBucketLogging" => Some("s3:PutBucketLogging"),
@@ -552,6 +566,20 @@ impl Access {
         *self.buckets.write().expect("access table") = map;
         self.loaded.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// The settings of every bucket that has its own.
+    pub fn buckets(&self) -> Vec<Arc<BucketAccess>> {
+        let all: Vec<Arc<BucketAccess>> = self
+            .buckets
+            .read()
+            .expect("access table")
+            .values()
+            .cloned()
+            .collect();
+        all.into_iter()
+            .filter(|b| self.store.bucket_created_ns(&b.doc.bucket) == Some(b.doc.created_ns))
+            .collect()
     }
 
     /// The settings of an existing bucket; None when there is no such bucket.

@@ -12,6 +12,7 @@ pub mod body;
 pub mod cache;
 pub mod error;
 pub mod iam;
+pub mod lifecycle;
 pub mod ops;
 mod ops_access;
 mod ops_attributes;

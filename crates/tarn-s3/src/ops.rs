@@ -649,6 +649,27 @@ impl S3 for TarnS3 {
         self.op_put_bucket_request_payment(req).await
     }
 
+    async fn get_bucket_lifecycle_configuration(
+        &self,
+        req: S3Request<GetBucketLifecycleConfigurationInput>,
+    ) -> S3Result<S3Response<GetBucketLifecycleConfigurationOutput>> {
+        self.op_get_bucket_lifecycle_configuration(req).await
+    }
+
+    async fn put_bucket_lifecycle_configuration(
+        &self,
+        req: S3Request<PutBucketLifecycleConfigurationInput>,
+    ) -> S3Result<S3Response<PutBucketLifecycleConfigurationOutput>> {
+        self.op_put_bucket_lifecycle_configuration(req).await
+    }
+
+    async fn delete_bucket_lifecycle(
+        &self,
+        req: S3Request<DeleteBucketLifecycleInput>,
+    ) -> S3Result<S3Response<DeleteBucketLifecycleOutput>> {
+        self.op_delete_bucket_lifecycle(req).await
+    }
+
     async fn get_bucket_ownership_controls(
         &self,
         req: S3Request<GetBucketOwnershipControlsInput>,

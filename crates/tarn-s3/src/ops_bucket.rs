@@ -122,3 +122,57 @@ impl TarnS3 {
         Ok(S3Response::new(PutBucketRequestPaymentOutput {}))
     }
 }
+
+impl TarnS3 {
+    pub(crate) async fn op_get_bucket_lifecycle_configuration(
+        &self,
+        req: S3Request<GetBucketLifecycleConfigurationInput>,
+    ) -> S3Result<S3Response<GetBucketLifecycleConfigurationOutput>> {
+        let b = self.bucket_access(&req.extensions, &req.input.bucket)?;
+        let Some(lc) = &b.doc.lifecycle else {
+            let mut e = S3Error::with_message(
+                S3ErrorCode::NoSuchLifecycleConfiguration,
+                "The lifecycle configuration does not exist",
+            );
+            e.set_status_code(http::StatusCode::NOT_FOUND);
+            return Err(e);
+        };
+        Ok(S3Response::new(GetBucketLifecycleConfigurationOutput {
+            rules: Some(lc.to_dto()),
+            ..Default::default()
+        }))
+    }
+
+    pub(crate) async fn op_put_bucket_lifecycle_configuration(
+        &self,
+        req: S3Request<PutBucketLifecycleConfigurationInput>,
+    ) -> S3Result<S3Response<PutBucketLifecycleConfigurationOutput>> {
+        let i = req.input;
+        self.refuse_on_cache(&i.bucket, "lifecycle rules (a cache bucket evicts by its size)")?;
+        let c = i
+            .lifecycle_configuration
+            .as_ref()
+            .ok_or_else(|| S3Error::with_message(S3ErrorCode::MalformedXML, "A LifecycleConfiguration body is required"))?;
+        let lc = crate::lifecycle::Lifecycle::from_dto(c)?;
+        self.access
+            .update(&i.bucket, |d| {
+                d.lifecycle = Some(lc);
+                Ok(())
+            })
+            .await?;
+        Ok(S3Response::new(PutBucketLifecycleConfigurationOutput::default()))
+    }
+
+    pub(crate) async fn op_delete_bucket_lifecycle(
+        &self,
+        req: S3Request<DeleteBucketLifecycleInput>,
+    ) -> S3Result<S3Response<DeleteBucketLifecycleOutput>> {
+        self.access
+            .update(&req.input.bucket, |d| {
+                d.lifecycle = None;
+                Ok(())
+            })
+            .await?;
+        Ok(S3Response::new(DeleteBucketLifecycleOutput {}))
+    }
+}

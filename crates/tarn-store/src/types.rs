@@ -299,3 +299,16 @@ mod tests {
         assert!(ByteRange::From(0).resolve(0).is_err());
     }
 }
+
+/// What a lifecycle expiry requires of a key when it acts
+/// (`Store::expire_if_unchanged`); versions by their S3 id (`null` too).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unchanged {
+    /// The current version is still this one (not a delete marker), not
+    /// rewritten since.
+    Current { version: String, mod_time_ns: u64 },
+    /// This version is still there and not the current one.
+    Version { version: String },
+    /// This delete marker is the key's only version.
+    SoleDeleteMarker { version: String },
+}

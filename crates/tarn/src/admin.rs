@@ -397,6 +397,7 @@ async fn handle(
                 names(),
             );
             out.push_str(&metrics.render_cache(&caches, names()));
+            out.push_str(&crate::metrics::render_lifecycle());
             text(200, "text/plain; version=0.0.4", out)
         }
         (_, p) if p.starts_with("/admin/") && !authorized => {

@@ -51,6 +51,10 @@ pub struct FileConfig {
     pub cache_max_bytes: Option<u64>,
     /// `aws` (default) or `legacy`: see `--bucket-defaults`.
     pub bucket_defaults: Option<String>,
+    /// See `--lifecycle-interval-secs`, `--lifecycle-day-secs`, `--lifecycle-rate`.
+    pub lifecycle_interval_secs: Option<u64>,
+    pub lifecycle_day_secs: Option<u64>,
+    pub lifecycle_rate: Option<u64>,
     pub io_uring: Option<bool>,
     /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
     pub drive_reserve_bytes: Option<u64>,

@@ -137,6 +137,16 @@ struct ServerArgs {
     /// rely on ACLs). Every node of a cluster needs the same.
     #[arg(long, value_parser = ["aws", "legacy"])]
     bucket_defaults: Option<String>,
+    /// Seconds between lifecycle passes over a bucket (default 3600).
+    #[arg(long)]
+    lifecycle_interval_secs: Option<u64>,
+    /// Seconds in a lifecycle day (default 86400; tests shorten it).
+    #[arg(long)]
+    lifecycle_day_secs: Option<u64>,
+    /// Versions and uploads a lifecycle pass visits per second at most
+    /// (default 20000; 0 = no bound).
+    #[arg(long)]
+    lifecycle_rate: Option<u64>,
     /// Bytes of objects per second a backfill of a joining drive may visit
     /// (e.g. 200MiB; 0 = no limit).
     #[arg(long)]
@@ -850,6 +860,21 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         admin_token: secret,
         access: permissions_of_admin,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
+        lifecycle: {
+            let d = tarn_s3::lifecycle::ScanSettings::default();
+            let secs = |a: Option<u64>, f: Option<u64>, d: Duration| {
+                a.or(f).map_or(d, |s| Duration::from_secs(s.max(1)))
+            };
+            tarn_s3::lifecycle::ScanSettings {
+                interval: secs(
+                    args.lifecycle_interval_secs,
+                    file.lifecycle_interval_secs,
+                    d.interval,
+                ),
+                day: secs(args.lifecycle_day_secs, file.lifecycle_day_secs, d.day),
+                rate: args.lifecycle_rate.or(file.lifecycle_rate).unwrap_or(d.rate),
+            }
+        },
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
         admin_bound,

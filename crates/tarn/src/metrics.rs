@@ -457,6 +457,55 @@ impl Metrics {
     }
 }
 
+/// The lifecycle scanner's counters (docs/lifecycle.md).
+pub fn render_lifecycle() -> String {
+    use std::fmt::Write;
+    let c = &tarn_s3::lifecycle::COUNTERS;
+    let mut out = String::new();
+    let series: [(&str, &str, &std::sync::atomic::AtomicU64); 5] = [
+        (
+            "tarn_lifecycle_passes_total",
+            "Lifecycle passes over a bucket this node finished.",
+            &c.passes,
+        ),
+        (
+            "tarn_lifecycle_scanned_total",
+            "Versions lifecycle passes visited.",
+            &c.scanned,
+        ),
+        (
+            "tarn_lifecycle_uploads_aborted_total",
+            "Incomplete multipart uploads lifecycle aborted.",
+            &c.uploads_aborted,
+        ),
+        (
+            "tarn_lifecycle_errors_total",
+            "Lifecycle passes that failed (tried again next interval).",
+            &c.errors,
+        ),
+        (
+            "tarn_lifecycle_delete_markers_removed_total",
+            "Delete markers with no other version that lifecycle removed.",
+            &c.delete_markers_removed,
+        ),
+    ];
+    for (metric, help, v) in series {
+        let _ = writeln!(
+            out,
+            "# HELP {metric} {help}\n# TYPE {metric} counter\n{metric} {}",
+            v.load(Ordering::Relaxed)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP tarn_lifecycle_expired_total Versions lifecycle expired: current ones (a delete marker where versioning is on, else removed) and noncurrent ones.\n# TYPE tarn_lifecycle_expired_total counter\n\
+         tarn_lifecycle_expired_total{{version=\"current\"}} {}\ntarn_lifecycle_expired_total{{version=\"noncurrent\"}} {}",
+        c.expired.load(Ordering::Relaxed),
+        c.noncurrent_expired.load(Ordering::Relaxed)
+    );
+    out
+}
+
 /// A Prometheus label value: escaped, at most 200 characters.
 fn label(raw: &[u8]) -> String {
     String::from_utf8_lossy(raw)

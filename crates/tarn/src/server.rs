@@ -62,6 +62,8 @@ pub struct ServerSettings {
     /// Users and their keys, and cache buckets, managed on the admin port.
     pub access: Arc<tarn_s3::access::Access>,
     pub scan_interval: Option<Duration>,
+    /// The lifecycle scanner's pace (docs/lifecycle.md).
+    pub lifecycle: tarn_s3::lifecycle::ScanSettings,
     /// The KV engines by tenant and the KV server's connection counts, for
     /// /metrics.
     pub kv: Vec<(String, Arc<tarn_kv::Engine>)>,
@@ -886,6 +888,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
             settings.cluster.clone(),
         );
         let scan = settings.scan_interval;
+        let lifecycle = settings.lifecycle;
         threads.push(
             std::thread::Builder::new()
                 .name(format!("tarn-core-{core}"))
@@ -899,6 +902,14 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                             }
                             tokio::spawn(trim_memory(store.clone()));
                             tokio::spawn(resume_prefetches(admin_ctx.2.clone()));
+                            tokio::spawn(
+                                tarn_s3::lifecycle::Scanner::new(
+                                    admin_ctx.2.clone(),
+                                    store.clone(),
+                                    lifecycle,
+                                )
+                                .run(),
+                            );
                         }
                         if let Some(admin) = admin {
                             let listener = TcpListener::from_std(admin)?;

@@ -2843,6 +2843,38 @@ impl Store {
         version: Option<&str>,
         if_match: Option<&str>,
     ) -> Result<crate::types::DeleteResult, StoreError> {
+        self.delete_expecting(bucket, key, version, if_match, None)
+            .await
+            .map(|r| r.expect("a delete without expectations happens"))
+    }
+
+    /// A lifecycle expiry: deletes as DELETE does (the current version: a
+    /// delete marker where versioning is on; a version by its id) only if
+    /// the key is still as the scan judged it, checked under the key's
+    /// lock. None: it changed meanwhile, and nothing was done.
+    pub async fn expire_if_unchanged(
+        &self,
+        bucket: &str,
+        key: &str,
+        expect: crate::types::Unchanged,
+    ) -> Result<Option<crate::types::DeleteResult>, StoreError> {
+        let version = match &expect {
+            crate::types::Unchanged::Current { .. } => None,
+            crate::types::Unchanged::Version { version } => Some(version.clone()),
+            crate::types::Unchanged::SoleDeleteMarker { version } => Some(version.clone()),
+        };
+        self.delete_expecting(bucket, key, version.as_deref(), None, Some(expect))
+            .await
+    }
+
+    async fn delete_expecting(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        if_match: Option<&str>,
+        expect: Option<crate::types::Unchanged>,
+    ) -> Result<Option<crate::types::DeleteResult>, StoreError> {
         let brec = self.bucket_record(bucket)?;
         validate_key(key)?;
         let version_id =
@@ -2855,6 +2887,28 @@ impl Store {
         let _g = self.lock_write(bucket, key).await?;
         let loc = self.locate(bucket, key).await?;
         let (set, mut rec) = (loc.set, loc.rec);
+        if let Some(expect) = &expect {
+            let name = |v: &VersionMeta| version_to_string(&v.version_id).unwrap_or_else(|| "null".into());
+            let holds = match expect {
+                crate::types::Unchanged::Current {
+                    version,
+                    mod_time_ns,
+                } => rec.versions.first().is_some_and(|v| {
+                    !v.delete_marker && &name(v) == version && v.mod_time_ns == *mod_time_ns
+                }),
+                crate::types::Unchanged::Version { version } => {
+                    rec.versions.iter().skip(1).any(|v| &name(v) == version)
+                }
+                crate::types::Unchanged::SoleDeleteMarker { version } => {
+                    rec.versions.len() == 1
+                        && rec.versions[0].delete_marker
+                        && &name(&rec.versions[0]) == version
+                }
+            };
+            if !holds {
+                return Ok(None);
+            }
+        }
         if let Some(condition) = if_match {
             let (v, _) = self.select_version(&rec, bucket, key, version)?;
             if v.delete_marker {
@@ -2879,19 +2933,19 @@ impl Store {
                     }
                     // Deleting a version that does not exist succeeds (S3 semantics).
                     None => {
-                        return Ok(crate::types::DeleteResult {
+                        return Ok(Some(crate::types::DeleteResult {
                             delete_marker: false,
                             version_id: version.map(str::to_string),
-                        })
+                        }))
                     }
                 }
             }
             (None, Versioning::Unversioned) => {
                 if rec.versions.is_empty() {
-                    return Ok(crate::types::DeleteResult {
+                    return Ok(Some(crate::types::DeleteResult {
                         delete_marker: false,
                         version_id: None,
-                    });
+                    }));
                 }
                 removed.extend(
                     rec.versions
@@ -2952,7 +3006,7 @@ impl Store {
         };
         self.write_object_everywhere(set, bucket, key, w).await?;
         self.retire_data(set, data_ids_of(&removed)).await;
-        Ok(result)
+        Ok(Some(result))
     }
 
     /// Replaces the tags of a version; never touches its data.
