@@ -156,7 +156,9 @@ impl Rule {
         };
         match (&r.prefix, &r.filter) {
             (Some(_), Some(_)) => {
-                return Err(malformed("A rule has either a Prefix or a Filter, not both"))
+                return Err(malformed(
+                    "A rule has either a Prefix or a Filter, not both",
+                ))
             }
             (None, None) => return Err(malformed("A rule needs a Filter (or a Prefix)")),
             (Some(p), None) => {
@@ -181,8 +183,10 @@ impl Rule {
                 }
                 rule.prefix = f.prefix.clone().unwrap_or_default();
                 if let Some(t) = &f.tag {
-                    rule.tags
-                        .push((t.key.clone().unwrap_or_default(), t.value.clone().unwrap_or_default()));
+                    rule.tags.push((
+                        t.key.clone().unwrap_or_default(),
+                        t.value.clone().unwrap_or_default(),
+                    ));
                 }
                 rule.size_gt = f.object_size_greater_than;
                 rule.size_lt = f.object_size_less_than;
@@ -202,7 +206,10 @@ impl Rule {
         }
         for (i, (k, v)) in rule.tags.iter().enumerate() {
             if k.is_empty() || k.chars().count() > 128 || v.chars().count() > 256 {
-                return Err(invalid(S3ErrorCode::InvalidTag, "The tag key or value is not valid"));
+                return Err(invalid(
+                    S3ErrorCode::InvalidTag,
+                    "The tag key or value is not valid",
+                ));
             }
             if rule.tags[..i].iter().any(|(k2, _)| k2 == k) {
                 return Err(invalid(
@@ -225,12 +232,17 @@ impl Rule {
                 ));
             }
         }
-        let filtered_by_object = !rule.tags.is_empty() || rule.size_gt.is_some() || rule.size_lt.is_some();
+        let filtered_by_object =
+            !rule.tags.is_empty() || rule.size_gt.is_some() || rule.size_lt.is_some();
         if let Some(e) = &r.expiration {
-            let given = [e.days.is_some(), e.date.is_some(), e.expired_object_delete_marker.is_some()]
-                .iter()
-                .filter(|x| **x)
-                .count();
+            let given = [
+                e.days.is_some(),
+                e.date.is_some(),
+                e.expired_object_delete_marker.is_some(),
+            ]
+            .iter()
+            .filter(|x| **x)
+            .count();
             if given != 1 {
                 return Err(malformed(
                     "Expiration has one of Days, Date or ExpiredObjectDeleteMarker",
@@ -275,9 +287,9 @@ impl Rule {
             }
         }
         if let Some(a) = &r.abort_incomplete_multipart_upload {
-            let days = a
-                .days_after_initiation
-                .ok_or_else(|| malformed("AbortIncompleteMultipartUpload needs DaysAfterInitiation"))?;
+            let days = a.days_after_initiation.ok_or_else(|| {
+                malformed("AbortIncompleteMultipartUpload needs DaysAfterInitiation")
+            })?;
             if filtered_by_object {
                 return Err(invalid(
                     S3ErrorCode::InvalidRequest,
@@ -327,7 +339,9 @@ impl Rule {
                 ..Default::default()
             })
         };
-        let expiration = (self.days.is_some() || self.date_s.is_some() || self.expired_delete_marker)
+        let expiration = (self.days.is_some()
+            || self.date_s.is_some()
+            || self.expired_delete_marker)
             .then(|| dto::LifecycleExpiration {
                 days: self.days.map(|d| d as i32),
                 date: self.date_s.map(|s| {
@@ -535,7 +549,8 @@ impl Scanner {
         while !self.access.is_loaded() {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        let tick = (self.settings.interval / 4).clamp(Duration::from_millis(200), Duration::from_secs(60));
+        let tick =
+            (self.settings.interval / 4).clamp(Duration::from_millis(200), Duration::from_secs(60));
         loop {
             for b in self.access.buckets() {
                 let Some(lc) = b.doc.lifecycle.clone() else {
@@ -605,7 +620,11 @@ impl Scanner {
 
     /// The lease of a pass over `bucket` if one is due and no other node
     /// runs it: its ETag.
-    async fn take_lease(&self, bucket: &str, created_ns: u64) -> Result<Option<String>, StoreError> {
+    async fn take_lease(
+        &self,
+        bucket: &str,
+        created_ns: u64,
+    ) -> Result<Option<String>, StoreError> {
         let key = lease_key(bucket);
         let now = now_ns();
         let held = self.read_lease(&key).await?;
@@ -751,7 +770,12 @@ impl Scanner {
     }
 
     /// Applies what the rules ask of one key's versions.
-    async fn apply(&self, bucket: &str, rules: &[Rule], versions: &[ObjectInfo]) -> Result<(), StoreError> {
+    async fn apply(
+        &self,
+        bucket: &str,
+        rules: &[Rule],
+        versions: &[ObjectInfo],
+    ) -> Result<(), StoreError> {
         let Some(first) = versions.first() else {
             return Ok(());
         };
@@ -775,7 +799,11 @@ impl Scanner {
                     &COUNTERS.delete_markers_removed,
                 ),
             };
-            match self.store.expire_if_unchanged(bucket, &first.key, expect).await {
+            match self
+                .store
+                .expire_if_unchanged(bucket, &first.key, expect)
+                .await
+            {
                 Ok(Some(_)) => {
                     counter.fetch_add(1, Ordering::Relaxed);
                 }
@@ -871,15 +899,21 @@ mod tests {
         assert_eq!(
             judge(std::slice::from_ref(&rule), &vs, 100 * s, DAY),
             vec![
-                Action::ExpireNoncurrent { version: "v2".into() },
-                Action::ExpireNoncurrent { version: "v1".into() },
+                Action::ExpireNoncurrent {
+                    version: "v2".into()
+                },
+                Action::ExpireNoncurrent {
+                    version: "v1".into()
+                },
             ]
         );
         // At 55 s nothing is due yet for v2 (due at 60 s); v1 (since 40 s,
         // due at 50 s) is.
         assert_eq!(
             judge(std::slice::from_ref(&rule), &vs, 55 * s, DAY),
-            vec![Action::ExpireNoncurrent { version: "v1".into() }]
+            vec![Action::ExpireNoncurrent {
+                version: "v1".into()
+            }]
         );
     }
 
@@ -922,7 +956,9 @@ mod tests {
         let alone = [version("k", "m", 0, true)];
         assert_eq!(
             judge(std::slice::from_ref(&rule), &alone, 1, DAY),
-            vec![Action::RemoveMarker { version: "m".into() }]
+            vec![Action::RemoveMarker {
+                version: "m".into()
+            }]
         );
         let with_older = [version("k", "m", 5, true), version("k", "v", 0, false)];
         assert!(judge(std::slice::from_ref(&rule), &with_older, 1, DAY).is_empty());

@@ -816,7 +816,14 @@ impl S3 for TarnS3 {
         // asks of a new one is judged (AWS: 409 BucketAlreadyOwnedByYou for
         // one's own bucket asked with an ACL it cannot have, not 400).
         if self.access.bucket(bucket).is_some() {
-            self.create_existing_bucket(&req.headers, bucket, &caller, durability, asked_ownership, asked_acl.as_ref())?;
+            self.create_existing_bucket(
+                &req.headers,
+                bucket,
+                &caller,
+                durability,
+                asked_ownership,
+                asked_acl.as_ref(),
+            )?;
             return Ok(S3Response::new(CreateBucketOutput {
                 location: Some(format!("/{bucket}")),
             }));
@@ -841,7 +848,14 @@ impl S3 for TarnS3 {
         {
             Ok(()) => {}
             Err(tarn_store::StoreError::BucketExists(_)) => {
-                self.create_existing_bucket(&req.headers, bucket, &caller, durability, asked_ownership, asked_acl.as_ref())?;
+                self.create_existing_bucket(
+                    &req.headers,
+                    bucket,
+                    &caller,
+                    durability,
+                    asked_ownership,
+                    asked_acl.as_ref(),
+                )?;
             }
             Err(e) => return Err(s3_error(e)),
         }
@@ -1017,8 +1031,6 @@ impl S3 for TarnS3 {
             .await
             .map_err(|e| missing_unless_listable(e, hide))
     }
-
-
 
     async fn delete_object(
         &self,
@@ -1833,8 +1845,10 @@ impl S3 for TarnS3 {
             .list_parts(&i.bucket, &i.key, &i.upload_id, after, max)
             .await
             .map_err(s3_error)?;
-        let (owner, initiator) =
-            upload_people(&*self.bucket_access(&req.extensions, &i.bucket)?, &upload.headers);
+        let (owner, initiator) = upload_people(
+            &*self.bucket_access(&req.extensions, &i.bucket)?,
+            &upload.headers,
+        );
         let next = parts.last().map(|p| p.number as i32);
         let parts = parts
             .into_iter()

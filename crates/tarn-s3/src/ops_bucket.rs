@@ -148,11 +148,16 @@ impl TarnS3 {
         req: S3Request<PutBucketLifecycleConfigurationInput>,
     ) -> S3Result<S3Response<PutBucketLifecycleConfigurationOutput>> {
         let i = req.input;
-        self.refuse_on_cache(&i.bucket, "lifecycle rules (a cache bucket evicts by its size)")?;
-        let c = i
-            .lifecycle_configuration
-            .as_ref()
-            .ok_or_else(|| S3Error::with_message(S3ErrorCode::MalformedXML, "A LifecycleConfiguration body is required"))?;
+        self.refuse_on_cache(
+            &i.bucket,
+            "lifecycle rules (a cache bucket evicts by its size)",
+        )?;
+        let c = i.lifecycle_configuration.as_ref().ok_or_else(|| {
+            S3Error::with_message(
+                S3ErrorCode::MalformedXML,
+                "A LifecycleConfiguration body is required",
+            )
+        })?;
         let lc = crate::lifecycle::Lifecycle::from_dto(c)?;
         self.access
             .update(&i.bucket, |d| {
@@ -160,7 +165,9 @@ impl TarnS3 {
                 Ok(())
             })
             .await?;
-        Ok(S3Response::new(PutBucketLifecycleConfigurationOutput::default()))
+        Ok(S3Response::new(
+            PutBucketLifecycleConfigurationOutput::default(),
+        ))
     }
 
     pub(crate) async fn op_delete_bucket_lifecycle(

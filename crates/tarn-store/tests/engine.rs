@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use std::sync::Arc;
 use tarn_store::{
-    Durability, ListParams, ObjectBody, PutOptions, Store, StoreError, VersionListParams,
+    Durability, ListParams, ObjectBody, PutOptions, Store, StoreError, Unchanged, VersionListParams,
 };
 
 const MIB: usize = 1 << 20;
@@ -569,6 +569,102 @@ fn versioning_and_delete_markers() {
             p.version_id_marker = page.next_version_id_marker;
         }
         assert_eq!(all.len(), 2);
+    });
+}
+
+#[test]
+fn lifecycle_expiry_acts_only_on_what_it_judged() {
+    let c = Cluster::new(4);
+    let store = c.open();
+    run(async move {
+        bucket(&store, "bk-lc").await;
+        let old = put(&store, "bk-lc", "k", b"old").await;
+        // Rewritten after the scan read it: left alone.
+        put(&store, "bk-lc", "k", b"new").await;
+        let judged = Unchanged::Current {
+            version: "null".into(),
+            mod_time_ns: old.last_modified_ns,
+        };
+        assert!(store
+            .expire_if_unchanged("bk-lc", "k", judged)
+            .await
+            .unwrap()
+            .is_none());
+        assert_eq!(get(&store, "bk-lc", "k").await, b"new");
+        let now = store.head_object("bk-lc", "k", None).await.unwrap();
+        let judged = Unchanged::Current {
+            version: "null".into(),
+            mod_time_ns: now.last_modified_ns,
+        };
+        assert!(store
+            .expire_if_unchanged("bk-lc", "k", judged)
+            .await
+            .unwrap()
+            .is_some());
+        assert!(store.head_object("bk-lc", "k", None).await.is_err());
+        // Versioned: a current version expires into one delete marker; a
+        // second try finds a marker current and does nothing.
+        store.set_bucket_versioning("bk-lc", true).await.unwrap();
+        let v1 = put(&store, "bk-lc", "v", b"one").await;
+        let judged = Unchanged::Current {
+            version: v1.version_id.clone().unwrap(),
+            mod_time_ns: v1.last_modified_ns,
+        };
+        let r = store
+            .expire_if_unchanged("bk-lc", "v", judged.clone())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(r.delete_marker);
+        assert!(store
+            .expire_if_unchanged("bk-lc", "v", judged)
+            .await
+            .unwrap()
+            .is_none());
+        // The marker is not alone (v1 is behind it): not removed as lone.
+        let marker = r.version_id.unwrap();
+        let lone = Unchanged::SoleDeleteMarker {
+            version: marker.clone(),
+        };
+        assert!(store
+            .expire_if_unchanged("bk-lc", "v", lone.clone())
+            .await
+            .unwrap()
+            .is_none());
+        // v1 is noncurrent now: expired by its id; then the marker is alone.
+        let v1_id = v1.version_id.unwrap();
+        assert!(store
+            .expire_if_unchanged(
+                "bk-lc",
+                "v",
+                Unchanged::Version {
+                    version: v1_id.clone()
+                }
+            )
+            .await
+            .unwrap()
+            .is_some());
+        assert!(store
+            .expire_if_unchanged("bk-lc", "v", Unchanged::Version { version: v1_id })
+            .await
+            .unwrap()
+            .is_none());
+        assert!(store
+            .expire_if_unchanged("bk-lc", "v", lone)
+            .await
+            .unwrap()
+            .is_some());
+        let page = store
+            .list_object_versions(
+                "bk-lc",
+                VersionListParams {
+                    max_keys: 100,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert!(page.versions.is_empty());
     });
 }
 

@@ -872,7 +872,10 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
                     d.interval,
                 ),
                 day: secs(args.lifecycle_day_secs, file.lifecycle_day_secs, d.day),
-                rate: args.lifecycle_rate.or(file.lifecycle_rate).unwrap_or(d.rate),
+                rate: args
+                    .lifecycle_rate
+                    .or(file.lifecycle_rate)
+                    .unwrap_or(d.rate),
             }
         },
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),

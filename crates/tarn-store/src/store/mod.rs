@@ -2888,7 +2888,8 @@ impl Store {
         let loc = self.locate(bucket, key).await?;
         let (set, mut rec) = (loc.set, loc.rec);
         if let Some(expect) = &expect {
-            let name = |v: &VersionMeta| version_to_string(&v.version_id).unwrap_or_else(|| "null".into());
+            let name =
+                |v: &VersionMeta| version_to_string(&v.version_id).unwrap_or_else(|| "null".into());
             let holds = match expect {
                 crate::types::Unchanged::Current {
                     version,
