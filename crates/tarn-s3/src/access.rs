@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use s3s::access::{S3Access, S3AccessContext};
-use s3s::dto::{CopySource, DeleteObjectsInput};
+use s3s::dto::{CopySource, DeleteObjectsInput, PostObjectInput};
 use s3s::path::S3Path;
 use s3s::{S3Error, S3ErrorCode, S3Request, S3Result};
 use serde::{Deserialize, Serialize};
@@ -1054,6 +1054,12 @@ impl S3Access for Checker {
                 self.0.refresh_bucket(&bucket).await;
             }
         }
+        self.0.check_expected_owners(cx.s3_path(), cx.headers())?;
+        // A form upload names its key in the form, read after this check:
+        // it is judged as the PutObject it is in `post_object`.
+        if cx.s3_op().name() == "PostObject" {
+            return Ok(());
+        }
         let permit = self.0.authorize(&AccessRequest {
             access_key: cx.credentials().map(|c| c.access_key.as_str()),
             op: cx.s3_op().name(),
@@ -1062,8 +1068,64 @@ impl S3Access for Checker {
             query: cx.uri().query(),
             peer,
         })?;
-        self.0.check_expected_owners(cx.s3_path(), cx.headers())?;
         cx.extensions_mut().insert(permit);
+        Ok(())
+    }
+
+    /// A form upload: the key with the file's name in place of
+    /// `${filename}`, the form's ACL, encryption and lock fields made the
+    /// headers they are in a PUT (so that they are honoured or refused, never
+    /// ignored), then judged as a PutObject of that key.
+    async fn post_object(&self, req: &mut S3Request<PostObjectInput>) -> S3Result<()> {
+        let form = req
+            .extensions
+            .get::<crate::post::FileName>()
+            .and_then(|f| f.0.get().cloned())
+            .unwrap_or_default();
+        // Fields S3 reads that s3s does not.
+        if let Some(acl) = form.field("acl") {
+            let v = http::HeaderValue::from_str(acl).map_err(|_| {
+                S3Error::with_message(S3ErrorCode::InvalidArgument, "The acl field is not valid.")
+            })?;
+            req.headers.insert("x-amz-acl", v);
+        }
+        if form.field("tagging").is_some() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::NotImplemented,
+                "The tagging field of a form upload is not supported; tag the object with PutObjectTagging. Nothing was stored.",
+            ));
+        }
+        if req.input.key.contains("${filename}") {
+            let file = form.file_name;
+            if file.is_empty() {
+                return Err(S3Error::with_message(
+                    S3ErrorCode::InvalidArgument,
+                    "The key names ${filename} but the form's file has no name.",
+                ));
+            };
+            req.input.key = crate::post::form_key(&req.input.key, Some(&file));
+            req.extensions.insert(crate::post::Substituted(file));
+        }
+        if req.input.key.is_empty() {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidArgument,
+                "The form's key is empty.",
+            ));
+        }
+        crate::post::fields_as_headers(&req.input, &mut req.headers)?;
+        let path = S3Path::Object {
+            bucket: req.input.bucket.clone().into(),
+            key: req.input.key.clone().into(),
+        };
+        let permit = self.0.authorize(&AccessRequest {
+            access_key: req.credentials.as_ref().map(|c| c.access_key.as_str()),
+            op: "PutObject",
+            path: &path,
+            headers: &req.headers,
+            query: None,
+            peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
+        })?;
+        req.extensions.insert(permit);
         Ok(())
     }
 

@@ -19,6 +19,7 @@ mod ops_attributes;
 mod ops_bucket;
 mod ops_cache;
 pub mod policy;
+pub mod post;
 pub mod scope;
 pub mod sysdoc;
 pub mod util;

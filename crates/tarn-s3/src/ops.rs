@@ -968,6 +968,12 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<PutObjectOutput>> {
         let through = self.cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
+        // A form upload whose key named ${filename}: the front writes the
+        // name into the 201 body or redirect s3s makes from the form's key.
+        let substituted = req
+            .extensions
+            .get::<crate::post::Substituted>()
+            .map(|s| crate::post::percent_encode(&s.0));
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
@@ -991,25 +997,30 @@ impl S3 for TarnS3 {
             spec,
             trailers,
         );
-        if let Some(cb) = through {
-            return self.put_through(&cb, &i.key, body, &headers).await;
+        let mut resp = if let Some(cb) = through {
+            self.put_through(&cb, &i.key, body, &headers).await?
+        } else {
+            let info = self
+                .store
+                .put_object(&i.bucket, &i.key, body, opts)
+                .await
+                .map_err(s3_error)?;
+            let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);
+            S3Response::new(PutObjectOutput {
+                e_tag: Some(etag(&info.etag)),
+                version_id: info.version_id,
+                checksum_crc32: crc32,
+                checksum_crc32c: crc32c,
+                checksum_crc64nvme: crc64nvme,
+                checksum_sha1: sha1,
+                checksum_sha256: sha256,
+                ..Default::default()
+            })
+        };
+        if let Some(v) = substituted.and_then(|s| http::HeaderValue::from_str(&s).ok()) {
+            resp.headers.insert(crate::post::FILENAME_HEADER, v);
         }
-        let info = self
-            .store
-            .put_object(&i.bucket, &i.key, body, opts)
-            .await
-            .map_err(s3_error)?;
-        let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);
-        Ok(S3Response::new(PutObjectOutput {
-            e_tag: Some(etag(&info.etag)),
-            version_id: info.version_id,
-            checksum_crc32: crc32,
-            checksum_crc32c: crc32c,
-            checksum_crc64nvme: crc64nvme,
-            checksum_sha1: sha1,
-            checksum_sha256: sha256,
-            ..Default::default()
-        }))
+        Ok(resp)
     }
 
     async fn get_object(

@@ -281,6 +281,80 @@ impl RequestIds {
     }
 }
 
+/// A form upload whose key named `${filename}`: s3s made its 201 body or
+/// 303 redirect from the form's key as given; the name goes in.
+fn post_filename(r: &mut Resp) {
+    use tarn_s3::post::{percent_decode, percent_encode, FILENAME_HEADER};
+    policy_condition_refused(r);
+    let Some(v) = r.headers_mut().remove(FILENAME_HEADER) else {
+        return;
+    };
+    let Some(name) = v.to_str().ok().and_then(percent_decode) else {
+        return;
+    };
+    if let Some(loc) = r
+        .headers()
+        .get(http::header::LOCATION)
+        .and_then(|l| l.to_str().ok())
+    {
+        let fixed = loc.replace("%24%7Bfilename%7D", &percent_encode(&name));
+        if let Ok(v) = http::HeaderValue::from_str(&fixed) {
+            r.headers_mut().insert(http::header::LOCATION, v);
+        }
+    }
+    let Some(body) = r.body().bytes() else { return };
+    if find(&body, b"${filename}").is_none() {
+        return;
+    }
+    let escaped = name
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&apos;");
+    let out = String::from_utf8_lossy(&body).replace("${filename}", &escaped);
+    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
+        r.headers_mut().insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(out.len()),
+        );
+    }
+    *r.body_mut() = s3s::Body::from(out);
+}
+
+/// A form whose field fails its policy's condition: S3 answers 403
+/// AccessDenied ("Invalid according to Policy"); s3s 400
+/// InvalidPolicyDocument, which S3 keeps for a policy it cannot read.
+fn policy_condition_refused(r: &mut Resp) {
+    if r.status() != http::StatusCode::BAD_REQUEST {
+        return;
+    }
+    let Some(body) = r.body().bytes() else { return };
+    let text = String::from_utf8_lossy(&body);
+    if !text.contains("<Code>InvalidPolicyDocument</Code>")
+        || !text.contains("<Message>Policy condition ")
+    {
+        return;
+    }
+    let out = text
+        .replace(
+            "<Code>InvalidPolicyDocument</Code>",
+            "<Code>AccessDenied</Code>",
+        )
+        .replace(
+            "<Message>Policy condition ",
+            "<Message>Invalid according to Policy: Policy condition ",
+        );
+    *r.status_mut() = http::StatusCode::FORBIDDEN;
+    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
+        r.headers_mut().insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(out.len()),
+        );
+    }
+    *r.body_mut() = s3s::Body::from(out);
+}
+
 /// Every response carries `x-amz-request-id`; an error body also names it in
 /// `<RequestId>`, as S3's do (clients log it, support asks for it), and a
 /// failed precondition its `<Condition>` (clients tell "exists" from
@@ -416,6 +490,8 @@ struct IdleBody {
     /// and bytes.
     min_rate: (u64, Duration),
     window: Option<(Instant, u64)>,
+    /// A form upload's body: read for its file's name as it passes.
+    tap: Option<tarn_s3::post::FileNameTap>,
 }
 
 /// The error a whole-read body gives past [`WHOLE_BODY_MAX_BYTES`].
@@ -498,6 +574,9 @@ impl hyper::body::Body for IdleBody {
                         return Poll::Ready(Some(Err(Box::new(BodyTooSlow(this.min_rate)))));
                     }
                     this.seen += d.len() as u64;
+                    if let Some(t) = &mut this.tap {
+                        t.feed(d);
+                    }
                     if this.seen > WHOLE_BODY_MAX_BYTES && this.limit != u64::MAX {
                         // Over s3s's limit if these are the document's
                         // own bytes, not aws-chunked framing: s3s decides,
@@ -757,6 +836,19 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
         };
         let body_over = over.clone();
         let min_rate = self.body_min_rate;
+        let mut req = req;
+        let tap = if op == "PostObject" {
+            req.headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(tarn_s3::post::FileNameTap::for_content_type)
+                .map(|(tap, name)| {
+                    req.extensions_mut().insert(name);
+                    tap
+                })
+        } else {
+            None
+        };
         let req = req.map(move |inner| {
             s3s::Body::http_body(IdleBody {
                 inner,
@@ -768,6 +860,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 over: body_over,
                 min_rate,
                 window: None,
+                tap,
             })
         });
         let s3 = self.s3.clone();
@@ -792,6 +885,9 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 }
                 if matches!(op, "PutBucketAcl" | "PutObjectAcl") {
                     malformed_acl(r);
+                }
+                if op == "PostObject" {
+                    post_filename(r);
                 }
                 stamp_request_id(r, &request_id);
             }
