@@ -177,6 +177,9 @@ pub struct BucketDoc {
     /// The lifecycle rules (PutBucketLifecycleConfiguration).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lifecycle: Option<crate::lifecycle::Lifecycle>,
+    /// The CORS rules (PutBucketCors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cors: Option<crate::cors::Cors>,
 }
 
 impl BucketDoc {
@@ -251,6 +254,7 @@ fn new_doc(
         public_access_block: Some(PublicAccessBlock::ALL),
         tags: Vec::new(),
         lifecycle: None,
+        cors: None,
     }
 }
 
@@ -284,6 +288,8 @@ fn action_of(op: &str, versioned: bool) -> Option<&'static str> {
         "PutPublicAccessBlock" | "DeletePublicAccessBlock" => Some("s3:PutBucketPublicAccessBlock"),
         "GetBucketOwnershipControls" => Some("s3:GetBucketOwnershipControls"),
         "GetBucketTagging" => Some("s3:GetBucketTagging"),
+        "GetBucketCors" => Some("s3:GetBucketCORS"),
+        "PutBucketCors" | "DeleteBucketCors" => Some("s3:PutBucketCORS"),
         "GetBucketLifecycleConfiguration" => Some("s3:GetLifecycleConfiguration"),
         "PutBucketLifecycleConfiguration" | "DeleteBucketLifecycle" => {
             Some("s3:PutLifecycleConfiguration")

@@ -10,6 +10,7 @@ pub mod access;
 pub mod acl;
 pub mod body;
 pub mod cache;
+pub mod cors;
 pub mod error;
 pub mod iam;
 pub mod lifecycle;

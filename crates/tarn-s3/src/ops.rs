@@ -670,6 +670,27 @@ impl S3 for TarnS3 {
         self.op_delete_bucket_lifecycle(req).await
     }
 
+    async fn get_bucket_cors(
+        &self,
+        req: S3Request<GetBucketCorsInput>,
+    ) -> S3Result<S3Response<GetBucketCorsOutput>> {
+        self.op_get_bucket_cors(req).await
+    }
+
+    async fn put_bucket_cors(
+        &self,
+        req: S3Request<PutBucketCorsInput>,
+    ) -> S3Result<S3Response<PutBucketCorsOutput>> {
+        self.op_put_bucket_cors(req).await
+    }
+
+    async fn delete_bucket_cors(
+        &self,
+        req: S3Request<DeleteBucketCorsInput>,
+    ) -> S3Result<S3Response<DeleteBucketCorsOutput>> {
+        self.op_delete_bucket_cors(req).await
+    }
+
     async fn get_bucket_ownership_controls(
         &self,
         req: S3Request<GetBucketOwnershipControlsInput>,

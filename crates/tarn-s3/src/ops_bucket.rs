@@ -183,3 +183,51 @@ impl TarnS3 {
         Ok(S3Response::new(DeleteBucketLifecycleOutput {}))
     }
 }
+
+impl TarnS3 {
+    pub(crate) async fn op_get_bucket_cors(
+        &self,
+        req: S3Request<GetBucketCorsInput>,
+    ) -> S3Result<S3Response<GetBucketCorsOutput>> {
+        let b = self.bucket_access(&req.extensions, &req.input.bucket)?;
+        let Some(c) = &b.doc.cors else {
+            let mut e = S3Error::with_message(
+                S3ErrorCode::NoSuchCORSConfiguration,
+                "The CORS configuration does not exist",
+            );
+            e.set_status_code(http::StatusCode::NOT_FOUND);
+            return Err(e);
+        };
+        Ok(S3Response::new(GetBucketCorsOutput {
+            cors_rules: Some(c.to_dto()),
+        }))
+    }
+
+    pub(crate) async fn op_put_bucket_cors(
+        &self,
+        req: S3Request<PutBucketCorsInput>,
+    ) -> S3Result<S3Response<PutBucketCorsOutput>> {
+        let i = req.input;
+        let c = crate::cors::Cors::from_dto(&i.cors_configuration)?;
+        self.access
+            .update(&i.bucket, |d| {
+                d.cors = Some(c);
+                Ok(())
+            })
+            .await?;
+        Ok(S3Response::new(PutBucketCorsOutput {}))
+    }
+
+    pub(crate) async fn op_delete_bucket_cors(
+        &self,
+        req: S3Request<DeleteBucketCorsInput>,
+    ) -> S3Result<S3Response<DeleteBucketCorsOutput>> {
+        self.access
+            .update(&req.input.bucket, |d| {
+                d.cors = None;
+                Ok(())
+            })
+            .await?;
+        Ok(S3Response::new(DeleteBucketCorsOutput {}))
+    }
+}

@@ -165,6 +165,8 @@ struct Front {
     request_ids: Arc<RequestIds>,
     /// The connection's client (for the `aws:SourceIp` policy condition).
     peer: Option<std::net::IpAddr>,
+    /// Buckets' settings (their CORS rules).
+    access: Arc<tarn_s3::access::Access>,
 }
 
 /// Requests in flight by caller: an access key, or for anonymous
@@ -732,6 +734,46 @@ fn sigv2_bucket_path<B>(req: &mut http::Request<B>, bucket_in_host: bool) {
     }
 }
 
+impl Front {
+    /// An OPTIONS preflight, answered from the bucket's CORS rules without
+    /// credentials (as S3 answers it).
+    fn preflight(&self, bucket: Option<&str>, origin: Option<&str>, h: &http::HeaderMap) -> Resp {
+        let forbidden = |m: &str| error_response(http::StatusCode::FORBIDDEN, "AccessForbidden", m);
+        let method = h
+            .get("access-control-request-method")
+            .and_then(|v| v.to_str().ok());
+        let (Some(origin), Some(method)) = (origin, method) else {
+            return error_response(
+                http::StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "Insufficient information. Origin request header needed.",
+            );
+        };
+        let Some(cors) = bucket
+            .and_then(|b| self.access.bucket(b))
+            .and_then(|b| b.doc.cors.clone())
+        else {
+            return forbidden("CORSResponse: CORS is not enabled for this bucket.");
+        };
+        let asked = h
+            .get("access-control-request-headers")
+            .and_then(|v| v.to_str().ok());
+        let headers = tarn_s3::cors::requested_headers(asked);
+        let Some(rule) = cors.matching(origin, method, &headers) else {
+            return forbidden("CORSResponse: This CORS request is not allowed. This is usually because the evalution of Origin, request method / Access-Control-Request-Method or Access-Control-Request-Headers are not whitelisted by the resource's CORS spec.");
+        };
+        let mut r = http::Response::new(s3s::Body::empty());
+        for (k, v) in rule.headers_for(origin, asked) {
+            if let Ok(v) = http::HeaderValue::from_str(&v) {
+                r.headers_mut().insert(k, v);
+            }
+        }
+        r.headers_mut()
+            .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(0));
+        r
+    }
+}
+
 impl hyper::service::Service<http::Request<Incoming>> for Front {
     type Response = Resp;
     type Error = s3s::HttpError;
@@ -753,6 +795,11 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             .domains
             .iter()
             .any(|d| host_name.len() > d.len() && host_name.ends_with(&format!(".{d}")));
+        let host_bucket = self
+            .domains
+            .iter()
+            .find_map(|d| host_name.strip_suffix(&format!(".{d}")))
+            .map(str::to_string);
         sigv2_bucket_path(&mut req, bucket_in_host);
         let op = operation(
             req.method(),
@@ -761,6 +808,44 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             bucket_in_host,
             req.headers().contains_key("x-amz-copy-source"),
         );
+        // CORS: the bucket a browser request names, and the rule that lets
+        // its origin in (its headers go on the response, errors too).
+        let bucket = if bucket_in_host {
+            host_bucket
+        } else {
+            req.uri()
+                .path()
+                .trim_start_matches('/')
+                .split('/')
+                .next()
+                .filter(|b| !b.is_empty())
+                .map(str::to_string)
+        };
+        let origin = req
+            .headers()
+            .get(http::header::ORIGIN)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        if req.method() == http::Method::OPTIONS {
+            let mut r = self.preflight(bucket.as_deref(), origin.as_deref(), req.headers());
+            metrics.record(op, r.status().as_u16(), Duration::ZERO);
+            stamp_request_id(&mut r, &request_id);
+            return Box::pin(async move { Ok(r) });
+        }
+        let cors: Vec<(&'static str, String)> = match (&bucket, &origin) {
+            (Some(b), Some(o)) => self
+                .access
+                .bucket(b)
+                .and_then(|a| {
+                    a.doc
+                        .cors
+                        .as_ref()
+                        .and_then(|c| c.matching(o, req.method().as_str(), &[]))
+                        .map(|r| r.headers_for(o, None))
+                })
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
         let declared_in = req
             .headers()
             .get(http::header::CONTENT_LENGTH)
@@ -889,6 +974,11 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 if op == "PostObject" {
                     post_filename(r);
                 }
+                for (k, v) in &cors {
+                    if let Ok(v) = http::HeaderValue::from_str(v) {
+                        r.headers_mut().insert(*k, v);
+                    }
+                }
                 stamp_request_id(r, &request_id);
             }
             match &res {
@@ -959,6 +1049,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         body_idle: settings.body_idle_timeout,
         request_ids: Arc::new(RequestIds::new()),
         peer: None,
+        access: settings.access.clone(),
     };
     let send_idle = settings.send_idle_timeout;
     let min_rate = (settings.response_min_rate, settings.rate_window);
