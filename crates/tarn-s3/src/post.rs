@@ -150,10 +150,7 @@ impl FileNameTap {
             return;
         }
         self.buf.extend_from_slice(data);
-        loop {
-            let Some(at) = find(&self.buf[self.pos..], &self.delimiter) else {
-                break;
-            };
+        while let Some(at) = find(&self.buf[self.pos..], &self.delimiter) {
             let start = self.pos + at + self.delimiter.len();
             let Some(end) = find(&self.buf[start..], b"\r\n\r\n") else {
                 break;
