@@ -70,6 +70,9 @@ def test_form_refusals(server, s3):
     assert r.status_code == 400 and code(r) == "EntityTooLarge", r.text
     r = post(s3, "forms", "form/x", b"", conditions=[["content-length-range", 1, 10]])
     assert r.status_code == 400, r.text
+    # Past the form limit (a form's file is held in memory): refused.
+    r = post(s3, "forms", "form/x", b"x" * ((128 << 20) + 1))
+    assert r.status_code == 400 and code(r) == "EntityTooLarge", r.text[:300]
     # A key outside starts-with.
     r = post(s3, "forms", "form/x", b"x", conditions=starts, tamper=lambda f: f.update(key="other/x"))
     assert r.status_code == 403, r.text

@@ -91,6 +91,9 @@ impl S3Host for Hosts {
     }
 }
 
+/// The largest file a form upload (POST Object) may carry.
+pub const POST_OBJECT_MAX_BYTES: u64 = 128 << 20;
+
 pub fn build_service(
     store: Arc<Store>,
     access: Arc<access::Access>,
@@ -103,6 +106,14 @@ pub fn build_service(
     b.set_host(Hosts {
         domains: settings.domains.clone(),
     });
+    // s3s reads a form upload's file whole into memory before it is
+    // stored: bounded well below its 5 GB default (larger browser uploads
+    // go in parts, with presigned UploadPart URLs).
+    let mut config = s3s::config::S3Config::default();
+    config.post_object_max_file_size = POST_OBJECT_MAX_BYTES;
+    b.set_config(Arc::new(s3s::config::StaticConfigProvider::new(Arc::new(
+        config,
+    ))));
     b.build()
 }
 
