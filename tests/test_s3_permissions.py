@@ -500,3 +500,47 @@ def test_acl_answers_as_aws(server, team):
     grants = [(g["Grantee"]["ID"], g["Permission"]) for g in a.get_bucket_acl(Bucket="oww")["Grants"]]
     assert grants == [("bob", "READ"), ("bob", "WRITE_ACP"), ("alice", "FULL_CONTROL")]
     fails(lambda: a.get_bucket_policy_status(Bucket="oww"), "NoSuchBucketPolicy")
+
+
+def test_policy_condition_keys_aws_documents(server, team):
+    """Bug (issue 42): condition keys AWS documents for S3 were
+    MalformedPolicy. Header keys (s3:if-none-match, s3:RequestObjectTag/K,
+    object lock, SSE key ids) are evaluated from the request,
+    aws:RequestedRegion from the signature, s3:signatureAge from its date;
+    keys no request to Tarn carries (VPC endpoints, organizations, MFA)
+    hold as AWS's do for a request without them."""
+    a, b, alice, bob = team
+
+    def policy(*statements):
+        a.put_bucket_policy(Bucket="aaa", Policy=json.dumps({"Version": "2012-10-17", "Statement": list(statements)}))
+
+    allow_bob = {"Effect": "Allow", "Principal": {"AWS": ["bob"]}, "Action": ["s3:PutObject", "s3:GetObject"],
+                 "Resource": "arn:aws:s3:::aaa/*"}
+    # AWS's recipe "enforce conditional writes": PUTs without If-None-Match denied.
+    policy(allow_bob, {"Effect": "Deny", "Principal": "*", "Action": "s3:PutObject", "Resource": "arn:aws:s3:::aaa/*",
+                       "Condition": {"Null": {"s3:if-none-match": "true"}}})
+    fails(lambda: b.put_object(Bucket="aaa", Key="c1", Body=b"x"))
+    b.put_object(Bucket="aaa", Key="c1", Body=b"x", IfNoneMatch="*")
+    # Tags on the request.
+    policy({**allow_bob, "Action": "s3:PutObject",
+            "Condition": {"StringEquals": {"s3:RequestObjectTag/team": "ml"}}})
+    fails(lambda: b.put_object(Bucket="aaa", Key="t1", Body=b"x"))
+    fails(lambda: b.put_object(Bucket="aaa", Key="t1", Body=b"x", Tagging="team=web"))
+    b.put_object(Bucket="aaa", Key="t1", Body=b"x", Tagging="team=ml")
+    # The signature's region, and its age.
+    policy({**allow_bob, "Condition": {"StringEquals": {"aws:RequestedRegion": "us-east-1"},
+                                       "NumericLessThan": {"s3:signatureAge": 600000}}})
+    b.put_object(Bucket="aaa", Key="r1", Body=b"x")
+    policy({**allow_bob, "Condition": {"StringEquals": {"aws:RequestedRegion": "eu-west-1"}}})
+    fails(lambda: b.put_object(Bucket="aaa", Key="r2", Body=b"x"))
+    # "Only through my VPC endpoint": no request to Tarn comes through one,
+    # so the deny holds for every request (as on AWS for one without it),
+    # and an allow on it never applies.
+    policy(allow_bob, {"Effect": "Deny", "Principal": "*", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::aaa/*",
+                       "Condition": {"StringNotEquals": {"aws:SourceVpce": "vpce-1a2b3c4d"}}})
+    fails(lambda: read(b, "aaa", "t1"))
+    policy({**allow_bob, "Condition": {"Bool": {"aws:MultiFactorAuthPresent": "true"}}})
+    fails(lambda: read(b, "aaa", "t1"))
+    # Keys Tarn cannot evaluate yet are still refused, never ignored.
+    bad = json.dumps({"Statement": [{**allow_bob, "Condition": {"StringEquals": {"s3:ExistingObjectTag/x": "y"}}}]})
+    fails(lambda: a.put_bucket_policy(Bucket="aaa", Policy=bad), "MalformedPolicy")

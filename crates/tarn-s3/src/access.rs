@@ -451,6 +451,54 @@ impl RequestContext for Ctx<'_> {
                         .is_some_and(|a| a.starts_with("AWS "));
                 if v2 { "AWS" } else { "AWS4-HMAC-SHA256" }.to_string()
             }),
+            "s3:object-lock-mode" => self.header("x-amz-object-lock-mode"),
+            "s3:object-lock-retain-until-date" => {
+                self.header("x-amz-object-lock-retain-until-date")
+            }
+            "s3:object-lock-legal-hold" => self.header("x-amz-object-lock-legal-hold"),
+            "s3:object-lock-remaining-retention-days" => {
+                let until = self.header("x-amz-object-lock-retain-until-date")?;
+                let t = time::OffsetDateTime::parse(
+                    &until,
+                    &time::format_description::well_known::Rfc3339,
+                )
+                .ok()?;
+                Some(((t.unix_timestamp() - now() as i64).max(0) / 86_400).to_string())
+            }
+            // Milliseconds since the request was signed.
+            "s3:signatureage" => {
+                let signed = self
+                    .header("x-amz-date")
+                    .or_else(|| self.query_param("X-Amz-Date"))?;
+                let t = time::PrimitiveDateTime::parse(
+                    &signed,
+                    time::macros::format_description!("[year][month][day]T[hour][minute][second]Z"),
+                )
+                .ok()?
+                .assume_utc();
+                Some(((now() as i64 - t.unix_timestamp()).max(0) * 1000).to_string())
+            }
+            // The region of the signature's scope.
+            "aws:requestedregion" => {
+                let credential = self.query_param("X-Amz-Credential").or_else(|| {
+                    let a = self.header("authorization")?;
+                    let c = a.split("Credential=").nth(1)?;
+                    Some(c.split(',').next()?.to_string())
+                })?;
+                credential.split('/').nth(2).map(str::to_string)
+            }
+            k if k.starts_with("s3:requestobjecttag/") => {
+                let want = &k["s3:requestobjecttag/".len()..];
+                let tagging = self.header("x-amz-tagging")?;
+                crate::util::parse_tagging_header(Some(&tagging))
+                    .ok()?
+                    .into_iter()
+                    .find(|(t, _)| t.eq_ignore_ascii_case(want))
+                    .map(|(_, v)| v)
+            }
+            // TLS, VPCs, organizations, MFA, AWS services: never.
+            "s3:tlsversion" => None,
+            k if k.starts_with("aws:") => None,
             k => k.strip_prefix("s3:").and_then(|h| self.header(h)),
         }
     }
@@ -1179,7 +1227,7 @@ mod tests {
         assert_eq!(action_of("HeadObject", true), Some("s3:GetObjectVersion"));
         assert_eq!(action_of("UploadPartCopy", false), Some("s3:PutObject"));
         assert_eq!(action_of("ListObjectsV2", false), Some("s3:ListBucket"));
-        assert_eq!(action_of("GetBucketLifecycleConfiguration", false), None);
+        assert_eq!(action_of("GetBucketWebsite", false), None);
         assert_eq!(
             bucket_acl_permission("s3:DeleteObject"),
             Some(Permission::Write)

@@ -150,7 +150,52 @@ pub const CONDITION_KEYS: &[&str] = &[
     "s3:x-amz-grant-read-acp",
     "s3:x-amz-grant-write-acp",
     "s3:x-amz-grant-full-control",
+    "s3:x-amz-server-side-encryption-aws-kms-key-id",
+    "s3:x-amz-server-side-encryption-customer-algorithm",
+    "s3:x-amz-website-redirect-location",
+    "s3:if-match",
+    "s3:if-none-match",
+    "s3:object-lock-mode",
+    "s3:object-lock-retain-until-date",
+    "s3:object-lock-legal-hold",
+    "s3:object-lock-remaining-retention-days",
+    "s3:signatureage",
+    "s3:tlsversion",
+    "aws:requestedregion",
+    // Never in a request to Tarn (no VPCs, organizations, MFA or AWS
+    // services): present in a condition, they hold as AWS's do for a
+    // request without them (positive operators fail, negated ones hold).
+    "aws:sourcevpc",
+    "aws:sourcevpce",
+    "aws:vpcsourceip",
+    "aws:principalorgid",
+    "aws:principalorgpaths",
+    "aws:multifactorauthpresent",
+    "aws:multifactorauthage",
+    "aws:viaawsservice",
+    "aws:calledvia",
+    "aws:calledviafirst",
+    "aws:calledvialast",
+    "aws:sourcearn",
+    "aws:sourceaccount",
+    "aws:sourceorgid",
+    "aws:sourceorgpaths",
+    "aws:principalisawsservice",
+    "aws:principalservicename",
+    "aws:tokenissuetime",
+    "aws:federatedprovider",
 ];
+
+/// Condition keys with a name after a slash (`s3:RequestObjectTag/KEY`).
+pub const CONDITION_KEY_PREFIXES: &[&str] = &["s3:requestobjecttag/"];
+
+/// Whether Tarn evaluates a condition key (lower case).
+pub fn known_condition_key(key: &str) -> bool {
+    CONDITION_KEYS.contains(&key)
+        || CONDITION_KEY_PREFIXES
+            .iter()
+            .any(|p| key.strip_prefix(p).is_some_and(|rest| !rest.is_empty()))
+}
 
 /// Keys that, compared for equality, pin a statement to particular callers
 /// (a statement granting `*` with one of them is not public).
@@ -343,7 +388,7 @@ fn parse_conditions(v: &Value) -> Result<Vec<Condition>, PolicyError> {
         };
         for (key, values) in keys {
             let key = key.to_ascii_lowercase();
-            if !CONDITION_KEYS.contains(&key.as_str()) {
+            if !known_condition_key(&key) {
                 return bad(format!("Policy has an invalid condition key: {key}"));
             }
             let values: Vec<String> = match values {
@@ -755,12 +800,15 @@ impl Policy {
     }
 }
 
-/// Whether a condition holds on a request without its key.
+/// Whether a condition holds on a request without its key: as in AWS, a
+/// positive operator fails, a negated one (StringNotEquals, NotIpAddress,
+/// ...) holds, and ...IfExists holds. (Negated ones failed here before: a
+/// Deny with `StringNotEquals` on a key the request lacks did not apply.)
 fn absent_holds(c: &Condition) -> bool {
     match c.set {
         SetOp::ForAllValues => true,
         SetOp::ForAnyValue => false,
-        SetOp::Single => c.if_exists,
+        SetOp::Single => c.if_exists || c.op.negated(),
     }
 }
 
@@ -967,16 +1015,14 @@ mod tests {
         );
         // Actions compare without case, whichever side has capitals.
         assert_eq!(p.evaluate(&from("192.168.7.1"), "s3:GETOBJECT", "b/k"), ok);
-        // No address at all: IpAddress fails, NotIpAddress fails too (a
-        // condition on a missing key does not hold).
+        // No address at all: IpAddress fails and NotIpAddress holds, as in
+        // AWS (a negated operator holds on a key the request lacks): the
+        // Deny applies.
         let nowhere = Cx {
             who: None,
             values: vec![],
         };
-        assert_eq!(
-            p.evaluate(&nowhere, "s3:GetObject", "b/k"),
-            Verdict::NotApplicable
-        );
+        assert_eq!(p.evaluate(&nowhere, "s3:GetObject", "b/k"), Verdict::Deny);
     }
 
     #[test]
@@ -1074,7 +1120,7 @@ mod tests {
                 "not supported",
             ),
             (
-                r#"{"Statement":{"Effect":"Allow","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*","Condition":{"StringEquals":{"aws:PrincipalOrgID":"o-1"}}}}"#,
+                r#"{"Statement":{"Effect":"Allow","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*","Condition":{"StringEquals":{"s3:ExistingObjectTag/x":"o-1"}}}}"#,
                 "invalid condition key",
             ),
             (
