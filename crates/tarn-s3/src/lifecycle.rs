@@ -204,20 +204,7 @@ impl Rule {
                 }
             }
         }
-        for (i, (k, v)) in rule.tags.iter().enumerate() {
-            if k.is_empty() || k.chars().count() > 128 || v.chars().count() > 256 {
-                return Err(invalid(
-                    S3ErrorCode::InvalidTag,
-                    "The tag key or value is not valid",
-                ));
-            }
-            if rule.tags[..i].iter().any(|(k2, _)| k2 == k) {
-                return Err(invalid(
-                    S3ErrorCode::InvalidTag,
-                    "Cannot provide multiple Tags with the same key",
-                ));
-            }
-        }
+        crate::util::check_tag_items(&rule.tags)?;
         if rule.size_gt.is_some_and(|n| n < 0) || rule.size_lt.is_some_and(|n| n <= 0) {
             return Err(invalid(
                 S3ErrorCode::InvalidArgument,

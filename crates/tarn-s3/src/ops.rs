@@ -2027,12 +2027,7 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<PutObjectTaggingOutput>> {
         self.refuse_cache_write(&req.input.bucket)?;
         let i = req.input;
-        let tags: Vec<(String, String)> = i
-            .tagging
-            .tag_set
-            .into_iter()
-            .map(|t| (t.key.unwrap_or_default(), t.value.unwrap_or_default()))
-            .collect();
+        let tags = crate::util::tag_pairs(i.tagging.tag_set);
         check_tags(&tags)?;
         let vid = self
             .store

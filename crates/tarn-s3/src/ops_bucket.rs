@@ -40,12 +40,7 @@ impl TarnS3 {
         req: S3Request<PutBucketTaggingInput>,
     ) -> S3Result<S3Response<PutBucketTaggingOutput>> {
         let i = req.input;
-        let tags: Vec<(String, String)> = i
-            .tagging
-            .tag_set
-            .into_iter()
-            .map(|t| (t.key.unwrap_or_default(), t.value.unwrap_or_default()))
-            .collect();
+        let tags = crate::util::tag_pairs(i.tagging.tag_set);
         check_bucket_tags(&tags)?;
         self.access
             .update(&i.bucket, |d| {

@@ -52,7 +52,16 @@ pub fn check_bucket_tags(tags: &[(String, String)]) -> S3Result<()> {
     check_tag_items(tags)
 }
 
-fn check_tag_items(tags: &[(String, String)]) -> S3Result<()> {
+/// The (key, value) pairs of a TagSet (a missing key or value is empty,
+/// which the checks refuse or keep as S3 does).
+pub fn tag_pairs(set: Vec<s3s::dto::Tag>) -> Vec<(String, String)> {
+    set.into_iter()
+        .map(|t| (t.key.unwrap_or_default(), t.value.unwrap_or_default()))
+        .collect()
+}
+
+/// Each key non-empty and unique, keys and values within S3's lengths.
+pub fn check_tag_items(tags: &[(String, String)]) -> S3Result<()> {
     for (i, (k, v)) in tags.iter().enumerate() {
         if k.is_empty()
             || k.chars().count() > TAG_KEY_MAX_CHARS

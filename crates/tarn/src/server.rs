@@ -324,6 +324,35 @@ fn post_filename(r: &mut Resp) {
     *r.body_mut() = s3s::Body::from(out);
 }
 
+/// GetObjectAttributes names the ETag without quotes (AWS's answer; every
+/// other ETag in S3 is quoted, and s3s quotes this one too).
+fn unquote_attributes_etag(r: &mut Resp) {
+    if r.status() != http::StatusCode::OK {
+        return;
+    }
+    let Some(body) = r.body().bytes() else { return };
+    let text = String::from_utf8_lossy(&body);
+    let (Some(a), Some(b)) = (text.find("<ETag>\""), text.find("\"</ETag>")) else {
+        return;
+    };
+    if b < a {
+        return;
+    }
+    let out = format!(
+        "{}<ETag>{}</ETag>{}",
+        &text[..a],
+        &text[a + 7..b],
+        &text[b + 8..]
+    );
+    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
+        r.headers_mut().insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(out.len()),
+        );
+    }
+    *r.body_mut() = s3s::Body::from(out);
+}
+
 /// A form whose field fails its policy's condition: S3 answers 403
 /// AccessDenied ("Invalid according to Policy"); s3s 400
 /// InvalidPolicyDocument, which S3 keeps for a policy it cannot read.
@@ -973,6 +1002,9 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 }
                 if op == "PostObject" {
                     post_filename(r);
+                }
+                if op == "GetObjectAttributes" {
+                    unquote_attributes_etag(r);
                 }
                 for (k, v) in &cors {
                     if let Ok(v) = http::HeaderValue::from_str(v) {
