@@ -315,13 +315,7 @@ fn post_filename(r: &mut Resp) {
         .replace('"', "&quot;")
         .replace('\'', "&apos;");
     let out = String::from_utf8_lossy(&body).replace("${filename}", &escaped);
-    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
-        r.headers_mut().insert(
-            http::header::CONTENT_LENGTH,
-            http::HeaderValue::from(out.len()),
-        );
-    }
-    *r.body_mut() = s3s::Body::from(out);
+    replace_body(r, out);
 }
 
 /// GetObjectAttributes names the ETag without quotes (AWS's answer; every
@@ -344,13 +338,7 @@ fn unquote_attributes_etag(r: &mut Resp) {
         &text[a + 7..b],
         &text[b + 8..]
     );
-    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
-        r.headers_mut().insert(
-            http::header::CONTENT_LENGTH,
-            http::HeaderValue::from(out.len()),
-        );
-    }
-    *r.body_mut() = s3s::Body::from(out);
+    replace_body(r, out);
 }
 
 /// A form whose field fails its policy's condition: S3 answers 403
@@ -377,6 +365,13 @@ fn policy_condition_refused(r: &mut Resp) {
             "<Message>Invalid according to Policy: Policy condition ",
         );
     *r.status_mut() = http::StatusCode::FORBIDDEN;
+    replace_body(r, out);
+}
+
+/// Puts a rewritten body into a response, its Content-Length (if it has
+/// one) kept true.
+fn replace_body(r: &mut Resp, out: impl Into<Vec<u8>>) {
+    let out: Vec<u8> = out.into();
     if r.headers().contains_key(http::header::CONTENT_LENGTH) {
         r.headers_mut().insert(
             http::header::CONTENT_LENGTH,
@@ -425,13 +420,7 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
         out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());
     }
     out.extend_from_slice(&body[end..]);
-    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
-        r.headers_mut().insert(
-            http::header::CONTENT_LENGTH,
-            http::HeaderValue::from(out.len()),
-        );
-    }
-    *r.body_mut() = s3s::Body::from(out);
+    replace_body(r, out);
 }
 
 /// S3's message for an error whose body has none (s3s answers some of its
@@ -471,13 +460,7 @@ fn malformed_acl(r: &mut Resp) {
     let mut out = body[..at].to_vec();
     out.extend_from_slice(b"<Code>MalformedACLError</Code>");
     out.extend_from_slice(&body[at + from.len()..]);
-    if r.headers().contains_key(http::header::CONTENT_LENGTH) {
-        r.headers_mut().insert(
-            http::header::CONTENT_LENGTH,
-            http::HeaderValue::from(out.len()),
-        );
-    }
-    *r.body_mut() = s3s::Body::from(out);
+    replace_body(r, out);
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
