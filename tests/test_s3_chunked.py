@@ -126,7 +126,7 @@ def test_unsigned_chunked_with_trailing_checksum(server, size):
 def test_not_implemented_operations(s3):
     s3.create_bucket(Bucket="noimpl")
     for call in (
-        lambda: s3.get_bucket_encryption(Bucket="noimpl"),
+        lambda: s3.get_bucket_replication(Bucket="noimpl"),
         lambda: s3.get_object_retention(Bucket="noimpl", Key="k"),
         lambda: s3.get_bucket_website(Bucket="noimpl"),
     ):

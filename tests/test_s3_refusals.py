@@ -3,9 +3,11 @@
 Before: a PUT with SSE-C headers (a customer-provided key) was stored in
 plaintext and a GET without the key returned it; SSE-S3 and SSE-KMS headers,
 object-lock headers on PutObject and CreateBucket were accepted and ignored.
-Tarn implements neither yet: each such request is refused (501
-NotImplemented) and stores nothing; SSE-C key headers on a read are 400
-InvalidRequest, as AWS answers for an object not encrypted with a key.
+Object lock is not implemented yet: each such request is refused (501
+NotImplemented) and stores nothing. Encryption is (issue 42,
+test_s3_sse.py); a server without a master key or KMS key file still refuses
+SSE-S3 and SSE-KMS the same way, and stores nothing. SSE-C key headers on a
+read of an object not encrypted with a key are 400 InvalidRequest, as AWS.
 """
 
 import datetime
@@ -38,8 +40,8 @@ ENCRYPTIONS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(ENCRYPTIONS))
-def test_encrypted_writes_are_refused_and_store_nothing(s3, kind):
+@pytest.mark.parametrize("kind", ["sse-s3", "sse-kms"])
+def test_encryption_without_keys_is_refused_and_stores_nothing(s3, kind):
     sse = ENCRYPTIONS[kind]
     s3.create_bucket(Bucket="enc")
     s3.put_object(Bucket="enc", Key="plain", Body=b"plain")

@@ -121,6 +121,11 @@ fn version(n: u8) -> VersionMeta {
         checksum: None,
         layout: Layout::single_copy(1 << 20),
         storage: Storage::Inline { crc32c: 7 },
+        // Every other version sealed: encrypted records cross the wire too.
+        seal: n.is_multiple_of(2).then(|| tarn_store::format::Seal {
+            cipher: tarn_store::seal::CIPHER_AES256_GCM_64K,
+            salts: vec![[n; 16]],
+        }),
     }
 }
 
@@ -230,6 +235,7 @@ async fn metadata_script(d: &dyn Drive) -> Vec<String> {
                 data_id: [n as u8; 16],
                 mod_time_ns: 3,
                 checksum: None,
+                salt: (n == 2).then_some([2; 16]),
             },
         )
         .await

@@ -180,11 +180,19 @@ pub struct BucketDoc {
     /// The CORS rules (PutBucketCors).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cors: Option<crate::cors::Cors>,
+    /// Default encryption of new objects (PutBucketEncryption).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<crate::sse::BucketEncryption>,
 }
 
 impl BucketDoc {
     pub fn bucket(&self) -> &str {
         &self.bucket
+    }
+
+    /// When the bucket was created (tells buckets of one name apart).
+    pub fn created_ns(&self) -> u64 {
+        self.created_ns
     }
 }
 
@@ -255,6 +263,7 @@ fn new_doc(
         tags: Vec::new(),
         lifecycle: None,
         cors: None,
+        encryption: None,
     }
 }
 
@@ -1150,7 +1159,7 @@ impl S3Access for Checker {
             ));
         }
         if req.input.key.contains("${filename}") {
-            let file = form.file_name;
+            let file = form.file_name.clone();
             if file.is_empty() {
                 return Err(S3Error::with_message(
                     S3ErrorCode::InvalidArgument,
@@ -1167,6 +1176,7 @@ impl S3Access for Checker {
             ));
         }
         crate::post::fields_as_headers(&req.input, &mut req.headers)?;
+        crate::post::encryption_fields(&form, &mut req.headers)?;
         let path = S3Path::Object {
             bucket: req.input.bucket.clone().into(),
             key: req.input.key.clone().into(),

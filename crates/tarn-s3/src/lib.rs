@@ -19,9 +19,11 @@ mod ops_access;
 mod ops_attributes;
 mod ops_bucket;
 mod ops_cache;
+mod ops_sse;
 pub mod policy;
 pub mod post;
 pub mod scope;
+pub mod sse;
 pub mod sysdoc;
 pub mod util;
 
@@ -41,6 +43,8 @@ pub struct S3Settings {
     pub region: String,
     /// Base domains for virtual-host-style requests (`bucket.<domain>`).
     pub domains: Vec<String>,
+    /// Server-side encryption's master and KMS keys.
+    pub keys: Arc<sse::KeyRing>,
 }
 
 /// Access keys: the bootstrap credentials and every user's (`iam`).
@@ -100,7 +104,10 @@ pub fn build_service(
     settings: &S3Settings,
 ) -> S3Service {
     let iam = access.iam.clone();
-    let mut b = S3ServiceBuilder::new(TarnS3::new(store, access.clone(), settings.region.clone()));
+    let mut b = S3ServiceBuilder::new(
+        TarnS3::new(store, access.clone(), settings.region.clone())
+            .with_keys(settings.keys.clone()),
+    );
     b.set_auth(Keys { iam });
     b.set_access(access::Checker(access));
     b.set_host(Hosts {

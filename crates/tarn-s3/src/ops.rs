@@ -23,6 +23,8 @@ pub struct TarnS3 {
     pub(crate) store: Arc<Store>,
     pub(crate) access: Arc<Access>,
     pub(crate) region: String,
+    /// Master and KMS keys of server-side encryption.
+    pub(crate) keys: Arc<crate::sse::KeyRing>,
 }
 
 impl TarnS3 {
@@ -34,18 +36,32 @@ impl TarnS3 {
     async fn open_copy_source(
         &self,
         ext: &http::Extensions,
+        headers: &http::HeaderMap,
         source: &CopySource,
         conditions: ReadConditions,
         range: Option<ByteRange>,
     ) -> S3Result<tarn_store::GetResult> {
         let (bucket, key, version) = copy_source(source)?;
         self.refuse_on_cache(&bucket, "copying from a cache bucket")?;
+        let customer = crate::sse::customer_key(headers, true)?;
         let got = self
-            .store
-            .get_object_if(&bucket, &key, version.as_deref(), range, None, &conditions)
+            .get_decrypted(
+                ext,
+                &bucket,
+                &key,
+                version.as_deref(),
+                range,
+                None,
+                &conditions,
+                customer.as_ref(),
+            )
             .await
-            .map_err(|e| {
+            .map_err(|r| {
                 use crate::error::precondition_failed;
+                let e = match r {
+                    crate::ops_sse::Refused::S3(e) => return e,
+                    crate::ops_sse::Refused::Store(e) => e,
+                };
                 match e {
                     tarn_store::StoreError::NotModified { .. } => {
                         precondition_failed(match conditions.if_none_match {
@@ -71,7 +87,14 @@ impl TarnS3 {
             store,
             access,
             region: region.into(),
+            keys: Arc::new(crate::sse::KeyRing::default()),
         }
+    }
+
+    /// The keys server-side encryption wraps data keys with.
+    pub fn with_keys(mut self, keys: Arc<crate::sse::KeyRing>) -> Self {
+        self.keys = keys;
+        self
     }
 
     /// The access settings of a request's bucket: those the check judged
@@ -439,45 +462,16 @@ pub(crate) fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 
     out
 }
 
-/// Server-side encryption (SSE-S3, SSE-KMS, SSE-C) and object lock are not
-/// implemented: a request that asks for them is refused, never stored in
-/// plaintext or without the lock as if it had been honoured. `writes`: the
-/// request stores data (PUT, copy, multipart), where asking for encryption
-/// or a lock is `NotImplemented`; on reads (GET, HEAD) SSE-C key headers
-/// name an encryption no stored object has, which AWS answers with 400.
+/// Object lock is not implemented: a request that asks for it is refused,
+/// never stored without the lock as if it had been honoured. `writes`: the
+/// request stores data (PUT, copy, multipart).
 fn refuse_unsupported(headers: &http::HeaderMap, writes: bool) -> S3Result<()> {
-    const ENCRYPTION: [&str; 4] = [
-        "x-amz-server-side-encryption",
-        "x-amz-server-side-encryption-aws-kms-key-id",
-        "x-amz-server-side-encryption-context",
-        "x-amz-server-side-encryption-bucket-key-enabled",
-    ];
-    const CUSTOMER_KEY: [&str; 6] = [
-        "x-amz-server-side-encryption-customer-algorithm",
-        "x-amz-server-side-encryption-customer-key",
-        "x-amz-server-side-encryption-customer-key-md5",
-        "x-amz-copy-source-server-side-encryption-customer-algorithm",
-        "x-amz-copy-source-server-side-encryption-customer-key",
-        "x-amz-copy-source-server-side-encryption-customer-key-md5",
-    ];
     const OBJECT_LOCK: [&str; 3] = [
         "x-amz-object-lock-mode",
         "x-amz-object-lock-retain-until-date",
         "x-amz-object-lock-legal-hold",
     ];
     let has = |names: &[&str]| names.iter().any(|n| headers.contains_key(*n));
-    if has(&CUSTOMER_KEY) && !writes {
-        return Err(S3Error::with_message(
-            S3ErrorCode::InvalidRequest,
-            "The encryption parameters are not applicable to this object.",
-        ));
-    }
-    if has(&CUSTOMER_KEY) || has(&ENCRYPTION) {
-        return Err(S3Error::with_message(
-            S3ErrorCode::NotImplemented,
-            "Server-side encryption (SSE-S3, SSE-KMS, SSE-C) is not supported; nothing was stored.",
-        ));
-    }
     let lock_bucket = headers
         .get("x-amz-bucket-object-lock-enabled")
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
@@ -485,6 +479,18 @@ fn refuse_unsupported(headers: &http::HeaderMap, writes: bool) -> S3Result<()> {
         return Err(S3Error::with_message(
             S3ErrorCode::NotImplemented,
             "Object lock is not supported; nothing was stored.",
+        ));
+    }
+    Ok(())
+}
+
+/// Cache buckets pass objects through to their upstream: encryption asked
+/// of one is refused, never dropped.
+fn refuse_encryption_on_cache(headers: &http::HeaderMap) -> S3Result<()> {
+    if crate::sse::asked(headers)? != crate::sse::Asked::Nothing {
+        return Err(S3Error::with_message(
+            S3ErrorCode::NotImplemented,
+            "A cache bucket stores what its upstream holds: server-side encryption is not supported on it; nothing was stored.",
         ));
     }
     Ok(())
@@ -556,6 +562,30 @@ impl S3 for TarnS3 {
         req: S3Request<GetBucketPolicyInput>,
     ) -> S3Result<S3Response<GetBucketPolicyOutput>> {
         self.op_get_bucket_policy(req).await
+    }
+
+    async fn get_bucket_encryption(
+        &self,
+        req: S3Request<GetBucketEncryptionInput>,
+    ) -> S3Result<S3Response<GetBucketEncryptionOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "GetBucketEncryption")?;
+        self.op_get_bucket_encryption(req).await
+    }
+
+    async fn put_bucket_encryption(
+        &self,
+        req: S3Request<PutBucketEncryptionInput>,
+    ) -> S3Result<S3Response<PutBucketEncryptionOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "PutBucketEncryption")?;
+        self.op_put_bucket_encryption(req).await
+    }
+
+    async fn delete_bucket_encryption(
+        &self,
+        req: S3Request<DeleteBucketEncryptionInput>,
+    ) -> S3Result<S3Response<DeleteBucketEncryptionOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "DeleteBucketEncryption")?;
+        self.op_delete_bucket_encryption(req).await
     }
 
     async fn put_bucket_policy(
@@ -989,6 +1019,9 @@ impl S3 for TarnS3 {
     ) -> S3Result<S3Response<PutObjectOutput>> {
         let through = self.cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
+        if through.is_some() {
+            refuse_encryption_on_cache(&req.headers)?;
+        }
         // A form upload whose key named ${filename}: the front writes the
         // name into the 201 body or redirect s3s makes from the form's key.
         let substituted = req
@@ -1012,6 +1045,14 @@ impl S3 for TarnS3 {
         opts.content_md5 = md5;
         opts.if_none_match = condition_string(i.if_none_match.as_ref());
         opts.if_match = condition_string(i.if_match.as_ref());
+        let sealing = match through {
+            Some(_) => None,
+            None => self.sealing(&req.extensions, &headers, &i.bucket, &i.key)?,
+        };
+        if let Some(s) = &sealing {
+            opts.headers.extend(s.stored.iter().cloned());
+            opts.seal = Some(s.spec.clone());
+        }
         let body = object_body(
             i.body,
             declared_len(&headers, i.content_length),
@@ -1027,7 +1068,7 @@ impl S3 for TarnS3 {
                 .await
                 .map_err(s3_error)?;
             let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);
-            S3Response::new(PutObjectOutput {
+            let mut resp = S3Response::new(PutObjectOutput {
                 e_tag: Some(etag(&info.etag)),
                 version_id: info.version_id,
                 checksum_crc32: crc32,
@@ -1036,7 +1077,11 @@ impl S3 for TarnS3 {
                 checksum_sha1: sha1,
                 checksum_sha256: sha256,
                 ..Default::default()
-            })
+            });
+            if let Some(s) = &sealing {
+                crate::sse::add_headers(&mut resp.headers, &s.response);
+            }
+            resp
         };
         if let Some(v) = substituted.and_then(|s| http::HeaderValue::from_str(&s).ok()) {
             resp.headers.insert(crate::post::FILENAME_HEADER, v);
@@ -1206,9 +1251,17 @@ impl S3 for TarnS3 {
             i.copy_source_if_unmodified_since.as_ref(),
         );
         let got = self
-            .open_copy_source(&req.extensions, &i.copy_source, conditions, None)
+            .open_copy_source(
+                &req.extensions,
+                &req.headers,
+                &i.copy_source,
+                conditions,
+                None,
+            )
             .await?;
         let src = got.info.clone();
+        let sealing = self.sealing(&req.extensions, &req.headers, &i.bucket, &i.key)?;
+        let asks_encryption = crate::sse::asked(&req.headers)? != crate::sse::Asked::Nothing;
         if src.size > COPY_SOURCE_MAX_BYTES {
             return Err(S3Error::with_message(
                 S3ErrorCode::InvalidRequest,
@@ -1223,7 +1276,13 @@ impl S3 for TarnS3 {
             .tagging_directive
             .as_ref()
             .is_some_and(|d| d.as_str() == TaggingDirective::REPLACE);
-        if sb == i.bucket && sk == i.key && sv.is_none() && !replace_meta && !replace_tags {
+        if sb == i.bucket
+            && sk == i.key
+            && sv.is_none()
+            && !replace_meta
+            && !replace_tags
+            && !asks_encryption
+        {
             return Err(S3Error::with_message(
                 S3ErrorCode::InvalidRequest,
                 "This copy request is illegal because it is trying to copy an object to itself without changing the object's metadata, storage class, website redirect location or encryption attributes.",
@@ -1245,10 +1304,13 @@ impl S3 for TarnS3 {
             PutOptions {
                 content_type: Some(src.content_type.clone()),
                 // The copy's ACL is the request's, never the source's.
+                // Nor its encryption: the copy gets the request's.
                 headers: src
                     .headers
                     .iter()
-                    .filter(|(k, _)| k != ACL_HEADER && k != INITIATOR_HEADER)
+                    .filter(|(k, _)| {
+                        k != ACL_HEADER && k != INITIATOR_HEADER && !crate::sse::is_internal(k)
+                    })
                     .cloned()
                     .collect(),
                 user_metadata: src.user_metadata.clone(),
@@ -1263,7 +1325,14 @@ impl S3 for TarnS3 {
         // describe the single-part copy: the copy gets the full checksum of
         // the same algorithm instead.
         // (An MD5 ETag is 32 hex digits; fast and multipart ones carry `-N`.)
-        opts.content_md5 = tarn_store::format::id_from_hex(src.etag.trim_matches('"'));
+        // (An SSE-KMS or SSE-C source's ETag is a keyed digest, not its MD5.)
+        if !crate::sse::keyed_etag(&src) {
+            opts.content_md5 = tarn_store::format::id_from_hex(src.etag.trim_matches('"'));
+        }
+        if let Some(s) = &sealing {
+            opts.headers.extend(s.stored.iter().cloned());
+            opts.seal = Some(s.spec.clone());
+        }
         let spec = match &src.checksum {
             Some((algo, v)) if ChecksumKind::of_value(v) == ChecksumKind::Composite => {
                 ChecksumSpec {
@@ -1283,7 +1352,7 @@ impl S3 for TarnS3 {
             .put_object(&i.bucket, &i.key, body, opts)
             .await
             .map_err(s3_error)?;
-        Ok(S3Response::new(CopyObjectOutput {
+        let mut resp = S3Response::new(CopyObjectOutput {
             copy_object_result: Some(CopyObjectResult {
                 e_tag: Some(etag(&info.etag)),
                 last_modified: Some(timestamp(info.last_modified_ns)),
@@ -1292,7 +1361,11 @@ impl S3 for TarnS3 {
             copy_source_version_id: src.version_id,
             version_id: info.version_id,
             ..Default::default()
-        }))
+        });
+        if let Some(s) = &sealing {
+            crate::sse::add_headers(&mut resp.headers, &s.response);
+        }
+        Ok(resp)
     }
 
     async fn list_objects(
@@ -1551,10 +1624,17 @@ impl S3 for TarnS3 {
         let through = self.cache_write(&req.input.bucket)?;
         refuse_unsupported(&req.headers, true)?;
         if let Some(cb) = through {
+            refuse_encryption_on_cache(&req.headers)?;
             return self
                 .create_upload_through(&cb, &req.input.key, &req.headers)
                 .await;
         }
+        let sealing = self.sealing(
+            &req.extensions,
+            &req.headers,
+            &req.input.bucket,
+            &req.input.key,
+        )?;
         let i = req.input;
         let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
         let tags = parse_tagging_header(i.tagging.as_ref())?;
@@ -1565,6 +1645,9 @@ impl S3 for TarnS3 {
             tags,
         );
         opts.headers.extend(acl);
+        if let Some(s) = &sealing {
+            opts.headers.extend(s.stored.iter().cloned());
+        }
         if let Some(who) = permit_of(&req.extensions).and_then(Permit::caller) {
             opts.headers
                 .push((INITIATOR_HEADER.to_string(), who.to_string()));
@@ -1604,14 +1687,18 @@ impl S3 for TarnS3 {
             .create_multipart_upload(&i.bucket, &i.key, opts, algo.clone())
             .await
             .map_err(s3_error)?;
-        Ok(S3Response::new(CreateMultipartUploadOutput {
+        let mut resp = S3Response::new(CreateMultipartUploadOutput {
             bucket: Some(i.bucket),
             key: xml_key(i.key),
             upload_id: Some(id),
             checksum_algorithm: algo.map(ChecksumAlgorithm::from),
             checksum_type: checksum_type.map(|t| ChecksumType::from(t.as_str().to_string())),
             ..Default::default()
-        }))
+        });
+        if let Some(s) = &sealing {
+            crate::sse::add_headers(&mut resp.headers, &s.response);
+        }
+        Ok(resp)
     }
 
     async fn upload_part(
@@ -1642,9 +1729,22 @@ impl S3 for TarnS3 {
                 .upload_part_through(&cb, &i.key, &i.upload_id, i.part_number, body, &headers)
                 .await;
         }
+        let customer = crate::sse::customer_key(&headers, false)?;
+        let upload_headers = self
+            .store
+            .upload_headers(&i.bucket, &i.key, &i.upload_id)
+            .await
+            .map_err(s3_error)?;
+        let seal = self.part_sealing(
+            &req.extensions,
+            &upload_headers,
+            customer.as_ref(),
+            &i.bucket,
+            &i.key,
+        )?;
         let part = self
             .store
-            .upload_part(
+            .upload_part_sealed(
                 &i.bucket,
                 &i.key,
                 &i.upload_id,
@@ -1652,11 +1752,12 @@ impl S3 for TarnS3 {
                 body,
                 md5,
                 None,
+                seal,
             )
             .await
             .map_err(s3_error)?;
         let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&part.checksum);
-        Ok(S3Response::new(UploadPartOutput {
+        let mut resp = S3Response::new(UploadPartOutput {
             e_tag: Some(etag(&part.etag)),
             checksum_crc32: crc32,
             checksum_crc32c: crc32c,
@@ -1664,7 +1765,12 @@ impl S3 for TarnS3 {
             checksum_sha1: sha1,
             checksum_sha256: sha256,
             ..Default::default()
-        }))
+        });
+        crate::sse::add_headers(
+            &mut resp.headers,
+            &crate::sse::response_headers(&upload_headers, customer.as_ref()),
+        );
+        Ok(resp)
     }
 
     async fn upload_part_copy(
@@ -1701,9 +1807,23 @@ impl S3 for TarnS3 {
             i.copy_source_if_modified_since.as_ref(),
             i.copy_source_if_unmodified_since.as_ref(),
         );
+        let customer = crate::sse::customer_key(&req.headers, false)?;
+        let upload_headers = self
+            .store
+            .upload_headers(&i.bucket, &i.key, &i.upload_id)
+            .await
+            .map_err(s3_error)?;
+        let seal = self.part_sealing(
+            &req.extensions,
+            &upload_headers,
+            customer.as_ref(),
+            &i.bucket,
+            &i.key,
+        )?;
         let got = self
             .open_copy_source(
                 &req.extensions,
+                &req.headers,
                 &i.copy_source,
                 conditions,
                 range.map(|(a, b)| ByteRange::Closed(a, b)),
@@ -1733,7 +1853,7 @@ impl S3 for TarnS3 {
         );
         let part = self
             .store
-            .upload_part(
+            .upload_part_sealed(
                 &i.bucket,
                 &i.key,
                 &i.upload_id,
@@ -1741,10 +1861,11 @@ impl S3 for TarnS3 {
                 body,
                 None,
                 None,
+                seal,
             )
             .await
             .map_err(s3_error)?;
-        Ok(S3Response::new(UploadPartCopyOutput {
+        let mut resp = S3Response::new(UploadPartCopyOutput {
             copy_part_result: Some({
                 let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&part.checksum);
                 CopyPartResult {
@@ -1759,7 +1880,12 @@ impl S3 for TarnS3 {
             }),
             copy_source_version_id: src_version,
             ..Default::default()
-        }))
+        });
+        crate::sse::add_headers(
+            &mut resp.headers,
+            &crate::sse::response_headers(&upload_headers, customer.as_ref()),
+        );
+        Ok(resp)
     }
 
     async fn complete_multipart_upload(
@@ -1824,7 +1950,8 @@ impl S3 for TarnS3 {
             .await
             .map_err(s3_error)?;
         let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);
-        Ok(S3Response::new(CompleteMultipartUploadOutput {
+        let encryption = crate::sse::response_headers(&info.headers, None);
+        let mut resp = S3Response::new(CompleteMultipartUploadOutput {
             bucket: Some(i.bucket.clone()),
             key: xml_key(i.key.clone()),
             e_tag: Some(etag(&info.etag)),
@@ -1837,7 +1964,9 @@ impl S3 for TarnS3 {
             checksum_sha1: sha1,
             checksum_sha256: sha256,
             ..Default::default()
-        }))
+        });
+        crate::sse::add_headers(&mut resp.headers, &encryption);
+        Ok(resp)
     }
 
     async fn abort_multipart_upload(
@@ -2167,18 +2296,20 @@ impl TarnS3 {
                 ..object_fields!(GetObjectOutput, info, Default::default(), None)
             }));
         }
+        let customer = crate::sse::customer_key(&req.headers, false)?;
         let got = self
-            .store
-            .get_object_if(
+            .get_decrypted(
+                &req.extensions,
                 &i.bucket,
                 &i.key,
                 i.version_id.as_deref(),
                 range,
                 part_number,
                 &conditions,
+                customer.as_ref(),
             )
             .await
-            .map_err(s3_error)?;
+            .map_err(crate::ops_sse::Refused::into_s3)?;
         let info = got.info;
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
@@ -2195,7 +2326,8 @@ impl TarnS3 {
             .then(|| response_checksum(&info, part_number, range.is_some()))
             .flatten();
         let parts_count = part_number.map(|_| info.parts_count() as i32);
-        Ok(S3Response::new(GetObjectOutput {
+        let encryption = crate::sse::response_headers(&info.headers, customer.as_ref());
+        let mut resp = S3Response::new(GetObjectOutput {
             body: Some(StreamingBlob::wrap(got.stream)),
             content_length: Some((end - start) as i64),
             content_range,
@@ -2207,7 +2339,9 @@ impl TarnS3 {
                 checksum_fields(&checksum),
                 checksum_type_of(&checksum)
             )
-        }))
+        });
+        crate::sse::add_headers(&mut resp.headers, &encryption);
+        Ok(resp)
     }
 
     async fn head_of_object(
@@ -2228,6 +2362,8 @@ impl TarnS3 {
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
         }
+        let customer = crate::sse::customer_key(&req.headers, false)?;
+        self.check_customer_key(&req.extensions, &info, customer.as_ref())?;
         check_conditions(
             &info,
             i.if_match.as_ref(),
@@ -2277,6 +2413,10 @@ impl TarnS3 {
                 checksum_type_of(&checksum)
             )
         });
+        crate::sse::add_headers(
+            &mut resp.headers,
+            &crate::sse::response_headers(&info.headers, customer.as_ref()),
+        );
         // HeadObject's model has no tag count; S3 sends the header anyway.
         if !info.tags.is_empty() {
             resp.headers.insert(

@@ -63,6 +63,9 @@ impl TarnS3 {
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
         }
+        // An SSE-C object's attributes need its key, as its HEAD does.
+        let customer = crate::sse::customer_key(&req.headers, false)?;
+        self.check_customer_key(&req.extensions, &info, customer.as_ref())?;
         let checksum = want_checksum
             .then(|| {
                 let [crc32, crc32c, crc64nvme, sha1, sha256] = checksum_fields(&info.checksum);

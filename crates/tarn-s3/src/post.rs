@@ -102,6 +102,77 @@ pub fn fields_as_headers(
     Ok(())
 }
 
+/// A form's encryption fields (`x-amz-server-side-encryption*`) as the
+/// headers of the PUT it is. Each must be named by a condition of the form's
+/// policy: s3s exempts them from that rule (as MinIO does), which would let
+/// whoever holds a signed form choose the encryption (or a customer key)
+/// its signer never allowed.
+pub fn encryption_fields(form: &Form, headers: &mut http::HeaderMap) -> s3s::S3Result<()> {
+    let fields: Vec<&(String, String)> = form
+        .fields
+        .iter()
+        .filter(|(k, _)| {
+            k.to_ascii_lowercase()
+                .starts_with("x-amz-server-side-encryption")
+        })
+        .collect();
+    if fields.is_empty() {
+        return Ok(());
+    }
+    let named = form.field("policy").map(policy_fields).unwrap_or_default();
+    for (k, v) in fields {
+        let name = k.to_ascii_lowercase();
+        if !named.contains(&name) {
+            return Err(s3s::S3Error::with_message(
+                s3s::S3ErrorCode::AccessDenied,
+                format!("Invalid according to Policy: Extra input fields: {k}"),
+            ));
+        }
+        let value = http::HeaderValue::from_str(v).map_err(|_| {
+            s3s::S3Error::with_message(
+                s3s::S3ErrorCode::InvalidArgument,
+                format!("The form field {k} is not a valid header value."),
+            )
+        })?;
+        let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+            s3s::S3Error::with_message(
+                s3s::S3ErrorCode::InvalidArgument,
+                format!("The form field {k} is not a valid header name."),
+            )
+        })?;
+        headers.insert(name, value);
+    }
+    Ok(())
+}
+
+/// The field names (lower case) a POST policy's conditions name:
+/// `{"field": "value"}` and `["eq"|"starts-with", "$field", "value"]`.
+fn policy_fields(policy_b64: &str) -> Vec<String> {
+    let Some(doc) = base64_simd::STANDARD
+        .decode_to_vec(policy_b64.trim())
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+    else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for c in doc
+        .get("conditions")
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+    {
+        if let Some(o) = c.as_object() {
+            out.extend(o.keys().map(|k| k.to_ascii_lowercase()));
+        } else if let Some(a) = c.as_array() {
+            if let Some(f) = a.get(1).and_then(|f| f.as_str()) {
+                out.push(f.trim_start_matches('$').to_ascii_lowercase());
+            }
+        }
+    }
+    out
+}
+
 /// Reads a multipart/form-data body as it streams for the headers of its
 /// `file` part.
 #[derive(Debug)]
@@ -292,6 +363,32 @@ mod tests {
     #[test]
     fn keys_and_encoding() {
         assert_eq!(form_key("u/${filename}", Some("a.txt")), "u/a.txt");
+        let policy = base64_simd::STANDARD.encode_to_string(
+            br#"{"conditions":[{"bucket":"b"},["eq","$x-amz-server-side-encryption","AES256"]]}"#,
+        );
+        assert_eq!(
+            policy_fields(&policy),
+            vec!["bucket", "x-amz-server-side-encryption"]
+        );
+        let form = |fields: &[(&str, &str)]| Form {
+            file_name: String::new(),
+            fields: fields
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let mut h = http::HeaderMap::new();
+        let named = form(&[
+            ("policy", &policy),
+            ("x-amz-server-side-encryption", "AES256"),
+        ]);
+        encryption_fields(&named, &mut h).unwrap();
+        assert_eq!(h["x-amz-server-side-encryption"], "AES256");
+        let extra = form(&[
+            ("policy", &policy),
+            ("x-amz-server-side-encryption-aws-kms-key-id", "k"),
+        ]);
+        assert!(encryption_fields(&extra, &mut h).is_err());
         assert_eq!(form_key("u/x", Some("a.txt")), "u/x");
         assert_eq!(form_key("u/${filename}", None), "u/${filename}");
         let s = "cat pic/ü%.jpg";

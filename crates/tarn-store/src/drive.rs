@@ -1820,6 +1820,7 @@ mod tests {
                     data_id: [1; 16],
                     mod_time_ns: 1,
                     checksum: None,
+                    salt: None,
                 };
                 db.put_part(&[1; 16], &part).unwrap();
             }
@@ -1876,6 +1877,7 @@ mod tests {
                 data_id: [t; 16],
                 mod_time_ns: 1,
                 checksum: None,
+                salt: None,
             };
             db.put_part(&[t; 16], &part).unwrap();
         }

@@ -23,8 +23,13 @@ pub const MAGIC: [u8; 4] = *b"TRNM";
 /// Version 1: the first format. Version 2: each part of a multipart object
 /// keeps its checksum, and an upload in progress its checksum type.
 /// Version 3: an object record carries its stamp, and a deleted key keeps
-/// an empty record (a tombstone) with one.
-pub const FORMAT_VERSION: u16 = 3;
+/// an empty record (a tombstone) with one. Version 4: encrypted versions
+/// (each version says whether it is sealed, and with which part salts) and
+/// encrypted upload parts (their salt). Records with nothing encrypted are
+/// still written as version 3, so builds before encryption read them.
+pub const FORMAT_VERSION: u16 = 4;
+/// The version written when a record needs nothing newer.
+const BASE_VERSION: u16 = 3;
 const HEADER_BYTES: usize = 12;
 const TRAILER_BYTES: usize = 4;
 
@@ -78,9 +83,15 @@ pub enum FormatError {
 #[derive(Default)]
 pub struct Encoder {
     buf: Vec<u8>,
+    /// The format version the fields written need (at least `BASE_VERSION`).
+    needs: u16,
 }
 
 impl Encoder {
+    /// Marks the record as needing format `version` to be read.
+    pub fn need(&mut self, version: u16) {
+        self.needs = self.needs.max(version);
+    }
     pub fn u8(&mut self, v: u8) {
         self.buf.push(v);
     }
@@ -125,7 +136,7 @@ impl Encoder {
     pub fn finish(self, kind: RecordKind) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_BYTES + self.buf.len() + TRAILER_BYTES);
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&self.needs.max(BASE_VERSION).to_le_bytes());
         out.push(kind as u8);
         out.push(0);
         out.extend_from_slice(&(self.buf.len() as u32).to_le_bytes());
@@ -485,6 +496,47 @@ pub enum Storage {
     Parts(Vec<PartMeta>),
 }
 
+/// How an encrypted version's bytes are sealed (format 4; `crate::seal`):
+/// the cipher, and each part's salt, in the order of its parts (one for an
+/// inline version). The key is not here: the S3 layer keeps it wrapped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seal {
+    pub cipher: u8,
+    pub salts: Vec<[u8; 16]>,
+}
+
+impl Seal {
+    fn encode(seal: &Option<Seal>, e: &mut Encoder) {
+        match seal {
+            None => e.u8(0),
+            Some(s) => {
+                e.u8(1);
+                e.u8(s.cipher);
+                e.u32(s.salts.len() as u32);
+                for salt in &s.salts {
+                    e.fixed(salt);
+                }
+            }
+        }
+    }
+
+    fn decode(d: &mut Decoder) -> Result<Option<Seal>, FormatError> {
+        if d.version() < 4 || !d.bool("sealed")? {
+            return Ok(None);
+        }
+        let cipher = d.u8()?;
+        if cipher != crate::seal::CIPHER_AES256_GCM_64K {
+            return Err(FormatError::Invalid("cipher"));
+        }
+        let n = d.count("salts")?;
+        let mut salts = Vec::with_capacity(n);
+        for _ in 0..n {
+            salts.push(d.fixed()?);
+        }
+        Ok(Some(Seal { cipher, salts }))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VersionMeta {
     /// All zero for the "null" version of unversioned buckets.
@@ -502,10 +554,49 @@ pub struct VersionMeta {
     pub checksum: Option<(String, String)>,
     pub layout: Layout,
     pub storage: Storage,
+    /// Encrypted versions: how. `size` is then the plaintext's size, and
+    /// each part's `size` (and an inline version's stored bytes) the
+    /// sealed length (`crate::seal::sealed_len`).
+    pub seal: Option<Seal>,
 }
 
 impl VersionMeta {
-    fn encode(&self, e: &mut Encoder) {
+    /// The stored length of an inline version's bytes.
+    pub fn inline_len(&self) -> u64 {
+        match self.seal {
+            Some(_) => crate::seal::sealed_len(self.size),
+            None => self.size,
+        }
+    }
+
+    /// A part's plaintext size from its stored size.
+    pub fn plain_part_size(&self, stored: u64) -> u64 {
+        match self.seal {
+            Some(_) => crate::seal::plain_len(stored).unwrap_or(0),
+            None => stored,
+        }
+    }
+
+    /// (part number, stored size, salt) of each part of a sealed version
+    /// with data files.
+    pub fn sealed_parts(&self) -> Option<Vec<(u32, u64, [u8; 16])>> {
+        let seal = self.seal.as_ref()?;
+        match &self.storage {
+            Storage::Parts(parts) if parts.len() == seal.salts.len() => Some(
+                parts
+                    .iter()
+                    .zip(&seal.salts)
+                    .map(|(p, s)| (p.number, p.size, *s))
+                    .collect(),
+            ),
+            Storage::Inline { .. } if seal.salts.len() == 1 => {
+                Some(vec![(1, self.inline_len(), seal.salts[0])])
+            }
+            _ => None,
+        }
+    }
+
+    fn encode(&self, e: &mut Encoder, sealed_record: bool) {
         e.fixed(&self.version_id);
         e.u64(self.mod_time_ns);
         e.u8(self.delete_marker as u8);
@@ -533,6 +624,9 @@ impl VersionMeta {
                     e.opt_pair(&p.checksum);
                 }
             }
+        }
+        if sealed_record {
+            Seal::encode(&self.seal, e);
         }
     }
 
@@ -566,15 +660,33 @@ impl VersionMeta {
                         },
                     });
                 }
-                if parts.iter().map(|p| p.size).sum::<u64>() != size {
-                    return Err(FormatError::Invalid(
-                        "part sizes do not add up to the object size",
-                    ));
-                }
                 Storage::Parts(parts)
             }
             _ => return Err(FormatError::Invalid("storage")),
         };
+        let seal = Seal::decode(d)?;
+        if let Storage::Parts(parts) = &storage {
+            let plain = |p: &PartMeta| match &seal {
+                Some(_) => crate::seal::plain_len(p.size),
+                None => Some(p.size),
+            };
+            let sum = parts
+                .iter()
+                .try_fold(0u64, |acc, p| plain(p).and_then(|s| acc.checked_add(s)));
+            if sum != Some(size) {
+                return Err(FormatError::Invalid(
+                    "part sizes do not add up to the object size",
+                ));
+            }
+        }
+        let salts_fit = match (&seal, &storage) {
+            (None, _) => true,
+            (Some(s), Storage::Parts(p)) => s.salts.len() == p.len(),
+            (Some(s), Storage::Inline { .. }) => s.salts.len() == 1,
+        };
+        if !salts_fit {
+            return Err(FormatError::Invalid("a salt for each sealed part"));
+        }
         Ok(VersionMeta {
             version_id,
             mod_time_ns,
@@ -588,6 +700,7 @@ impl VersionMeta {
             checksum,
             layout,
             storage,
+            seal,
         })
     }
 }
@@ -611,9 +724,13 @@ pub struct ObjectRecord {
 impl ObjectRecord {
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Encoder::default();
+        let sealed = self.versions.iter().any(|v| v.seal.is_some());
+        if sealed {
+            e.need(4);
+        }
         e.u32(self.versions.len() as u32);
         for v in &self.versions {
-            v.encode(&mut e);
+            v.encode(&mut e, sealed);
         }
         e.u64(self.stamp);
         e.finish(RecordKind::Object)
@@ -665,6 +782,7 @@ pub(crate) fn test_version(id: u8, mod_time_ns: u64) -> VersionMeta {
         checksum: None,
         layout: Layout::single_copy(4096),
         storage: Storage::Inline { crc32c: 0 },
+        seal: None,
     }
 }
 
@@ -729,6 +847,8 @@ pub struct UploadPartRecord {
     pub data_id: Id128,
     pub mod_time_ns: u64,
     pub checksum: Option<(String, String)>,
+    /// An encrypted part's salt (format 4); `size` is then its sealed length.
+    pub salt: Option<[u8; 16]>,
 }
 
 impl UploadPartRecord {
@@ -740,6 +860,11 @@ impl UploadPartRecord {
         e.fixed(&self.data_id);
         e.u64(self.mod_time_ns);
         e.opt_pair(&self.checksum);
+        if let Some(salt) = &self.salt {
+            e.need(4);
+            e.u8(1);
+            e.fixed(salt);
+        }
         e.finish(RecordKind::UploadPart)
     }
 
@@ -752,6 +877,11 @@ impl UploadPartRecord {
             data_id: d.fixed()?,
             mod_time_ns: d.u64()?,
             checksum: d.opt_pair("checksum")?,
+            salt: if d.version() >= 4 && d.bool("sealed")? {
+                Some(d.fixed()?)
+            } else {
+                None
+            },
         };
         d.finish()?;
         Ok(r)
@@ -820,15 +950,19 @@ mod tests {
             headers in arb_pairs(), user_metadata in arb_pairs(), tags in arb_pairs(),
             checksum in proptest::option::of(("CRC32|CRC32C|SHA256", "[A-Za-z0-9+/=]{8,44}")),
             k in 1u8..8, m in 0u8..4, stripe in 1u32..1 << 22,
+            sealed in any::<bool>(), salt in any::<[u8; 16]>(),
         ) -> VersionMeta {
+            let stored = |s: u64| if sealed { crate::seal::sealed_len(s) } else { s };
             let storage = if inline { Storage::Inline { crc32c: crc } } else {
-                Storage::Parts(part_sizes.iter().enumerate().map(|(i, &s)| PartMeta { number: i as u32 + 1, size: s, etag: etag.clone(), data_id: version_id, checksum: checksum.clone() }).collect())
+                Storage::Parts(part_sizes.iter().enumerate().map(|(i, &s)| PartMeta { number: i as u32 + 1, size: stored(s), etag: etag.clone(), data_id: version_id, checksum: checksum.clone() }).collect())
             };
-            let size = match &storage { Storage::Inline { .. } => 7, Storage::Parts(p) => p.iter().map(|p| p.size).sum() };
+            let size = match &storage { Storage::Inline { .. } => 7, Storage::Parts(_) => part_sizes.iter().sum() };
+            let salts = match &storage { Storage::Inline { .. } => vec![salt], Storage::Parts(p) => vec![salt; p.len()] };
+            let seal = sealed.then_some(Seal { cipher: crate::seal::CIPHER_AES256_GCM_64K, salts });
             let codec = if k == 1 { CodecId::Replicate } else { CodecId::ReedSolomonSimd };
             VersionMeta { version_id, mod_time_ns, delete_marker, size, etag, content_type, headers, user_metadata, tags, checksum,
                 layout: Layout { data_shards: k, parity_shards: m, codec, stripe_size_bytes: stripe * 2, distribution: (0..k + m).collect() },
-                storage }
+                storage, seal }
         }
     }
 
@@ -900,8 +1034,17 @@ mod tests {
             data_id: [3; 16],
             mod_time_ns: 1,
             checksum: None,
+            salt: None,
         };
         assert_eq!(UploadPartRecord::decode(&p.encode()).unwrap(), p);
+        // Only an encrypted part needs format 4.
+        assert_eq!(&p.encode()[4..6], &3u16.to_le_bytes());
+        let sealed = UploadPartRecord {
+            salt: Some([5; 16]),
+            ..p.clone()
+        };
+        assert_eq!(&sealed.encode()[4..6], &4u16.to_le_bytes());
+        assert_eq!(UploadPartRecord::decode(&sealed.encode()).unwrap(), sealed);
         assert!(matches!(
             BucketRecord::decode(&f.encode()),
             Err(FormatError::WrongKind { .. })
@@ -972,6 +1115,7 @@ mod tests {
                 data_id: [2; 16],
                 checksum: None,
             }]),
+            seal: None,
         };
         let rec = ObjectRecord {
             versions: vec![v],

@@ -16,6 +16,7 @@ pub mod drive_io;
 pub mod error;
 pub mod format;
 pub mod lock;
+pub mod seal;
 pub mod shard;
 pub mod store;
 pub mod types;

@@ -58,6 +58,8 @@ pub struct PutOptions {
     /// with. (`checksum`, there, is the whole object's checksum the client
     /// expects, checked against the one formed from the parts.)
     pub part_checksums: Vec<(u32, String, String)>,
+    /// Encrypt the body with this data key (`crate::seal`).
+    pub seal: Option<crate::seal::SealSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -55,6 +55,10 @@ pub struct FileConfig {
     pub lifecycle_interval_secs: Option<u64>,
     pub lifecycle_day_secs: Option<u64>,
     pub lifecycle_rate: Option<u64>,
+    /// See `--sse-master-key-file`, `--kms-key-file`, `--kms-default-key`.
+    pub sse_master_key_file: Option<std::path::PathBuf>,
+    pub kms_key_file: Option<std::path::PathBuf>,
+    pub kms_default_key: Option<String>,
     pub io_uring: Option<bool>,
     /// Free space kept on every drive (bytes); default 2% of it, at most 1 GiB.
     pub drive_reserve_bytes: Option<u64>,

@@ -147,6 +147,20 @@ struct ServerArgs {
     /// (default 20000; 0 = no bound).
     #[arg(long)]
     lifecycle_rate: Option<u64>,
+    /// SSE-S3 master keys: a file of `ID:BASE64` lines (32-byte keys), the
+    /// first wrapping new objects, the others kept to read older ones
+    /// (rotation). Default: TARN_SSE_MASTER_KEY, else SSE-S3 is refused.
+    /// Every node of a cluster needs the same.
+    #[arg(long)]
+    sse_master_key_file: Option<PathBuf>,
+    /// SSE-KMS keys: a file of `NAME:BASE64` lines, each a key requests may
+    /// name by x-amz-server-side-encryption-aws-kms-key-id.
+    #[arg(long)]
+    kms_key_file: Option<PathBuf>,
+    /// The KMS key aws:kms requests without a key id use (default: the
+    /// key file's first).
+    #[arg(long)]
+    kms_default_key: Option<String>,
     /// Bytes of objects per second a backfill of a joining drive may visit
     /// (e.g. 200MiB; 0 = no limit).
     #[arg(long)]
@@ -664,9 +678,27 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     if domains.is_empty() {
         domains.push("localhost".into());
     }
+    let keys = tarn_s3::sse::KeyRing::load(
+        args.sse_master_key_file
+            .as_deref()
+            .or(file.sse_master_key_file.as_deref()),
+        args.kms_key_file
+            .as_deref()
+            .or(file.kms_key_file.as_deref()),
+        args.kms_default_key
+            .as_deref()
+            .or(file.kms_default_key.as_deref()),
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
+    tracing::info!(
+        master_keys = ?keys.master_ids(),
+        kms_keys = ?keys.kms_ids(),
+        "server-side encryption keys"
+    );
     let settings = tarn_s3::S3Settings {
         region: region.clone(),
         domains: domains.clone(),
+        keys: Arc::new(keys),
     };
     let io_uring = !args.no_io_uring && file.io_uring.unwrap_or(true);
     let permissions = load_permissions(&store, &access, &secret, io_uring)?;

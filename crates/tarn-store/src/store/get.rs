@@ -90,7 +90,19 @@ enum StreamInner {
     Ready(Option<Bytes>),
     /// The first chunk, read before the response began, then the rest.
     Channel(Option<Bytes>, mpsc::Receiver<Result<Bytes, StoreError>>),
+    /// An encrypted version's plaintext: the first block, opened before the
+    /// response began, then the rest.
+    Opened(
+        Option<Bytes>,
+        Pin<Box<dyn Stream<Item = Result<Bytes, StoreError>> + Send + Sync>>,
+    ),
 }
+
+/// What a read of an encrypted version asks its caller: the version's data
+/// key, given what the version is (its stored headers name how the key is
+/// kept). Errors end the read before any byte is sent.
+pub type Unseal<'a> =
+    &'a (dyn Fn(&ObjectInfo) -> Result<crate::seal::DataKey, StoreError> + Send + Sync);
 
 impl ObjectStream {
     /// Bytes still to come.
@@ -118,6 +130,10 @@ impl Stream for ObjectStream {
             StreamInner::Channel(first, rx) => match first.take() {
                 Some(b) => Poll::Ready(Some(Ok(b))),
                 None => rx.poll_recv(cx),
+            },
+            StreamInner::Opened(first, s) => match first.take() {
+                Some(b) => Poll::Ready(Some(Ok(b))),
+                None => s.as_mut().poll_next(cx),
             },
         };
         if let Poll::Ready(Some(Ok(b))) = &item {
@@ -161,6 +177,7 @@ impl Store {
     }
 
     /// GET with conditions, checked on the same metadata read that serves it.
+    /// An encrypted version is refused (its key is not known here).
     pub async fn get_object_if(
         self: &Arc<Self>,
         bucket: &str,
@@ -169,6 +186,36 @@ impl Store {
         range: Option<ByteRange>,
         part_number: Option<u32>,
         conditions: &ReadConditions,
+    ) -> Result<GetResult, StoreError> {
+        let refuse = |_: &ObjectInfo| {
+            Err(StoreError::InvalidRequest(
+                "The object is encrypted: reading it needs its key.".into(),
+            ))
+        };
+        self.get_object_with(
+            bucket,
+            key,
+            version,
+            range,
+            part_number,
+            conditions,
+            &refuse,
+        )
+        .await
+    }
+
+    /// GET with conditions; an encrypted version is decrypted with the key
+    /// `unseal` gives for it (only the blocks the range touches are read).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn get_object_with(
+        self: &Arc<Self>,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        range: Option<ByteRange>,
+        part_number: Option<u32>,
+        conditions: &ReadConditions,
+        unseal: Unseal<'_>,
     ) -> Result<GetResult, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
@@ -199,12 +246,51 @@ impl Store {
         // the lock is released before streaming: a slow reader never holds up
         // a writer's commit, and the writer defers deleting the shards the
         // reader still uses until it unpins.
+        let sealed = match &v.seal {
+            None => None,
+            Some(_) => {
+                let data_key = unseal(&info)?;
+                let parts = v.sealed_parts().ok_or_else(|| StoreError::Unreadable {
+                    bucket: bucket.into(),
+                    key: key.into(),
+                    reason: "an encrypted version without a salt for each part".into(),
+                })?;
+                (start < end)
+                    .then(|| crate::seal::map_range(&data_key, &parts, start, end))
+                    .transpose()?
+            }
+        };
+        let (s0, s1) = match &sealed {
+            Some(r) => r.stored,
+            None if v.seal.is_some() => (0, 0),
+            None => (start, end),
+        };
         let mut pin = self.pin_data(set, v);
         pin.lease = guard.pin(self, set, pin.ids.clone()).await;
-        let stream = self
-            .stream_version(set, bucket, key, v.clone(), start, end, pin)
+        let mut stream = self
+            .stream_version(set, bucket, key, v.clone(), s0, s1, pin)
             .await?;
         drop(guard);
+        if let Some(r) = sealed {
+            // The first block is opened before the answer starts: a wrong
+            // key or changed bytes are an error response, not a cut body.
+            let mut opened = Box::pin(crate::seal::Opener::new(stream, r));
+            let first = match opened.next().await {
+                Some(Ok(b)) => Some(b),
+                Some(Err(e)) => {
+                    return Err(StoreError::Unreadable {
+                        bucket: bucket.into(),
+                        key: key.into(),
+                        reason: e.to_string(),
+                    })
+                }
+                None => None,
+            };
+            stream = ObjectStream {
+                inner: StreamInner::Opened(first, opened),
+                remaining: end - start,
+            };
+        }
         Ok(GetResult {
             info,
             range: (start, end),
@@ -296,7 +382,7 @@ impl Store {
                 )
                 .await;
             match read {
-                Ok(Some(data)) if crc32c(&data) == want && data.len() as u64 == v.size => {
+                Ok(Some(data)) if crc32c(&data) == want && data.len() as u64 == v.inline_len() => {
                     if bad {
                         self.queue_heal(bucket, key);
                     }

@@ -2718,7 +2718,7 @@ impl Store {
                     .iter()
                     .map(|p| PartSummary {
                         number: p.number,
-                        size: p.size,
+                        size: v.plain_part_size(p.size),
                         etag: p.etag.clone(),
                         checksum: p.checksum.clone(),
                     })
@@ -2992,6 +2992,7 @@ impl Store {
                     checksum: None,
                     layout: Layout::single_copy(self.cfg.stripe_size_bytes as u32),
                     storage: Storage::Inline { crc32c: 0 },
+                    seal: None,
                 };
                 rec.versions.insert(0, marker);
                 result = crate::types::DeleteResult {
@@ -3118,6 +3119,7 @@ impl Store {
                 checksum: None,
                 layout: Layout::single_copy(self.cfg.stripe_size_bytes as u32),
                 storage: Storage::Inline { crc32c: crc },
+                seal: None,
             };
             let record = ObjectRecord {
                 versions: vec![meta],

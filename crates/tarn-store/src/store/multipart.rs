@@ -216,6 +216,19 @@ impl Store {
         Ok((!u.checksum_algorithm.is_empty()).then_some(u.checksum_algorithm))
     }
 
+    /// The stored headers of an upload in progress (its encryption, ACL…).
+    pub async fn upload_headers(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        self.bucket_record(bucket)?;
+        let id = parse_upload_id(upload_id)?;
+        let (_, u) = self.upload_located(bucket, key, &id).await?;
+        Ok(u.headers)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub async fn upload_part(
         &self,
@@ -226,6 +239,33 @@ impl Store {
         body: ObjectBody,
         content_md5: Option<[u8; 16]>,
         checksum: Option<(String, String)>,
+    ) -> Result<PartInfo, StoreError> {
+        self.upload_part_sealed(
+            bucket,
+            key,
+            upload_id,
+            number,
+            body,
+            content_md5,
+            checksum,
+            None,
+        )
+        .await
+    }
+
+    /// UploadPart, encrypted with `seal` when given. The parts of one upload
+    /// are all encrypted or none (CompleteMultipartUpload checks).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn upload_part_sealed(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        number: u32,
+        body: ObjectBody,
+        content_md5: Option<[u8; 16]>,
+        checksum: Option<(String, String)>,
+        seal: Option<crate::seal::SealSpec>,
     ) -> Result<PartInfo, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
@@ -247,7 +287,13 @@ impl Store {
         let (set, upload) = self.upload_located(bucket, key, &id).await?;
         let use_md5 = self.wants_md5(content_md5.is_some(), body.declared_len);
         let mut reader = BodyReader::new(body, use_md5, PART_SIZE_MAX_BYTES);
+        let salt = seal.as_ref().map(|spec| {
+            let salt = crate::seal::new_salt();
+            reader.seal(spec, &salt, number);
+            salt
+        });
         let written = self.write_data(set, &upload.layout, &mut reader).await?;
+        let reader_total = reader.total;
         let result = async {
             let digest = reader.finish(content_md5)?;
             let checksum = digest.checksum.clone().or(checksum);
@@ -259,13 +305,18 @@ impl Store {
                     checksum.as_ref().map_or("none", |(a, _)| a.as_str()),
                 )));
             }
+            let etag = match &seal {
+                Some(spec) => spec.etag(single_etag(&digest)),
+                None => single_etag(&digest),
+            };
             let rec = UploadPartRecord {
                 number,
                 size: written.size,
-                etag: single_etag(&digest),
+                etag,
                 data_id: written.data_id,
                 mod_time_ns: now_ns(),
                 checksum,
+                salt,
             };
             let _g = self
                 .locks
@@ -291,7 +342,7 @@ impl Store {
             }
             Ok(PartInfo {
                 number,
-                size: rec.size,
+                size: reader_total,
                 etag: rec.etag.clone(),
                 last_modified_ns: rec.mod_time_ns,
                 checksum: rec.checksum.clone(),
@@ -321,7 +372,7 @@ impl Store {
             .filter(|p| p.number > after)
             .map(|p| PartInfo {
                 number: p.number,
-                size: p.size,
+                size: part_plain_size(&p),
                 etag: p.etag,
                 last_modified_ns: p.mod_time_ns,
                 checksum: p.checksum,
@@ -469,6 +520,8 @@ impl Store {
         let parts = self.upload_parts(set, &id).await?;
         let mut chosen = Vec::with_capacity(list.len());
         let mut md5_concat = Md5::new();
+        let mut plain_size = 0u64;
+        let mut salts = Vec::new();
         for (i, (number, etag)) in list.iter().enumerate() {
             let p = parts.get(number).ok_or(StoreError::InvalidPart(*number))?;
             if etag.trim_matches('"') != p.etag {
@@ -484,13 +537,22 @@ impl Store {
                     return Err(StoreError::InvalidPart(*number));
                 }
             }
-            if i + 1 < list.len() && p.size < self.cfg.part_size_min_bytes {
+            let plain = part_plain_size(p);
+            if i + 1 < list.len() && plain < self.cfg.part_size_min_bytes {
                 return Err(StoreError::EntityTooSmall {
                     number: *number,
-                    size: p.size,
+                    size: plain,
                     min: self.cfg.part_size_min_bytes,
                 });
             }
+            if p.salt.is_some() != list_sealed(&parts, list) {
+                return Err(StoreError::InvalidRequest(format!(
+                    "Part {number} was uploaded {} encryption, unlike the upload's other parts.",
+                    if p.salt.is_some() { "with" } else { "without" }
+                )));
+            }
+            plain_size += plain;
+            salts.extend(p.salt);
             let raw = part_digest(&p.etag).ok_or(StoreError::InvalidPart(*number))?;
             md5_concat.update(raw);
             chosen.push(PartMeta {
@@ -503,7 +565,11 @@ impl Store {
         }
         let checksum = object_checksum(&upload, &chosen, opts)?;
         let etag = format!("{}-{}", super::put::hex(&md5_concat.finalize()), list.len());
-        let size = chosen.iter().map(|p| p.size).sum();
+        let size = plain_size;
+        let seal = (!salts.is_empty()).then_some(crate::format::Seal {
+            cipher: crate::seal::CIPHER_AES256_GCM_64K,
+            salts,
+        });
         let unused: Vec<Id128> = parts
             .values()
             .filter(|p| !chosen.iter().any(|c| c.data_id == p.data_id))
@@ -526,6 +592,7 @@ impl Store {
             checksum,
             layout: upload.layout.clone(),
             storage: Storage::Parts(chosen),
+            seal,
         };
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let info = match self
@@ -734,4 +801,23 @@ fn multipart_etag(list: &[(u32, String)]) -> Option<String> {
 fn part_digest(etag: &str) -> Option<[u8; 16]> {
     let e = etag.trim_matches('"');
     id_from_hex(e.strip_suffix("-1").unwrap_or(e))
+}
+
+/// A part's plaintext size (an encrypted part's record holds its sealed length).
+fn part_plain_size(p: &UploadPartRecord) -> u64 {
+    match p.salt {
+        Some(_) => crate::seal::plain_len(p.size).unwrap_or(0),
+        None => p.size,
+    }
+}
+
+/// Whether the first part a completion lists is encrypted (every other
+/// part must be alike).
+fn list_sealed(
+    parts: &std::collections::BTreeMap<u32, UploadPartRecord>,
+    list: &[(u32, String)],
+) -> bool {
+    list.first()
+        .and_then(|(n, _)| parts.get(n))
+        .is_some_and(|p| p.salt.is_some())
 }

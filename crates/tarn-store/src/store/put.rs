@@ -25,6 +25,10 @@ pub(crate) struct BodyReader {
     xxh: xxhash_rust::xxh3::Xxh3,
     pub(crate) total: u64,
     limit: u64,
+    /// Encrypted writes: the plaintext, hashed above, is sealed here and
+    /// the reader hands out sealed blocks.
+    sealer: Option<crate::seal::Sealer>,
+    sealed: std::collections::VecDeque<Bytes>,
 }
 
 /// How a finished body's ETag is written.
@@ -43,13 +47,45 @@ impl BodyReader {
             xxh: xxhash_rust::xxh3::Xxh3::new(),
             total: 0,
             limit,
+            sealer: None,
+            sealed: std::collections::VecDeque::new(),
         }
     }
 
+    /// Seals what is read from here on as part `part` with `salt`.
+    pub(crate) fn seal(&mut self, spec: &crate::seal::SealSpec, salt: &[u8; 16], part: u32) {
+        self.sealer = Some(crate::seal::Sealer::new(&spec.key, salt, part));
+    }
+
+    /// The next chunk to store: the body's bytes, or sealed blocks of them.
     pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, StoreError> {
         if let Some(b) = self.pushed_back.pop_front() {
             return Ok(Some(b));
         }
+        if self.sealer.is_none() {
+            return self.next_plain().await;
+        }
+        loop {
+            if let Some(b) = self.sealed.pop_front() {
+                return Ok(Some(b));
+            }
+            let sealer = self.sealer.as_mut().expect("sealing");
+            if sealer.finished() {
+                // The body ended and its last block went out: the body
+                // stream is not polled again.
+                return Ok(None);
+            }
+            match self.next_plain().await? {
+                Some(b) => {
+                    let sealer = self.sealer.as_mut().expect("sealing");
+                    sealer.push(&b, &mut self.sealed);
+                }
+                None => return Ok(self.sealer.as_mut().expect("sealing").finish()),
+            }
+        }
+    }
+
+    async fn next_plain(&mut self) -> Result<Option<Bytes>, StoreError> {
         loop {
             match self.body.stream.next().await {
                 None => return Ok(None),
@@ -373,6 +409,10 @@ impl Store {
         let (set, layout) = self.layout_for(&brec, bucket, key).await?;
         let use_md5 = self.wants_md5(opts.content_md5.is_some(), body.declared_len);
         let mut reader = BodyReader::new(body, use_md5, limit);
+        let salt = crate::seal::new_salt();
+        if let Some(spec) = &opts.seal {
+            reader.seal(spec, &salt, 1);
+        }
 
         // Small bodies are stored inline in the metadata: one write, no files.
         // Read until the body ends or passes the threshold, keeping the chunks
@@ -437,7 +477,10 @@ impl Store {
         let result = async {
             let size = reader.total;
             let digest = reader.finish(opts.content_md5)?;
-            let etag = single_etag(&digest);
+            let mut etag = single_etag(&digest);
+            if let Some(spec) = &opts.seal {
+                etag = spec.etag(etag);
+            }
             let storage = match storage {
                 Storage::Parts(mut p) => {
                     p[0].etag = etag.clone();
@@ -467,6 +510,10 @@ impl Store {
                 checksum,
                 layout: written_layout,
                 storage,
+                seal: opts.seal.as_ref().map(|_| crate::format::Seal {
+                    cipher: crate::seal::CIPHER_AES256_GCM_64K,
+                    salts: vec![salt],
+                }),
             };
             let mut version = NewVersion::new(set, meta, inline, &opts);
             version.inflight = inflight.take();
