@@ -172,6 +172,32 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
                 "Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(tags)]})
             acked[key] = b"".join(parts)
             etag[key] = cl.head_object(Bucket="drain", Key=key)["ETag"]
+        # Encrypted objects (SSE-C: no server key needed) move sealed: the
+        # drain copies their stored bytes, their salts go with the record.
+        ckey = {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": b"k" * 32}
+        cl.create_bucket(Bucket="drainenc")
+        sealed = {}
+        for k in range(6):
+            key = f"e{k}"
+            body = data(("enc", k), [3_000, 150_000][k % 2])
+            cl.put_object(Bucket="drainenc", Key=key, Body=body, **ckey)
+            sealed[key] = body
+        mp = cl.create_multipart_upload(Bucket="drainenc", Key="emp", **ckey)["UploadId"]
+        parts = [data(("emp", i), 5 << 20) for i in range(2)] + [b"tail"]
+        tags = [cl.upload_part(Bucket="drainenc", Key="emp", UploadId=mp, PartNumber=i + 1, Body=p, **ckey)["ETag"]
+                for i, p in enumerate(parts)]
+        cl.complete_multipart_upload(Bucket="drainenc", Key="emp", UploadId=mp, MultipartUpload={
+            "Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(tags)]})
+        sealed["emp"] = b"".join(parts)
+
+        def check_sealed(live):
+            for n in live:
+                c = n.client()
+                for key, body in sealed.items():
+                    assert c.get_object(Bucket="drainenc", Key=key, **ckey)["Body"].read() == body, key
+                got = c.get_object(Bucket="drainenc", Key="emp", Range=f"bytes={(5 << 20) - 7}-{(5 << 20) + 9}", **ckey)
+                assert got["Body"].read() == sealed["emp"][(5 << 20) - 7:(5 << 20) + 10]
+
         # Uploads begun before the drain, in a versioned bucket: their parts
         # stay in their key's pool until they end, and the drain waits.
         cl.create_bucket(Bucket="drainv")
@@ -282,6 +308,7 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         wait_for("pool 1's shard files removed", lambda: sum(node_shard_files(n) for n in more) == 0, timeout=30)
         check_all_readable(live, "drain", acked)
         check_versions(live)
+        check_sealed(live)
         for key, e in etag.items():
             h = live[0].client().head_object(Bucket="drain", Key=key, PartNumber=1)
             assert h["ETag"] == e and h["ContentLength"] == 5 << 20, h
@@ -291,5 +318,6 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
             n.stop()
         check_all_readable(nodes[:4], "drain", acked)
         check_versions(nodes[:4])
+        check_sealed(nodes[:4])
     finally:
         stop_all(etcd, nodes)
