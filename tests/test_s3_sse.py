@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from conftest import data, md5hex
-from tarnproc import ACCESS_KEY, SECRET_KEY, metric, wait_for
+from tarnproc import ACCESS_KEY, SECRET_KEY, add_user, metric, wait_for
 
 MiB = 1 << 20
 # A marker no drive holds unless an object's plaintext is stored there.
@@ -283,6 +283,38 @@ def test_sse_kms_keys_bucket_keys_and_bucket_defaults(keyed, make_server):
     assert "ServerSideEncryption" not in s3.head_object(Bucket="kms", Key="g")
     for k, b in {"a": b"a" * 1000, "d": b"default", "e": b"e", "f": b"f"}.items():
         assert s3.get_object(Bucket="kms", Key=k)["Body"].read() == b
+    # A bucket-key object copied into another bucket (its key is derived
+    # from the source bucket's, the copy's from the target's).
+    s3.create_bucket(Bucket="kms2")
+    s3.copy_object(Bucket="kms2", Key="b", CopySource={"Bucket": "kms", "Key": "b"},
+                   ServerSideEncryption="aws:kms", BucketKeyEnabled=True)
+    assert s3.get_object(Bucket="kms2", Key="b")["Body"].read() == b"b"
+    # The same by a user the buckets' policies allow (a judged request: the
+    # source's key comes from the source bucket, not the request's).
+    erin = add_user(server, "erin")
+    for b in ("kms", "kms2"):
+        s3.put_bucket_policy(Bucket=b, Policy=(
+            '{"Statement": [{"Effect": "Allow", "Principal": {"AWS": ["erin"]}, "Action": "s3:*",'
+            f' "Resource": ["arn:aws:s3:::{b}", "arn:aws:s3:::{b}/*"]}}]}}'))
+    e = server.client(erin)
+    e.copy_object(Bucket="kms2", Key="by-erin", CopySource={"Bucket": "kms", "Key": "b"})
+    assert e.get_object(Bucket="kms2", Key="by-erin")["Body"].read() == b"b"
+    # Headers that choose an encryption where none can be chosen: refused,
+    # never ignored (a part takes its upload's; a read its object's).
+    up = s3.create_multipart_upload(Bucket="kms2", Key="parts")
+
+    def with_header(event, name, value):
+        def add(request, **_):
+            request.headers[name] = value
+        s3.meta.events.register(event, add)
+        return add
+    add = with_header("before-sign.s3.UploadPart", "x-amz-server-side-encryption", "AES256")
+    assert err(lambda: s3.upload_part(Bucket="kms2", Key="parts", UploadId=up["UploadId"], PartNumber=1,
+                                      Body=b"x")) == (400, "InvalidArgument")
+    s3.meta.events.unregister("before-sign.s3.UploadPart", add)
+    add = with_header("before-sign.s3.GetObject", "x-amz-server-side-encryption", "aws:kms")
+    assert err(lambda: s3.get_object(Bucket="kms2", Key="b")) == (400, "InvalidArgument")
+    s3.meta.events.unregister("before-sign.s3.GetObject", add)
     # A server without keys refuses what it cannot do, and stores nothing.
     bare = make_server(name="bare").client()
     bare.create_bucket(Bucket="nokeys")

@@ -97,14 +97,18 @@ impl TarnS3 {
         self
     }
 
-    /// The access settings of a request's bucket: those the check judged
-    /// it by, or (for root, which is not judged) the current ones.
+    /// The access settings of `bucket`: those the request's check judged
+    /// it by when it is the request's bucket, else (root, which is not
+    /// judged; a copy's source bucket) the current ones.
     pub(crate) fn bucket_access(
         &self,
         ext: &http::Extensions,
         bucket: &str,
     ) -> S3Result<Arc<BucketAccess>> {
-        if let Some(b) = permit_of(ext).and_then(|p| p.bucket.as_ref()) {
+        if let Some(b) = permit_of(ext)
+            .and_then(|p| p.bucket.as_ref())
+            .filter(|b| b.doc.bucket() == bucket)
+        {
             return Ok(b.clone());
         }
         self.access
@@ -1050,8 +1054,7 @@ impl S3 for TarnS3 {
             None => self.sealing(&req.extensions, &headers, &i.bucket, &i.key)?,
         };
         if let Some(s) = &sealing {
-            opts.headers.extend(s.stored.iter().cloned());
-            opts.seal = Some(s.spec.clone());
+            s.apply(&mut opts);
         }
         let body = object_body(
             i.body,
@@ -1330,8 +1333,7 @@ impl S3 for TarnS3 {
             opts.content_md5 = tarn_store::format::id_from_hex(src.etag.trim_matches('"'));
         }
         if let Some(s) = &sealing {
-            opts.headers.extend(s.stored.iter().cloned());
-            opts.seal = Some(s.spec.clone());
+            s.apply(&mut opts);
         }
         let spec = match &src.checksum {
             Some((algo, v)) if ChecksumKind::of_value(v) == ChecksumKind::Composite => {
@@ -1729,19 +1731,9 @@ impl S3 for TarnS3 {
                 .upload_part_through(&cb, &i.key, &i.upload_id, i.part_number, body, &headers)
                 .await;
         }
-        let customer = crate::sse::customer_key(&headers, false)?;
-        let upload_headers = self
-            .store
-            .upload_headers(&i.bucket, &i.key, &i.upload_id)
-            .await
-            .map_err(s3_error)?;
-        let seal = self.part_sealing(
-            &req.extensions,
-            &upload_headers,
-            customer.as_ref(),
-            &i.bucket,
-            &i.key,
-        )?;
+        let (seal, encryption) = self
+            .part_sealing(&req.extensions, &headers, &i.bucket, &i.key, &i.upload_id)
+            .await?;
         let part = self
             .store
             .upload_part_sealed(
@@ -1766,10 +1758,7 @@ impl S3 for TarnS3 {
             checksum_sha256: sha256,
             ..Default::default()
         });
-        crate::sse::add_headers(
-            &mut resp.headers,
-            &crate::sse::response_headers(&upload_headers, customer.as_ref()),
-        );
+        crate::sse::add_headers(&mut resp.headers, &encryption);
         Ok(resp)
     }
 
@@ -1807,19 +1796,15 @@ impl S3 for TarnS3 {
             i.copy_source_if_modified_since.as_ref(),
             i.copy_source_if_unmodified_since.as_ref(),
         );
-        let customer = crate::sse::customer_key(&req.headers, false)?;
-        let upload_headers = self
-            .store
-            .upload_headers(&i.bucket, &i.key, &i.upload_id)
-            .await
-            .map_err(s3_error)?;
-        let seal = self.part_sealing(
-            &req.extensions,
-            &upload_headers,
-            customer.as_ref(),
-            &i.bucket,
-            &i.key,
-        )?;
+        let (seal, encryption) = self
+            .part_sealing(
+                &req.extensions,
+                &req.headers,
+                &i.bucket,
+                &i.key,
+                &i.upload_id,
+            )
+            .await?;
         let got = self
             .open_copy_source(
                 &req.extensions,
@@ -1881,10 +1866,7 @@ impl S3 for TarnS3 {
             copy_source_version_id: src_version,
             ..Default::default()
         });
-        crate::sse::add_headers(
-            &mut resp.headers,
-            &crate::sse::response_headers(&upload_headers, customer.as_ref()),
-        );
+        crate::sse::add_headers(&mut resp.headers, &encryption);
         Ok(resp)
     }
 
@@ -2296,6 +2278,7 @@ impl TarnS3 {
                 ..object_fields!(GetObjectOutput, info, Default::default(), None)
             }));
         }
+        crate::sse::refuse_on_read(&req.headers)?;
         let customer = crate::sse::customer_key(&req.headers, false)?;
         let got = self
             .get_decrypted(
@@ -2362,6 +2345,7 @@ impl TarnS3 {
         if let Some(p) = permit_of(&req.extensions) {
             p.allows_object(&info)?;
         }
+        crate::sse::refuse_on_read(&req.headers)?;
         let customer = crate::sse::customer_key(&req.headers, false)?;
         self.check_customer_key(&req.extensions, &info, customer.as_ref())?;
         check_conditions(

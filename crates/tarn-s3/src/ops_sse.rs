@@ -49,22 +49,37 @@ impl TarnS3 {
         self.keys.data_key(stored, customer, bucket, key, created)
     }
 
-    /// The engine's sealing of an upload's part: the upload's data key.
-    pub(crate) fn part_sealing(
+    /// The engine's sealing of an UploadPart or UploadPartCopy: the upload's
+    /// data key (the customer's key unwraps it for SSE-C), and the
+    /// encryption headers of the answer. A part cannot choose its own
+    /// encryption: `x-amz-server-side-encryption*` on it is refused, never
+    /// ignored (the upload's applies).
+    pub(crate) async fn part_sealing(
         &self,
         ext: &http::Extensions,
-        upload_headers: &[(String, String)],
-        customer: Option<&CustomerKey>,
+        headers: &http::HeaderMap,
         bucket: &str,
         key: &str,
-    ) -> S3Result<Option<SealSpec>> {
-        let dk = self.data_key_of(ext, upload_headers, customer, bucket, key)?;
-        Ok(dk.map(|key| SealSpec {
+        upload_id: &str,
+    ) -> S3Result<(Option<SealSpec>, Vec<(&'static str, String)>)> {
+        sse::refuse_on_part(headers)?;
+        let customer = sse::customer_key(headers, false)?;
+        let upload_headers = self
+            .store
+            .upload_headers(bucket, key, upload_id)
+            .await
+            .map_err(s3_error)?;
+        let dk = self.data_key_of(ext, &upload_headers, customer.as_ref(), bucket, key)?;
+        let seal = dk.map(|key| SealSpec {
             key,
             keyed_etag: upload_headers
                 .iter()
                 .any(|(k, v)| k == sse::MODE_HEADER && v != sse::AES256),
-        }))
+        });
+        Ok((
+            seal,
+            sse::response_headers(&upload_headers, customer.as_ref()),
+        ))
     }
 
     /// A GET of bucket/key that decrypts an encrypted version with its key

@@ -424,6 +424,42 @@ fn no_kms() -> S3Error {
     )
 }
 
+impl Sealing {
+    /// Makes a write's options encrypt as this says.
+    pub fn apply(&self, opts: &mut tarn_store::PutOptions) {
+        opts.headers.extend(self.stored.iter().cloned());
+        opts.seal = Some(self.spec.clone());
+    }
+}
+
+/// `x-amz-server-side-encryption*` (other than the customer-key headers)
+/// on a request that cannot choose an encryption: refused as AWS does.
+fn refuse_mode_headers(h: &http::HeaderMap, what: &str) -> S3Result<()> {
+    const MODE: [&str; 4] = [
+        "x-amz-server-side-encryption",
+        "x-amz-server-side-encryption-aws-kms-key-id",
+        "x-amz-server-side-encryption-context",
+        "x-amz-server-side-encryption-bucket-key-enabled",
+    ];
+    match MODE.iter().find(|n| h.contains_key(**n)) {
+        Some(n) => Err(invalid(format!("{n} is not supported {what}."))),
+        None => Ok(()),
+    }
+}
+
+/// GET and HEAD: an object is read with the encryption it was written with.
+pub fn refuse_on_read(h: &http::HeaderMap) -> S3Result<()> {
+    refuse_mode_headers(h, "on a read (the object is read with its own encryption)")
+}
+
+/// UploadPart, UploadPartCopy: the upload's encryption applies.
+pub fn refuse_on_part(h: &http::HeaderMap) -> S3Result<()> {
+    refuse_mode_headers(
+        h,
+        "on a part (the encryption of an upload is chosen by CreateMultipartUpload)",
+    )
+}
+
 /// Where an object is written, for the wrapping.
 pub struct Target<'a> {
     pub bucket: &'a str,

@@ -409,10 +409,12 @@ impl Store {
         let (set, layout) = self.layout_for(&brec, bucket, key).await?;
         let use_md5 = self.wants_md5(opts.content_md5.is_some(), body.declared_len);
         let mut reader = BodyReader::new(body, use_md5, limit);
-        let salt = crate::seal::new_salt();
-        if let Some(spec) = &opts.seal {
+        // Drawn only for encrypted writes (a plain PUT asks no randomness).
+        let salt = opts.seal.as_ref().map(|spec| {
+            let salt = crate::seal::new_salt();
             reader.seal(spec, &salt, 1);
-        }
+            salt
+        });
 
         // Small bodies are stored inline in the metadata: one write, no files.
         // Read until the body ends or passes the threshold, keeping the chunks
@@ -510,7 +512,7 @@ impl Store {
                 checksum,
                 layout: written_layout,
                 storage,
-                seal: opts.seal.as_ref().map(|_| crate::format::Seal {
+                seal: salt.map(|salt| crate::format::Seal {
                     cipher: crate::seal::CIPHER_AES256_GCM_64K,
                     salts: vec![salt],
                 }),
