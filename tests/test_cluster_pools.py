@@ -3,8 +3,12 @@ change (`tarn admin pool add`). A real etcd, four `tarn` nodes forming the
 first pool (2+2 over two drives each) and two more nodes whose drives form
 the second; every process is stopped by its PID."""
 
+import datetime
 import signal
 import time
+
+import botocore.exceptions
+import pytest
 
 from clusterproc import Node, node_shard_files, status, wait_repaired
 from conftest import data
@@ -198,6 +202,32 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
                 got = c.get_object(Bucket="drainenc", Key="emp", Range=f"bytes={(5 << 20) - 7}-{(5 << 20) + 9}", **ckey)
                 assert got["Body"].read() == sealed["emp"][(5 << 20) - 7:(5 << 20) + 10]
 
+        # Locked versions (object lock) move with their locks: still kept
+        # from deletion, by anyone, after the drain.
+        cl.create_bucket(Bucket="drainlock", ObjectLockEnabledForBucket=True)
+        until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+        locked = {}
+        for k in range(4):
+            key = f"l{k}"
+            body = data(("lock", k), [3_000, 150_000][k % 2])
+            extra = ({"ObjectLockMode": "COMPLIANCE", "ObjectLockRetainUntilDate": until} if k % 2 == 0
+                     else {"ObjectLockLegalHoldStatus": "ON"})
+            locked[key] = (cl.put_object(Bucket="drainlock", Key=key, Body=body, **extra)["VersionId"], body, k % 2)
+
+        def check_locked(live):
+            for n in live:
+                c = n.client()
+                for key, (vid, body, held) in locked.items():
+                    assert c.get_object(Bucket="drainlock", Key=key, VersionId=vid)["Body"].read() == body, key
+                    if held:
+                        assert c.get_object_legal_hold(Bucket="drainlock", Key=key, VersionId=vid)["LegalHold"] == {"Status": "ON"}
+                    else:
+                        r = c.get_object_retention(Bucket="drainlock", Key=key, VersionId=vid)["Retention"]
+                        assert r["Mode"] == "COMPLIANCE" and abs((r["RetainUntilDate"] - until).total_seconds()) < 1, r
+            with pytest.raises(botocore.exceptions.ClientError) as e:
+                live[0].client().delete_object(Bucket="drainlock", Key="l0", VersionId=locked["l0"][0])
+            assert e.value.response["Error"]["Code"] == "AccessDenied"
+
         # Uploads begun before the drain, in a versioned bucket: their parts
         # stay in their key's pool until they end, and the drain waits.
         cl.create_bucket(Bucket="drainv")
@@ -309,6 +339,7 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         check_all_readable(live, "drain", acked)
         check_versions(live)
         check_sealed(live)
+        check_locked(live)
         for key, e in etag.items():
             h = live[0].client().head_object(Bucket="drain", Key=key, PartNumber=1)
             assert h["ETag"] == e and h["ContentLength"] == 5 << 20, h
@@ -319,5 +350,6 @@ def test_pool_drained_under_load_with_its_job_leader_killed_and_fenced(tmp_path)
         check_all_readable(nodes[:4], "drain", acked)
         check_versions(nodes[:4])
         check_sealed(nodes[:4])
+        check_locked(nodes[:4])
     finally:
         stop_all(etcd, nodes)

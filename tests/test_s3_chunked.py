@@ -127,7 +127,7 @@ def test_not_implemented_operations(s3):
     s3.create_bucket(Bucket="noimpl")
     for call in (
         lambda: s3.get_bucket_replication(Bucket="noimpl"),
-        lambda: s3.get_object_retention(Bucket="noimpl", Key="k"),
+        lambda: s3.get_bucket_accelerate_configuration(Bucket="noimpl"),
         lambda: s3.get_bucket_website(Bucket="noimpl"),
     ):
         with pytest.raises(botocore.exceptions.ClientError) as e:

@@ -126,6 +126,16 @@ fn version(n: u8) -> VersionMeta {
             cipher: tarn_store::seal::CIPHER_AES256_GCM_64K,
             salts: vec![[n; 16]],
         }),
+        // Every third version locked: format-5 records cross the wire too.
+        lock: n
+            .is_multiple_of(3)
+            .then_some(tarn_store::format::ObjectLock {
+                retention: Some(tarn_store::format::Retention {
+                    mode: tarn_store::format::LockMode::Compliance,
+                    until_ns: 1 << 62,
+                }),
+                legal_hold: true,
+            }),
     }
 }
 
@@ -136,6 +146,7 @@ async fn metadata_script(d: &dyn Drive) -> Vec<String> {
         created_ns: 5,
         durability: Durability::ErasureCoded,
         versioning: Versioning::Enabled,
+        object_lock: true,
     };
     d.put_bucket("bkt".into(), b.clone()).await.unwrap();
     d.put_bucket("gone".into(), b).await.unwrap();

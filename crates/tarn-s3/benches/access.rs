@@ -62,6 +62,7 @@ async fn bench(store: Arc<Store>, quick: bool) {
             Durability::ErasureCoded,
             Ownership::BucketOwnerEnforced,
             Acl::private("alice"),
+            false,
         )
         .await
         .expect("bucket");

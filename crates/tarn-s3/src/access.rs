@@ -64,11 +64,28 @@ pub struct Permit {
     /// A read of an object that is missing is refused (403), not 404: the
     /// caller may not list the bucket.
     pub hide_missing: bool,
+    /// The request asked to bypass GOVERNANCE retention
+    /// (`x-amz-bypass-governance-retention: true`) and the caller holds
+    /// s3:BypassGovernanceRetention.
+    pub bypass_governance: bool,
+    /// GET/HEAD: the caller may see the version's retention
+    /// (s3:GetObjectRetention) and legal hold (s3:GetObjectLegalHold).
+    pub sees_lock: (bool, bool),
 }
 
 impl Permit {
     pub fn caller(&self) -> Option<&str> {
         self.caller.as_deref()
+    }
+
+    /// Root's permit: judged by nothing, allowed everything.
+    fn root(caller: Option<Arc<str>>, headers: &http::HeaderMap) -> Permit {
+        Permit {
+            caller,
+            bypass_governance: asks_bypass(headers),
+            sees_lock: (true, true),
+            ..Permit::default()
+        }
     }
 
     /// Whether the request may go on with the object it read (the pending
@@ -106,6 +123,35 @@ pub struct ObjectCheck {
 /// The (key, version) pairs of a DeleteObjects the caller may not delete.
 #[derive(Debug, Clone, Default)]
 pub struct DeniedDeletes(pub HashSet<(String, Option<String>)>);
+
+/// The keys of a DeleteObjects for which the caller may bypass GOVERNANCE
+/// retention (it asked, and holds s3:BypassGovernanceRetention on them).
+#[derive(Debug, Clone, Default)]
+pub struct BypassAllowed(pub HashSet<String>);
+
+/// The request asks to bypass GOVERNANCE retention.
+pub fn asks_bypass(headers: &http::HeaderMap) -> bool {
+    headers
+        .get("x-amz-bypass-governance-retention")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"))
+}
+
+/// The extra permissions a write that sets object lock needs: retention
+/// (mode and date) s3:PutObjectRetention, a legal hold s3:PutObjectLegalHold.
+fn lock_actions(op: &str, headers: &http::HeaderMap) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if matches!(op, "PutObject" | "CopyObject" | "CreateMultipartUpload") {
+        if headers.contains_key("x-amz-object-lock-mode")
+            || headers.contains_key("x-amz-object-lock-retain-until-date")
+        {
+            out.push("s3:PutObjectRetention");
+        }
+        if headers.contains_key("x-amz-object-lock-legal-hold") {
+            out.push("s3:PutObjectLegalHold");
+        }
+    }
+    out
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Ownership {
@@ -183,6 +229,10 @@ pub struct BucketDoc {
     /// Default encryption of new objects (PutBucketEncryption).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encryption: Option<crate::sse::BucketEncryption>,
+    /// Default retention of new versions (PutObjectLockConfiguration); the
+    /// lock itself is the engine's bucket record's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_default: Option<crate::ops_lock::DefaultRetention>,
 }
 
 impl BucketDoc {
@@ -264,6 +314,7 @@ fn new_doc(
         lifecycle: None,
         cors: None,
         encryption: None,
+        lock_default: None,
     }
 }
 
@@ -327,6 +378,12 @@ fn action_of(op: &str, versioned: bool) -> Option<&'static str> {
         "GetObjectAcl" => v("s3:GetObjectAcl", "s3:GetObjectVersionAcl"),
         "GetObjectAttributes" => v("s3:GetObjectAttributes", "s3:GetObjectVersionAttributes"),
         "PutObjectAcl" => v("s3:PutObjectAcl", "s3:PutObjectVersionAcl"),
+        "GetObjectRetention" => Some("s3:GetObjectRetention"),
+        "PutObjectRetention" => Some("s3:PutObjectRetention"),
+        "GetObjectLegalHold" => Some("s3:GetObjectLegalHold"),
+        "PutObjectLegalHold" => Some("s3:PutObjectLegalHold"),
+        "GetObjectLockConfiguration" => Some("s3:GetBucketObjectLockConfiguration"),
+        "PutObjectLockConfiguration" => Some("s3:PutBucketObjectLockConfiguration"),
         _ => None,
     }
 }
@@ -694,9 +751,12 @@ impl Access {
         durability: Durability,
         ownership: Ownership,
         acl: Acl,
+        object_lock: bool,
     ) -> Result<(), StoreError> {
         let _g = self.changes.lock().await;
-        self.store.create_bucket(name, durability).await?;
+        self.store
+            .create_bucket_with(name, durability, object_lock)
+            .await?;
         let created_ns = self.store.head_bucket(name)?.created_ns;
         let mut doc = new_doc(name, created_ns, owner, ownership, acl);
         if !self.blocks_new_buckets() {
@@ -974,10 +1034,7 @@ impl Access {
         let user = self.caller(r.access_key)?;
         let op = r.op;
         if user.as_deref() == Some(ROOT_USER) {
-            return Ok(Permit {
-                caller: user,
-                ..Permit::default()
-            });
+            return Ok(Permit::root(user, r.headers));
         }
         if !self.is_loaded() {
             return Err(S3Error::with_message(
@@ -1054,6 +1111,23 @@ impl Access {
             Decision::Deny => return Err(denied()),
             Decision::ObjectAcl(c) => Some(c),
         };
+        let allows =
+            |action: &str| matches!(self.judge(&b, &ctx, action, bucket, key), Decision::Allow);
+        // A write that locks its version needs the lock's permissions too.
+        if !lock_actions(op, r.headers).into_iter().all(allows) {
+            return Err(denied());
+        }
+        // (DeleteObjects: judged key by key, `BypassAllowed`.)
+        let bypass_governance = matches!(op, "DeleteObject" | "PutObjectRetention")
+            && asks_bypass(r.headers)
+            && allows("s3:BypassGovernanceRetention");
+        let sees_lock = match op {
+            "GetObject" | "HeadObject" => (
+                allows("s3:GetObjectRetention"),
+                allows("s3:GetObjectLegalHold"),
+            ),
+            _ => (false, false),
+        };
         let hide_missing = matches!(op, "GetObject" | "HeadObject" | "GetObjectAttributes")
             && !matches!(
                 self.judge(&b, &ctx, "s3:ListBucket", bucket, None),
@@ -1065,6 +1139,8 @@ impl Access {
             object,
             source,
             hide_missing,
+            bypass_governance,
+            sees_lock,
         })
     }
 }
@@ -1145,6 +1221,7 @@ impl S3Access for Checker {
             .get::<crate::post::FileName>()
             .and_then(|f| f.0.get().cloned())
             .unwrap_or_default();
+        req.extensions.insert(crate::post::FormUpload);
         // Fields S3 reads that s3s does not.
         if let Some(acl) = form.field("acl") {
             let v = http::HeaderValue::from_str(acl).map_err(|_| {
@@ -1211,6 +1288,8 @@ impl S3Access for Checker {
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
         };
         let mut refused = DeniedDeletes::default();
+        let mut bypass = BypassAllowed::default();
+        let asks = asks_bypass(&req.headers);
         for o in &req.input.delete.objects {
             let action = if o.version_id.is_some() {
                 "s3:DeleteObjectVersion"
@@ -1221,8 +1300,23 @@ impl S3Access for Checker {
             if !matches!(judged, Decision::Allow) {
                 refused.0.insert((o.key.clone(), o.version_id.clone()));
             }
+            if asks
+                && matches!(
+                    a.judge(
+                        &b,
+                        &ctx,
+                        "s3:BypassGovernanceRetention",
+                        &req.input.bucket,
+                        Some(&o.key)
+                    ),
+                    Decision::Allow
+                )
+            {
+                bypass.0.insert(o.key.clone());
+            }
         }
         req.extensions.insert(refused);
+        req.extensions.insert(bypass);
         Ok(())
     }
 }

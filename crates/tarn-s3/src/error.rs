@@ -19,6 +19,8 @@ pub fn s3_error(e: StoreError) -> S3Error {
             C::MethodNotAllowed,
             "The specified method is not allowed against this resource.".into(),
         ),
+        StoreError::ObjectLocked(_) => (C::AccessDenied, e.to_string()),
+        StoreError::InvalidBucketState(_) => (C::InvalidBucketState, e.to_string()),
         StoreError::NoSuchUpload(_) => (C::NoSuchUpload, e.to_string()),
         StoreError::InvalidPart(_) => (C::InvalidPart, e.to_string()),
         StoreError::InvalidPartOrder => (C::InvalidPartOrder, e.to_string()),

@@ -19,6 +19,7 @@ mod ops_access;
 mod ops_attributes;
 mod ops_bucket;
 mod ops_cache;
+pub mod ops_lock;
 mod ops_sse;
 pub mod policy;
 pub mod post;

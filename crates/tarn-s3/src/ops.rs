@@ -466,28 +466,6 @@ pub(crate) fn checksum_fields(c: &Option<(String, String)>) -> [Option<String>; 
     out
 }
 
-/// Object lock is not implemented: a request that asks for it is refused,
-/// never stored without the lock as if it had been honoured. `writes`: the
-/// request stores data (PUT, copy, multipart).
-fn refuse_unsupported(headers: &http::HeaderMap, writes: bool) -> S3Result<()> {
-    const OBJECT_LOCK: [&str; 3] = [
-        "x-amz-object-lock-mode",
-        "x-amz-object-lock-retain-until-date",
-        "x-amz-object-lock-legal-hold",
-    ];
-    let has = |names: &[&str]| names.iter().any(|n| headers.contains_key(*n));
-    let lock_bucket = headers
-        .get("x-amz-bucket-object-lock-enabled")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
-    if writes && (has(&OBJECT_LOCK) || lock_bucket) {
-        return Err(S3Error::with_message(
-            S3ErrorCode::NotImplemented,
-            "Object lock is not supported; nothing was stored.",
-        ));
-    }
-    Ok(())
-}
-
 /// Cache buckets pass objects through to their upstream: encryption asked
 /// of one is refused, never dropped.
 fn refuse_encryption_on_cache(headers: &http::HeaderMap) -> S3Result<()> {
@@ -538,7 +516,6 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<GetObjectAttributesInput>,
     ) -> S3Result<S3Response<GetObjectAttributesOutput>> {
-        refuse_unsupported(&req.headers, false)?;
         let hide = hides_missing(&req.extensions);
         self.op_get_object_attributes(req)
             .await
@@ -566,6 +543,54 @@ impl S3 for TarnS3 {
         req: S3Request<GetBucketPolicyInput>,
     ) -> S3Result<S3Response<GetBucketPolicyOutput>> {
         self.op_get_bucket_policy(req).await
+    }
+
+    async fn get_object_lock_configuration(
+        &self,
+        req: S3Request<GetObjectLockConfigurationInput>,
+    ) -> S3Result<S3Response<GetObjectLockConfigurationOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "GetObjectLockConfiguration")?;
+        self.op_get_object_lock_configuration(req).await
+    }
+
+    async fn put_object_lock_configuration(
+        &self,
+        req: S3Request<PutObjectLockConfigurationInput>,
+    ) -> S3Result<S3Response<PutObjectLockConfigurationOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "PutObjectLockConfiguration")?;
+        self.op_put_object_lock_configuration(req).await
+    }
+
+    async fn get_object_retention(
+        &self,
+        req: S3Request<GetObjectRetentionInput>,
+    ) -> S3Result<S3Response<GetObjectRetentionOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "GetObjectRetention")?;
+        self.op_get_object_retention(req).await
+    }
+
+    async fn put_object_retention(
+        &self,
+        req: S3Request<PutObjectRetentionInput>,
+    ) -> S3Result<S3Response<PutObjectRetentionOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "PutObjectRetention")?;
+        self.op_put_object_retention(req).await
+    }
+
+    async fn get_object_legal_hold(
+        &self,
+        req: S3Request<GetObjectLegalHoldInput>,
+    ) -> S3Result<S3Response<GetObjectLegalHoldOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "GetObjectLegalHold")?;
+        self.op_get_object_legal_hold(req).await
+    }
+
+    async fn put_object_legal_hold(
+        &self,
+        req: S3Request<PutObjectLegalHoldInput>,
+    ) -> S3Result<S3Response<PutObjectLegalHoldOutput>> {
+        self.refuse_on_cache(&req.input.bucket, "PutObjectLegalHold")?;
+        self.op_put_object_legal_hold(req).await
     }
 
     async fn get_bucket_encryption(
@@ -815,7 +840,6 @@ impl S3 for TarnS3 {
         &self,
         req: S3Request<CreateBucketInput>,
     ) -> S3Result<S3Response<CreateBucketOutput>> {
-        refuse_unsupported(&req.headers, true)?;
         if let Some(loc) = req
             .input
             .create_bucket_configuration
@@ -898,7 +922,14 @@ impl S3 for TarnS3 {
         }
         match self
             .access
-            .create_bucket(&caller, &req.input.bucket, durability, ownership, acl)
+            .create_bucket(
+                &caller,
+                &req.input.bucket,
+                durability,
+                ownership,
+                acl,
+                req.input.object_lock_enabled_for_bucket.unwrap_or(false),
+            )
             .await
         {
             Ok(()) => {}
@@ -1022,7 +1053,6 @@ impl S3 for TarnS3 {
         req: S3Request<PutObjectInput>,
     ) -> S3Result<S3Response<PutObjectOutput>> {
         let through = self.cache_write(&req.input.bucket)?;
-        refuse_unsupported(&req.headers, true)?;
         if through.is_some() {
             refuse_encryption_on_cache(&req.headers)?;
         }
@@ -1053,6 +1083,9 @@ impl S3 for TarnS3 {
             Some(_) => None,
             None => self.sealing(&req.extensions, &headers, &i.bucket, &i.key)?,
         };
+        // A form's body carries no checksum: its signed policy stands for it.
+        let form = req.extensions.get::<crate::post::FormUpload>().is_some();
+        opts.lock = self.lock_for_write(&req.extensions, &headers, &i.bucket, !form)?;
         if let Some(s) = &sealing {
             s.apply(&mut opts);
         }
@@ -1124,13 +1157,15 @@ impl S3 for TarnS3 {
                 .delete_through(&cb, &i.key, i.version_id.as_deref(), if_match)
                 .await;
         }
+        let bypass = permit_of(&req.extensions).is_some_and(|p| p.bypass_governance);
         let r = self
             .store
-            .delete_object_if(
+            .delete_object_with(
                 &i.bucket,
                 &i.key,
                 i.version_id.as_deref(),
                 condition_string(i.if_match.as_ref()).as_deref(),
+                bypass,
             )
             .await
             .map_err(s3_error)?;
@@ -1148,6 +1183,11 @@ impl S3 for TarnS3 {
         let through = self.cache_write(&req.input.bucket)?;
         let i = req.input;
         let refused = req.extensions.get::<DeniedDeletes>();
+        let permit = permit_of(&req.extensions);
+        // Root's permit carries the bypass it asked for; others' are
+        // judged key by key.
+        let bypass_all = permit.is_some_and(|p| p.bypass_governance);
+        let bypass_keys = req.extensions.get::<crate::access::BypassAllowed>();
         self.store.head_bucket(&i.bucket).map_err(s3_error)?;
         if i.delete.objects.len() > 1000 {
             return Err(S3Error::with_message(
@@ -1202,7 +1242,13 @@ impl S3 for TarnS3 {
                 },
                 None => self
                     .store
-                    .delete_object(&i.bucket, &o.key, o.version_id.as_deref())
+                    .delete_object_with(
+                        &i.bucket,
+                        &o.key,
+                        o.version_id.as_deref(),
+                        None,
+                        bypass_all || bypass_keys.is_some_and(|b| b.0.contains(&o.key)),
+                    )
                     .await
                     .map_err(s3_error),
             };
@@ -1243,7 +1289,6 @@ impl S3 for TarnS3 {
         req: S3Request<CopyObjectInput>,
     ) -> S3Result<S3Response<CopyObjectOutput>> {
         self.refuse_cache_write(&req.input.bucket)?;
-        refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let acl = self.object_acl_header(&req.extensions, &req.headers, &i.bucket)?;
         let (sb, sk, sv) = copy_source(&i.copy_source)?;
@@ -1335,6 +1380,9 @@ impl S3 for TarnS3 {
         if let Some(s) = &sealing {
             s.apply(&mut opts);
         }
+        // The copy's lock is the request's (or the bucket's default), never
+        // the source's.
+        opts.lock = self.lock_for_write(&req.extensions, &req.headers, &i.bucket, false)?;
         let spec = match &src.checksum {
             Some((algo, v)) if ChecksumKind::of_value(v) == ChecksumKind::Composite => {
                 ChecksumSpec {
@@ -1624,7 +1672,6 @@ impl S3 for TarnS3 {
         req: S3Request<CreateMultipartUploadInput>,
     ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
         let through = self.cache_write(&req.input.bucket)?;
-        refuse_unsupported(&req.headers, true)?;
         if let Some(cb) = through {
             refuse_encryption_on_cache(&req.headers)?;
             return self
@@ -1654,6 +1701,9 @@ impl S3 for TarnS3 {
             opts.headers
                 .push((INITIATOR_HEADER.to_string(), who.to_string()));
         }
+        // A multipart object's creation is its upload's start (its
+        // Last-Modified too): the default retention counts from now.
+        opts.lock = self.lock_for_write(&req.extensions, &req.headers, &i.bucket, false)?;
         let algo = i
             .checksum_algorithm
             .as_ref()
@@ -1708,7 +1758,6 @@ impl S3 for TarnS3 {
         req: S3Request<UploadPartInput>,
     ) -> S3Result<S3Response<UploadPartOutput>> {
         let through = self.cache_write(&req.input.bucket)?;
-        refuse_unsupported(&req.headers, true)?;
         let headers = req.headers.clone();
         let trailers = req.trailing_headers.clone();
         let i = req.input;
@@ -1767,7 +1816,6 @@ impl S3 for TarnS3 {
         req: S3Request<UploadPartCopyInput>,
     ) -> S3Result<S3Response<UploadPartCopyOutput>> {
         self.refuse_cache_write(&req.input.bucket)?;
-        refuse_unsupported(&req.headers, true)?;
         let i = req.input;
         let bad_range = || {
             S3Error::with_message(
@@ -2239,7 +2287,6 @@ impl TarnS3 {
         &self,
         req: S3Request<GetObjectInput>,
     ) -> S3Result<S3Response<GetObjectOutput>> {
-        refuse_unsupported(&req.headers, false)?;
         let i = req.input;
         let part_number = match i.part_number {
             Some(n) if !(1..=10_000).contains(&n) => {
@@ -2324,6 +2371,10 @@ impl TarnS3 {
             )
         });
         crate::sse::add_headers(&mut resp.headers, &encryption);
+        let (mode, until, hold) = crate::ops_lock::lock_fields(permit_of(&req.extensions), &info);
+        resp.output.object_lock_mode = mode;
+        resp.output.object_lock_retain_until_date = until;
+        resp.output.object_lock_legal_hold_status = hold;
         Ok(resp)
     }
 
@@ -2331,7 +2382,6 @@ impl TarnS3 {
         &self,
         req: S3Request<HeadObjectInput>,
     ) -> S3Result<S3Response<HeadObjectOutput>> {
-        refuse_unsupported(&req.headers, false)?;
         let i = req.input;
         let info = self
             .object_info(
@@ -2401,6 +2451,10 @@ impl TarnS3 {
             &mut resp.headers,
             &crate::sse::response_headers(&info.headers, customer.as_ref()),
         );
+        let (mode, until, hold) = crate::ops_lock::lock_fields(permit_of(&req.extensions), &info);
+        resp.output.object_lock_mode = mode;
+        resp.output.object_lock_retain_until_date = until;
+        resp.output.object_lock_legal_hold_status = hold;
         // HeadObject's model has no tag count; S3 sends the header anyway.
         if !info.tags.is_empty() {
             resp.headers.insert(

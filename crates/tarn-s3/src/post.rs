@@ -41,14 +41,18 @@ pub const FILENAME_HEADER: &str = "x-tarn-post-filename";
 /// looking (the form's fields, before the file, are small).
 const SCAN_MAX: usize = 1 << 20;
 
+/// Marks a form upload (a POST Object turned into the PutObject it is).
+#[derive(Debug, Clone, Copy)]
+pub struct FormUpload;
+
 /// Marks a form upload whose key had `${filename}` replaced by this name.
 #[derive(Debug, Clone)]
 pub struct Substituted(pub String);
 
 /// The form fields a PUT sends as headers that Tarn reads from headers:
 /// written into the request's headers so that a form is judged as the
-/// same PUT would be (an ACL honoured, encryption or object lock refused
-/// until supported), never ignored.
+/// same PUT would be (an ACL, encryption, an object lock honoured or
+/// refused), never ignored.
 pub fn fields_as_headers(
     i: &s3s::dto::PostObjectInput,
     headers: &mut http::HeaderMap,
@@ -97,6 +101,16 @@ pub fn fields_as_headers(
                 )
             })?;
             headers.insert(name, v);
+        }
+    }
+    if let Some(t) = &i.object_lock_retain_until_date {
+        let mut out = Vec::new();
+        if t.format(s3s::dto::TimestampFormat::DateTime, &mut out)
+            .is_ok()
+        {
+            if let Ok(v) = http::HeaderValue::from_bytes(&out) {
+                headers.insert("x-amz-object-lock-retain-until-date", v);
+            }
         }
     }
     Ok(())

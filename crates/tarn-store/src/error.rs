@@ -30,6 +30,14 @@ pub enum StoreError {
     },
     #[error("method not allowed on a delete marker")]
     MethodNotAllowed,
+    /// Object lock keeps the version: it cannot be deleted, replaced or
+    /// have its retention loosened (the reason says which lock).
+    #[error("Access Denied because object protected by object lock: {0}")]
+    ObjectLocked(String),
+    /// The bucket's state forbids the change (S3's 409 InvalidBucketState),
+    /// e.g. suspending versioning on a bucket with object lock.
+    #[error("{0}")]
+    InvalidBucketState(String),
     #[error("no such upload {0}")]
     NoSuchUpload(String),
     #[error("part {0} was not uploaded or its ETag does not match")]

@@ -27,7 +27,11 @@ pub const MAGIC: [u8; 4] = *b"TRNM";
 /// (each version says whether it is sealed, and with which part salts) and
 /// encrypted upload parts (their salt). Records with nothing encrypted are
 /// still written as version 3, so builds before encryption read them.
-pub const FORMAT_VERSION: u16 = 4;
+/// Version 5: object lock (a version's retention and legal hold; a
+/// bucket's object-lock flag). Only records holding a lock are written as
+/// 5: a build that cannot enforce a lock refuses the record instead of
+/// letting its version be deleted.
+pub const FORMAT_VERSION: u16 = 5;
 /// The version written when a record needs nothing newer.
 const BASE_VERSION: u16 = 3;
 const HEADER_BYTES: usize = 12;
@@ -352,6 +356,9 @@ pub struct BucketRecord {
     pub created_ns: u64,
     pub durability: Durability,
     pub versioning: Versioning,
+    /// Object lock is enabled (format 5): versioning stays enabled, and
+    /// versions may carry retention and legal holds.
+    pub object_lock: bool,
 }
 
 impl BucketRecord {
@@ -373,6 +380,10 @@ impl BucketRecord {
             }
         }
         e.u8(self.versioning as u8);
+        if self.object_lock {
+            e.need(5);
+            e.u8(1);
+        }
         e.finish(RecordKind::Bucket)
     }
 
@@ -391,11 +402,13 @@ impl BucketRecord {
             2 => Versioning::Suspended,
             _ => return Err(FormatError::Invalid("versioning")),
         };
+        let object_lock = d.version() >= 5 && d.bool("object_lock")?;
         d.finish()?;
         Ok(BucketRecord {
             created_ns,
             durability,
             versioning,
+            object_lock,
         })
     }
 }
@@ -537,6 +550,178 @@ impl Seal {
     }
 }
 
+/// How a retention protects a version (S3 object lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LockMode {
+    /// Users with the bypass permission may shorten or remove it, and
+    /// delete the version, by asking for the bypass explicitly.
+    Governance = 1,
+    /// No one, root included, can shorten or remove it or delete the
+    /// version before it ends.
+    Compliance = 2,
+}
+
+impl LockMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockMode::Governance => "GOVERNANCE",
+            LockMode::Compliance => "COMPLIANCE",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<LockMode> {
+        match s {
+            "GOVERNANCE" => Some(LockMode::Governance),
+            "COMPLIANCE" => Some(LockMode::Compliance),
+            _ => None,
+        }
+    }
+}
+
+/// The upload-record header that carries an upload's object lock to its
+/// completion (internal: never stored on a version).
+pub const UPLOAD_LOCK_HEADER: &str = "x-tarn-object-lock";
+
+/// A version's retention: kept until `until_ns` (Unix nanoseconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub mode: LockMode,
+    pub until_ns: u64,
+}
+
+/// A version's object lock (format 5): its retention, and whether a legal
+/// hold is on. A version with neither has `None` as its lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ObjectLock {
+    pub retention: Option<Retention>,
+    pub legal_hold: bool,
+}
+
+impl ObjectLock {
+    /// The lock holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.retention.is_none() && !self.legal_hold
+    }
+
+    /// Why the version cannot be deleted now (None: it can).
+    /// `bypass_governance`: the caller asked for the governance bypass and
+    /// is allowed it.
+    pub fn protects(&self, now_ns: u64, bypass_governance: bool) -> Option<&'static str> {
+        if self.legal_hold {
+            return Some("a legal hold is on");
+        }
+        match self.retention {
+            Some(r) if r.until_ns > now_ns => match r.mode {
+                LockMode::Compliance => Some("it is under COMPLIANCE retention"),
+                LockMode::Governance if !bypass_governance => {
+                    Some("it is under GOVERNANCE retention")
+                }
+                LockMode::Governance => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Whether the retention may become `new`: always when the current one
+    /// has ended or `new` keeps at least as much (same or later date, and
+    /// COMPLIANCE stays COMPLIANCE); a GOVERNANCE retention may be
+    /// shortened, loosened or removed only with the bypass; a COMPLIANCE
+    /// one never. Err: why not.
+    pub fn may_retain(
+        &self,
+        new: Option<Retention>,
+        now_ns: u64,
+        bypass_governance: bool,
+    ) -> Result<(), &'static str> {
+        let Some(cur) = self.retention.filter(|r| r.until_ns > now_ns) else {
+            return Ok(());
+        };
+        let keeps = new.is_some_and(|n| {
+            n.until_ns >= cur.until_ns
+                && !(cur.mode == LockMode::Compliance && n.mode == LockMode::Governance)
+        });
+        match cur.mode {
+            _ if keeps => Ok(()),
+            LockMode::Governance if bypass_governance => Ok(()),
+            LockMode::Governance => Err("the version is under GOVERNANCE retention: shortening or removing it needs x-amz-bypass-governance-retention and s3:BypassGovernanceRetention"),
+            LockMode::Compliance => Err("the version is under COMPLIANCE retention: it can only be extended"),
+        }
+    }
+
+    /// The lock as an upload record keeps it until its completion (in the
+    /// upload's headers, under `UPLOAD_LOCK_HEADER`): `MODE UNTIL_NS HOLD`.
+    pub fn to_header(&self) -> String {
+        let (mode, until) = match self.retention {
+            Some(r) => (r.mode.as_str(), r.until_ns),
+            None => ("-", 0),
+        };
+        format!("{mode} {until} {}", self.legal_hold as u8)
+    }
+
+    pub fn from_header(s: &str) -> Option<ObjectLock> {
+        let mut it = s.split(' ');
+        let (mode, until, hold) = (it.next()?, it.next()?, it.next()?);
+        let retention = match mode {
+            "-" => None,
+            m => Some(Retention {
+                mode: LockMode::parse(m)?,
+                until_ns: until.parse().ok()?,
+            }),
+        };
+        let legal_hold = match hold {
+            "0" => false,
+            "1" => true,
+            _ => return None,
+        };
+        Some(ObjectLock {
+            retention,
+            legal_hold,
+        })
+    }
+
+    fn encode(lock: &Option<ObjectLock>, e: &mut Encoder) {
+        match lock {
+            None => e.u8(0),
+            Some(l) => {
+                e.u8(1);
+                match l.retention {
+                    None => e.u8(0),
+                    Some(r) => {
+                        e.u8(r.mode as u8);
+                        e.u64(r.until_ns);
+                    }
+                }
+                e.u8(l.legal_hold as u8);
+            }
+        }
+    }
+
+    fn decode(d: &mut Decoder) -> Result<Option<ObjectLock>, FormatError> {
+        if d.version() < 5 || !d.bool("locked")? {
+            return Ok(None);
+        }
+        let retention = match d.u8()? {
+            0 => None,
+            1 => Some(LockMode::Governance),
+            2 => Some(LockMode::Compliance),
+            _ => return Err(FormatError::Invalid("lock mode")),
+        };
+        let retention = match retention {
+            Some(mode) => Some(Retention {
+                mode,
+                until_ns: d.u64()?,
+            }),
+            None => None,
+        };
+        let legal_hold = d.bool("legal_hold")?;
+        Ok(Some(ObjectLock {
+            retention,
+            legal_hold,
+        }))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VersionMeta {
     /// All zero for the "null" version of unversioned buckets.
@@ -558,6 +743,8 @@ pub struct VersionMeta {
     /// each part's `size` (and an inline version's stored bytes) the
     /// sealed length (`crate::seal::sealed_len`).
     pub seal: Option<Seal>,
+    /// Retention and legal hold (object lock), if any.
+    pub lock: Option<ObjectLock>,
 }
 
 impl VersionMeta {
@@ -596,7 +783,16 @@ impl VersionMeta {
         }
     }
 
-    fn encode(&self, e: &mut Encoder, sealed_record: bool) {
+    /// Why this version cannot be deleted now (None: it can).
+    pub fn locked(&self, now_ns: u64, bypass_governance: bool) -> Option<&'static str> {
+        self.lock
+            .as_ref()
+            .and_then(|l| l.protects(now_ns, bypass_governance))
+    }
+
+    /// `version`: the record's format version (4 and up carry a seal, 5
+    /// and up a lock).
+    fn encode(&self, e: &mut Encoder, version: u16) {
         e.fixed(&self.version_id);
         e.u64(self.mod_time_ns);
         e.u8(self.delete_marker as u8);
@@ -625,8 +821,11 @@ impl VersionMeta {
                 }
             }
         }
-        if sealed_record {
+        if version >= 4 {
             Seal::encode(&self.seal, e);
+        }
+        if version >= 5 {
+            ObjectLock::encode(&self.lock, e);
         }
     }
 
@@ -665,6 +864,7 @@ impl VersionMeta {
             _ => return Err(FormatError::Invalid("storage")),
         };
         let seal = Seal::decode(d)?;
+        let lock = ObjectLock::decode(d)?;
         if let Storage::Parts(parts) = &storage {
             let plain = |p: &PartMeta| match &seal {
                 Some(_) => crate::seal::plain_len(p.size),
@@ -701,6 +901,7 @@ impl VersionMeta {
             layout,
             storage,
             seal,
+            lock,
         })
     }
 }
@@ -724,13 +925,17 @@ pub struct ObjectRecord {
 impl ObjectRecord {
     pub fn encode(&self) -> Vec<u8> {
         let mut e = Encoder::default();
-        let sealed = self.versions.iter().any(|v| v.seal.is_some());
-        if sealed {
-            e.need(4);
-        }
+        let version = if self.versions.iter().any(|v| v.lock.is_some()) {
+            5
+        } else if self.versions.iter().any(|v| v.seal.is_some()) {
+            4
+        } else {
+            BASE_VERSION
+        };
+        e.need(version);
         e.u32(self.versions.len() as u32);
         for v in &self.versions {
-            v.encode(&mut e, sealed);
+            v.encode(&mut e, version);
         }
         e.u64(self.stamp);
         e.finish(RecordKind::Object)
@@ -783,6 +988,7 @@ pub(crate) fn test_version(id: u8, mod_time_ns: u64) -> VersionMeta {
         layout: Layout::single_copy(4096),
         storage: Storage::Inline { crc32c: 0 },
         seal: None,
+        lock: None,
     }
 }
 
@@ -951,6 +1157,7 @@ mod tests {
             checksum in proptest::option::of(("CRC32|CRC32C|SHA256", "[A-Za-z0-9+/=]{8,44}")),
             k in 1u8..8, m in 0u8..4, stripe in 1u32..1 << 22,
             sealed in any::<bool>(), salt in any::<[u8; 16]>(),
+            lock in proptest::option::of((0u8..3, any::<u64>(), any::<bool>())),
         ) -> VersionMeta {
             let stored = |s: u64| if sealed { crate::seal::sealed_len(s) } else { s };
             let storage = if inline { Storage::Inline { crc32c: crc } } else {
@@ -962,7 +1169,10 @@ mod tests {
             let codec = if k == 1 { CodecId::Replicate } else { CodecId::ReedSolomonSimd };
             VersionMeta { version_id, mod_time_ns, delete_marker, size, etag, content_type, headers, user_metadata, tags, checksum,
                 layout: Layout { data_shards: k, parity_shards: m, codec, stripe_size_bytes: stripe * 2, distribution: (0..k + m).collect() },
-                storage, seal }
+                storage, seal, lock: lock.map(|(mode, until_ns, legal_hold)| ObjectLock {
+                    retention: match mode { 0 => None, 1 => Some(Retention { mode: LockMode::Governance, until_ns }), _ => Some(Retention { mode: LockMode::Compliance, until_ns }) },
+                    legal_hold,
+                }) }
         }
     }
 
@@ -1016,8 +1226,18 @@ mod tests {
             created_ns: 5,
             durability: Durability::Replicated(3),
             versioning: Versioning::Suspended,
+            object_lock: false,
         };
         assert_eq!(BucketRecord::decode(&b.encode()).unwrap(), b);
+        // Only a bucket with object lock needs format 5.
+        assert_eq!(&b.encode()[4..6], &3u16.to_le_bytes());
+        let locked = BucketRecord {
+            versioning: Versioning::Enabled,
+            object_lock: true,
+            ..b.clone()
+        };
+        assert_eq!(&locked.encode()[4..6], &5u16.to_le_bytes());
+        assert_eq!(BucketRecord::decode(&locked.encode()).unwrap(), locked);
         let f = DriveFormat {
             deployment_id: [1; 16],
             drive_id: [2; 16],
@@ -1052,11 +1272,52 @@ mod tests {
     }
 
     #[test]
+    fn locks_judge_deletes_and_changes() {
+        let now = 1_000;
+        let gov = |until_ns| Retention {
+            mode: LockMode::Governance,
+            until_ns,
+        };
+        let comp = |until_ns| Retention {
+            mode: LockMode::Compliance,
+            until_ns,
+        };
+        let l = |r: Option<Retention>, legal_hold| ObjectLock {
+            retention: r,
+            legal_hold,
+        };
+        // Deletes.
+        assert!(l(Some(comp(2_000)), false).protects(now, true).is_some());
+        assert!(l(Some(gov(2_000)), false).protects(now, false).is_some());
+        assert!(l(Some(gov(2_000)), false).protects(now, true).is_none());
+        assert!(l(Some(comp(1_000)), false).protects(now, false).is_none());
+        assert!(l(Some(comp(10)), true).protects(now, true).is_some());
+        assert!(l(None, false).protects(now, false).is_none());
+        // Retention changes.
+        let c = l(Some(comp(2_000)), false);
+        assert!(c.may_retain(Some(comp(3_000)), now, false).is_ok());
+        assert!(c.may_retain(Some(comp(1_500)), now, true).is_err());
+        assert!(c.may_retain(Some(gov(3_000)), now, true).is_err());
+        assert!(c.may_retain(None, now, true).is_err());
+        let g = l(Some(gov(2_000)), false);
+        assert!(g.may_retain(Some(comp(2_000)), now, false).is_ok());
+        assert!(g.may_retain(Some(gov(2_500)), now, false).is_ok());
+        assert!(g.may_retain(Some(gov(1_500)), now, false).is_err());
+        assert!(g.may_retain(None, now, false).is_err());
+        assert!(g.may_retain(None, now, true).is_ok());
+        // An ended retention may become anything.
+        assert!(l(Some(comp(900)), false)
+            .may_retain(None, now, false)
+            .is_ok());
+    }
+
+    #[test]
     fn newer_version_is_refused() {
         let mut b = BucketRecord {
             created_ns: 5,
             durability: Durability::ErasureCoded,
             versioning: Versioning::Enabled,
+            object_lock: false,
         }
         .encode();
         b[4] = 9;
@@ -1116,6 +1377,7 @@ mod tests {
                 checksum: None,
             }]),
             seal: None,
+            lock: None,
         };
         let rec = ObjectRecord {
             versions: vec![v],

@@ -60,6 +60,9 @@ pub struct PutOptions {
     pub part_checksums: Vec<(u32, String, String)>,
     /// Encrypt the body with this data key (`crate::seal`).
     pub seal: Option<crate::seal::SealSpec>,
+    /// The new version's object lock (retention, legal hold). Only in a
+    /// bucket with object lock enabled.
+    pub lock: Option<crate::format::ObjectLock>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +71,7 @@ pub struct BucketInfo {
     pub created_ns: u64,
     pub durability: Durability,
     pub versioning: Versioning,
+    pub object_lock: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +100,8 @@ pub struct ObjectInfo {
     pub tags: Vec<(String, String)>,
     pub checksum: Option<(String, String)>,
     pub parts: Vec<PartSummary>,
+    /// Retention and legal hold (object lock), if any.
+    pub lock: Option<crate::format::ObjectLock>,
 }
 
 impl ObjectInfo {

@@ -462,7 +462,7 @@ pub fn render_lifecycle() -> String {
     use std::fmt::Write;
     let c = &tarn_s3::lifecycle::COUNTERS;
     let mut out = String::new();
-    let series: [(&str, &str, &std::sync::atomic::AtomicU64); 5] = [
+    let series: [(&str, &str, &std::sync::atomic::AtomicU64); 6] = [
         (
             "tarn_lifecycle_passes_total",
             "Lifecycle passes over a bucket this node finished.",
@@ -487,6 +487,11 @@ pub fn render_lifecycle() -> String {
             "tarn_lifecycle_delete_markers_removed_total",
             "Delete markers with no other version that lifecycle removed.",
             &c.delete_markers_removed,
+        ),
+        (
+            "tarn_lifecycle_locked_kept_total",
+            "Expiries lifecycle skipped because object lock keeps the version.",
+            &c.locked_kept,
         ),
     ];
     for (metric, help, v) in series {

@@ -115,6 +115,7 @@ impl CacheBucket {
                 tags: Vec::new(),
                 checksum: None,
                 parts: Vec::new(),
+                lock: None,
             })
             .collect();
         let upstream_rows = rows_of(objects, page.prefixes);

@@ -310,6 +310,7 @@ impl Entry {
             tags: Vec::new(),
             checksum: None,
             parts: Vec::new(),
+            lock: None,
         }
     }
 

@@ -316,6 +316,18 @@ impl Store {
                     continue;
                 }
             }
+            if v.meta.version_id == NULL_VERSION {
+                // A locked null version is never replaced (object lock).
+                let locked = rec
+                    .versions
+                    .iter()
+                    .find(|o| o.version_id == NULL_VERSION)
+                    .and_then(|o| o.locked(super::now_ns(), false));
+                if let Some(why) = locked {
+                    answers.push(Err(StoreError::ObjectLocked(why.to_string())));
+                    continue;
+                }
+            }
             let mut meta = v.meta.clone();
             meta.mod_time_ns = self.next_mod_time(after);
             after = meta.mod_time_ns;

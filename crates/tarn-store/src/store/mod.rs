@@ -735,6 +735,19 @@ pub struct Store {
 /// swept.
 const TOMBSTONE_SWEEP_EVERY: Duration = Duration::from_secs(600);
 
+/// A lock may be put only on versions of a bucket with object lock.
+pub(crate) fn check_lock_allowed(
+    brec: &BucketRecord,
+    lock: &Option<crate::format::ObjectLock>,
+) -> Result<(), StoreError> {
+    if lock.is_some_and(|l| !l.is_empty()) && !brec.object_lock {
+        return Err(StoreError::InvalidRequest(
+            "Bucket is missing Object Lock Configuration".into(),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -2395,12 +2408,24 @@ impl Store {
         name: &str,
         durability: Durability,
     ) -> Result<(), StoreError> {
+        self.create_bucket_with(name, durability, false).await
+    }
+
+    /// Creates a bucket; with `object_lock`, one whose versioning is on
+    /// for good and whose versions may be locked.
+    pub async fn create_bucket_with(
+        &self,
+        name: &str,
+        durability: Durability,
+        object_lock: bool,
+    ) -> Result<(), StoreError> {
         validate_bucket_name(name)?;
         if self.buckets_partial() && self.catalog.is_none() {
             // It may exist on the drives not read.
             return Err(self.partial_buckets_error());
         }
-        self.create_bucket_named(name, durability).await
+        self.create_bucket_named(name, durability, object_lock)
+            .await
     }
 
     /// Creates an internal bucket (its name starts with `.`, so no S3
@@ -2414,13 +2439,13 @@ impl Store {
         if !name.starts_with('.') || name == SYSTEM_BUCKET {
             return Err(StoreError::InvalidBucketName(name.to_string()));
         }
-        self.create_bucket_named(name, durability).await
+        self.create_bucket_named(name, durability, false).await
     }
 
     /// Creates the system bucket unless it exists (at start, before serving).
     pub async fn ensure_system_bucket(&self) -> Result<(), StoreError> {
         match self
-            .create_bucket_named(SYSTEM_BUCKET, Durability::ErasureCoded)
+            .create_bucket_named(SYSTEM_BUCKET, Durability::ErasureCoded, false)
             .await
         {
             Ok(()) | Err(StoreError::BucketExists(_)) => Ok(()),
@@ -2432,6 +2457,7 @@ impl Store {
         &self,
         name: &str,
         durability: Durability,
+        object_lock: bool,
     ) -> Result<(), StoreError> {
         if let Durability::Replicated(0) = durability {
             return Err(StoreError::InvalidArgument(
@@ -2450,7 +2476,12 @@ impl Store {
         let rec = BucketRecord {
             created_ns: now_ns(),
             durability,
-            versioning: Versioning::Unversioned,
+            versioning: if object_lock {
+                Versioning::Enabled
+            } else {
+                Versioning::Unversioned
+            },
+            object_lock,
         };
         if let Some(catalog) = &self.catalog {
             if !catalog.create_bucket(name, &rec).await? {
@@ -2526,6 +2557,7 @@ impl Store {
             created_ns: r.created_ns,
             durability: r.durability,
             versioning: r.versioning,
+            object_lock: r.object_lock,
         })
     }
 
@@ -2550,6 +2582,7 @@ impl Store {
                 created_ns: r.created_ns,
                 durability: r.durability,
                 versioning: r.versioning,
+                object_lock: r.object_lock,
             })
             .collect()
     }
@@ -2557,11 +2590,39 @@ impl Store {
     pub async fn set_bucket_versioning(&self, name: &str, enabled: bool) -> Result<(), StoreError> {
         let _g = self.locks.write(name, "").await;
         let mut rec = self.bucket_record(name)?;
+        if rec.object_lock && !enabled {
+            return Err(StoreError::InvalidBucketState(
+                "An Object Lock configuration is present on this bucket, so the versioning state cannot be changed.".into(),
+            ));
+        }
         rec.versioning = if enabled {
             Versioning::Enabled
         } else {
             Versioning::Suspended
         };
+        self.put_bucket_record(name, rec).await
+    }
+
+    /// Enables object lock on an existing bucket; its versioning must be
+    /// enabled. It cannot be disabled again.
+    pub async fn enable_object_lock(&self, name: &str) -> Result<(), StoreError> {
+        let _g = self.locks.write(name, "").await;
+        let mut rec = self.bucket_record(name)?;
+        if rec.object_lock {
+            return Ok(());
+        }
+        if rec.versioning != Versioning::Enabled {
+            return Err(StoreError::InvalidBucketState(
+                "Versioning must be 'Enabled' on the bucket to apply a Object Lock configuration"
+                    .into(),
+            ));
+        }
+        rec.object_lock = true;
+        self.put_bucket_record(name, rec).await
+    }
+
+    /// Writes a changed bucket record: the catalog's first, then the drives'.
+    async fn put_bucket_record(&self, name: &str, rec: BucketRecord) -> Result<(), StoreError> {
         if let Some(catalog) = &self.catalog {
             catalog.put_bucket(name, &rec).await?;
         }
@@ -2713,6 +2774,7 @@ impl Store {
             user_metadata: v.user_metadata.clone(),
             tags: v.tags.clone(),
             checksum: v.checksum.clone(),
+            lock: v.lock,
             parts: match &v.storage {
                 Storage::Parts(p) if p.len() > 1 || v.etag.contains('-') => p
                     .iter()
@@ -2843,7 +2905,23 @@ impl Store {
         version: Option<&str>,
         if_match: Option<&str>,
     ) -> Result<crate::types::DeleteResult, StoreError> {
-        self.delete_expecting(bucket, key, version, if_match, None)
+        self.delete_object_with(bucket, key, version, if_match, false)
+            .await
+    }
+
+    /// DELETE as a client asks it: `bypass_governance` when the caller
+    /// asked for the governance bypass and holds its permission. A locked
+    /// version (legal hold, or a retention not yet ended) is never removed:
+    /// `ObjectLocked`.
+    pub async fn delete_object_with(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        if_match: Option<&str>,
+        bypass_governance: bool,
+    ) -> Result<crate::types::DeleteResult, StoreError> {
+        self.delete_expecting(bucket, key, version, if_match, None, bypass_governance)
             .await
             .map(|r| r.expect("a delete without expectations happens"))
     }
@@ -2863,7 +2941,7 @@ impl Store {
             crate::types::Unchanged::Version { version } => Some(version.clone()),
             crate::types::Unchanged::SoleDeleteMarker { version } => Some(version.clone()),
         };
-        self.delete_expecting(bucket, key, version.as_deref(), None, Some(expect))
+        self.delete_expecting(bucket, key, version.as_deref(), None, Some(expect), false)
             .await
     }
 
@@ -2874,6 +2952,7 @@ impl Store {
         version: Option<&str>,
         if_match: Option<&str>,
         expect: Option<crate::types::Unchanged>,
+        bypass_governance: bool,
     ) -> Result<Option<crate::types::DeleteResult>, StoreError> {
         let brec = self.bucket_record(bucket)?;
         validate_key(key)?;
@@ -2925,6 +3004,9 @@ impl Store {
             (Some(id), _) => {
                 match rec.versions.iter().position(|v| v.version_id == id) {
                     Some(pos) => {
+                        if let Some(why) = rec.versions[pos].locked(now_ns(), bypass_governance) {
+                            return Err(StoreError::ObjectLocked(why.to_string()));
+                        }
                         let v = rec.versions.remove(pos);
                         result = crate::types::DeleteResult {
                             delete_marker: v.delete_marker,
@@ -2948,6 +3030,13 @@ impl Store {
                         version_id: None,
                     }));
                 }
+                if let Some(why) = rec
+                    .versions
+                    .iter()
+                    .find_map(|v| v.locked(now_ns(), bypass_governance))
+                {
+                    return Err(StoreError::ObjectLocked(why.to_string()));
+                }
                 removed.extend(
                     rec.versions
                         .drain(..)
@@ -2970,6 +3059,9 @@ impl Store {
                         .iter()
                         .position(|v| v.version_id == NULL_VERSION)
                     {
+                        if let Some(why) = rec.versions[pos].locked(now_ns(), bypass_governance) {
+                            return Err(StoreError::ObjectLocked(why.to_string()));
+                        }
                         removed.push(rec.versions.remove(pos));
                     }
                 }
@@ -2993,6 +3085,7 @@ impl Store {
                     layout: Layout::single_copy(self.cfg.stripe_size_bytes as u32),
                     storage: Storage::Inline { crc32c: 0 },
                     seal: None,
+                    lock: None,
                 };
                 rec.versions.insert(0, marker);
                 result = crate::types::DeleteResult {
@@ -3042,6 +3135,63 @@ impl Store {
         .await
     }
 
+    /// Sets a version's retention (None removes it), as the lock allows
+    /// (`ObjectLock::may_retain`); `bypass_governance` as for deletes.
+    pub async fn set_object_retention(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        retention: Option<crate::format::Retention>,
+        bypass_governance: bool,
+    ) -> Result<Option<String>, StoreError> {
+        self.change_lock(bucket, key, version, |lock| {
+            lock.may_retain(retention, now_ns(), bypass_governance)
+                .map_err(|why| StoreError::ObjectLocked(why.to_string()))?;
+            lock.retention = retention;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Puts a legal hold on a version or lifts it.
+    pub async fn set_object_legal_hold(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        on: bool,
+    ) -> Result<Option<String>, StoreError> {
+        self.change_lock(bucket, key, version, |lock| {
+            lock.legal_hold = on;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn change_lock(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        change: impl FnOnce(&mut crate::format::ObjectLock) -> Result<(), StoreError>,
+    ) -> Result<Option<String>, StoreError> {
+        let brec = self.bucket_record(bucket)?;
+        if !brec.object_lock {
+            return Err(StoreError::InvalidRequest(
+                "Bucket is missing Object Lock Configuration".into(),
+            ));
+        }
+        self.try_update_version(bucket, key, version, |v| {
+            let mut lock = v.lock.unwrap_or_default();
+            change(&mut lock)?;
+            // Kept even when empty: a legal hold lifted reads as OFF.
+            v.lock = Some(lock);
+            Ok(())
+        })
+        .await
+    }
+
     /// Changes the metadata of one version (not a delete marker) in place.
     async fn update_version(
         &self,
@@ -3049,6 +3199,21 @@ impl Store {
         key: &str,
         version: Option<&str>,
         change: impl FnOnce(&mut VersionMeta),
+    ) -> Result<Option<String>, StoreError> {
+        self.try_update_version(bucket, key, version, |v| {
+            change(v);
+            Ok(())
+        })
+        .await
+    }
+
+    /// As `update_version`; `change` may refuse (nothing is written then).
+    async fn try_update_version(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: Option<&str>,
+        change: impl FnOnce(&mut VersionMeta) -> Result<(), StoreError>,
     ) -> Result<Option<String>, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
@@ -3065,7 +3230,7 @@ impl Store {
             .iter_mut()
             .find(|v| (v.version_id, v.mod_time_ns) == id)
             .expect("selected version");
-        change(target);
+        change(target)?;
         let vid = version_to_string(&target.version_id);
         self.write_object_everywhere(
             set,
@@ -3120,6 +3285,7 @@ impl Store {
                 layout: Layout::single_copy(self.cfg.stripe_size_bytes as u32),
                 storage: Storage::Inline { crc32c: crc },
                 seal: None,
+                lock: None,
             };
             let record = ObjectRecord {
                 versions: vec![meta],

@@ -37,14 +37,20 @@ impl Store {
     ) -> Result<String, StoreError> {
         let brec = self.bucket_record(bucket)?;
         validate_key(key)?;
+        super::check_lock_allowed(&brec, &opts.lock)?;
         let (set, layout) = self.layout_for(&brec, bucket, key).await?;
+        let mut headers = opts.headers;
+        headers.retain(|(k, _)| k != crate::format::UPLOAD_LOCK_HEADER);
+        if let Some(lock) = opts.lock.filter(|l| !l.is_empty()) {
+            headers.push((crate::format::UPLOAD_LOCK_HEADER.into(), lock.to_header()));
+        }
         let rec = UploadRecord {
             upload_id: new_id(),
             initiated_ns: now_ns(),
             content_type: opts
                 .content_type
                 .unwrap_or_else(|| "binary/octet-stream".into()),
-            headers: opts.headers,
+            headers,
             user_metadata: opts.user_metadata,
             tags: opts.tags,
             checksum_type: match (&checksum_algorithm, opts.checksum_type) {
@@ -575,6 +581,14 @@ impl Store {
             .filter(|p| !chosen.iter().any(|c| c.data_id == p.data_id))
             .map(|p| p.data_id)
             .collect();
+        // The lock asked for when the upload was created.
+        let mut headers = upload.headers.clone();
+        let lock = headers
+            .iter()
+            .find(|(k, _)| k == crate::format::UPLOAD_LOCK_HEADER)
+            .and_then(|(_, v)| crate::format::ObjectLock::from_header(v));
+        headers.retain(|(k, _)| k != crate::format::UPLOAD_LOCK_HEADER);
+        super::check_lock_allowed(&brec, &lock)?;
         let meta = VersionMeta {
             version_id: if brec.versioning == Versioning::Enabled {
                 new_id()
@@ -586,13 +600,14 @@ impl Store {
             size,
             etag,
             content_type: upload.content_type.clone(),
-            headers: upload.headers.clone(),
+            headers,
             user_metadata: upload.user_metadata.clone(),
             tags: upload.tags.clone(),
             checksum,
             layout: upload.layout.clone(),
             storage: Storage::Parts(chosen),
             seal,
+            lock,
         };
         let numbers: Vec<u32> = parts.keys().copied().collect();
         let info = match self

@@ -397,6 +397,7 @@ impl Store {
     ) -> Result<ObjectInfo, StoreError> {
         let brec = self.bucket_record(bucket)?;
         validate_key(key)?;
+        super::check_lock_allowed(&brec, &opts.lock)?;
         let limit = self.cfg.object_size_max_bytes;
         if let Some(len) = body.declared_len {
             if len > limit {
@@ -516,6 +517,7 @@ impl Store {
                     cipher: crate::seal::CIPHER_AES256_GCM_64K,
                     salts: vec![salt],
                 }),
+                lock: opts.lock.filter(|l| !l.is_empty()),
             };
             let mut version = NewVersion::new(set, meta, inline, &opts);
             version.inflight = inflight.take();
