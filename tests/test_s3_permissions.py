@@ -542,5 +542,35 @@ def test_policy_condition_keys_aws_documents(server, team):
     policy({**allow_bob, "Condition": {"Bool": {"aws:MultiFactorAuthPresent": "true"}}})
     fails(lambda: read(b, "aaa", "t1"))
     # Keys Tarn cannot evaluate yet are still refused, never ignored.
-    bad = json.dumps({"Statement": [{**allow_bob, "Condition": {"StringEquals": {"s3:ExistingObjectTag/x": "y"}}}]})
+    bad = json.dumps({"Statement": [{**allow_bob, "Condition": {"StringEquals": {"aws:ResourceTag/x": "y"}}}]})
     fails(lambda: a.put_bucket_policy(Bucket="aaa", Policy=bad), "MalformedPolicy")
+
+
+def test_tag_and_principal_condition_keys(server):
+    """s3:ExistingObjectTag/KEY (the object's tags as stored),
+    s3:RequestObjectTagKeys (a set: ForAllValues / ForAnyValue) and
+    aws:PrincipalArn, which once answered MalformedPolicy."""
+    s3 = server.client()
+    s3.create_bucket(Bucket="tagged")
+    dana = client(server, add_user(server, "dana"))
+    s3.put_object(Bucket="tagged", Key="open", Body=b"o", Tagging="class=public")
+    s3.put_object(Bucket="tagged", Key="closed", Body=b"c", Tagging="class=secret")
+    policy = {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Principal": {"AWS": "dana"}, "Action": "s3:GetObject", "Resource": "arn:aws:s3:::tagged/*",
+         "Condition": {"StringEquals": {"s3:ExistingObjectTag/class": "public"}}},
+        {"Effect": "Allow", "Principal": {"AWS": "dana"}, "Action": "s3:PutObject", "Resource": "arn:aws:s3:::tagged/*",
+         "Condition": {"ForAllValues:StringEquals": {"s3:RequestObjectTagKeys": ["team", "cost"]},
+                       "StringLike": {"aws:PrincipalArn": "arn:aws:iam::*:user/dana"}}}]}
+    s3.put_bucket_policy(Bucket="tagged", Policy=json.dumps(policy))
+    assert read(dana, "tagged", "open") == b"o"
+    fails(lambda: read(dana, "tagged", "closed"))
+    # Retagged, the object follows its new tags.
+    s3.put_object_tagging(Bucket="tagged", Key="closed", Tagging={"TagSet": [{"Key": "class", "Value": "public"}]})
+    assert read(dana, "tagged", "closed") == b"c"
+    dana.put_object(Bucket="tagged", Key="mine", Body=b"m", Tagging="team=ml&cost=42")
+    dana.put_object(Bucket="tagged", Key="untagged", Body=b"u")
+    fails(lambda: dana.put_object(Bucket="tagged", Key="x", Body=b"x", Tagging="team=ml&secret=1"))
+    # Another user's ARN does not match.
+    policy["Statement"][1]["Condition"]["StringLike"]["aws:PrincipalArn"] = "arn:aws:iam::*:user/erin"
+    s3.put_bucket_policy(Bucket="tagged", Policy=json.dumps(policy))
+    fails(lambda: dana.put_object(Bucket="tagged", Key="y", Body=b"y", Tagging="team=ml"))

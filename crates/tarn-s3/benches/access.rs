@@ -115,6 +115,7 @@ async fn bench(store: Arc<Store>, quick: bool) {
             headers: &headers,
             query: None,
             peer,
+            existing_tags: None,
         };
         access.authorize(&r).expect("allowed");
         // The best of five runs: the cost without the machine's noise.

@@ -438,6 +438,9 @@ struct Ctx<'a> {
     headers: &'a http::HeaderMap,
     query: Option<&'a str>,
     peer: Option<IpAddr>,
+    /// The tags of the object the request names, read only when the
+    /// bucket's policy has an `s3:ExistingObjectTag/KEY` condition.
+    existing_tags: Option<&'a [(String, String)]>,
 }
 
 impl Ctx<'_> {
@@ -465,6 +468,18 @@ impl Ctx<'_> {
 impl RequestContext for Ctx<'_> {
     fn principal(&self) -> Option<&str> {
         self.user
+    }
+
+    fn values(&self, key: &str) -> Option<Vec<String>> {
+        match key {
+            // The tag keys of x-amz-tagging, a set.
+            "s3:requestobjecttagkeys" => {
+                let tagging = self.header("x-amz-tagging")?;
+                let tags = crate::util::parse_tagging_header(Some(&tagging)).ok()?;
+                Some(tags.into_iter().map(|(k, _)| k).collect())
+            }
+            k => self.value(k).map(|v| vec![v]),
+        }
     }
 
     fn source_ip(&self) -> Option<IpAddr> {
@@ -552,6 +567,18 @@ impl RequestContext for Ctx<'_> {
                     Some(c.split(',').next()?.to_string())
                 })?;
                 credential.split('/').nth(2).map(str::to_string)
+            }
+            // Tarn's one account: its id is twelve zeros.
+            "aws:principalarn" => self
+                .user
+                .map(|u| format!("arn:aws:iam::000000000000:user/{u}")),
+            "s3:requestobjecttagkeys" => self.values(key).map(|v| v.join(",")),
+            k if k.starts_with(crate::policy::EXISTING_TAG_PREFIX) => {
+                let want = &k[crate::policy::EXISTING_TAG_PREFIX.len()..];
+                self.existing_tags?
+                    .iter()
+                    .find(|(t, _)| t.eq_ignore_ascii_case(want))
+                    .map(|(_, v)| v.clone())
             }
             k if k.starts_with("s3:requestobjecttag/") => {
                 let want = &k["s3:requestobjecttag/".len()..];
@@ -1026,6 +1053,9 @@ pub struct AccessRequest<'a> {
     pub headers: &'a http::HeaderMap,
     pub query: Option<&'a str>,
     pub peer: Option<IpAddr>,
+    /// The named object's tags, for `s3:ExistingObjectTag/KEY` conditions
+    /// (`Access::existing_tags`); None when no policy asks or there is none.
+    pub existing_tags: Option<Vec<(String, String)>>,
 }
 
 impl Access {
@@ -1052,6 +1082,7 @@ impl Access {
             headers: r.headers,
             query: r.query,
             peer: r.peer,
+            existing_tags: r.existing_tags.as_deref(),
         };
         // ListBuckets (each user sees the buckets it owns) and CreateBucket
         // need a signed caller and nothing more.
@@ -1146,6 +1177,40 @@ impl Access {
 }
 
 impl Access {
+    /// The tags of the object a request names, when its bucket's policy has
+    /// an `s3:ExistingObjectTag/KEY` condition (one metadata read then;
+    /// none otherwise). A missing object has none.
+    pub async fn existing_tags(
+        &self,
+        path: &S3Path,
+        query: Option<&str>,
+    ) -> Option<Vec<(String, String)>> {
+        let S3Path::Object { bucket, key } = path else {
+            return None;
+        };
+        let b = self.bucket(bucket)?;
+        if !b
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.mentions_key(crate::policy::EXISTING_TAG_PREFIX))
+        {
+            return None;
+        }
+        let version = query.and_then(|q| {
+            q.split('&').find_map(|pair| {
+                let (k, v) = pair.split_once('=')?;
+                (k == "versionId")
+                    .then(|| urlencoding::decode(v).ok().map(|v| v.into_owned()))
+                    .flatten()
+            })
+        });
+        self.store
+            .head_object(bucket, key, version.as_deref())
+            .await
+            .ok()
+            .map(|info| info.tags)
+    }
+
     /// `x-amz-expected-bucket-owner` (and, for copies,
     /// `x-amz-source-expected-bucket-owner`): the request is refused (403)
     /// unless the bucket's owner is the one named, whoever asks (root too).
@@ -1199,6 +1264,7 @@ impl S3Access for Checker {
         if cx.s3_op().name() == "PostObject" {
             return Ok(());
         }
+        let existing_tags = self.0.existing_tags(cx.s3_path(), cx.uri().query()).await;
         let permit = self.0.authorize(&AccessRequest {
             access_key: cx.credentials().map(|c| c.access_key.as_str()),
             op: cx.s3_op().name(),
@@ -1206,6 +1272,7 @@ impl S3Access for Checker {
             headers: cx.headers(),
             query: cx.uri().query(),
             peer,
+            existing_tags,
         })?;
         cx.extensions_mut().insert(permit);
         Ok(())
@@ -1265,6 +1332,7 @@ impl S3Access for Checker {
             headers: &req.headers,
             query: None,
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
+            existing_tags: None,
         })?;
         req.extensions.insert(permit);
         Ok(())
@@ -1286,6 +1354,7 @@ impl S3Access for Checker {
             headers: &req.headers,
             query: req.uri.query(),
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
+            existing_tags: None,
         };
         let mut refused = DeniedDeletes::default();
         let mut bypass = BypassAllowed::default();

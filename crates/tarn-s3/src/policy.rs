@@ -162,6 +162,8 @@ pub const CONDITION_KEYS: &[&str] = &[
     "s3:signatureage",
     "s3:tlsversion",
     "aws:requestedregion",
+    "s3:requestobjecttagkeys",
+    "aws:principalarn",
     // Never in a request to Tarn (no VPCs, organizations, MFA or AWS
     // services): present in a condition, they hold as AWS's do for a
     // request without them (positive operators fail, negated ones hold).
@@ -187,7 +189,11 @@ pub const CONDITION_KEYS: &[&str] = &[
 ];
 
 /// Condition keys with a name after a slash (`s3:RequestObjectTag/KEY`).
-pub const CONDITION_KEY_PREFIXES: &[&str] = &["s3:requestobjecttag/"];
+pub const CONDITION_KEY_PREFIXES: &[&str] = &["s3:requestobjecttag/", EXISTING_TAG_PREFIX];
+
+/// `s3:ExistingObjectTag/KEY`: a tag the object already has (the check
+/// reads the object's tags only for a bucket whose policy names one).
+pub const EXISTING_TAG_PREFIX: &str = "s3:existingobjecttag/";
 
 /// Whether Tarn evaluates a condition key (lower case).
 pub fn known_condition_key(key: &str) -> bool {
@@ -242,6 +248,12 @@ pub trait RequestContext {
     fn principal(&self) -> Option<&str>;
     /// The value of a condition key (lower case); None when the request has none.
     fn value(&self, key: &str) -> Option<String>;
+    /// The values of a multivalued key (`s3:RequestObjectTagKeys`), which
+    /// ForAnyValue / ForAllValues compare as a set; a single-valued key's
+    /// one value.
+    fn values(&self, key: &str) -> Option<Vec<String>> {
+        self.value(key).map(|v| vec![v])
+    }
     /// The value of `aws:SourceIp` as an address (what IpAddress conditions
     /// on it compare, without a round trip through text).
     fn source_ip(&self) -> Option<IpAddr> {
@@ -703,6 +715,14 @@ impl Policy {
         verdict
     }
 
+    /// Whether a condition names a key starting with `prefix`.
+    pub fn mentions_key(&self, prefix: &str) -> bool {
+        self.statements
+            .iter()
+            .flat_map(|s| &s.conditions)
+            .any(|c| c.key.starts_with(prefix))
+    }
+
     /// Whether any Allow statement grants everyone without narrowing
     /// conditions (GetBucketPolicyStatus, the public access block).
     pub fn is_public(&self) -> bool {
@@ -778,7 +798,7 @@ impl Policy {
                 .iter()
                 .any(|&(net, bits)| net_contains(net, bits, ip))
         } else {
-            let actual = cx.value(&c.key);
+            let actual = cx.values(&c.key).filter(|v| !v.is_empty());
             if c.op == Op::Null {
                 // Null: true means "the key is absent".
                 let want_absent = c.values.iter().any(|v| v.eq_ignore_ascii_case("true"));
@@ -787,10 +807,20 @@ impl Policy {
             let Some(actual) = actual else {
                 return absent_holds(c);
             };
-            c.values.iter().any(|v| match self.substitute(v, cx) {
-                Some(v) => compare(c.op, &actual, &v),
-                None => false,
-            })
+            let matches = |a: &String| {
+                c.values.iter().any(|v| match self.substitute(v, cx) {
+                    Some(v) => compare(c.op, a, &v),
+                    None => false,
+                })
+            };
+            // What the negation below turns into the operator's meaning:
+            // ForAllValues: every request value matches (negated: none
+            // does); ForAnyValue: one matches (negated: one does not).
+            let (all, any) = (|| actual.iter().all(matches), || actual.iter().any(matches));
+            match (c.set, c.op.negated()) {
+                (SetOp::ForAllValues, false) | (SetOp::ForAnyValue, true) => all(),
+                _ => any(),
+            }
         };
         if c.op.negated() {
             !any
@@ -902,6 +932,54 @@ mod tests {
                     .map(|(_, v)| v.to_string()),
             }
         }
+        fn values(&self, key: &str) -> Option<Vec<String>> {
+            let v: Vec<String> = self
+                .values
+                .iter()
+                .filter(|(k, _)| *k == key)
+                .map(|(_, v)| v.to_string())
+                .collect();
+            (!v.is_empty()).then_some(v)
+        }
+    }
+
+    #[test]
+    fn set_operators_compare_multivalued_keys() {
+        let p = |cond: &str| {
+            Policy::parse(
+                &format!(
+                    r#"{{"Statement":{{"Effect":"Allow","Principal":"*","Action":"s3:PutObject","Resource":"arn:aws:s3:::b/*","Condition":{cond}}}}}"#
+                ),
+                "b",
+                &users,
+            )
+            .unwrap()
+        };
+        let tags = |keys: &[&'static str]| Cx {
+            who: Some("alice"),
+            values: keys
+                .iter()
+                .map(|k| ("s3:requestobjecttagkeys", *k))
+                .collect(),
+        };
+        let allowed = |p: &Policy, cx: &Cx| {
+            matches!(p.evaluate(cx, "s3:PutObject", "b/k"), Verdict::Allow { .. })
+        };
+        let all = p(r#"{"ForAllValues:StringEquals":{"s3:RequestObjectTagKeys":["team","cost"]}}"#);
+        assert!(allowed(&all, &tags(&["team"])));
+        assert!(allowed(&all, &tags(&["team", "cost"])));
+        assert!(!allowed(&all, &tags(&["team", "secret"])));
+        assert!(allowed(&all, &tags(&[])), "ForAllValues holds on no values");
+        let any = p(r#"{"ForAnyValue:StringEquals":{"s3:RequestObjectTagKeys":"team"}}"#);
+        assert!(allowed(&any, &tags(&["x", "team"])));
+        assert!(!allowed(&any, &tags(&["x", "y"])));
+        assert!(!allowed(&any, &tags(&[])));
+        let none = p(r#"{"ForAllValues:StringNotEquals":{"s3:RequestObjectTagKeys":"secret"}}"#);
+        assert!(allowed(&none, &tags(&["team", "cost"])));
+        assert!(!allowed(&none, &tags(&["team", "secret"])));
+        let some_other = p(r#"{"ForAnyValue:StringNotEquals":{"s3:RequestObjectTagKeys":"team"}}"#);
+        assert!(allowed(&some_other, &tags(&["team", "x"])));
+        assert!(!allowed(&some_other, &tags(&["team"])));
     }
 
     fn users(u: &str) -> bool {
@@ -1120,7 +1198,7 @@ mod tests {
                 "not supported",
             ),
             (
-                r#"{"Statement":{"Effect":"Allow","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*","Condition":{"StringEquals":{"s3:ExistingObjectTag/x":"o-1"}}}}"#,
+                r#"{"Statement":{"Effect":"Allow","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*","Condition":{"StringEquals":{"aws:ResourceTag/x":"o-1"}}}}"#,
                 "invalid condition key",
             ),
             (
