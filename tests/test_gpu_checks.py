@@ -70,6 +70,9 @@ def test_quick_run_measures_every_part_and_writes_tables_and_json(tmp_path):
     ceil = parts["ceilings"]
     assert ceil["s3_get"]["ops_per_sec"] > 0 and ceil["s3_put"]["ops_per_sec"] > 0
     assert not ceil["s3_get"].get("errors") and not ceil["s3_put"].get("errors")
+    # The GET of SSE-S3 objects, next to the plain one.
+    assert ceil["s3_get_sse"]["ops_per_sec"] > 0 and not ceil["s3_get_sse"].get("errors")
+    assert "SSE-S3" in md and "of the plain GET above" in md
     drive = next(v for k, v in ceil.items() if k.startswith("drive "))
     assert drive["bytes"] == 64 << 20 and drive["gb_per_sec"] > 0
     assert ceil["h2d"] == {}  # no GPU here, and the table says so

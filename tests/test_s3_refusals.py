@@ -16,6 +16,8 @@ import os
 import botocore.exceptions
 import pytest
 
+from sigv4 import signed_request
+
 KEY = os.urandom(32)
 
 
@@ -77,3 +79,13 @@ def test_object_lock_outside_a_lock_bucket_is_refused(s3):
             "InvalidRequest", 400)  # fmt: skip
     assert missing(s3, "lockobj", "k")
     refused(lambda: s3.get_object_lock_configuration(Bucket="lockobj"), "ObjectLockConfigurationNotFoundError", 404)
+
+
+def test_no_such_bucket_names_the_bucket(server, s3):
+    """NoSuchBucket's body names the bucket, as S3's does (`<BucketName>`)."""
+    r = signed_request(server.endpoint, "GET", "/not-a-bucket-here", query=[("list-type", "2")])
+    assert r.status_code == 404, r.text
+    assert "<Code>NoSuchBucket</Code>" in r.text and "<BucketName>not-a-bucket-here</BucketName>" in r.text, r.text
+    r = signed_request(server.endpoint, "PUT", "/not-a-bucket-here/k", body=b"x")
+    assert r.status_code == 404 and "<BucketName>not-a-bucket-here</BucketName>" in r.text, r.text
+    assert "x-tarn-bucket-name" not in {k.lower() for k in r.headers}

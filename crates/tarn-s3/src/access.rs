@@ -810,6 +810,16 @@ impl Access {
         if let Err(e) = sysdoc::delete(&self.store, &doc_key(name)).await {
             tracing::warn!(bucket = name, error = %e, "the deleted bucket's settings stay behind");
         }
+        // Its lifecycle lease too (a new bucket of the name would not take
+        // it: the lease names the old one's creation time).
+        let lease = crate::lifecycle::lease_key(name);
+        if let Err(e) = self
+            .store
+            .delete_object(tarn_store::SYSTEM_BUCKET, &lease, None)
+            .await
+        {
+            tracing::warn!(bucket = name, error = %e, "the deleted bucket's lifecycle lease stays behind");
+        }
         Ok(())
     }
 

@@ -102,6 +102,13 @@ pub fn s3_error(e: StoreError) -> S3Error {
     if let StoreError::PreconditionFailed(condition) = &e {
         err.set_headers(condition_header(condition));
     }
+    if let StoreError::NoSuchBucket(name) = &e {
+        if let Ok(v) = http::HeaderValue::from_str(name) {
+            let mut h = http::HeaderMap::new();
+            h.insert(BUCKET_NAME_HEADER, v);
+            err.set_headers(h);
+        }
+    }
     if let StoreError::DeleteMarker { version, .. } = &e {
         let mut h = http::HeaderMap::new();
         h.insert(
@@ -123,6 +130,9 @@ pub fn s3_error(e: StoreError) -> S3Error {
 /// it into the error body's `<Condition>` element (which s3s cannot write)
 /// and never sends it.
 pub const CONDITION_HEADER: &str = "x-tarn-condition";
+
+/// The same for a NoSuchBucket's `<BucketName>` (as S3's error names it).
+pub const BUCKET_NAME_HEADER: &str = "x-tarn-bucket-name";
 
 pub fn condition_header(condition: &'static str) -> http::HeaderMap {
     let mut h = http::HeaderMap::new();

@@ -514,7 +514,7 @@ struct Lease {
 const LEASE_TTL: Duration = Duration::from_secs(60);
 const LEASE_RENEW: Duration = Duration::from_secs(15);
 
-fn lease_key(bucket: &str) -> String {
+pub(crate) fn lease_key(bucket: &str) -> String {
     format!("lifecycle/{bucket}")
 }
 

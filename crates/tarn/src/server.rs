@@ -387,6 +387,7 @@ fn replace_body(r: &mut Resp, out: impl Into<Vec<u8>>) {
 /// "changed" by it).
 fn stamp_request_id(r: &mut Resp, id: &str) {
     let condition = r.headers_mut().remove(tarn_s3::error::CONDITION_HEADER);
+    let bucket = r.headers_mut().remove(tarn_s3::error::BUCKET_NAME_HEADER);
     let Ok(v) = http::HeaderValue::from_str(id) else {
         return;
     };
@@ -403,7 +404,12 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
         None => Some(default_message(&body)),
     };
     let condition = condition.filter(|_| find(&body, b"<Condition>").is_none());
-    if find(&body, b"<RequestId>").is_some() && message.is_none() && condition.is_none() {
+    let bucket = bucket.filter(|_| find(&body, b"<BucketName>").is_none());
+    if find(&body, b"<RequestId>").is_some()
+        && message.is_none()
+        && condition.is_none()
+        && bucket.is_none()
+    {
         return;
     }
     let mut out = Vec::with_capacity(body.len() + id.len() + 128);
@@ -415,6 +421,15 @@ fn stamp_request_id(r: &mut Resp, id: &str) {
         out.extend_from_slice(b"<Condition>");
         out.extend_from_slice(c.as_bytes());
         out.extend_from_slice(b"</Condition>");
+    }
+    if let Some(b) = bucket {
+        // Bucket names are letters, digits, dots and hyphens; escaped all
+        // the same.
+        let name = String::from_utf8_lossy(b.as_bytes())
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;");
+        out.extend_from_slice(format!("<BucketName>{name}</BucketName>").as_bytes());
     }
     if find(&body, b"<RequestId>").is_none() {
         out.extend_from_slice(format!("<RequestId>{id}</RequestId>").as_bytes());
