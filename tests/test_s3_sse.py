@@ -7,6 +7,7 @@ work on encrypted objects; and the refusals are AWS's."""
 
 import base64
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import requests
 
 from conftest import data, md5hex
-from tarnproc import ACCESS_KEY, SECRET_KEY, add_user, metric, wait_for
+from tarnproc import ACCESS_KEY, SECRET_KEY, add_user, admin, metric, wait_for
 
 MiB = 1 << 20
 # A marker no drive holds unless an object's plaintext is stored there.
@@ -364,7 +365,36 @@ def test_master_key_rotation_rewrites_no_data(make_server, tmp_path):
         server.start()
     write_keys(keys, key_line("m2", "two"), key_line("m1", "one"))
     server.start()
-    assert server.client().get_object(Bucket="rot", Key="old")["Body"].read() == old
+    s3 = server.client()
+    assert s3.get_object(Bucket="rot", Key="old")["Body"].read() == old
+    # Retiring m1: `tarn admin sse rewrap` rewraps every data key still
+    # under it (versions too), rewriting no data; then m1 can go.
+    s3.create_bucket(Bucket="rotv")
+    s3.put_bucket_versioning(Bucket="rotv", VersioningConfiguration={"Status": "Enabled"})
+    server.stop()
+    write_keys(keys, key_line("m1", "one"), key_line("m2", "two"))
+    server.start()
+    s3 = server.client()
+    v1 = s3.put_object(Bucket="rotv", Key="k", Body=b"first", ServerSideEncryption="AES256")["VersionId"]
+    s3.put_object(Bucket="rotv", Key="k", Body=b"second", ServerSideEncryption="AES256")
+    server.stop()
+    write_keys(keys, key_line("m2", "two"), key_line("m1", "one"))
+    server.start()
+    shards_before = sorted(os.path.join(r, f) for d in server.drives for r, _, fs in os.walk(os.path.join(d, "data")) for f in fs)
+    out = json.loads(admin(server, "sse", "rewrap", "--json").stdout)
+    assert out == {"active_master_key": "m2", "versions_scanned": 5, "rewrapped": 4, "failed": 0}, out
+    human = admin(server, "sse", "rewrap").stdout
+    assert "0 rewrapped under master key m2, 0 failed" in human, human
+    shards_after = sorted(os.path.join(r, f) for d in server.drives for r, _, fs in os.walk(os.path.join(d, "data")) for f in fs)
+    assert shards_before == shards_after, "a rewrap rewrites no data"
+    server.stop()
+    write_keys(keys, key_line("m2", "two"))
+    server.start()
+    s3 = server.client()
+    assert s3.get_object(Bucket="rot", Key="old")["Body"].read() == old
+    assert s3.get_object(Bucket="rot", Key="old-small")["Body"].read() == b"tiny"
+    assert s3.get_object(Bucket="rotv", Key="k", VersionId=v1)["Body"].read() == b"first"
+    assert s3.get_object(Bucket="rotv", Key="k")["Body"].read() == b"second"
 
 
 def test_encrypted_objects_read_after_drive_loss_and_heal(keyed):

@@ -15,6 +15,7 @@
 //! KMS context, so a wrapped key moved to another object does not open.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use s3s::{S3Error, S3ErrorCode, S3Result};
 use tarn_store::seal::{self, DataKey, SealSpec};
@@ -673,6 +674,132 @@ impl KeyRing {
             )),
         }
     }
+}
+
+/// A version's wrapped data key as stored, and the headers that replace it.
+pub type Rewrapped = (String, Vec<(String, String)>);
+
+impl KeyRing {
+    /// An SSE-S3 object's (or version's) stored headers with its data key
+    /// wrapped anew under the active master key: (the wrapped key now
+    /// stored, the headers to store instead). None when it is not SSE-S3
+    /// or already under the active key. No object data is touched: after
+    /// every object under an old master key is rewrapped, that key can
+    /// leave the key file.
+    pub fn rewrapped(
+        &self,
+        headers: &[(String, String)],
+        bucket: &str,
+        key: &str,
+    ) -> S3Result<Option<Rewrapped>> {
+        let get = |n: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.as_str())
+        };
+        let (Some(AES256), Some((active, kek))) = (get(MODE_HEADER), self.master.first()) else {
+            return Ok(None);
+        };
+        if get(KEY_ID_HEADER) == Some(active.as_str()) {
+            return Ok(None);
+        }
+        let old = get(WRAPPED_HEADER).unwrap_or_default().to_string();
+        let Some(data_key) = self.data_key(headers, None, bucket, key, 0)? else {
+            return Ok(None);
+        };
+        let wrapped = seal::wrap(
+            kek,
+            &binding(bucket, key, AES256, active, ""),
+            data_key.bytes(),
+        );
+        Ok(Some((
+            old,
+            vec![
+                (
+                    WRAPPED_HEADER.to_string(),
+                    base64_simd::STANDARD.encode_to_string(&wrapped),
+                ),
+                (KEY_ID_HEADER.to_string(), active.clone()),
+            ],
+        )))
+    }
+}
+
+/// What a rewrap pass did (`rewrap_all`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RewrapReport {
+    pub versions_scanned: u64,
+    pub rewrapped: u64,
+    /// Versions whose key could not be unwrapped or written (the log says
+    /// which); their master key must stay.
+    pub failed: u64,
+}
+
+/// Rewraps the data key of every SSE-S3 version of every bucket that is
+/// not under the active master key (`KeyRing::rewrapped`), each under its
+/// key's lock and only if its wrapped key is still the one read (a version
+/// replaced meanwhile is left as it now is). Uploads in progress keep
+/// their key until they complete or are aborted.
+pub async fn rewrap_all(store: &Arc<tarn_store::Store>, keys: &KeyRing) -> RewrapReport {
+    let mut report = RewrapReport::default();
+    for b in store.list_buckets() {
+        let (mut key_marker, mut version_marker) = (None, None);
+        loop {
+            let page = match store
+                .list_object_versions(
+                    &b.name,
+                    tarn_store::VersionListParams {
+                        prefix: String::new(),
+                        delimiter: None,
+                        key_marker: key_marker.clone(),
+                        version_id_marker: version_marker.clone(),
+                        max_keys: 1000,
+                    },
+                )
+                .await
+            {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(bucket = %b.name, error = %e, "rewrap: the bucket cannot be listed");
+                    report.failed += 1;
+                    break;
+                }
+            };
+            for v in &page.versions {
+                report.versions_scanned += 1;
+                let version = v.version_id.clone().unwrap_or_else(|| "null".into());
+                let done = match keys.rewrapped(&v.headers, &b.name, &v.key) {
+                    Ok(None) => continue,
+                    Ok(Some((old, new))) => store
+                        .replace_headers_if(
+                            &b.name,
+                            &v.key,
+                            &version,
+                            (WRAPPED_HEADER, old.as_str()),
+                            new,
+                        )
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                match done {
+                    Ok(true) => report.rewrapped += 1,
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(bucket = %b.name, key = %v.key, %version, error = %e, "rewrap: a version's data key stays under its old master key");
+                        report.failed += 1;
+                    }
+                }
+            }
+            if !page.is_truncated {
+                break;
+            }
+            key_marker = page.next_key_marker;
+            version_marker = page.next_version_id_marker;
+        }
+    }
+    report
 }
 
 fn not_applicable() -> S3Error {

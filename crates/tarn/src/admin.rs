@@ -328,15 +328,31 @@ pub async fn serve_forming(
 /// How long the forming admin server finishes its answers after the map.
 const FORMING_DRAIN: Duration = Duration::from_secs(5);
 
-async fn handle(
-    req: http::Request<Incoming>,
+/// What the admin port serves from.
+#[derive(Clone)]
+struct Ctx {
     store: Arc<Store>,
     metrics: Arc<Metrics>,
     token: Arc<String>,
     iam: Arc<Iam>,
     caches: Arc<Caches>,
     node: Option<Arc<Node>>,
+    keys: Arc<tarn_s3::sse::KeyRing>,
+}
+
+async fn handle(
+    req: http::Request<Incoming>,
+    ctx: Ctx,
 ) -> Result<http::Response<s3s::Body>, Infallible> {
+    let Ctx {
+        store,
+        metrics,
+        token,
+        iam,
+        caches,
+        node,
+        keys,
+    } = ctx;
     let authorized = authorized(&req, &token);
     let path = req.uri().path();
     if authorized && (path == "/admin/cache" || path.starts_with("/admin/cache/")) {
@@ -420,6 +436,23 @@ async fn handle(
                 ),
             )
         }
+        ("POST", "/admin/sse/rewrap") => {
+            let r = tarn_s3::sse::rewrap_all(&store, &keys).await;
+            text(
+                200,
+                "application/json",
+                format!(
+                    "{{\"active_master_key\":{},\"versions_scanned\":{},\"rewrapped\":{},\"failed\":{}}}\n",
+                    keys.master_ids()
+                        .first()
+                        .map(|k| format!("\"{}\"", json_escape(k)))
+                        .unwrap_or_else(|| "null".into()),
+                    r.versions_scanned,
+                    r.rewrapped,
+                    r.failed
+                ),
+            )
+        }
         ("GET", "/admin/drives") => {
             let drives: Vec<String> = store
                 .drive_status()
@@ -454,17 +487,34 @@ async fn handle(
     Ok(r)
 }
 
-pub async fn serve(
-    listener: TcpListener,
-    store: Arc<Store>,
-    metrics: Arc<Metrics>,
-    token: String,
-    access: Arc<Access>,
-    node: Option<Arc<Node>>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let token = Arc::new(token);
-    let (iam, caches) = (access.iam.clone(), access.caches.clone());
+/// What the admin port of a serving node answers from.
+pub struct Services {
+    pub store: Arc<Store>,
+    pub metrics: Arc<Metrics>,
+    pub token: String,
+    pub access: Arc<Access>,
+    pub node: Option<Arc<Node>>,
+    pub keys: Arc<tarn_s3::sse::KeyRing>,
+}
+
+pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::Receiver<bool>) {
+    let Services {
+        store,
+        metrics,
+        token,
+        access,
+        node,
+        keys,
+    } = services;
+    let ctx = Ctx {
+        store,
+        metrics,
+        token: Arc::new(token),
+        iam: access.iam.clone(),
+        caches: access.caches.clone(),
+        node,
+        keys,
+    };
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -473,9 +523,9 @@ pub async fn serve(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let (store, metrics, token, iam, caches, node) = (store.clone(), metrics.clone(), token.clone(), iam.clone(), caches.clone(), node.clone());
+                let ctx = ctx.clone();
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| handle(req, store.clone(), metrics.clone(), token.clone(), iam.clone(), caches.clone(), node.clone()));
+                    let svc = hyper::service::service_fn(move |req| handle(req, ctx.clone()));
                     let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

@@ -40,6 +40,20 @@ enum AdminCommand {
     /// Cache buckets over upstream S3 buckets.
     #[command(subcommand)]
     Cache(crate::admin_cache_cli::CacheCommand),
+    /// Server-side encryption's keys.
+    #[command(subcommand)]
+    Sse(SseCommand),
+}
+
+#[derive(clap::Subcommand)]
+enum SseCommand {
+    /// Rewrap the data key of every SSE-S3 object under an older master
+    /// key with the active one (the key file's first), rewriting no data;
+    /// once it reports no failures, the older keys can leave the key file.
+    Rewrap {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(clap::Subcommand)]
@@ -204,6 +218,26 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
                 pool["data_shards"],
                 pool["parity_shards"],
                 v["epoch"]
+            );
+            Ok(())
+        }
+        AdminCommand::Sse(SseCommand::Rewrap { json }) => {
+            let v = call("POST", "/admin/sse/rewrap")?;
+            if json {
+                println!("{v}");
+                return Ok(());
+            }
+            println!(
+                "{} version(s) scanned, {} rewrapped under master key {}, {} failed{}",
+                v["versions_scanned"],
+                v["rewrapped"],
+                v["active_master_key"].as_str().unwrap_or("(none)"),
+                v["failed"],
+                if v["failed"].as_u64() == Some(0) {
+                    ""
+                } else {
+                    " (the server's log names them; keep their master keys)"
+                }
             );
             Ok(())
         }

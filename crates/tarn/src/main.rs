@@ -734,6 +734,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     }
     let permissions_of_admin = permissions.clone();
     let s3 = tarn_s3::build_service(store.clone(), permissions, &settings);
+    let sse_keys = settings.keys.clone();
     println!(
         "Tarn {} — {} drive(s), erasure {k}+{m}, region {region}",
         env!("CARGO_PKG_VERSION"),
@@ -891,6 +892,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         region,
         admin_token: secret,
         access: permissions_of_admin,
+        sse_keys,
         scan_interval: (scan > 0).then(|| Duration::from_secs(scan)),
         lifecycle: {
             let d = tarn_s3::lifecycle::ScanSettings::default();

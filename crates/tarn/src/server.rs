@@ -61,6 +61,8 @@ pub struct ServerSettings {
     pub admin_token: String,
     /// Users and their keys, and cache buckets, managed on the admin port.
     pub access: Arc<tarn_s3::access::Access>,
+    /// Server-side encryption's keys (the admin port rewraps data keys).
+    pub sse_keys: Arc<tarn_s3::sse::KeyRing>,
     pub scan_interval: Option<Duration>,
     /// The lifecycle scanner's pace (docs/lifecycle.md).
     pub lifecycle: tarn_s3::lifecycle::ScanSettings,
@@ -1103,6 +1105,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
             settings.admin_token.clone(),
             settings.access.clone(),
             settings.cluster.clone(),
+            settings.sse_keys.clone(),
         );
         let scan = settings.scan_interval;
         let lifecycle = settings.lifecycle;
@@ -1132,11 +1135,14 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                             let listener = TcpListener::from_std(admin)?;
                             tokio::spawn(crate::admin::serve(
                                 listener,
-                                store.clone(),
-                                admin_ctx.0,
-                                admin_ctx.1,
-                                admin_ctx.2,
-                                admin_ctx.3,
+                                crate::admin::Services {
+                                    store: store.clone(),
+                                    metrics: admin_ctx.0,
+                                    token: admin_ctx.1,
+                                    access: admin_ctx.2,
+                                    node: admin_ctx.3,
+                                    keys: admin_ctx.4,
+                                },
                                 stop.clone(),
                             ));
                         }

@@ -3135,6 +3135,47 @@ impl Store {
         .await
     }
 
+    /// Replaces stored headers of one version (`version`: an id or
+    /// `null`), only if its header `expect.0` still has the value
+    /// `expect.1`: Ok(false) (nothing written) when it changed or the
+    /// version is gone. Never touches data.
+    pub async fn replace_headers_if(
+        &self,
+        bucket: &str,
+        key: &str,
+        version: &str,
+        expect: (&str, &str),
+        set: Vec<(String, String)>,
+    ) -> Result<bool, StoreError> {
+        let mut changed = false;
+        let r = self
+            .try_update_version(bucket, key, Some(version), |v| {
+                let holds = v
+                    .headers
+                    .iter()
+                    .any(|(k, val)| k == expect.0 && val == expect.1);
+                if !holds {
+                    // Nothing to write: refused so the record stays as it is.
+                    return Err(StoreError::PreconditionFailed("stored header"));
+                }
+                for (name, value) in set {
+                    v.headers.retain(|(k, _)| *k != name);
+                    v.headers.push((name, value));
+                }
+                changed = true;
+                Ok(())
+            })
+            .await;
+        match r {
+            Ok(_) => Ok(changed),
+            Err(StoreError::PreconditionFailed(_))
+            | Err(StoreError::NoSuchVersion { .. })
+            | Err(StoreError::NoSuchKey { .. })
+            | Err(StoreError::MethodNotAllowed) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Sets a version's retention (None removes it), as the lock allows
     /// (`ObjectLock::may_retain`); `bypass_governance` as for deletes.
     pub async fn set_object_retention(
