@@ -432,6 +432,16 @@ enum Decision {
     ObjectAcl(ObjectCheck),
 }
 
+/// One parameter of a query string, decoded.
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (urlencoding::decode(k).ok()? == name)
+            .then(|| urlencoding::decode(v).ok().map(|v| v.into_owned()))
+            .flatten()
+    })
+}
+
 /// The values of a request's condition keys.
 struct Ctx<'a> {
     user: Option<&'a str>,
@@ -445,12 +455,7 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn query_param(&self, name: &str) -> Option<String> {
-        self.query?.split('&').find_map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (urlencoding::decode(k).ok()? == name)
-                .then(|| urlencoding::decode(v).ok().map(|v| v.into_owned()))
-                .flatten()
-        })
+        query_param(self.query?, name)
     }
 
     fn header(&self, name: &str) -> Option<String> {
@@ -1206,14 +1211,7 @@ impl Access {
         {
             return None;
         }
-        let version = query.and_then(|q| {
-            q.split('&').find_map(|pair| {
-                let (k, v) = pair.split_once('=')?;
-                (k == "versionId")
-                    .then(|| urlencoding::decode(v).ok().map(|v| v.into_owned()))
-                    .flatten()
-            })
-        });
+        let version = query.and_then(|q| query_param(q, "versionId"));
         self.store
             .head_object(bucket, key, version.as_deref())
             .await

@@ -612,12 +612,7 @@ impl KeyRing {
         key: &str,
         bucket_created_ns: u64,
     ) -> S3Result<Option<DataKey>> {
-        let get = |n: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k == n)
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |n: &str| stored(headers, n);
         let Some(mode) = get(MODE_HEADER) else {
             if customer.is_some() {
                 return Err(not_applicable());
@@ -692,12 +687,7 @@ impl KeyRing {
         bucket: &str,
         key: &str,
     ) -> S3Result<Option<Rewrapped>> {
-        let get = |n: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k == n)
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |n: &str| stored(headers, n);
         let (Some(AES256), Some((active, kek))) = (get(MODE_HEADER), self.master.first()) else {
             return Ok(None);
         };
@@ -800,6 +790,14 @@ pub async fn rewrap_all(store: &Arc<tarn_store::Store>, keys: &KeyRing) -> Rewra
         }
     }
     report
+}
+
+/// A stored header's value.
+fn stored<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
 }
 
 fn not_applicable() -> S3Error {
