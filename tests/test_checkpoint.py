@@ -140,6 +140,16 @@ def test_save_and_load_equal_and_commit_is_one_conditional_put(store):
     # A checkpoint that is there is not replaced unless asked.
     dcp_error(ckpt.CheckpointExistsError, "a committed checkpoint is there already",
               dcp.save, sd, storage_writer=ckpt.StorageWriter(uri, client=c))
+    # The documented way through DCP's wrapping (a BaseException).
+    try:
+        dcp.save(sd, storage_writer=ckpt.StorageWriter(uri, client=c))
+        raise AssertionError("the save succeeded")
+    except BaseException as e:
+        assert not isinstance(e, Exception), type(e)  # why `except Exception` misses it
+        errors = ckpt.tarn_errors(e)
+        assert len(errors) == 1 and isinstance(errors[0], ckpt.CheckpointExistsError), errors
+    assert ckpt.tarn_errors(ValueError("not ours")) == []
+    assert ckpt.tarn_errors(ckpt.CheckpointError("direct")) != []
     sd2 = {"only": torch.ones(4)}
     dcp.save(sd2, storage_writer=ckpt.StorageWriter(uri, client=c, overwrite=True))
     got = {"only": torch.zeros(4)}

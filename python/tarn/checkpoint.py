@@ -65,6 +65,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "LatestConflictError",
+    "tarn_errors",
 ]
 
 METADATA = ".metadata"
@@ -95,6 +96,37 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class LatestConflictError(CheckpointError):
     """The ``latest`` pointer was not what the caller expected: another
     writer moved it first. Nothing was changed."""
+
+
+def tarn_errors(exc: BaseException) -> list[TarnError]:
+    """The Tarn errors behind an exception ``dcp.save`` or ``dcp.load``
+    raised, in rank order: DCP wraps what a rank raised in a
+    ``CheckpointException`` (a ``BaseException``, so ``except Exception``
+    does not catch it) whose ``failures`` maps ranks to (error, traceback);
+    each error and the ones it was raised from or while handling are
+    searched. A Tarn error raised directly is returned as itself; an
+    exception with none under it gives an empty list (re-raise it)::
+
+        try:
+            dcp.save(state_dict, storage_writer=StorageWriter(uri))
+        except BaseException as e:
+            errors = tarn_errors(e)
+            if not any(isinstance(x, CheckpointExistsError) for x in errors):
+                raise
+    """
+    failures = getattr(exc, "failures", None)
+    roots = [x for _, (x, _tb) in sorted(failures.items())] if isinstance(failures, dict) else [exc]
+    found: list[TarnError] = []
+    for root in roots:
+        seen = set()
+        x: Optional[BaseException] = root
+        while x is not None and id(x) not in seen:
+            seen.add(id(x))
+            if isinstance(x, TarnError):
+                found.append(x)
+                break
+            x = x.__cause__ or x.__context__
+    return found
 
 
 @dataclasses.dataclass(frozen=True)

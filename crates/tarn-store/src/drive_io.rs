@@ -418,7 +418,8 @@ impl Drive for LocalDrive {
             ShardPlace::Tmp => self.paths.tmp_shard(&data_id),
         };
         Box::pin(async move {
-            let writer = ShardWriter::create(&path, shard_index).await?;
+            let parent = path.parent().unwrap_or(&path).to_path_buf();
+            let writer = remade_dir(&parent, || ShardWriter::create(&path, shard_index)).await?;
             // A file in place needs its directory entry durable too.
             let dir = match place {
                 ShardPlace::Final => path.parent().map(std::path::Path::to_path_buf),
@@ -429,10 +430,11 @@ impl Drive for LocalDrive {
     }
 
     fn commit_shard(&self, tmp_id: Id128, data_id: Id128) -> BoxFuture<'_, io::Result<()>> {
-        Box::pin(rename_durable(
-            self.paths.tmp_shard(&tmp_id),
-            self.paths.shard(&data_id),
-        ))
+        let (from, to) = (self.paths.tmp_shard(&tmp_id), self.paths.shard(&data_id));
+        Box::pin(async move {
+            let parent = to.parent().unwrap_or(&to).to_path_buf();
+            remade_dir(&parent, || rename_durable(from.clone(), to.clone())).await
+        })
     }
 
     fn open_shard(
@@ -518,5 +520,31 @@ impl ShardSource for ShardReader {
 
     fn verify_all(&mut self, shard_index: u8) -> BoxFuture<'_, Result<(), ShardError>> {
         Box::pin(ShardReader::verify_all(self, shard_index))
+    }
+}
+
+/// Runs `op`, and once more after making `dir` again if `op` failed because
+/// `dir` (one of a drive's fan-out directories) is gone: someone removed it
+/// by hand, and heal and new writes should put shards back, not fail.
+async fn remade_dir<T, F, Fut>(dir: &std::path::Path, op: F) -> io::Result<T>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = io::Result<T>>,
+{
+    match op().await {
+        Err(e) if e.kind() == io::ErrorKind::NotFound && !dir.exists() => {
+            tracing::warn!(dir = %dir.display(), "a drive directory was missing: made again");
+            let d = dir.to_path_buf();
+            run_blocking(move || {
+                std::fs::create_dir_all(&d)?;
+                match d.parent() {
+                    Some(p) => tarn_io::file::sync_dir(p),
+                    None => Ok(()),
+                }
+            })
+            .await?;
+            op().await
+        }
+        r => r,
     }
 }

@@ -272,6 +272,35 @@ pub struct HealReport {
     pub bytes_scanned: u64,
 }
 
+/// How far a heal pass has come, readable while it runs (`Store::heal_with`).
+#[derive(Debug, Default)]
+pub struct HealProgress {
+    /// 0 counting objects, 1 healing them, 2 sweeping orphans, 3 done.
+    pub phase: std::sync::atomic::AtomicU8,
+    /// Objects the pass found to heal (known once counting ends).
+    pub objects_total: std::sync::atomic::AtomicU64,
+    pub objects_done: std::sync::atomic::AtomicU64,
+    pub objects_healed: std::sync::atomic::AtomicU64,
+    pub failures: std::sync::atomic::AtomicU64,
+    pub bytes_scanned: std::sync::atomic::AtomicU64,
+}
+
+impl HealProgress {
+    pub const COUNTING: u8 = 0;
+    pub const HEALING: u8 = 1;
+    pub const SWEEPING: u8 = 2;
+    pub const DONE: u8 = 3;
+
+    pub fn phase_name(&self) -> &'static str {
+        match self.phase.load(std::sync::atomic::Ordering::Relaxed) {
+            Self::COUNTING => "counting",
+            Self::HEALING => "healing",
+            Self::SWEEPING => "sweeping orphans",
+            _ => "done",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct DriveStatus {
     pub path: String,
@@ -288,6 +317,9 @@ pub struct DriveStatus {
     /// the writes it missed are replayed to it.
     pub syncing: bool,
     pub reason: Option<String>,
+    /// Free and total bytes of the drive's filesystem (this node's drives;
+    /// None for another node's or when they cannot be read).
+    pub space: Option<(u64, u64)>,
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ pub(crate) fn text(
 
 /// Compares without an early exit, so response time does not reveal how much
 /// of a guessed token was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
@@ -338,22 +338,142 @@ struct Ctx {
     caches: Arc<Caches>,
     node: Option<Arc<Node>>,
     keys: Arc<tarn_s3::sse::KeyRing>,
+    heal_jobs: Arc<crate::jobs::HealJobs>,
+    console: Arc<crate::console::Console>,
+    /// This node's S3 endpoint (the console's S3 calls go there) and region.
+    s3: std::net::SocketAddr,
+    region: Arc<str>,
+    /// The connection's client.
+    client: std::net::IpAddr,
+}
+
+/// A drive's state in one word.
+pub(crate) fn drive_state(d: &tarn_store::DriveStatus) -> &'static str {
+    if d.online && d.rebuilding {
+        "rebuilding"
+    } else if d.online && d.syncing {
+        "syncing"
+    } else if d.online && d.full {
+        "full"
+    } else if d.online {
+        "online"
+    } else if d.faulty {
+        "faulty"
+    } else {
+        "offline"
+    }
+}
+
+/// What `/health/ready` and `/admin/status` say of this node.
+struct Readiness {
+    /// "ready", "degraded" (serving, with less redundancy than configured)
+    /// or "not ready" (a set lacks quorum).
+    state: &'static str,
+    /// The drives that are not fully in service, and why.
+    problems: Vec<String>,
+    drives: usize,
+}
+
+fn readiness(store: &Store) -> Readiness {
+    let drives = store.drive_status();
+    let problems: Vec<String> = drives
+        .iter()
+        .filter(|d| !d.online || d.full || d.rebuilding)
+        .map(|d| match &d.reason {
+            _ if d.online && d.rebuilding => format!("{} (rebuilding its index)", d.path),
+            _ if d.online => format!("{} (full: below its free-space reserve)", d.path),
+            Some(r) => format!("{} ({r})", d.path),
+            None => d.path.clone(),
+        })
+        .collect();
+    let state = match (store.is_ready(), problems.is_empty()) {
+        (true, true) => "ready",
+        (true, false) => "degraded",
+        (false, _) => "not ready",
+    };
+    Readiness {
+        state,
+        problems,
+        drives: drives.len(),
+    }
+}
+
+/// A query parameter's decoded value.
+fn query_param(query: Option<&str>, name: &str) -> Option<String> {
+    query?
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == name)
+        .and_then(|(_, v)| tarn_s3::post::percent_decode(v))
+}
+
+fn store_error(e: tarn_store::StoreError) -> http::Response<s3s::Body> {
+    let status = match &e {
+        tarn_store::StoreError::NoSuchBucket(_) => 404,
+        tarn_store::StoreError::InvalidArgument(_) => 400,
+        _ => 500,
+    };
+    json(status, serde_json::json!({ "error": e.to_string() }))
+}
+
+fn lifecycle_json() -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &tarn_s3::lifecycle::COUNTERS;
+    serde_json::json!({
+        "id": "lifecycle",
+        "kind": "lifecycle",
+        "state": "scheduled",
+        "passes": c.passes.load(Relaxed),
+        "versions_scanned": c.scanned.load(Relaxed),
+        "expired": c.expired.load(Relaxed) + c.noncurrent_expired.load(Relaxed),
+        "delete_markers_removed": c.delete_markers_removed.load(Relaxed),
+        "uploads_aborted": c.uploads_aborted.load(Relaxed),
+        "locked_kept": c.locked_kept.load(Relaxed),
+        "errors": c.errors.load(Relaxed),
+    })
 }
 
 async fn handle(
     req: http::Request<Incoming>,
     ctx: Ctx,
 ) -> Result<http::Response<s3s::Body>, Infallible> {
+    if req.uri().path() == "/console" || req.uri().path().starts_with("/console/") {
+        let routed = crate::console::handle(
+            req,
+            crate::console::Ctx {
+                console: &ctx.console,
+                iam: &ctx.iam,
+                client: ctx.client,
+                s3: ctx.s3,
+                region: &ctx.region,
+            },
+        )
+        .await;
+        return match routed {
+            crate::console::Routed::Done(r) => Ok(r),
+            // A root session's admin call: answered as with the token.
+            crate::console::Routed::Admin(req) => answer(req, ctx, true).await,
+        };
+    }
+    let authorized = authorized(&req, &ctx.token);
+    answer(req, ctx, authorized).await
+}
+
+async fn answer(
+    req: http::Request<Incoming>,
+    ctx: Ctx,
+    authorized: bool,
+) -> Result<http::Response<s3s::Body>, Infallible> {
     let Ctx {
         store,
         metrics,
-        token,
         iam,
         caches,
         node,
         keys,
+        heal_jobs,
+        ..
     } = ctx;
-    let authorized = authorized(&req, &token);
     let path = req.uri().path();
     if authorized && (path == "/admin/cache" || path.starts_with("/admin/cache/")) {
         return Ok(crate::admin_cache::handle(req, &caches, node.as_ref()).await);
@@ -361,41 +481,22 @@ async fn handle(
     let r = match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
         ("GET", "/health/ready") => {
-            let offline: Vec<String> = store
-                .drive_status()
-                .into_iter()
-                .filter(|d| !d.online || d.full || d.rebuilding)
-                .map(|d| match d.reason {
-                    _ if d.online && d.rebuilding => {
-                        format!("{} (rebuilding its index)", d.path)
-                    }
-                    _ if d.online => format!("{} (full: below its free-space reserve)", d.path),
-                    Some(r) => format!("{} ({r})", d.path),
-                    None => d.path,
-                })
-                .collect();
-            if store.is_ready() && offline.is_empty() {
-                text(200, "text/plain", "ready\n".into())
-            } else if store.is_ready() {
-                // Serving, with less redundancy than configured: ready for
-                // traffic, and saying what is missing.
-                text(
-                    200,
-                    "text/plain",
-                    format!(
-                        "degraded: {} of {} drives offline, full or rebuilding: {}\n",
-                        offline.len(),
-                        store.drive_status().len(),
-                        offline.join(", ")
-                    ),
-                )
-            } else {
-                text(
-                    503,
-                    "text/plain",
-                    "not ready: an erasure set lacks write or read quorum\n".into(),
-                )
-            }
+            let r = readiness(&store);
+            let body = match r.state {
+                "ready" => "ready\n".to_string(),
+                "degraded" => format!(
+                    "degraded: {} of {} drives offline, full or rebuilding: {}\n",
+                    r.problems.len(),
+                    r.drives,
+                    r.problems.join(", ")
+                ),
+                _ => "not ready: an erasure set lacks write or read quorum\n".to_string(),
+            };
+            text(
+                if r.state == "not ready" { 503 } else { 200 },
+                "text/plain",
+                body,
+            )
         }
         ("GET", "/metrics") => {
             let under = store.under_replicated().await.objects;
@@ -426,14 +527,100 @@ async fn handle(
             cluster(m, p, req.uri().query(), node.as_deref()).await
         }
         ("POST", "/admin/heal") => {
-            let r = store.heal_all().await;
-            text(
+            // Runs as a job (seen in /admin/jobs) and answers its report.
+            let bucket = query_param(req.uri().query(), "bucket");
+            match heal_jobs.start(&store, bucket.as_deref()) {
+                Ok((job, _)) => match crate::jobs::HealJobs::wait(&job).await {
+                    Ok(r) => json(200, crate::jobs::report_json(&r)),
+                    Err(e) => json(500, serde_json::json!({ "error": e })),
+                },
+                Err(e) => store_error(e),
+            }
+        }
+        ("POST", "/admin/heal/jobs") => {
+            let bucket = query_param(req.uri().query(), "bucket");
+            match heal_jobs.start(&store, bucket.as_deref()) {
+                Ok((job, started)) => {
+                    let mut v = job.json();
+                    v["started"] = serde_json::Value::Bool(started);
+                    json(202, v)
+                }
+                Err(e) => store_error(e),
+            }
+        }
+        ("GET", "/admin/jobs") => {
+            let mut all: Vec<serde_json::Value> =
+                heal_jobs.jobs().iter().map(|j| j.json()).collect();
+            if let Some(n) = node.as_ref() {
+                if let Ok(st) = n.status().await {
+                    all.extend(st["jobs"].as_array().cloned().unwrap_or_default());
+                }
+            }
+            all.extend(caches.jobs().iter().map(|j| j.json()));
+            all.push(lifecycle_json());
+            json(200, serde_json::json!({ "jobs": all }))
+        }
+        ("GET", p) if p.starts_with("/admin/jobs/") => {
+            let id = &p["/admin/jobs/".len()..];
+            match (heal_jobs.job(id), caches.job(id)) {
+                (Some(j), _) => json(200, j.json()),
+                (None, Some(j)) => json(200, j.json()),
+                _ => json(404, serde_json::json!({ "error": format!("no job {id}") })),
+            }
+        }
+        ("GET", "/admin/status") => {
+            let r = readiness(&store);
+            let drives = store.drive_status();
+            let count =
+                |f: fn(&tarn_store::DriveStatus) -> bool| drives.iter().filter(|d| f(d)).count();
+            let (free, total) = drives
+                .iter()
+                .filter_map(|d| d.space)
+                .fold((0u64, 0u64), |(f, t), (df, dt)| (f + df, t + dt));
+            let under = store.under_replicated().await.objects;
+            let running = heal_jobs.jobs().iter().filter(|j| j.running()).count()
+                + caches.jobs().iter().filter(|j| !j.finished()).count();
+            let cluster = match node.as_ref() {
+                None => serde_json::Value::Null,
+                Some(n) => match n.status().await {
+                    Ok(st) => {
+                        let nodes = st["nodes"].as_array().cloned().unwrap_or_default();
+                        let live = nodes.iter().filter(|n| n["live"] == true).count();
+                        serde_json::json!({
+                            "id": st["cluster"],
+                            "node": st["node"],
+                            "epoch": st["epoch"],
+                            "nodes": nodes.len(),
+                            "nodes_live": live,
+                            "suspect_peers": st["suspect_peers"],
+                            "repair_done": st["repair_done"],
+                        })
+                    }
+                    Err(e) => serde_json::json!({ "error": e }),
+                },
+            };
+            json(
                 200,
-                "application/json",
-                format!(
-                    "{{\"objects_scanned\":{},\"objects_healed\":{},\"shards_rebuilt\":{},\"metadata_rewritten\":{},\"buckets_healed\":{},\"orphans_removed\":{},\"failures\":{}}}\n",
-                    r.objects_scanned, r.objects_healed, r.shards_rebuilt, r.metadata_rewritten, r.buckets_healed, r.orphans_removed, r.failures
-                ),
+                serde_json::json!({
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "uptime_seconds": crate::metrics::uptime().as_secs(),
+                    "mode": if node.is_some() { "cluster" } else { "single node" },
+                    "health": r.state,
+                    "problems": r.problems,
+                    "drives": {
+                        "total": drives.len(),
+                        "online": count(|d| d.online && !d.rebuilding && !d.syncing && !d.full),
+                        "offline": count(|d| !d.online),
+                        "rebuilding": count(|d| d.online && d.rebuilding),
+                        "syncing": count(|d| d.online && d.syncing),
+                        "full": count(|d| d.online && d.full),
+                    },
+                    "capacity": { "total_bytes": total, "free_bytes": free, "used_bytes": total.saturating_sub(free) },
+                    "buckets": store.list_buckets().len(),
+                    "under_replicated": under,
+                    "jobs_running": running,
+                    "cluster": cluster,
+                }),
             )
         }
         ("POST", "/admin/sse/rewrap") => {
@@ -454,33 +641,23 @@ async fn handle(
             )
         }
         ("GET", "/admin/drives") => {
-            let drives: Vec<String> = store
+            let drives: Vec<serde_json::Value> = store
                 .drive_status()
                 .into_iter()
                 .map(|d| {
-                    format!(
-                        "{{\"path\":\"{}\",\"set\":{},\"online\":{},\"state\":\"{}\",\"reason\":{}}}",
-                        json_escape(&d.path),
-                        d.set_index,
-                        d.online,
-                        if d.online && d.rebuilding {
-                            "rebuilding"
-                        } else if d.online && d.full {
-                            "full"
-                        } else if d.online {
-                            "online"
-                        } else if d.faulty {
-                            "faulty"
-                        } else {
-                            "offline"
-                        },
-                        d.reason
-                            .map(|r| format!("\"{}\"", json_escape(&r)))
-                            .unwrap_or_else(|| "null".into())
-                    )
+                    serde_json::json!({
+                        "path": d.path,
+                        "set": d.set_index,
+                        "online": d.online,
+                        "state": drive_state(&d),
+                        "reason": d.reason,
+                        "total_bytes": d.space.map(|s| s.1),
+                        "free_bytes": d.space.map(|s| s.0),
+                        "used_bytes": d.space.map(|(f, t)| t.saturating_sub(f)),
+                    })
                 })
                 .collect();
-            text(200, "application/json", format!("[{}]\n", drives.join(",")))
+            json(200, serde_json::Value::Array(drives))
         }
         _ => text(404, "text/plain", "not found\n".into()),
     };
@@ -495,6 +672,9 @@ pub struct Services {
     pub access: Arc<Access>,
     pub node: Option<Arc<Node>>,
     pub keys: Arc<tarn_s3::sse::KeyRing>,
+    /// This node's S3 endpoint and region (the console's S3 calls).
+    pub s3: std::net::SocketAddr,
+    pub region: String,
 }
 
 pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::Receiver<bool>) {
@@ -505,7 +685,21 @@ pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::R
         access,
         node,
         keys,
+        s3,
+        region,
     } = services;
+    let console = Arc::new(crate::console::Console::default());
+    console.spawn_sampler(metrics.clone());
+    // The S3 listener's own address, reachable from here.
+    let s3 = match s3.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => {
+            std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, s3.port()))
+        }
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => {
+            std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, s3.port()))
+        }
+        _ => s3,
+    };
     let ctx = Ctx {
         store,
         metrics,
@@ -514,16 +708,22 @@ pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::R
         caches: access.caches.clone(),
         node,
         keys,
+        heal_jobs: Arc::default(),
+        console,
+        s3,
+        region: Arc::from(region.as_str()),
+        client: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
     };
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else {
+                let Ok((stream, peer)) = accepted else {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let ctx = ctx.clone();
+                let mut ctx = ctx.clone();
+                ctx.client = peer.ip();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| handle(req, ctx.clone()));
                     let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;

@@ -9,22 +9,55 @@ use anyhow::{bail, Context};
 
 #[derive(clap::Args)]
 pub struct AdminArgs {
-    /// The server's admin URL (`Admin endpoint:` in its output).
-    #[arg(
-        long,
-        env = "TARN_ADMIN_ENDPOINT",
-        default_value = "http://127.0.0.1:9001"
-    )]
-    endpoint: String,
-    /// The admin token: the server's secret key.
+    /// The server's admin URL (`Admin endpoint:` in its output). Default:
+    /// the config file's `endpoint`, else http://127.0.0.1:9001.
+    #[arg(long, env = "TARN_ADMIN_ENDPOINT")]
+    endpoint: Option<String>,
+    /// The admin token: the server's secret key. Default: the config
+    /// file's `token`, else `TARN_SECRET_KEY`, else (on a loopback endpoint
+    /// only) the built-in credentials' secret a server with no configured
+    /// credentials uses.
     #[arg(long, env = "TARN_ADMIN_TOKEN", hide_env_values = true)]
-    token: String,
+    token: Option<String>,
+    /// A TOML file with `endpoint = "..."` and `token = "..."`, readable by
+    /// its owner only. Default: ~/.config/tarn/admin.toml when it exists.
+    #[arg(long, env = "TARN_ADMIN_CONFIG")]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: AdminCommand,
 }
 
 #[derive(clap::Subcommand)]
 enum AdminCommand {
+    /// Health, drives, capacity, jobs and (in a cluster) nodes at a glance.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drives of this node's view: set, state, capacity, why not online.
+    Drives {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Heal everything (or one bucket) as a background job: missing or
+    /// corrupt shards rebuilt, metadata a drive lacks rewritten.
+    Heal {
+        /// Heal this bucket only.
+        #[arg(long)]
+        bucket: Option<String>,
+        /// Follow the job to its end with a progress bar, then print its
+        /// summary (exit status 1 if anything failed).
+        #[arg(long)]
+        wait: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Jobs: heals, backfills and drains, cache prefetches, the lifecycle
+    /// scanner.
+    Jobs {
+        #[arg(long)]
+        json: bool,
+    },
     /// Users and their access keys.
     #[command(subcommand)]
     User(UserCommand),
@@ -43,6 +76,82 @@ enum AdminCommand {
     /// Server-side encryption's keys.
     #[command(subcommand)]
     Sse(SseCommand),
+}
+
+/// Where `tarn admin` sends its requests, and with which token.
+struct Target {
+    endpoint: String,
+    token: String,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    endpoint: Option<String>,
+    token: Option<String>,
+}
+
+fn read_config(path: &std::path::Path) -> anyhow::Result<ConfigFile> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).with_context(|| format!("{}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        bail!(
+            "{}: holds the admin token and is readable by others (chmod 600 it)",
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("{}", path.display()))
+}
+
+/// Whether an http:// URL names a loopback host.
+fn is_loopback(endpoint: &str) -> bool {
+    let authority = endpoint
+        .split_once("://")
+        .map_or(endpoint, |(_, a)| a)
+        .split('/')
+        .next()
+        .unwrap_or("");
+    let host = match authority.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => authority,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+fn target(args: &AdminArgs) -> anyhow::Result<Target> {
+    let default_file = std::env::var_os("HOME")
+        .map(|h| std::path::PathBuf::from(h).join(".config/tarn/admin.toml"))
+        .filter(|p| p.exists());
+    let file = match args.config.as_ref().or(default_file.as_ref()) {
+        Some(p) => read_config(p)?,
+        None => ConfigFile::default(),
+    };
+    let endpoint = args
+        .endpoint
+        .clone()
+        .or(file.endpoint)
+        .unwrap_or_else(|| "http://127.0.0.1:9001".into());
+    let token = args
+        .token
+        .clone()
+        .or(file.token)
+        .or_else(|| {
+            std::env::var(tarn_kv::auth::SECRET_KEY_ENV)
+                .ok()
+                .filter(|s| !s.is_empty())
+        })
+        .or_else(|| is_loopback(&endpoint).then(|| crate::config::DEFAULT_SECRET_KEY.to_string()));
+    let Some(token) = token else {
+        bail!(
+            "no admin token for {endpoint}: give --token, set TARN_ADMIN_TOKEN or TARN_SECRET_KEY, or put `token = \"...\"` in ~/.config/tarn/admin.toml (the built-in default is tried only on loopback)"
+        );
+    };
+    Ok(Target { endpoint, token })
 }
 
 #[derive(clap::Subcommand)]
@@ -143,10 +252,58 @@ enum KeyCommand {
 }
 
 pub fn run(args: AdminArgs) -> anyhow::Result<()> {
-    let call = |method: &str, path: &str| request(&args.endpoint, &args.token, method, path, b"");
+    let t = target(&args)?;
+    let call = |method: &str, path: &str| request(&t.endpoint, &t.token, method, path, b"");
     match args.command {
+        AdminCommand::Status { json } => show(&call("GET", "/admin/status")?, json, print_overview),
+        AdminCommand::Drives { json } => show(&call("GET", "/admin/drives")?, json, print_drives),
+        AdminCommand::Jobs { json } => show(&call("GET", "/admin/jobs")?, json, print_jobs),
+        AdminCommand::Heal { bucket, wait, json } => {
+            let path = match &bucket {
+                Some(b) => format!("/admin/heal/jobs?bucket={b}"),
+                None => "/admin/heal/jobs".into(),
+            };
+            let mut v = call("POST", &path)?;
+            let id = v["id"].as_str().unwrap_or("").to_string();
+            if v["started"] == false {
+                eprintln!("heal job {id} already covers this; following it");
+            }
+            if !wait {
+                if json {
+                    println!("{v}");
+                } else {
+                    println!(
+                        "heal job {id} started ({}); `tarn admin jobs` shows its progress",
+                        bucket
+                            .as_deref()
+                            .map_or("every bucket".to_string(), |b| format!("bucket {b}"))
+                    );
+                }
+                return Ok(());
+            }
+            let bar = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+            while v["state"] == "running" {
+                if bar {
+                    eprint!("\r{}", progress_line(&v));
+                }
+                std::thread::sleep(Duration::from_millis(250));
+                v = call("GET", &format!("/admin/jobs/{id}"))?;
+            }
+            if bar {
+                eprintln!("\r{}", progress_line(&v));
+            }
+            if json {
+                println!("{v}");
+            } else {
+                print_heal_summary(&v);
+            }
+            if v["state"] != "done" {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         AdminCommand::Cache(c) => crate::admin_cache_cli::run(c, &|method, path, body| {
-            request(&args.endpoint, &args.token, method, path, body)
+            request(&t.endpoint, &t.token, method, path, body)
         }),
         AdminCommand::User(UserCommand::Add { name, json }) => {
             print_key(&call("POST", &format!("/admin/users/{name}"))?, json)
@@ -269,6 +426,276 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// An answer as JSON (`--json`) or for people.
+fn show(v: &serde_json::Value, json: bool, human: fn(&serde_json::Value)) -> anyhow::Result<()> {
+    if json {
+        println!("{v}");
+    } else {
+        human(v);
+    }
+    Ok(())
+}
+
+/// Bytes for people: 1023 B, 1.5 KiB, 12.3 GiB.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+fn human_duration(secs: u64) -> String {
+    match secs {
+        0..=59 => format!("{secs}s"),
+        60..=3599 => format!("{}m{:02}s", secs / 60, secs % 60),
+        3600..=86_399 => format!("{}h{:02}m", secs / 3600, secs % 3600 / 60),
+        _ => format!("{}d{:02}h", secs / 86_400, secs % 86_400 / 3600),
+    }
+}
+
+/// Rows as columns padded to their widest cell.
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            .collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r.clone());
+    }
+}
+
+fn print_overview(v: &serde_json::Value) {
+    let n = |x: &serde_json::Value| x.as_u64().unwrap_or(0);
+    println!(
+        "tarn {} ({}), up {}",
+        v["version"].as_str().unwrap_or("?"),
+        v["mode"].as_str().unwrap_or("?"),
+        human_duration(n(&v["uptime_seconds"]))
+    );
+    println!("health:     {}", v["health"].as_str().unwrap_or("?"));
+    for p in v["problems"].as_array().into_iter().flatten() {
+        println!("            {}", p.as_str().unwrap_or(""));
+    }
+    let d = &v["drives"];
+    let mut states = vec![format!("{} online", n(&d["online"]))];
+    for s in ["offline", "rebuilding", "syncing", "full"] {
+        if n(&d[s]) > 0 {
+            states.push(format!("{} {s}", n(&d[s])));
+        }
+    }
+    println!("drives:     {} ({})", n(&d["total"]), states.join(", "));
+    let c = &v["capacity"];
+    if n(&c["total_bytes"]) > 0 {
+        println!(
+            "capacity:   {} used of {}, {} free ({:.0}% used)",
+            human_bytes(n(&c["used_bytes"])),
+            human_bytes(n(&c["total_bytes"])),
+            human_bytes(n(&c["free_bytes"])),
+            100.0 * n(&c["used_bytes"]) as f64 / n(&c["total_bytes"]) as f64
+        );
+    }
+    println!("buckets:    {}", n(&v["buckets"]));
+    if n(&v["under_replicated"]) > 0 {
+        println!("under-replicated objects: {}", n(&v["under_replicated"]));
+    }
+    println!("jobs:       {} running", n(&v["jobs_running"]));
+    let cl = &v["cluster"];
+    if cl.is_object() {
+        if let Some(e) = cl["error"].as_str() {
+            println!("cluster:    unknown ({e})");
+        } else {
+            println!(
+                "cluster:    {} (node {}, map epoch {}): {} of {} nodes live{}",
+                cl["id"].as_str().unwrap_or("?"),
+                cl["node"].as_str().unwrap_or("?"),
+                cl["epoch"],
+                n(&cl["nodes_live"]),
+                n(&cl["nodes"]),
+                match cl["suspect_peers"].as_array().map_or(0, Vec::len) {
+                    0 => String::new(),
+                    k => format!(", {k} suspect"),
+                }
+            );
+        }
+    }
+}
+
+fn print_drives(v: &serde_json::Value) {
+    let rows: Vec<Vec<String>> = v
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            let size = |k: &str| d[k].as_u64().map_or("-".into(), human_bytes);
+            vec![
+                d["set"].to_string(),
+                d["state"].as_str().unwrap_or("?").into(),
+                size("used_bytes"),
+                size("free_bytes"),
+                size("total_bytes"),
+                d["path"].as_str().unwrap_or("").into(),
+                d["reason"].as_str().unwrap_or("").into(),
+            ]
+        })
+        .collect();
+    table(
+        &["SET", "STATE", "USED", "FREE", "SIZE", "DRIVE", "REASON"],
+        &rows,
+    );
+}
+
+fn progress_line(v: &serde_json::Value) -> String {
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    let (done, total) = (n("objects_done"), n("objects_total"));
+    let frac = if total > 0 {
+        (done as f64 / total as f64).min(1.0)
+    } else if v["state"] == "running" {
+        0.0
+    } else {
+        1.0
+    };
+    let filled = (frac * 30.0).round() as usize;
+    format!(
+        "[{}{}] {:>3.0}%  {done}/{total} objects, {} healed, {} failed, {}/s  {}",
+        "#".repeat(filled),
+        ".".repeat(30 - filled),
+        frac * 100.0,
+        n("objects_healed"),
+        n("failures"),
+        human_bytes(v["bytes_per_second"].as_f64().unwrap_or(0.0) as u64),
+        v["phase"].as_str().unwrap_or("")
+    )
+}
+
+fn print_heal_summary(v: &serde_json::Value) {
+    let r = &v["report"];
+    if let Some(e) = v["error"].as_str() {
+        println!("heal job {} failed: {e}", v["id"].as_str().unwrap_or(""));
+        return;
+    }
+    println!(
+        "heal job {} {} in {:.1} s ({}):",
+        v["id"].as_str().unwrap_or(""),
+        v["state"].as_str().unwrap_or(""),
+        v["seconds"].as_f64().unwrap_or(0.0),
+        v["bucket"]
+            .as_str()
+            .map_or("every bucket".to_string(), |b| format!("bucket {b}"))
+    );
+    println!(
+        "  {} object(s) checked ({}), {} healed: {} shard(s) rebuilt, {} metadata record(s) rewritten",
+        r["objects_scanned"],
+        human_bytes(r["bytes_scanned"].as_u64().unwrap_or(0)),
+        r["objects_healed"],
+        r["shards_rebuilt"],
+        r["metadata_rewritten"]
+    );
+    if r["buckets_healed"].as_u64().unwrap_or(0) + r["orphans_removed"].as_u64().unwrap_or(0) > 0 {
+        println!(
+            "  {} bucket record(s) restored, {} orphaned shard file(s) removed",
+            r["buckets_healed"], r["orphans_removed"]
+        );
+    }
+    match r["failures"].as_u64().unwrap_or(0) {
+        0 => println!("  no failures"),
+        f => println!(
+            "  {f} failure(s): the server's log names them; run again once their drives are back"
+        ),
+    }
+}
+
+fn print_jobs(v: &serde_json::Value) {
+    let n = |j: &serde_json::Value, k: &str| j[k].as_u64().unwrap_or(0);
+    let rows: Vec<Vec<String>> = v["jobs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|j| {
+            let kind = j["kind"].as_str().unwrap_or("?");
+            let (progress, detail) = match kind {
+                "heal" => (
+                    format!("{}/{} objects", n(j, "objects_done"), n(j, "objects_total")),
+                    format!(
+                        "{}; {} healed, {} failed{}",
+                        j["phase"].as_str().unwrap_or(""),
+                        n(j, "objects_healed"),
+                        n(j, "failures"),
+                        j["bucket"].as_str().map_or(String::new(), |b| format!("; bucket {b}"))
+                    ),
+                ),
+                "prefetch" => (
+                    format!("{}/{} objects", n(j, "objects_done"), n(j, "objects_total")),
+                    format!(
+                        "bucket {}; {} of {}, {} failed",
+                        j["bucket"].as_str().unwrap_or(""),
+                        human_bytes(n(j, "bytes_done")),
+                        human_bytes(n(j, "bytes_total")),
+                        n(j, "failures")
+                    ),
+                ),
+                "lifecycle" => (
+                    format!("{} passes", n(j, "passes")),
+                    format!(
+                        "{} versions scanned, {} expired, {} uploads aborted, {} kept by object lock, {} errors",
+                        n(j, "versions_scanned"),
+                        n(j, "expired"),
+                        n(j, "uploads_aborted"),
+                        n(j, "locked_kept"),
+                        n(j, "errors")
+                    ),
+                ),
+                "drain" => (
+                    format!("{} keys moved", n(j, "moved")),
+                    format!(
+                        "pool {}, led by {}; {} left in this pass, {} moved",
+                        j["pool"],
+                        j["node"].as_str().unwrap_or(""),
+                        n(j, "keys_left"),
+                        human_bytes(n(j, "bytes_moved"))
+                    ),
+                ),
+                _ => (
+                    format!("{}/{} objects", n(j, "objects_done"), n(j, "objects_total")),
+                    format!(
+                        "{} on {}; {} at {}/s",
+                        j["phase"].as_str().unwrap_or(""),
+                        j["node"].as_str().unwrap_or(""),
+                        human_bytes(n(j, "bytes_done")),
+                        human_bytes(j["rate_bytes_per_s"].as_f64().unwrap_or(0.0) as u64)
+                    ),
+                ),
+            };
+            vec![
+                j["id"].as_str().map_or_else(|| kind.to_string(), str::to_string),
+                kind.into(),
+                j["state"].as_str().unwrap_or("running").into(),
+                progress,
+                detail,
+            ]
+        })
+        .collect();
+    table(&["ID", "KIND", "STATE", "PROGRESS", "DETAIL"], &rows);
 }
 
 fn print_status(v: &serde_json::Value) {
@@ -519,6 +946,37 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn loopback_endpoints() {
+        for e in [
+            "http://127.0.0.1:9001",
+            "http://localhost:9001",
+            "http://[::1]:9001",
+            "http://127.0.0.5",
+            "127.0.0.1:9001",
+        ] {
+            assert!(super::is_loopback(e), "{e}");
+        }
+        for e in [
+            "http://10.0.0.11:9001",
+            "http://tarn.example.com:9001",
+            "http://[::2]:9001",
+            "http://127.0.0.1.example.com:9001",
+        ] {
+            assert!(!super::is_loopback(e), "{e}");
+        }
+    }
+
+    #[test]
+    fn sizes_and_durations_for_people() {
+        assert_eq!(super::human_bytes(1023), "1023 B");
+        assert_eq!(super::human_bytes(1536), "1.5 KiB");
+        assert_eq!(super::human_bytes(5 << 40), "5.0 TiB");
+        assert_eq!(super::human_duration(59), "59s");
+        assert_eq!(super::human_duration(3 * 3600 + 12 * 60), "3h12m");
+        assert_eq!(super::human_duration(2 * 86_400 + 3600), "2d01h");
+    }
+
     #[test]
     fn chunked_bodies() {
         assert_eq!(

@@ -10,7 +10,9 @@ mod bench_drive;
 mod bench_kv;
 mod config;
 mod conn;
+mod console;
 mod fdlimit;
+mod jobs;
 mod metrics;
 mod server;
 
@@ -1177,6 +1179,7 @@ fn run_heal(args: DriveArgs) -> anyhow::Result<()> {
 }
 
 fn main() {
+    metrics::mark_start();
     let filter = tracing_subscriber::EnvFilter::try_from_env("TARN_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // s3s logs every client error (a wrong bucket name, malformed XML, a 404) at

@@ -21,6 +21,18 @@ struct OpStats {
     count: u64,
 }
 
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Marks the process's start (called first thing in `main`).
+pub fn mark_start() {
+    STARTED.get_or_init(std::time::Instant::now);
+}
+
+/// Time since `mark_start`.
+pub fn uptime() -> std::time::Duration {
+    STARTED.get_or_init(std::time::Instant::now).elapsed()
+}
+
 #[derive(Default)]
 pub struct Metrics {
     ops: Mutex<BTreeMap<&'static str, OpStats>>,
@@ -52,7 +64,43 @@ pub enum Names {
     Redacted,
 }
 
+/// Sums over every S3 operation, for the console's charts.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Totals {
+    pub requests: u64,
+    /// Answers with a 5xx status.
+    pub errors: u64,
+    /// Requests at most `LATENCY_BOUNDS_S[i]` seconds long (cumulative).
+    pub latency_le: [u64; BUCKETS_S.len()],
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+/// The latency histogram's bucket bounds, in seconds.
+pub const LATENCY_BOUNDS_S: [f64; BUCKETS_S.len()] = BUCKETS_S;
+
 impl Metrics {
+    pub fn totals(&self) -> Totals {
+        let mut t = Totals {
+            bytes_in: self.bytes_in.load(Ordering::Relaxed),
+            bytes_out: self.bytes_out.load(Ordering::Relaxed),
+            ..Totals::default()
+        };
+        for s in self.ops.lock().expect("metrics lock").values() {
+            t.requests += s.count;
+            t.errors += s
+                .by_status
+                .iter()
+                .filter(|(status, _)| **status >= 500)
+                .map(|(_, n)| n)
+                .sum::<u64>();
+            for (i, n) in s.buckets.iter().enumerate() {
+                t.latency_le[i] += n;
+            }
+        }
+        t
+    }
+
     pub fn record(&self, op: &'static str, status: u16, latency: Duration) {
         let s = latency.as_secs_f64();
         let mut ops = self.ops.lock().expect("metrics lock");
@@ -321,6 +369,45 @@ impl Metrics {
                 );
             }
         }
+        type DriveBytes = (&'static str, &'static str, fn((u64, u64)) -> u64);
+        let sizes: [DriveBytes; 3] = [
+            (
+                "tarn_drive_total_bytes",
+                "Size of a drive's filesystem (drives whose size is known: this node's, and other nodes' as they last reported it).",
+                |(_, total)| total,
+            ),
+            (
+                "tarn_drive_free_bytes",
+                "Bytes free on a drive's filesystem (for unprivileged writers).",
+                |(free, _)| free,
+            ),
+            (
+                "tarn_drive_used_bytes",
+                "Bytes used on a drive's filesystem (total less free).",
+                |(free, total)| total.saturating_sub(free),
+            ),
+        ];
+        for (name, help, value) in sizes {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for d in &drives {
+                if let Some(space) = d.space {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{drive=\"{}\",set=\"{}\"}} {}",
+                        d.path.replace('"', "'"),
+                        d.set_index,
+                        value(space)
+                    );
+                }
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP tarn_build_info The running build (value 1).\n# TYPE tarn_build_info gauge\ntarn_build_info{{version=\"{}\"}} 1\n\
+             # HELP tarn_uptime_seconds Seconds since this process started.\n# TYPE tarn_uptime_seconds gauge\ntarn_uptime_seconds {:.3}",
+            env!("CARGO_PKG_VERSION"),
+            uptime().as_secs_f64()
+        );
         render_backfill(&mut out, store.backfill_status().as_ref());
         render_drain(&mut out, drain);
         if let Some(c) = self.kv_connections.get() {

@@ -1109,6 +1109,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         );
         let scan = settings.scan_interval;
         let lifecycle = settings.lifecycle;
+        let (s3_addr, region) = (addr, settings.region.clone());
         threads.push(
             std::thread::Builder::new()
                 .name(format!("tarn-core-{core}"))
@@ -1142,6 +1143,8 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                                     access: admin_ctx.2,
                                     node: admin_ctx.3,
                                     keys: admin_ctx.4,
+                                    s3: s3_addr,
+                                    region: region.to_string(),
                                 },
                                 stop.clone(),
                             ));

@@ -19,7 +19,7 @@ use crate::drive_io::ShardPlace;
 use crate::error::StoreError;
 use crate::format::{new_id, Layout, PartMeta, Storage};
 use crate::shard::shard_file_len;
-use crate::types::HealReport;
+use crate::types::{HealProgress, HealReport};
 
 /// Age before an unreferenced shard file counts as an orphan. Shards are renamed
 /// into place immediately before their metadata commits, so anything this old
@@ -31,6 +31,23 @@ impl Store {
     /// rebuilding get every record, inline copy and upload in progress; when
     /// this pass reached all of them, they serve metadata reads again.
     pub async fn heal_all(&self) -> HealReport {
+        self.heal_with(None, &HealProgress::default())
+            .await
+            .unwrap_or_default()
+    }
+
+    /// Heals one bucket (`Some`), or everything as `heal_all`, telling
+    /// `progress` how far it has come: first the objects to heal are
+    /// counted, then healed. A pass over one bucket neither ends a drive's
+    /// index rebuild (that needs every bucket) nor sweeps orphans.
+    pub async fn heal_with(
+        &self,
+        only: Option<&str>,
+        progress: &HealProgress,
+    ) -> Result<HealReport, StoreError> {
+        if let Some(b) = only {
+            self.bucket_record(b)?;
+        }
         let mut report = HealReport::default();
         // Rebuilds this pass covers: those begun before it started.
         let rebuilding: Vec<(usize, u64)> = self
@@ -48,6 +65,7 @@ impl Store {
             .read()
             .expect("buckets lock")
             .keys()
+            .filter(|b| only.is_none_or(|o| o == b.as_str()))
             .cloned()
             .collect();
         let drives: Vec<_> = self
@@ -57,6 +75,20 @@ impl Store {
             .filter_map(|d| d.writer())
             .collect();
         complete &= self.heal_bucket_records(drives, &mut report).await;
+        // Counted first, so that progress has a total (listing keys is
+        // cheap next to healing them).
+        for bucket in &buckets {
+            for set in self.live_sets() {
+                if let Ok(keys) = self.set_keys(set, bucket).await {
+                    progress
+                        .objects_total
+                        .fetch_add(keys.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+        progress
+            .phase
+            .store(HealProgress::HEALING, Ordering::Relaxed);
         for bucket in &buckets {
             for set in self.live_sets() {
                 let keys = match self.set_keys(set, bucket).await {
@@ -74,21 +106,29 @@ impl Store {
                             report.objects_scanned += 1;
                             report.shards_rebuilt += r.shards_rebuilt;
                             report.metadata_rewritten += r.metadata_rewritten;
+                            report.bytes_scanned += r.bytes_scanned;
                             // Drives the object could not be rewritten on.
                             report.failures += r.failures;
+                            progress.failures.fetch_add(r.failures, Ordering::Relaxed);
+                            progress
+                                .bytes_scanned
+                                .fetch_add(r.bytes_scanned, Ordering::Relaxed);
                             complete &= r.metadata_failures == 0;
                             if r.shards_rebuilt + r.metadata_rewritten > 0 {
                                 report.objects_healed += 1;
+                                progress.objects_healed.fetch_add(1, Ordering::Relaxed);
                             }
                         }
                         Err(error) => {
                             tracing::error!(%bucket, %key, %error, "heal failed");
                             report.failures += 1;
+                            progress.failures.fetch_add(1, Ordering::Relaxed);
                             // Shards that cannot be rebuilt come after the
                             // metadata was written; anything else did not.
                             complete &= matches!(error, StoreError::Unreadable { .. });
                         }
                     }
+                    progress.objects_done.fetch_add(1, Ordering::Relaxed);
                 }
                 // Multipart uploads in progress, onto rebuilding drives.
                 let targets = self.writers(
@@ -105,19 +145,28 @@ impl Store {
                 }
             }
         }
+        if only.is_some() {
+            progress.phase.store(HealProgress::DONE, Ordering::Relaxed);
+            return Ok(report);
+        }
         if complete {
             for (i, n) in rebuilding {
                 self.finish_rebuild(i, n);
             }
         }
+        progress
+            .phase
+            .store(HealProgress::SWEEPING, Ordering::Relaxed);
         match self.sweep_orphans(ORPHAN_GRACE).await {
             Ok(n) => report.orphans_removed = n,
             Err(error) => {
                 tracing::error!(%error, "orphan sweep failed");
                 report.failures += 1;
+                progress.failures.fetch_add(1, Ordering::Relaxed);
             }
         }
-        report
+        progress.phase.store(HealProgress::DONE, Ordering::Relaxed);
+        Ok(report)
     }
 
     /// Every key of a bucket on a set, as the set's drives in use hold

@@ -19,7 +19,7 @@ mod pools;
 pub(crate) mod put;
 mod topology;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -1494,6 +1494,7 @@ impl Store {
                 faulty: d.faulty(),
                 rebuilding: d.online() && d.rebuilding_full().is_some(),
                 syncing: d.syncing().is_some(),
+                space: d.space(),
                 full: d.online()
                     && !d.has_room(
                         self.cfg.stripe_size_bytes as u64,
@@ -1751,10 +1752,17 @@ impl Store {
         }
         self.sweep_tombstones();
         self.tell_restart().await;
+        // Nodes asked this round (one drive each) and what they answered:
+        // None in service, Some(reason) unreachable.
+        let mut asked: HashMap<String, Option<String>> = HashMap::new();
         for i in 0..self.topo().slots.len() {
             let slot = &self.drive(i);
             if let Some(remote) = &slot.remote {
-                self.watch_remote(slot, remote).await;
+                if slot.online() {
+                    self.check_remote(slot, remote, &mut asked).await;
+                } else {
+                    self.watch_remote(slot, remote).await;
+                }
                 continue;
             }
             if slot.online() {
@@ -1889,6 +1897,67 @@ impl Store {
         }
     }
 
+    /// A drive of another node in use is checked with its node (one drive
+    /// per node and round): a node that stopped or went away takes its
+    /// drives out of use within a round, without waiting for a request to
+    /// fail on them, so drive states and `/health/ready` follow it. A late
+    /// answer takes nothing out (its node is probed, and suspect if the
+    /// probe fails too: the next round's call is refused at once).
+    async fn check_remote(
+        &self,
+        slot: &DriveSlot,
+        remote: &Arc<dyn Drive>,
+        asked: &mut HashMap<String, Option<String>>,
+    ) {
+        let node = slot
+            .name
+            .split_once(':')
+            .map_or(slot.name.as_str(), |(n, _)| n)
+            .to_string();
+        if let Some(answer) = asked.get(&node) {
+            if let Some(reason) = answer {
+                Self::node_away(slot, reason);
+            }
+            return;
+        }
+        match remote.state().await {
+            Ok(DriveState::Offline) => {
+                asked.insert(node, None);
+                self.take_out(
+                    slot,
+                    "drive check",
+                    &std::io::Error::other("out of service on its node"),
+                    false,
+                );
+            }
+            Ok(_) => {
+                asked.insert(node, None);
+            }
+            Err(e) if late(&e) => {
+                asked.insert(node, None);
+                self.drive_failed(slot, "drive check", &e);
+            }
+            Err(e) => {
+                let reason = format!("its node does not answer: {e}");
+                Self::node_away(slot, &reason);
+                asked.insert(node, Some(reason));
+            }
+        }
+    }
+
+    /// Takes a drive of a node that does not answer out of use (a node
+    /// stopped for an upgrade is not a drive fault: a warning, once).
+    fn node_away(slot: &DriveSlot, reason: &str) {
+        let mut st = slot.state.write().expect("drive state");
+        if st.db.is_none() {
+            return;
+        }
+        tracing::warn!(drive = %slot.name, %reason, "drive of another node out of use until its node answers");
+        st.db = None;
+        st.faulty = false;
+        st.reason = Some(reason.to_string());
+    }
+
     /// A drive of another node taken out after a failed call (its node away,
     /// or the drive out of service there) is asked again; once it answers it
     /// is back in use, first as rebuilding: it missed the writes this node
@@ -1981,11 +2050,17 @@ impl Store {
             tracing::warn!(drive = %slot.name, %error, "cannot remove the rebuild marker");
         }
         st.rebuilding = None;
-        st.full = false;
+        let full = std::mem::take(&mut st.full);
         st.reason = None;
         drop(st);
         self.stats.index_rebuilds.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(drive = %slot.name, "index filled by heal: the drive serves reads again");
+        // Good news, and routine after every start of a cluster node: the
+        // warnings were when the drive went or came back.
+        if full {
+            tracing::info!(drive = %slot.name, "index filled by heal: the drive serves reads again");
+        } else {
+            tracing::info!(drive = %slot.name, "drive in sync with its set (no write missed): serves reads again");
+        }
     }
 
     /// The other drives of drive `i`'s set with a complete index, and how
@@ -2201,10 +2276,15 @@ impl Store {
         });
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
+            // A cluster node's drives start syncing: the first check comes
+            // soon, not a whole interval later (its peers may still be
+            // starting; the next interval asks again).
+            tokio::time::sleep(DRIVE_PROBE_INTERVAL / 8).await;
             loop {
-                tokio::time::sleep(DRIVE_PROBE_INTERVAL).await;
                 let Some(store) = weak.upgrade() else { return };
                 store.watch_drives().await;
+                drop(store);
+                tokio::time::sleep(DRIVE_PROBE_INTERVAL).await;
             }
         });
         if let Some(every) = scan_interval {
