@@ -148,6 +148,7 @@ def test_s3_through_the_console_is_signed_as_the_sessions_key(server):
     assert status == 200 and json.loads(s)["root"] is False and json.loads(s)["user"] == "bob"
     status, _, err = bob.request("GET", "/console/api/admin/status")
     assert status == 403 and b"root" in err
+    assert bob.request("GET", "/console/api/series")[0] == 403
     status, _, err = bob.request("GET", "/console/api/s3/console-bucket/models/a%20b.bin")
     assert status == 403 and b"AccessDenied" in err
     assert bob.request("PUT", "/console/api/s3/bobs-bucket")[0] == 200

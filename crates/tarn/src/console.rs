@@ -142,10 +142,20 @@ impl Console {
             (Err(e), _) | (_, Err(e)) => return Err((503, e.to_string())),
             _ => None,
         };
-        let Some((secret, user)) = found.filter(|(secret, _)| {
-            constant_time_eq(secret.expose().as_bytes(), secret_key.as_bytes())
-        }) else {
+        // A key nobody has is compared too (with a secret that never
+        // matches), so that the answer's time does not say which keys exist.
+        let matches = match &found {
+            Some((secret, _)) => {
+                constant_time_eq(secret.expose().as_bytes(), secret_key.as_bytes())
+            }
+            None => !constant_time_eq(secret_key.as_bytes(), secret_key.as_bytes()),
+        };
+        let Some((secret, user)) = found.filter(|_| matches) else {
             let mut f = self.failures.lock().expect("login failures");
+            if f.len() >= MAX_SESSIONS * 16 {
+                // Guessing from a great many addresses: the table is bounded.
+                f.clear();
+            }
             let e = f.entry(client).or_insert((Instant::now(), 0));
             e.1 += 1;
             tracing::warn!(%client, access_key, "console login refused: wrong access key or secret");
@@ -357,7 +367,14 @@ pub async fn handle(req: http::Request<Incoming>, ctx: Ctx<'_>) -> Routed {
                     serde_json::json!({ "error": "missing or wrong CSRF token" }),
                 )
             } else if path == "/console/api/series" {
-                json(200, ctx.console.series())
+                if session.root {
+                    json(200, ctx.console.series())
+                } else {
+                    json(
+                        403,
+                        serde_json::json!({ "error": "the node's activity is root's" }),
+                    )
+                }
             } else if let Some(rest) = path.strip_prefix("/console/api/s3") {
                 let rest = if rest.is_empty() { "/" } else { rest };
                 s3_forward(req, rest.to_string(), &session, &ctx).await

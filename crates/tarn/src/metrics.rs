@@ -16,6 +16,9 @@ const BUCKETS_S: [f64; 14] = [
 #[derive(Default)]
 struct OpStats {
     by_status: BTreeMap<u16, u64>,
+    /// Declared body bytes of the requests and of the answers.
+    bytes_in: u64,
+    bytes_out: u64,
     buckets: [u64; BUCKETS_S.len()],
     sum_s: f64,
     count: u64,
@@ -102,9 +105,25 @@ impl Metrics {
     }
 
     pub fn record(&self, op: &'static str, status: u16, latency: Duration) {
+        self.record_with(op, status, latency, (0, 0));
+    }
+
+    /// A request served, with the declared body bytes of the request and
+    /// of its answer.
+    pub fn record_with(
+        &self,
+        op: &'static str,
+        status: u16,
+        latency: Duration,
+        (bytes_in, bytes_out): (u64, u64),
+    ) {
+        self.bytes_in.fetch_add(bytes_in, Ordering::Relaxed);
+        self.bytes_out.fetch_add(bytes_out, Ordering::Relaxed);
         let s = latency.as_secs_f64();
         let mut ops = self.ops.lock().expect("metrics lock");
         let e = ops.entry(op).or_default();
+        e.bytes_in += bytes_in;
+        e.bytes_out += bytes_out;
         *e.by_status.entry(status).or_default() += 1;
         for (i, b) in BUCKETS_S.iter().enumerate() {
             if s <= *b {
@@ -134,6 +153,25 @@ impl Metrics {
                     out,
                     "tarn_requests_total{{op=\"{op}\",status=\"{status}\"}} {n}"
                 );
+            }
+        }
+        type OpBytes = (&'static str, &'static str, fn(&OpStats) -> u64);
+        let by_op: [OpBytes; 2] = [
+            (
+                "tarn_request_bytes_in_total",
+                "Declared request body bytes (Content-Length), by operation.",
+                |s| s.bytes_in,
+            ),
+            (
+                "tarn_response_bytes_out_total",
+                "Declared response body bytes (Content-Length), by operation.",
+                |s| s.bytes_out,
+            ),
+        ];
+        for (name, help, value) in by_op {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (op, s) in ops.iter() {
+                let _ = writeln!(out, "{name}{{op=\"{op}\"}} {}", value(s));
             }
         }
         out.push_str("# HELP tarn_request_duration_seconds S3 request latency (to response headers).\n# TYPE tarn_request_duration_seconds histogram\n");
@@ -180,24 +218,12 @@ impl Metrics {
         }
         let st = &store.stats;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let scalars: [(&str, &str, &str, u64); 25] = [
+        let scalars: [(&str, &str, &str, u64); 23] = [
             (
                 "tarn_fd_exhaustion_total",
                 "Drive operations that failed because the process ran out of file descriptors (the drive stays in service).",
                 "counter",
                 load(&st.fd_exhaustion),
-            ),
-            (
-                "tarn_request_bytes_in_total",
-                "Declared request body bytes.",
-                "counter",
-                load(&self.bytes_in),
-            ),
-            (
-                "tarn_response_bytes_out_total",
-                "Declared response body bytes.",
-                "counter",
-                load(&self.bytes_out),
             ),
             (
                 "tarn_requests_inflight",
@@ -718,53 +744,96 @@ fn render_drain(out: &mut String, d: Option<&tarn_cluster::node::DrainJob>) {
     }
 }
 
-/// Bucket subresources and the operations that GET, PUT and DELETE name
-/// with them ("" where AWS has none); configurations kept by id also have a
-/// List operation for a GET without `id`.
-const BUCKET_SUBRESOURCES: &[(&str, &str, &str, &str)] = &[
+/// Bucket subresources and the operations that GET, PUT, POST and DELETE
+/// name with them ("" where AWS has none); configurations kept by id also
+/// have a List operation for a GET without `id`.
+const BUCKET_SUBRESOURCES: &[(&str, &str, &str, &str, &str)] = &[
+    ("abac", "GetBucketAbac", "PutBucketAbac", "", ""),
     (
         "accelerate",
         "GetBucketAccelerateConfiguration",
         "PutBucketAccelerateConfiguration",
         "",
+        "",
     ),
-    ("acl", "GetBucketAcl", "PutBucketAcl", ""),
+    ("acl", "GetBucketAcl", "PutBucketAcl", "", ""),
     (
         "analytics",
         "GetBucketAnalyticsConfiguration",
         "PutBucketAnalyticsConfiguration",
+        "",
         "DeleteBucketAnalyticsConfiguration",
     ),
-    ("cors", "GetBucketCors", "PutBucketCors", "DeleteBucketCors"),
+    (
+        "cors",
+        "GetBucketCors",
+        "PutBucketCors",
+        "",
+        "DeleteBucketCors",
+    ),
+    ("delete", "", "", "DeleteObjects", ""),
     (
         "encryption",
         "GetBucketEncryption",
         "PutBucketEncryption",
+        "",
         "DeleteBucketEncryption",
     ),
     (
         "intelligent-tiering",
         "GetBucketIntelligentTieringConfiguration",
         "PutBucketIntelligentTieringConfiguration",
+        "",
         "DeleteBucketIntelligentTieringConfiguration",
     ),
     (
         "inventory",
         "GetBucketInventoryConfiguration",
         "PutBucketInventoryConfiguration",
+        "",
         "DeleteBucketInventoryConfiguration",
     ),
     (
         "lifecycle",
         "GetBucketLifecycleConfiguration",
         "PutBucketLifecycleConfiguration",
+        "",
         "DeleteBucketLifecycle",
     ),
-    ("location", "GetBucketLocation", "", ""),
-    ("logging", "GetBucketLogging", "PutBucketLogging", ""),
+    ("location", "GetBucketLocation", "", "", ""),
+    ("logging", "GetBucketLogging", "PutBucketLogging", "", ""),
+    (
+        "metadataAnnotationTable",
+        "",
+        "UpdateBucketMetadataAnnotationTableConfiguration",
+        "",
+        "",
+    ),
+    (
+        "metadataConfiguration",
+        "GetBucketMetadataConfiguration",
+        "",
+        "CreateBucketMetadataConfiguration",
+        "DeleteBucketMetadataConfiguration",
+    ),
+    (
+        "metadataInventoryTable",
+        "",
+        "UpdateBucketMetadataInventoryTableConfiguration",
+        "",
+        "",
+    ),
+    (
+        "metadataJournalTable",
+        "",
+        "UpdateBucketMetadataJournalTableConfiguration",
+        "",
+        "",
+    ),
     (
         "metadataTable",
         "GetBucketMetadataTableConfiguration",
+        "",
         "CreateBucketMetadataTableConfiguration",
         "DeleteBucketMetadataTableConfiguration",
     ),
@@ -772,6 +841,7 @@ const BUCKET_SUBRESOURCES: &[(&str, &str, &str, &str)] = &[
         "metrics",
         "GetBucketMetricsConfiguration",
         "PutBucketMetricsConfiguration",
+        "",
         "DeleteBucketMetricsConfiguration",
     ),
     (
@@ -779,36 +849,42 @@ const BUCKET_SUBRESOURCES: &[(&str, &str, &str, &str)] = &[
         "GetBucketNotificationConfiguration",
         "PutBucketNotificationConfiguration",
         "",
+        "",
     ),
     (
         "object-lock",
         "GetObjectLockConfiguration",
         "PutObjectLockConfiguration",
         "",
+        "",
     ),
     (
         "ownershipControls",
         "GetBucketOwnershipControls",
         "PutBucketOwnershipControls",
+        "",
         "DeleteBucketOwnershipControls",
     ),
-    ("policyStatus", "GetBucketPolicyStatus", "", ""),
     (
         "policy",
         "GetBucketPolicy",
         "PutBucketPolicy",
+        "",
         "DeleteBucketPolicy",
     ),
+    ("policyStatus", "GetBucketPolicyStatus", "", "", ""),
     (
         "publicAccessBlock",
         "GetPublicAccessBlock",
         "PutPublicAccessBlock",
+        "",
         "DeletePublicAccessBlock",
     ),
     (
         "replication",
         "GetBucketReplication",
         "PutBucketReplication",
+        "",
         "DeleteBucketReplication",
     ),
     (
@@ -816,26 +892,30 @@ const BUCKET_SUBRESOURCES: &[(&str, &str, &str, &str)] = &[
         "GetBucketRequestPayment",
         "PutBucketRequestPayment",
         "",
+        "",
     ),
-    ("session", "CreateSession", "", ""),
+    ("session", "CreateSession", "", "", ""),
     (
         "tagging",
         "GetBucketTagging",
         "PutBucketTagging",
+        "",
         "DeleteBucketTagging",
     ),
-    ("uploads", "ListMultipartUploads", "", ""),
+    ("uploads", "ListMultipartUploads", "", "", ""),
     (
         "versioning",
         "GetBucketVersioning",
         "PutBucketVersioning",
         "",
+        "",
     ),
-    ("versions", "ListObjectVersions", "", ""),
+    ("versions", "ListObjectVersions", "", "", ""),
     (
         "website",
         "GetBucketWebsite",
         "PutBucketWebsite",
+        "",
         "DeleteBucketWebsite",
     ),
 ];
@@ -881,7 +961,42 @@ const OBJECT_SUBRESOURCES: &[(&str, &str, &str, &str, &str)] = &[
     ("restore", "", "", "RestoreObject", ""),
     ("select", "", "", "SelectObjectContent", ""),
     ("renameObject", "", "RenameObject", "", ""),
+    (
+        "annotation",
+        "GetObjectAnnotation",
+        "PutObjectAnnotation",
+        "",
+        "DeleteObjectAnnotation",
+    ),
+    ("encryption", "", "UpdateObjectEncryption", "", ""),
 ];
+
+/// Operations of AWS's S3 that the S3 layer has no route for: without a
+/// refusal up front they would be taken for another operation (a PUT of
+/// `?encryption` on a key for a PutObject that empties it, a DELETE of
+/// `?annotation` for a DeleteObject, a PUT of `?abac` on a bucket for a
+/// CreateBucket answered 200). The front answers them 501 NotImplemented.
+pub fn unrouted(op: &str) -> bool {
+    matches!(
+        op,
+        "CreateBucketMetadataConfiguration"
+            | "GetBucketMetadataConfiguration"
+            | "DeleteBucketMetadataConfiguration"
+            | "CreateBucketMetadataTableConfiguration"
+            | "GetBucketMetadataTableConfiguration"
+            | "DeleteBucketMetadataTableConfiguration"
+            | "UpdateBucketMetadataAnnotationTableConfiguration"
+            | "UpdateBucketMetadataInventoryTableConfiguration"
+            | "UpdateBucketMetadataJournalTableConfiguration"
+            | "GetBucketAbac"
+            | "PutBucketAbac"
+            | "GetObjectAnnotation"
+            | "PutObjectAnnotation"
+            | "DeleteObjectAnnotation"
+            | "ListObjectAnnotations"
+            | "UpdateObjectEncryption"
+    )
+}
 
 /// The S3 operation a request names, from its method, path and query, by
 /// AWS's names, those Tarn refuses included (for metrics and logs; s3s does
@@ -916,7 +1031,7 @@ pub fn operation(
         },
         1 => {
             let sub = BUCKET_SUBRESOURCES.iter().find(|(k, ..)| has(k));
-            if let Some(&(k, get, put, delete)) = sub {
+            if let Some(&(k, get, put, post, delete)) = sub {
                 let name = match m {
                     "GET" if !has("id") => LISTED_BY_ID
                         .iter()
@@ -924,6 +1039,7 @@ pub fn operation(
                         .map_or(get, |(_, list)| list),
                     "GET" => get,
                     "PUT" => put,
+                    "POST" => post,
                     "DELETE" => delete,
                     _ => "",
                 };
@@ -943,8 +1059,9 @@ pub fn operation(
         }
         _ => {
             let sub = OBJECT_SUBRESOURCES.iter().find(|(k, ..)| has(k));
-            if let Some(&(_, get, put, post, delete)) = sub {
+            if let Some(&(k, get, put, post, delete)) = sub {
                 let name = match m {
+                    "GET" if k == "annotation" && !has("annotationName") => "ListObjectAnnotations",
                     "GET" => get,
                     "PUT" => put,
                     "POST" => post,
@@ -974,11 +1091,43 @@ pub fn operation(
 /// KV store gauges and counters, with hit and miss counts per namespace so a
 /// low hit rate can be explained. Each tenant's engine is labelled with
 /// `name` of the tenant's name (the name or its redaction).
+/// The type and meaning of a KV engine figure (`Engine::stats`).
+fn kv_stat_meta(stat: &str) -> (&'static str, &'static str) {
+    match stat {
+        "blocks" => ("gauge", "KV blocks stored (RAM and disk tiers)."),
+        "ram_blocks" => ("gauge", "KV blocks in the RAM tier."),
+        "ram_used_bytes" => ("gauge", "Bytes of KV blocks in the RAM tier."),
+        "ram_capacity_bytes" => ("gauge", "Size of the RAM tier's arena."),
+        "ram_huge_pages" => ("gauge", "Whether the RAM tier's arena is on huge pages (1) or not (0)."),
+        "evicted_demoted" => ("counter", "Blocks evicted from RAM and kept on the disk tier."),
+        "evicted_dropped" => ("counter", "Blocks evicted from RAM and dropped (no disk tier, or it had no room)."),
+        "promoted" => ("counter", "Blocks read from the disk tier and copied back into RAM."),
+        "demote_dropped" => ("counter", "Blocks evicted from RAM that the disk tier had no room for (dropped instead of demoted)."),
+        "disk_segments_dropped" => ("counter", "Disk tier segments dropped to make room."),
+        "disk_blocks_dropped" => ("counter", "Blocks dropped with their disk tier segments."),
+        "pinned_relocated" => ("counter", "Pinned blocks copied forward on the disk tier when their segment was dropped to make room."),
+        "corrupt_ram" => ("counter", "Blocks found corrupt in RAM (their checksum failed) and dropped."),
+        "corrupt_disk" => ("counter", "Blocks found corrupt on the disk tier and dropped."),
+        "reservations_aborted" => ("counter", "Put reservations given up (the client went away before committing)."),
+        "checksum_mismatches" => ("counter", "Blocks a client wrote whose checksum did not match at commit (refused, nothing stored)."),
+        "parts_abandoned" => ("counter", "Multi-part values left unfinished and dropped (docs/kv-protocol.md)."),
+        "pages_stolen" => ("counter", "RAM pages taken from one slab class for another."),
+        "value_max_bytes" => ("gauge", "Largest block the store takes."),
+        "disk_used_bytes" => ("gauge", "Bytes used on the disk tier."),
+        "disk_capacity_bytes" => ("gauge", "Size of the disk tier."),
+        "disk_segments" => ("gauge", "Segments on the disk tier."),
+        "disk_direct_io" => ("gauge", "Whether the disk tier uses O_DIRECT (1) or the page cache (0)."),
+        _ => ("gauge", "A KV store figure (see docs/kv-protocol.md, STATS)."),
+    }
+}
+
 fn render_kv(
     out: &mut String,
     engines: &[(String, std::sync::Arc<tarn_kv::Engine>)],
     name: &dyn Fn(&[u8]) -> String,
 ) {
+    // One family per figure, every tenant's line under its HELP and TYPE.
+    let mut families: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
     for (tenant, kv) in engines {
         let tenant = name(tenant.as_bytes());
         for (stat, v) in kv.stats(None) {
@@ -986,6 +1135,16 @@ fn render_kv(
             if stat.starts_with("class.") {
                 continue;
             }
+            families.entry(stat).or_default().push((tenant.clone(), v));
+        }
+    }
+    for (stat, lines) in families {
+        let (kind, help) = kv_stat_meta(&stat);
+        let _ = writeln!(
+            out,
+            "# HELP tarn_kv_{stat} {help}\n# TYPE tarn_kv_{stat} {kind}"
+        );
+        for (tenant, v) in lines {
             let _ = writeln!(out, "tarn_kv_{stat}{{tenant=\"{tenant}\"}} {v}");
         }
     }

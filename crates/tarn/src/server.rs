@@ -904,6 +904,15 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             let r = early(r);
             return Box::pin(async move { Ok(r) });
         }
+        if crate::metrics::unrouted(op) {
+            metrics.record(op, 501, Duration::ZERO);
+            let r = early(error_response(
+                http::StatusCode::NOT_IMPLEMENTED,
+                "NotImplemented",
+                &format!("{op} is not implemented by this server"),
+            ));
+            return Box::pin(async move { Ok(r) });
+        }
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -937,7 +946,6 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             let r = early(slow_down());
             return Box::pin(async move { Ok(r) });
         };
-        metrics.bytes_in.fetch_add(declared_in, Ordering::Relaxed);
         let start = Instant::now();
         let body_done = Arc::new(AtomicBool::new(false));
         let (idle, done) = (self.body_idle, body_done.clone());
@@ -1021,13 +1029,17 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                         .and_then(|v| v.to_str().ok())
                         .and_then(|v| v.parse::<u64>().ok())
                         .unwrap_or(0);
-                    metrics.bytes_out.fetch_add(out, Ordering::Relaxed);
-                    metrics.record(op, r.status().as_u16(), start.elapsed());
+                    metrics.record_with(
+                        op,
+                        r.status().as_u16(),
+                        start.elapsed(),
+                        (declared_in, out),
+                    );
                     if r.status().is_server_error() {
                         tracing::warn!(op, status = r.status().as_u16(), "request failed");
                     }
                 }
-                Err(_) => metrics.record(op, 500, start.elapsed()),
+                Err(_) => metrics.record_with(op, 500, start.elapsed(), (declared_in, 0)),
             }
             res
         })

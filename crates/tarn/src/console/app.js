@@ -4,7 +4,7 @@
 // root's sessions) or the S3 API (/console/api/s3/…, signed by the server as
 // the session's access key); changes carry the session's CSRF token.
 
-const state = { csrf: null, user: null, root: false, tab: null, timer: null, bucket: null, prefix: "" };
+const state = { csrf: null, user: null, root: false, tab: null, timer: null, bucket: null, prefix: "", healBucket: "" };
 
 const $ = (sel) => document.querySelector(sel);
 function el(tag, attrs, ...children) {
@@ -154,7 +154,9 @@ async function show(tab) {
   };
   view.replaceChildren(el("p", { class: "muted" }, "Loading…"));
   await run();
-  if (REFRESH[tab]) state.timer = setInterval(run, REFRESH[tab]);
+  // A refresh waits while someone types into the view.
+  const typing = () => view.contains(document.activeElement) && /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
+  if (REFRESH[tab]) state.timer = setInterval(() => { if (!typing()) run(); }, REFRESH[tab]);
 }
 
 // ---- views ---------------------------------------------------------------
@@ -260,7 +262,9 @@ async function activity() {
 
 async function jobs() {
   const { jobs } = await admin("GET", "/jobs");
-  const bucket = el("input", { placeholder: "bucket (empty: all)", id: "heal-bucket" });
+  // Kept across the view's refreshes (every 2 s).
+  const bucket = el("input", { placeholder: "bucket (empty: all)", id: "heal-bucket", value: state.healBucket || "",
+    oninput: (ev) => { state.healBucket = ev.target.value; } });
   const start = el("button", { class: "primary", id: "heal-start", onclick: async () => {
     try {
       const q = bucket.value.trim() ? `?bucket=${encodeURIComponent(bucket.value.trim())}` : "";
