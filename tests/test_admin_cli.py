@@ -192,3 +192,32 @@ def test_cluster_status_drives_and_heal(formed_cluster):
     wait_for("the node's drives back online", lambda: all(
         x["state"] == "online" for x in json.loads(n0.admin_cmd("drives", "--json").stdout)), timeout=20)
     assert urllib.request.urlopen(n0.admin + "/health/ready", timeout=10).read().decode() == "ready\n"
+
+
+def test_nodes_started_before_etcd_wait_for_it(tmp_path):
+    """Nodes and etcd started together (a Kubernetes pod, units without an
+    order): a node whose etcd does not listen yet waits for it, saying so
+    once, instead of exiting; the cluster then forms as usual."""
+    import threading
+
+    from clusterproc import Etcd, Node, init_and_serve, stop_all
+
+    etcd = Etcd(str(tmp_path))
+    etcd.stop()
+    later = threading.Timer(2.0, etcd.start)
+    later.start()
+    nodes = []
+    try:
+        for i in range(1, 5):
+            nodes.append(Node(str(tmp_path), i, etcd.url, drives=2))
+        later.join()
+        init_and_serve(nodes, 2, 2)
+        s3 = nodes[1].client()
+        s3.create_bucket(Bucket="after-etcd")
+        s3.put_object(Bucket="after-etcd", Key="k", Body=b"v")
+        assert nodes[3].client().get_object(Bucket="after-etcd", Key="k")["Body"].read() == b"v"
+        first = open(nodes[0].logs[0], errors="replace").read()
+        assert first.count("etcd does not answer yet: waiting for it") == 1, first[-2000:]
+    finally:
+        later.cancel()
+        stop_all(etcd, nodes)

@@ -380,6 +380,7 @@ impl Node {
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
+        rt.block_on(wait_for_etcd(&etcd, &keys))?;
         let mut drives = Vec::new();
         let mut empty = Vec::new();
         for path in &cfg.drives {
@@ -1780,4 +1781,32 @@ fn sweep_retired(store: Arc<Store>) {
             tracing::warn!(%error, "sweeping the drives of a retired pool failed; the next start tries again");
         }
     });
+}
+
+/// How long a starting node waits for etcd to listen.
+const ETCD_START_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits, at start, until etcd answers: a node started alongside etcd (a
+/// Kubernetes pod, a unit without ordering) waits for it instead of
+/// exiting. Only a refused connection or no answer is waited out; any
+/// other failure (a TLS refusal, a wrong password) ends the start at once.
+async fn wait_for_etcd(etcd: &Etcd, keys: &Keys) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + ETCD_START_WAIT;
+    let mut told = false;
+    loop {
+        match etcd.get(&keys.layout()).await {
+            Ok(_) => return Ok(()),
+            Err(EtcdError::Unreachable { reason, .. })
+                if (reason.contains("Connection refused") || reason.contains("no answer in"))
+                    && std::time::Instant::now() < deadline =>
+            {
+                if !told {
+                    tracing::warn!(%reason, "etcd does not answer yet: waiting for it (up to 60 s)");
+                    told = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
