@@ -2,6 +2,7 @@
 port and `tarn` nodes on 127.0.0.N, each process stopped by its PID. Shared
 by test_cluster.py, test_cluster_faults.py and scripts/bench-cluster-faults."""
 
+import ipaddress
 import json
 import os
 import random
@@ -22,6 +23,12 @@ SECRET = "cluster-secret-for-tests-0123456789"
 LINK_KEYS = ("linkadmin", "linkadmin-secret-for-tests")
 
 
+# Ports handed out by this test process, never handed out again: two picks
+# for one node (or a node and etcd) made before either binds could otherwise
+# be the same port (seen once in CI: a node found its own port taken).
+_HANDED_OUT = set()
+
+
 def free_port(ip):
     """A port free now on `ip`, below the kernel's ephemeral range: a port
     the kernel hands out (bind to 0) may be taken as the source port of an
@@ -34,11 +41,14 @@ def free_port(ip):
         low = 32768
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT or port + 1 in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((ip, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no free port on {ip} below {low}")
 
@@ -91,8 +101,11 @@ class Node:
     execs: the PID is the server's). With `kv` (a list of further KV
     flags) it also runs the KV store, at `kv_endpoint`."""
 
-    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None, kv=None, secret=None):
+    def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None, kv=None, secret=None,
+                 tls=None):
         self.i = i
+        # With `tls` (PEM paths `cert`, `key`, `ca`) every listener is TLS.
+        self.ca = tls["ca"] if tls else None
         self.cluster_secret = secret or SECRET
         # Off loopback, a server refuses the built-in default credentials.
         self.access_key, self.secret_key = keys or (ACCESS_KEY, SECRET_KEY)
@@ -106,13 +119,19 @@ class Node:
             self.s3_port, self.admin_port, self.rpc_port = base, base + 1, base + 2
         else:
             self.s3_port, self.admin_port, self.rpc_port = (free_port(self.ip) for _ in range(3))
-        self.endpoint = f"http://{self.ip}:{self.s3_port}"
-        self.admin = f"http://{self.ip}:{self.admin_port}"
+        scheme = "https" if tls else "http"
+        self.endpoint = f"{scheme}://{self.ip}:{self.s3_port}"
+        self.admin = f"{scheme}://{self.ip}:{self.admin_port}"
         self.args = ["ip", "netns", "exec", netns] if netns else []
         self.args += [BIN, "server", "--cluster", "test", "--etcd", etcd_url, "--node-id", f"n{i}",
                      "--advertise", f"{self.ip}:{self.rpc_port}",
                      "--listen", f"{self.ip}:{self.s3_port}", "--admin-listen", f"{self.ip}:{self.admin_port}",
                      "--cores", "1"]
+        if tls:
+            self.args += ["--tls-cert", tls["cert"], "--tls-key", tls["key"], "--tls-ca", tls["ca"]]
+        elif not ipaddress.ip_address(self.ip).is_loopback:
+            # Beyond loopback a node without TLS must be told plain is meant.
+            self.args.append("--allow-plain-http")
         self.kv_endpoint = None
         if kv is not None:
             kv_port = self.rpc_port + 1 if netns else free_port(self.ip)
@@ -154,11 +173,12 @@ class Node:
         `retries=ONE_ATTEMPT`."""
         cfg.setdefault("retries", {"max_attempts": 1})
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
-                            aws_secret_access_key=self.secret_key, region_name="us-east-1",
+                            aws_secret_access_key=self.secret_key, region_name="us-east-1", verify=self.ca,
                             config=Config(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=30, **cfg))
 
     def admin_cmd(self, *args, check=True):
-        r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", self.secret_key, *args],
+        tls = ["--ca-bundle", self.ca] if self.ca else []
+        r = subprocess.run([BIN, "admin", "--endpoint", self.admin, "--token", self.secret_key, *tls, *args],
                            capture_output=True, text=True, timeout=60)
         if check and r.returncode != 0:
             raise AssertionError(f"tarn admin {args}: {r.stderr}")

@@ -13,10 +13,10 @@ from tarnproc import ACCESS_KEY, BIN, SECRET_KEY, Server  # noqa: F401
 def make_server(tmp_path):
     servers = []
 
-    def make(drives=4, extra_args=(), env=None, expected_errors=(), name="srv"):
+    def make(drives=4, extra_args=(), env=None, expected_errors=(), name="srv", ca=None):
         root = tmp_path / f"{name}{len(servers)}"
         root.mkdir()
-        s = Server(str(root), drives=drives, extra_args=extra_args, env=env, expected_errors=expected_errors)
+        s = Server(str(root), drives=drives, extra_args=extra_args, env=env, expected_errors=expected_errors, ca=ca)
         servers.append(s)
         return s
 

@@ -5,6 +5,7 @@ boto3: `client()` imports it when called)."""
 import json
 import os
 import re
+import ssl
 import signal
 import subprocess
 import time
@@ -16,8 +17,10 @@ BIN = os.environ.get("TARN_BIN") or os.path.expanduser("~/.cache/tarn-target/deb
 
 
 class Server:
-    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=(), cores=2, nofile=None):
+    def __init__(self, root, drives=4, extra_args=(), env=None, expected_errors=(), cores=2, nofile=None, ca=None):
         self.root = root
+        # The CA bundle clients trust when the server serves TLS.
+        self.ca = ca
         self.cores = cores
         # (soft, hard) open-files limits to start the server under.
         self.nofile = nofile
@@ -60,10 +63,10 @@ class Server:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"tarn exited with {self.proc.returncode}: {open(log_path).read()}")
                 continue
-            m = re.match(r"S3 endpoint: (http://\S+)", line)
+            m = re.match(r"S3 endpoint: (https?://\S+)", line)
             if m:
                 self.endpoint = m.group(1)
-            m = re.match(r"Admin endpoint: (http://\S+)", line)
+            m = re.match(r"Admin endpoint: (https?://\S+)", line)
             if m:
                 self.admin = m.group(1)
             m = re.match(r"KV endpoint: (\S+)", line)
@@ -125,6 +128,7 @@ class Server:
             aws_secret_access_key=key["secret_key"] if key else SECRET_KEY,
             region_name="us-east-1",
             config=cfg,
+            verify=self.ca,
         )
 
 
@@ -142,8 +146,9 @@ def kv_server(tmp_path, extra_args):
 
 def admin(server, *args, check=True):
     """`tarn admin` against `server` with the root token."""
+    tls = ["--ca-bundle", server.ca] if server.ca else []
     r = subprocess.run(
-        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, *args],
+        [BIN, "admin", "--endpoint", server.admin, "--token", SECRET_KEY, *tls, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -175,7 +180,9 @@ def metric(proc, name, drive=None, op=None):
     over the lines of one drive or one S3 operation when given; an error
     when it has none."""
     req = urllib.request.Request(proc.admin + "/metrics", headers={"Authorization": f"Bearer {getattr(proc, 'secret_key', SECRET_KEY)}"})
-    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    ca = getattr(proc, "ca", None)
+    ctx = ssl.create_default_context(cafile=ca) if ca else None
+    text = urllib.request.urlopen(req, timeout=10, context=ctx).read().decode()
     found, total = False, 0.0
     for line in text.splitlines():
         m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)

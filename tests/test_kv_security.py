@@ -136,7 +136,7 @@ def run_server(args, env_extra=None, cwd=None):
 
 def test_kv_off_loopback_needs_explicit_credentials(tmp_path):
     base = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drive", str(tmp_path / "d"),
-            "--kv", "--kv-listen", "0.0.0.0:0", "--kv-memory", "16MiB"]  # fmt: skip
+            "--kv", "--kv-listen", "0.0.0.0:0", "--kv-memory", "16MiB", "--allow-plain-http"]  # fmt: skip
     # Before: it started, serving every namespace to anyone on the network
     # with credentials printed in the README.
     r = run_server(base)
@@ -154,7 +154,7 @@ def test_kv_off_loopback_needs_explicit_credentials(tmp_path):
 
 def test_kv_off_loopback_with_credentials_of_its_own(make_server):
     creds = {"TARN_ACCESS_KEY": "site-key", "TARN_SECRET_KEY": "site-secret-0123456789"}
-    s = make_server(drives=1, extra_args=["--kv", "--kv-listen", "0.0.0.0:0", "--kv-memory", "16MiB"], env=creds,
+    s = make_server(drives=1, extra_args=["--kv", "--kv-listen", "0.0.0.0:0", "--kv-memory", "16MiB", "--allow-plain-http"], env=creds,
                     name="open")  # fmt: skip
     port = s.kv_endpoint.rsplit(":", 1)[1]
     c = kv.Client(f"127.0.0.1:{port}", "ns", transport="tcp", access_key="site-key",

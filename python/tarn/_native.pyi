@@ -16,6 +16,8 @@ class Client:
         shm_mailbox: bool = True,
         access_key: Optional[str] = None,
         secret_key: Optional[str] = None,
+        cluster: bool = True,
+        ca_bundle: Optional[str] = None,
     ) -> "Client": ...
     @property
     def transport(self) -> str: ...

@@ -176,7 +176,7 @@ class Client(_native.Client):
 
     ``Client(endpoint="127.0.0.1:9400", namespace=None, *, transport="auto",
     connect_timeout=5.0, timeout=None, max_connections=4, shm_mailbox=True,
-    access_key=None, secret_key=None, cluster=True)``
+    access_key=None, secret_key=None, cluster=True, ca_bundle=None)``
 
     Credentials are ``access_key``/``secret_key``, else the environment's
     ``TARN_ACCESS_KEY``/``TARN_SECRET_KEY``, else the built-in ones a server
@@ -191,6 +191,11 @@ class Client(_native.Client):
     raises ``KvConnectionError`` then instead of blocking forever.
     A call on a connection the server dropped (say it restarted) is retried
     once on a new connection.
+
+    TLS: a server started with ``--tls-cert`` serves its KV TCP port over
+    TLS; connect with ``ca_bundle`` (the PEM file of the CA that signed its
+    certificate) or with a ``tls://host:port`` endpoint, which trusts the
+    system's roots. The certificate must name the host connected to.
 
     When the endpoint is a node of a cluster whose nodes run the KV store
     (and ``cluster`` is true), the client routes: each key goes to the

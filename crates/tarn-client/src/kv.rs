@@ -18,6 +18,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use tarn_io::tls::MaybeTls;
 use tarn_wire::arena::Arena;
 use tarn_wire::auth::{self, Credentials, Side};
 use tarn_wire::fdpass;
@@ -92,6 +93,10 @@ pub struct ConnectOptions {
     /// many bytes is the put window instead of one of the connection's own
     /// (a [`RegisteredBuffer`]'s: its puts are one copy, the daemon's).
     pub put_window_fd: Option<(Arc<OwnedFd>, usize)>,
+    /// TLS to a server whose KV listener serves it (None: plain TCP, or
+    /// for a `tls://` endpoint the system's trusted roots). Every member
+    /// of a cluster is reached the same way.
+    pub tls: Option<Arc<tarn_io::tls::rustls::ClientConfig>>,
 }
 
 /// Put window of a shared-memory connection unless told otherwise: a batch
@@ -110,6 +115,7 @@ impl Default for ConnectOptions {
             credentials: None,
             put_window_bytes: PUT_WINDOW_DEFAULT_BYTES,
             put_window_fd: None,
+            tls: None,
         }
     }
 }
@@ -1226,7 +1232,7 @@ pub trait Transport {
 
 /// TCP: values inside the frames, read straight into the caller's buffers.
 pub struct TcpTransport {
-    ch: Channel<TcpStream>,
+    ch: Channel<MaybeTls<TcpStream>>,
 }
 
 impl Transport for TcpTransport {
@@ -1384,17 +1390,25 @@ pub fn not_owner(e: &Error) -> bool {
     matches!(e, Error::Server(p) if p.code == ErrorCode::NotOwner)
 }
 
-fn parse_endpoint(endpoint: &str) -> Result<String> {
-    let e = endpoint
-        .strip_prefix("tcp://")
-        .or_else(|| endpoint.strip_prefix("tarn://"))
-        .unwrap_or(endpoint);
+/// `host:port` of an endpoint (`host:port`, `tcp://host:port`,
+/// `tarn://host:port`, or `tls://host:port`), and whether it names TLS.
+fn parse_endpoint(endpoint: &str) -> Result<(String, bool)> {
+    let (e, tls) = match endpoint.strip_prefix("tls://") {
+        Some(e) => (e, true),
+        None => (
+            endpoint
+                .strip_prefix("tcp://")
+                .or_else(|| endpoint.strip_prefix("tarn://"))
+                .unwrap_or(endpoint),
+            false,
+        ),
+    };
     if e.is_empty() || !e.contains(':') {
         return Err(Error::Usage(format!(
             "KV endpoint {endpoint:?} is not host:port"
         )));
     }
-    Ok(e.trim_end_matches('/').to_string())
+    Ok((e.trim_end_matches('/').to_string(), tls))
 }
 
 impl KvClient {
@@ -1410,13 +1424,20 @@ impl KvClient {
             Some(c) => c.clone(),
             None => Credentials::from_env_or_default().map_err(Error::Usage)?,
         };
-        let addr = parse_endpoint(endpoint)?;
+        let (addr, tls_named) = parse_endpoint(endpoint)?;
+        let tls = match (&opts.tls, tls_named) {
+            (Some(c), _) => Some(c.clone()),
+            (None, true) => Some(tarn_io::tls::client_config(None).map_err(Error::Usage)?),
+            (None, false) => None,
+        };
         let limit = Some(opts.connect_timeout);
         let connecting = async { Ok(TcpStream::connect(&addr).await?) };
         let tcp = bounded(limit, &format!("{addr} (connecting)"), connecting).await?;
         tcp.set_nodelay(true)?;
         let local = same_host(&tcp);
-        let mut ch = Channel::new(tcp);
+        let handshake = async { Ok(MaybeTls::connect(tcp, tls.as_ref(), &addr).await?) };
+        let stream = bounded(limit, &format!("{addr} (TLS)"), handshake).await?;
+        let mut ch = Channel::new(stream);
         ch.response_spin = opts.response_spin;
         // A server that accepts but never answers must not hang the caller.
         let hello = bounded(limit, &format!("{addr} (HELLO)"), ch.hello(0)).await?;

@@ -14,6 +14,7 @@ pub use kv::{
     TransportKind, WriteIo,
 };
 pub use object::{ObjectClient, ObjectError};
+pub use tarn_io::tls;
 pub use tarn_wire::auth::Credentials;
 pub use tarn_wire::proto::{
     ClusterView, Digest, ExistsReply, Part, Route, Status, ViewMember, BATCH_COPY, BATCH_FALLBACK,

@@ -238,6 +238,8 @@ pub struct NodeConfig {
     /// Its S3 and admin endpoints, recorded for tools.
     pub s3_url: String,
     pub admin_url: String,
+    /// TLS on the cluster's RPC (every node the same).
+    pub rpc_tls: Option<crate::rpc::RpcTls>,
     pub zone: Option<String>,
 }
 
@@ -365,7 +367,8 @@ impl Node {
         if cfg.secret.len() < 16 {
             return Err("the cluster secret must be at least 16 bytes".into());
         }
-        let identity = Identity::new(&cfg.cluster, &cfg.node_id, &cfg.secret)?;
+        let identity =
+            Identity::new(&cfg.cluster, &cfg.node_id, &cfg.secret)?.with_tls(cfg.rpc_tls.clone());
         let mut etcd = Etcd::with_tls(&cfg.etcd, ETCD_TIMEOUT, &cfg.etcd_tls)?.sealed(&cfg.secret);
         if !etcd.is_tls() && !etcd_is_local(&cfg.etcd) {
             tracing::warn!(

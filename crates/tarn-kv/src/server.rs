@@ -148,6 +148,9 @@ pub struct ServerOptions {
     /// Authenticated connections one tenant may hold (each may pin blocks
     /// and hold put reservations); AUTH past it is answered `Limit`.
     pub connections_per_tenant_max: usize,
+    /// TLS on TCP connections (None: plain). Shared-memory clients on the
+    /// host talk over a Unix socket and share no bytes over the network.
+    pub tls: Option<Arc<tarn_io::tls::rustls::ServerConfig>>,
 }
 
 /// Defaults of the timeouts (docs/configuration.md).
@@ -172,6 +175,7 @@ impl Default for ServerOptions {
             handshake_timeout: HANDSHAKE_TIMEOUT_DEFAULT,
             connections_max: CONNECTIONS_MAX_DEFAULT,
             connections_per_tenant_max: CONNECTIONS_PER_TENANT_MAX_DEFAULT,
+            tls: None,
         }
     }
 }
@@ -386,6 +390,10 @@ impl Server {
             let shared = shared.clone();
             let stop = stop_rx.clone();
             let (pin, uring) = (opts.pin_cores, opts.io_uring);
+            let tls = opts
+                .tls
+                .clone()
+                .map(tarn_io::tls::tokio_rustls::TlsAcceptor::from);
             let t = std::thread::Builder::new()
                 .name(format!("tarn-kv-{core}"))
                 .spawn(move || {
@@ -396,7 +404,7 @@ impl Server {
                             return;
                         }
                     };
-                    rt.block_on(accept_loop(tcp, uds, shared, stop));
+                    rt.block_on(accept_loop(tcp, uds, shared, tls, stop));
                 })
                 .map_err(|e| KvError::Io("starting a KV thread", e))?;
             threads.push(t);
@@ -494,6 +502,7 @@ async fn accept_loop(
     tcp: std::net::TcpListener,
     uds: Option<std::os::unix::net::UnixListener>,
     shared: Arc<Shared>,
+    tls: Option<tarn_io::tls::tokio_rustls::TlsAcceptor>,
     mut stop: watch::Receiver<bool>,
 ) {
     let tcp = match TcpListener::from_std(tcp) {
@@ -519,12 +528,25 @@ async fn accept_loop(
                     };
                     let _ = s.set_nodelay(true);
                     let shared = shared.clone();
+                    let tls = tls.clone();
                     tokio::spawn(async move {
                         let _admitted = admitted;
                         let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                         let mut c = Connection::new(conn, shared, false);
-                        c.spin_fd = Some(s.as_raw_fd());
-                        c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await;
+                        let Some(tls) = tls else {
+                            c.spin_fd = Some(s.as_raw_fd());
+                            c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await;
+                            return;
+                        };
+                        // The handshake counts against the HELLO/AUTH time.
+                        // No spinning on the socket: plaintext may wait in
+                        // the TLS layer while the socket has nothing new.
+                        let limit = c.shared.timeouts.handshake;
+                        match tokio::time::timeout(limit, tls.accept(s)).await {
+                            Ok(Ok(s)) => c.serve(BufReader::with_capacity(READ_BUFFER_BYTES, s)).await,
+                            Ok(Err(error)) => tracing::debug!(conn, %error, "KV TLS handshake failed"),
+                            Err(_) => tracing::debug!(conn, "KV TLS handshake timed out"),
+                        }
                     });
                 }
                 Err(error) => {

@@ -287,7 +287,7 @@ impl Client {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (endpoint = "127.0.0.1:9400", namespace = None, *, transport = "auto",
         connect_timeout = 5.0, timeout = None, max_connections = 4, shm_mailbox = true,
-        access_key = None, secret_key = None, cluster = true))]
+        access_key = None, secret_key = None, cluster = true, ca_bundle = None))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
@@ -300,6 +300,7 @@ impl Client {
         access_key: Option<String>,
         secret_key: Option<String>,
         cluster: bool,
+        ca_bundle: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let namespace = match namespace {
             None => Vec::new(),
@@ -352,6 +353,15 @@ impl Client {
                 ))
             }
         };
+        // TLS: with a CA bundle, or for a tls:// endpoint the system's
+        // roots; resolved once for every connection of the pool.
+        let tls = if ca_bundle.is_some() || endpoint.starts_with("tls://") {
+            let c = tarn_client::tls::client_config(ca_bundle.as_deref())
+                .map_err(|e| PyValueError::new_err(format!("ca_bundle: {e}")))?;
+            Some(c)
+        } else {
+            None
+        };
         let opts = ConnectOptions {
             transport,
             namespace: namespace.clone(),
@@ -359,6 +369,7 @@ impl Client {
             shm_mailbox,
             call_timeout,
             credentials: Some(credentials),
+            tls,
             ..ConnectOptions::default()
         };
         let pool = Arc::new(Pool::new(endpoint, opts.clone(), max_connections));

@@ -115,6 +115,7 @@ async fn bench(store: Arc<Store>, quick: bool) {
             headers: &headers,
             query: None,
             peer,
+            secure: false,
             existing_tags: None,
         };
         access.authorize(&r).expect("allowed");

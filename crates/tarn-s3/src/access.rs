@@ -48,6 +48,11 @@ const DOC_FORMAT: u32 = 1;
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub IpAddr);
 
+/// Put into a request's extensions by the server when its connection is
+/// TLS (the `aws:SecureTransport` condition key is then true).
+#[derive(Debug, Clone, Copy)]
+pub struct SecureTransport;
+
 /// What the permission check decided for one request: the one entry it
 /// puts into the request's extensions for the operation.
 #[derive(Debug, Clone, Default)]
@@ -448,6 +453,7 @@ struct Ctx<'a> {
     headers: &'a http::HeaderMap,
     query: Option<&'a str>,
     peer: Option<IpAddr>,
+    secure: bool,
     /// The tags of the object the request names, read only when the
     /// bucket's policy has an `s3:ExistingObjectTag/KEY` condition.
     existing_tags: Option<&'a [(String, String)]>,
@@ -499,7 +505,7 @@ impl RequestContext for Ctx<'_> {
         };
         match key {
             "aws:sourceip" => self.peer.map(|p| p.to_string()),
-            "aws:securetransport" => Some("false".into()),
+            "aws:securetransport" => Some(self.secure.to_string()),
             "aws:currenttime" => time::OffsetDateTime::from_unix_timestamp(now() as i64)
                 .ok()
                 .and_then(|t| {
@@ -1068,6 +1074,8 @@ pub struct AccessRequest<'a> {
     pub headers: &'a http::HeaderMap,
     pub query: Option<&'a str>,
     pub peer: Option<IpAddr>,
+    /// Whether the request came over TLS (`aws:SecureTransport`).
+    pub secure: bool,
     /// The named object's tags, for `s3:ExistingObjectTag/KEY` conditions
     /// (`Access::existing_tags`); None when no policy asks or there is none.
     pub existing_tags: Option<Vec<(String, String)>>,
@@ -1097,6 +1105,7 @@ impl Access {
             headers: r.headers,
             query: r.query,
             peer: r.peer,
+            secure: r.secure,
             existing_tags: r.existing_tags.as_deref(),
         };
         // ListBuckets (each user sees the buckets it owns) and CreateBucket
@@ -1257,6 +1266,7 @@ pub struct Checker(pub Arc<Access>);
 impl S3Access for Checker {
     async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
         let peer = cx.extensions_mut().get::<ClientAddr>().map(|c| c.0);
+        let secure = cx.extensions_mut().get::<SecureTransport>().is_some();
         // In a cluster a bucket made through another node a moment ago may
         // not have reached this node's view yet: the catalog is asked.
         if let S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } = cx.s3_path() {
@@ -1280,6 +1290,7 @@ impl S3Access for Checker {
             headers: cx.headers(),
             query: cx.uri().query(),
             peer,
+            secure,
             existing_tags,
         })?;
         cx.extensions_mut().insert(permit);
@@ -1340,6 +1351,7 @@ impl S3Access for Checker {
             headers: &req.headers,
             query: None,
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
+            secure: req.extensions.get::<SecureTransport>().is_some(),
             existing_tags: None,
         })?;
         req.extensions.insert(permit);
@@ -1362,6 +1374,7 @@ impl S3Access for Checker {
             headers: &req.headers,
             query: req.uri.query(),
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
+            secure: req.extensions.get::<SecureTransport>().is_some(),
             existing_tags: None,
         };
         let mut refused = DeniedDeletes::default();

@@ -10,6 +10,7 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tarn_cluster::node::Node;
+use tarn_io::tls::MaybeTls;
 use tarn_s3::access::Access;
 use tarn_s3::cache::Caches;
 use tarn_s3::iam::{Iam, IamError};
@@ -270,7 +271,7 @@ async fn cluster(
 pub async fn serve_forming(
     listener: TcpListener,
     node: Arc<Node>,
-    token: String,
+    (token, tls): (String, Option<tarn_io::tls::tokio_rustls::TlsAcceptor>),
     mut stop: watch::Receiver<bool>,
 ) {
     let token = Arc::new(token);
@@ -282,8 +283,11 @@ pub async fn serve_forming(
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 };
-                let (node, token) = (node.clone(), token.clone());
+                let (node, token, tls) = (node.clone(), token.clone(), tls.clone());
                 conns.spawn(async move {
+                    let Some(stream) = MaybeTls::accept(stream, tls.as_ref()).await else {
+                        return;
+                    };
                     let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
                         let (node, token) = (node.clone(), token.clone());
                         async move {
@@ -345,6 +349,12 @@ struct Ctx {
     region: Arc<str>,
     /// The connection's client.
     client: std::net::IpAddr,
+    /// How the console reaches this node's S3 listener when it is TLS
+    /// (trusting exactly this node's certificate).
+    s3_tls: Option<tarn_io::tls::tokio_rustls::TlsConnector>,
+    /// Whether the connection is TLS (the console's cookie is then
+    /// `Secure`).
+    secure: bool,
 }
 
 /// A drive's state in one word.
@@ -446,6 +456,8 @@ async fn handle(
                 client: ctx.client,
                 s3: ctx.s3,
                 region: &ctx.region,
+                s3_tls: ctx.s3_tls.as_ref(),
+                secure: ctx.secure,
             },
         )
         .await;
@@ -675,6 +687,8 @@ pub struct Services {
     /// This node's S3 endpoint and region (the console's S3 calls).
     pub s3: std::net::SocketAddr,
     pub region: String,
+    /// TLS on the admin listener (and on the S3 listener it calls).
+    pub tls: Option<Arc<tarn_io::tls::ServerCert>>,
 }
 
 pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::Receiver<bool>) {
@@ -687,7 +701,9 @@ pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::R
         keys,
         s3,
         region,
+        tls,
     } = services;
+    let acceptor = tls.as_ref().map(|c| c.acceptor(&[b"http/1.1"]));
     let console = Arc::new(crate::console::Console::default());
     console.spawn_sampler(metrics.clone());
     // The S3 listener's own address, reachable from here.
@@ -713,6 +729,10 @@ pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::R
         s3,
         region: Arc::from(region.as_str()),
         client: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        s3_tls: tls.as_ref().map(|c| {
+            tarn_io::tls::tokio_rustls::TlsConnector::from(tarn_io::tls::trusting_only(c))
+        }),
+        secure: false,
     };
     loop {
         tokio::select! {
@@ -724,7 +744,12 @@ pub async fn serve(listener: TcpListener, services: Services, mut stop: watch::R
                 let _ = stream.set_nodelay(true);
                 let mut ctx = ctx.clone();
                 ctx.client = peer.ip();
+                let acceptor = acceptor.clone();
                 tokio::spawn(async move {
+                    let Some(stream) = MaybeTls::accept(stream, acceptor.as_ref()).await else {
+                        return;
+                    };
+                    ctx.secure = stream.is_tls();
                     let svc = hyper::service::service_fn(move |req| handle(req, ctx.clone()));
                     let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                 });

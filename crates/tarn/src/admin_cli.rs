@@ -19,8 +19,14 @@ pub struct AdminArgs {
     /// credentials uses.
     #[arg(long, env = "TARN_ADMIN_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// A TOML file with `endpoint = "..."` and `token = "..."`, readable by
-    /// its owner only. Default: ~/.config/tarn/admin.toml when it exists.
+    /// For an https:// endpoint: the CA bundle (PEM) that signed the
+    /// server's certificate. Default: the config file's `ca_bundle`, else
+    /// the system's trusted roots.
+    #[arg(long, env = "TARN_ADMIN_CA_BUNDLE")]
+    ca_bundle: Option<std::path::PathBuf>,
+    /// A TOML file with `endpoint = "..."`, `token = "..."` and optionally
+    /// `ca_bundle = "..."`, readable by its owner only. Default:
+    /// ~/.config/tarn/admin.toml when it exists.
     #[arg(long, env = "TARN_ADMIN_CONFIG")]
     config: Option<std::path::PathBuf>,
     #[command(subcommand)]
@@ -82,6 +88,7 @@ enum AdminCommand {
 struct Target {
     endpoint: String,
     token: String,
+    ca_bundle: Option<std::path::PathBuf>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -89,6 +96,7 @@ struct Target {
 struct ConfigFile {
     endpoint: Option<String>,
     token: Option<String>,
+    ca_bundle: Option<std::path::PathBuf>,
 }
 
 fn read_config(path: &std::path::Path) -> anyhow::Result<ConfigFile> {
@@ -151,7 +159,12 @@ fn target(args: &AdminArgs) -> anyhow::Result<Target> {
             "no admin token for {endpoint}: give --token, set TARN_ADMIN_TOKEN or TARN_SECRET_KEY, or put `token = \"...\"` in ~/.config/tarn/admin.toml (the built-in default is tried only on loopback)"
         );
     };
-    Ok(Target { endpoint, token })
+    let ca_bundle = args.ca_bundle.clone().or(file.ca_bundle);
+    Ok(Target {
+        endpoint,
+        token,
+        ca_bundle,
+    })
 }
 
 #[derive(clap::Subcommand)]
@@ -253,7 +266,7 @@ enum KeyCommand {
 
 pub fn run(args: AdminArgs) -> anyhow::Result<()> {
     let t = target(&args)?;
-    let call = |method: &str, path: &str| request(&t.endpoint, &t.token, method, path, b"");
+    let call = |method: &str, path: &str| request(&t, method, path, b"");
     match args.command {
         AdminCommand::Status { json } => show(&call("GET", "/admin/status")?, json, print_overview),
         AdminCommand::Drives { json } => show(&call("GET", "/admin/drives")?, json, print_drives),
@@ -302,9 +315,9 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        AdminCommand::Cache(c) => crate::admin_cache_cli::run(c, &|method, path, body| {
-            request(&t.endpoint, &t.token, method, path, body)
-        }),
+        AdminCommand::Cache(c) => {
+            crate::admin_cache_cli::run(c, &|method, path, body| request(&t, method, path, body))
+        }
         AdminCommand::User(UserCommand::Add { name, json }) => {
             print_key(&call("POST", &format!("/admin/users/{name}"))?, json)
         }
@@ -859,36 +872,57 @@ fn print_key(v: &serde_json::Value, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
 /// The header naming the nodes that did not confirm an admin change.
 pub const UNCONFIRMED_HEADER: &str = "tarn-unconfirmed-nodes";
 
 /// One request; the answer's JSON (null for an empty body). A non-2xx
 /// answer is an error carrying the server's message.
-fn request(
-    endpoint: &str,
-    token: &str,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> anyhow::Result<serde_json::Value> {
-    let authority = endpoint
-        .strip_prefix("http://")
-        .with_context(|| format!("--endpoint {endpoint}: an http:// URL"))?
-        .trim_end_matches('/');
+fn request(t: &Target, method: &str, path: &str, body: &[u8]) -> anyhow::Result<serde_json::Value> {
+    let (endpoint, token) = (t.endpoint.as_str(), t.token.as_str());
+    let (tls, authority) = match endpoint.split_once("://") {
+        Some(("http", a)) => (false, a),
+        Some(("https", a)) => (true, a),
+        _ => bail!("--endpoint {endpoint}: an http:// or https:// URL"),
+    };
+    let authority = authority.trim_end_matches('/');
     if authority.contains('/') {
         bail!("--endpoint {endpoint}: no path expected");
     }
-    let mut s = std::net::TcpStream::connect(authority)
+    let tcp = std::net::TcpStream::connect(authority)
         .with_context(|| format!("connecting to {endpoint}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    tcp.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut s: Box<dyn ReadWrite> = if tls {
+        let config = tarn_io::tls::client_config(t.ca_bundle.as_deref())
+            .map_err(|e| anyhow::anyhow!("--ca-bundle: {e}"))?;
+        let name = tarn_io::tls::server_name(authority).map_err(anyhow::Error::msg)?;
+        let conn = tarn_io::tls::rustls::ClientConnection::new(config, name)
+            .context("TLS to the admin port")?;
+        Box::new(tarn_io::tls::rustls::StreamOwned::new(conn, tcp))
+    } else {
+        if t.ca_bundle.is_some() {
+            bail!("--ca-bundle is for an https:// endpoint, not {endpoint}");
+        }
+        Box::new(tcp)
+    };
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
-    )?;
+    )
+    .with_context(|| format!("sending to {endpoint}"))?;
     s.write_all(body)?;
+    s.flush()?;
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
+    match s.read_to_end(&mut raw) {
+        Ok(_) => {}
+        // A TLS peer that closed without close_notify after a whole answer
+        // (Connection: close): what arrived is checked below.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => return Err(e).with_context(|| format!("reading the answer of {endpoint}")),
+    }
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

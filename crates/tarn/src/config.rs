@@ -73,6 +73,9 @@ pub struct FileConfig {
     pub response_send_idle_timeout_secs: Option<u64>,
     pub kv: Option<KvFileConfig>,
     pub cluster: Option<ClusterFileConfig>,
+    pub tls: Option<TlsFileConfig>,
+    /// Serve without TLS on addresses beyond loopback.
+    pub allow_plain_http: Option<bool>,
 }
 
 /// `[cluster]`: join a cluster (flags and environment take precedence).
@@ -96,6 +99,16 @@ pub struct ClusterFileConfig {
     pub etcd_key: Option<std::path::PathBuf>,
     pub zone: Option<String>,
     pub no_drives: Option<bool>,
+}
+
+/// `[tls]`: this node's certificate and key for every listener, and the CA
+/// bundle that signed the other nodes' certificates.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFileConfig {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
 }
 
 /// `[kv]`: the KV-cache store (off unless `enabled` or `--kv`).

@@ -273,9 +273,10 @@ fn harden(r: &mut http::Response<s3s::Body>) {
     }
 }
 
-fn set_cookie(r: &mut http::Response<s3s::Body>, value: &str, max_age: u64) {
+fn set_cookie(r: &mut http::Response<s3s::Body>, value: &str, max_age: u64, secure: bool) {
+    let secure = if secure { "; Secure" } else { "" };
     if let Ok(v) = http::HeaderValue::from_str(&format!(
-        "{COOKIE}={value}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={max_age}"
+        "{COOKIE}={value}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"
     )) {
         r.headers_mut().insert(http::header::SET_COOKIE, v);
     }
@@ -283,7 +284,7 @@ fn set_cookie(r: &mut http::Response<s3s::Body>, value: &str, max_age: u64) {
 
 /// Whether a request that changes something may: the session's CSRF token
 /// in its header, and its Origin (if any) this console's own.
-fn csrf_ok(req: &http::Request<Incoming>, session: &Session) -> bool {
+fn csrf_ok(req: &http::Request<Incoming>, session: &Session, secure: bool) -> bool {
     let h = req.headers();
     let token = h
         .get(CSRF_HEADER)
@@ -299,7 +300,8 @@ fn csrf_ok(req: &http::Request<Incoming>, session: &Session) -> bool {
                 .get(http::header::HOST)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("");
-            origin == format!("http://{host}") || origin == format!("https://{host}")
+            let scheme = if secure { "https" } else { "http" };
+            origin == format!("{scheme}://{host}")
         }
     }
 }
@@ -315,6 +317,11 @@ pub struct Ctx<'a> {
     pub client: IpAddr,
     pub s3: SocketAddr,
     pub region: &'a str,
+    /// TLS to the S3 listener, when it is TLS.
+    pub s3_tls: Option<&'a tarn_io::tls::tokio_rustls::TlsConnector>,
+    /// Whether this connection is TLS: the cookie is then `Secure`, and
+    /// only an `https://` Origin is this console's.
+    pub secure: bool,
 }
 
 pub enum Routed {
@@ -340,10 +347,10 @@ pub async fn handle(req: http::Request<Incoming>, ctx: Ctx<'_>) -> Routed {
             None => json(401, serde_json::json!({ "error": "not logged in" })),
         },
         ("POST", "/console/logout") => match ctx.console.session(req.headers(), ctx.iam) {
-            Some((id, s)) if csrf_ok(&req, &s) => {
+            Some((id, s)) if csrf_ok(&req, &s, ctx.secure) => {
                 ctx.console.sessions.lock().expect("sessions").remove(&id);
                 let mut r = json(200, serde_json::json!({ "logged_out": true }));
-                set_cookie(&mut r, "", 0);
+                set_cookie(&mut r, "", 0, ctx.secure);
                 r
             }
             Some(_) => json(
@@ -361,7 +368,7 @@ pub async fn handle(req: http::Request<Incoming>, ctx: Ctx<'_>) -> Routed {
                 harden(&mut r);
                 return Routed::Done(r);
             };
-            if !reads_only(req.method()) && !csrf_ok(&req, &session) {
+            if !reads_only(req.method()) && !csrf_ok(&req, &session, ctx.secure) {
                 json(
                     403,
                     serde_json::json!({ "error": "missing or wrong CSRF token" }),
@@ -442,7 +449,7 @@ async fn login(req: http::Request<Incoming>, ctx: &Ctx<'_>) -> http::Response<s3
     {
         Ok((id, s)) => {
             let mut r = json(200, s.json());
-            set_cookie(&mut r, &id, LIFETIME.as_secs());
+            set_cookie(&mut r, &id, LIFETIME.as_secs(), ctx.secure);
             r
         }
         Err((status, msg)) => json(status, serde_json::json!({ "error": msg })),
@@ -559,6 +566,21 @@ async fn s3_forward(
             )
         }
     };
+    let stream: Box<dyn S3Stream> = match ctx.s3_tls {
+        None => Box::new(stream),
+        Some(tls) => {
+            let name = rustls_name(ctx.s3);
+            match tls.connect(name, stream).await {
+                Ok(s) => Box::new(s),
+                Err(e) => {
+                    return json(
+                        502,
+                        serde_json::json!({ "error": format!("the S3 endpoint (TLS): {e}") }),
+                    )
+                }
+            }
+        }
+    };
     let (mut sender, conn) =
         match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await {
             Ok(x) => x,
@@ -591,6 +613,16 @@ async fn s3_forward(
         }
     }
     r
+}
+
+/// The S3 connection of a console call, plain or TLS.
+trait S3Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> S3Stream for T {}
+
+/// The name sent in the console's TLS hello to its own S3 listener (its
+/// certificate is checked to be this node's own, whatever names it has).
+fn rustls_name(addr: SocketAddr) -> tarn_io::tls::rustls::pki_types::ServerName<'static> {
+    tarn_io::tls::rustls::pki_types::ServerName::IpAddress(addr.ip().into())
 }
 
 #[cfg(test)]

@@ -236,6 +236,22 @@ struct ServerArgs {
     /// sealed: seal them all with the cluster secret (every node stopped).
     #[arg(long)]
     seal_etcd_records: bool,
+    /// TLS on every listener (S3, admin, KV over TCP, cluster RPC): this
+    /// node's certificate chain (PEM), read again when it changes.
+    #[arg(long, env = "TARN_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "TARN_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// The CA bundle (PEM) that signed the other nodes' certificates, for
+    /// cluster RPC over TLS (default: the system's trusted roots).
+    #[arg(long, env = "TARN_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Serve without TLS on addresses beyond loopback (refused otherwise
+    /// when no --tls-cert is given): for a network you trust, or TLS
+    /// ended in front of Tarn.
+    #[arg(long, env = "TARN_ALLOW_PLAIN_HTTP")]
+    allow_plain_http: bool,
 }
 
 fn store_config(
@@ -525,9 +541,8 @@ type KvEngines = Vec<(String, Arc<tarn_kv::Engine>)>;
 fn start_kv(
     kv: KvSettings,
     root: tarn_kv::Credentials,
-    cores: usize,
-    io_uring: bool,
-    nofile: u64,
+    (cores, io_uring, nofile): (usize, bool, u64),
+    tls: Option<&Tls>,
 ) -> anyhow::Result<(KvEngines, tarn_kv::Server)> {
     let (conn_max, per_tenant) = fdlimit::kv_default_caps(nofile);
     let mut list = Vec::new();
@@ -557,6 +572,7 @@ fn start_kv(
             handshake_timeout: kv.handshake_timeout,
             connections_max: kv.connections_max.unwrap_or(conn_max),
             connections_per_tenant_max: kv.connections_per_tenant_max.unwrap_or(per_tenant),
+            tls: tls.map(|t| t.cert.server_config(&[])),
             // Threads unpinned, as by default: the KV daemon shares its host
             // with the engines it serves, and a thread pinned to a core an
             // engine keeps busy waited there, runnable, for seconds while
@@ -631,6 +647,19 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     if secret.len() < 8 {
         bail!("the secret key must be at least 8 characters");
     }
+    let tls = tls_settings(&args, &file)?;
+    let allow_plain = args.allow_plain_http || file.allow_plain_http.unwrap_or(false);
+    if tls.is_none() && !allow_plain {
+        refuse_plain_beyond_loopback(
+            [
+                Some(listen),
+                Some(admin_listen),
+                kv.as_ref().map(|k| k.listen),
+            ]
+            .into_iter()
+            .flatten(),
+        )?;
+    }
     let cores = args
         .cores
         .or(file.cores)
@@ -647,7 +676,13 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             bail!("empty drive path");
         }
     }
-    let cluster = cluster_settings(&args, &file, &cfg.drives, listen, admin_listen)?;
+    let cluster = cluster_settings(
+        &args,
+        &file,
+        &cfg.drives,
+        (listen, admin_listen),
+        (tls.as_ref(), allow_plain),
+    )?;
     let (store, node, admin_bound) = match cluster {
         None => (
             Store::open(cfg).context("opening the object engine")?,
@@ -655,7 +690,8 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
             None,
         ),
         Some(nc) => {
-            let (store, node, admin) = join_cluster(nc, cfg, admin_listen, &secret)?;
+            let (store, node, admin) =
+                join_cluster(nc, cfg, admin_listen, (&secret, tls.as_ref()))?;
             (store, Some(node), Some(admin))
         }
     };
@@ -761,11 +797,12 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
                 bail!("--kv-advertise and --kv-ramp-secs (kv.advertise, kv.ramp_secs) are for a cluster node (--cluster)");
             }
             let kv_ramp = kv_ramp.unwrap_or(Duration::from_secs(KV_RAMP_DEFAULT_SECS));
-            let (engines, server) = start_kv(kv, root, cores, io_uring, nofile)?;
+            let (engines, server) = start_kv(kv, root, (cores, io_uring, nofile), tls.as_ref())?;
             let e = &engines[0].1;
             println!(
-                "KV endpoint: {} ({} MiB RAM{}{}{})",
+                "KV endpoint: {} ({}{} MiB RAM{}{}{})",
                 server.tcp_addr,
+                if tls.is_some() { "TLS, " } else { "" },
                 e.config().memory_bytes >> 20,
                 match &e.config().disk_dir {
                     Some(d) => format!(
@@ -916,6 +953,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         },
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
+        tls: tls.as_ref().map(|t| t.cert.clone()),
         admin_bound,
         cluster: node.clone(),
         body_idle_timeout: idle_secs(
@@ -952,6 +990,50 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
     result
 }
 
+/// This node's TLS: its certificate (read again when its files change)
+/// and the CA bundle that signed the other nodes'.
+struct Tls {
+    cert: Arc<tarn_io::tls::ServerCert>,
+    ca: Option<PathBuf>,
+}
+
+/// TLS from --tls-cert/--tls-key/--tls-ca or `[tls]`; None without a
+/// certificate. Half of it is an error, never a plain server.
+fn tls_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Tls>> {
+    let f = file.tls.as_ref();
+    let cert = args.tls_cert.clone().or(f.and_then(|t| t.cert.clone()));
+    let key = args.tls_key.clone().or(f.and_then(|t| t.key.clone()));
+    let ca = args.tls_ca.clone().or(f.and_then(|t| t.ca.clone()));
+    let (cert, key) = match (cert, key) {
+        (None, None) => {
+            if ca.is_some() {
+                bail!("--tls-ca (tls.ca) is for a node serving TLS: give --tls-cert and --tls-key too");
+            }
+            return Ok(None);
+        }
+        (Some(c), Some(k)) => (c, k),
+        _ => bail!("--tls-cert and --tls-key (tls.cert, tls.key) go together: this node's certificate chain and its private key, PEM"),
+    };
+    if let Some(ca) = &ca {
+        tarn_io::tls::roots(ca).map_err(|e| anyhow::anyhow!("--tls-ca {e}"))?;
+    }
+    let cert =
+        tarn_io::tls::ServerCert::load(&cert, &key).map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
+    cert.watch();
+    Ok(Some(Tls { cert, ca }))
+}
+
+/// Plain HTTP (or plain cluster RPC) only on loopback unless asked for:
+/// credentials and data would cross the network readable by anyone on it.
+fn refuse_plain_beyond_loopback(
+    addrs: impl IntoIterator<Item = std::net::SocketAddr>,
+) -> anyhow::Result<()> {
+    if let Some(open) = addrs.into_iter().find(|a| !a.ip().is_loopback()) {
+        bail!("refusing to serve without TLS on {open}, beyond loopback: give --tls-cert and --tls-key, or --allow-plain-http (allow_plain_http = true) where the network is trusted or TLS ends in front of Tarn");
+    }
+    Ok(())
+}
+
 /// The cluster this server joins, from flags, environment and the config
 /// file; None for a single node (no --etcd). Half a cluster configuration
 /// is an error, never a single node that ignored it.
@@ -959,8 +1041,8 @@ fn cluster_settings(
     args: &ServerArgs,
     file: &FileConfig,
     drives: &[PathBuf],
-    listen: std::net::SocketAddr,
-    admin_listen: std::net::SocketAddr,
+    (listen, admin_listen): (std::net::SocketAddr, std::net::SocketAddr),
+    (tls, allow_plain): (Option<&Tls>, bool),
 ) -> anyhow::Result<Option<tarn_cluster::node::NodeConfig>> {
     let f = file.cluster.as_ref();
     let name = args.cluster.clone().or(f.and_then(|c| c.name.clone()));
@@ -1043,6 +1125,20 @@ fn cluster_settings(
     } else {
         drives.to_vec()
     };
+    if tls.is_none() && !allow_plain {
+        if let Ok(rpc) = advertise.parse::<std::net::SocketAddr>() {
+            refuse_plain_beyond_loopback([rpc])?;
+        }
+    }
+    let rpc_tls = match tls {
+        None => None,
+        Some(t) => Some(tarn_cluster::rpc::RpcTls::new(
+            &t.cert,
+            tarn_io::tls::client_config(t.ca.as_deref())
+                .map_err(|e| anyhow::anyhow!("--tls-ca: {e}"))?,
+        )),
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     Ok(Some(tarn_cluster::node::NodeConfig {
         cluster: name,
         etcd,
@@ -1053,8 +1149,9 @@ fn cluster_settings(
         seal_existing: args.seal_etcd_records,
         etcd_user,
         drives,
-        s3_url: format!("http://{listen}"),
-        admin_url: format!("http://{admin_listen}"),
+        s3_url: format!("{scheme}://{listen}"),
+        admin_url: format!("{scheme}://{admin_listen}"),
+        rpc_tls,
         zone: f.and_then(|c| c.zone.clone()),
     }))
 }
@@ -1066,7 +1163,7 @@ fn join_cluster(
     nc: tarn_cluster::node::NodeConfig,
     cfg: StoreConfig,
     admin_listen: std::net::SocketAddr,
-    token: &str,
+    (token, tls): (&str, Option<&Tls>),
 ) -> anyhow::Result<(
     Arc<Store>,
     Arc<tarn_cluster::node::Node>,
@@ -1077,12 +1174,15 @@ fn join_cluster(
         .with_context(|| format!("binding admin {admin_listen}"))?;
     admin.set_nonblocking(true)?;
     println!(
-        "Cluster {}: node {} (RPC {}), admin endpoint http://{}",
+        "Cluster {}: node {} (RPC {}{}), admin endpoint {}://{}",
         node.cfg.cluster,
         node.cfg.node_id,
         node.cfg.advertise,
+        if tls.is_some() { ", TLS" } else { "" },
+        if tls.is_some() { "https" } else { "http" },
         admin.local_addr()?
     );
+    let acceptor = tls.map(|t| t.cert.acceptor(&[b"http/1.1"]));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let forming = {
         let (listener, node, token) = (admin.try_clone()?, node.clone(), token.to_string());
@@ -1094,7 +1194,7 @@ fn join_cluster(
                     .build()?;
                 rt.block_on(async move {
                     let listener = tokio::net::TcpListener::from_std(listener)?;
-                    admin::serve_forming(listener, node, token, stop_rx).await;
+                    admin::serve_forming(listener, node, (token, acceptor), stop_rx).await;
                     Ok(())
                 })
             })?

@@ -81,6 +81,8 @@ pub struct ServerSettings {
     pub admin_bound: Option<std::net::TcpListener>,
     /// This server as a node of a cluster.
     pub cluster: Option<Arc<tarn_cluster::node::Node>>,
+    /// TLS on the S3 and admin listeners (None: plain HTTP).
+    pub tls: Option<Arc<tarn_io::tls::ServerCert>>,
 }
 
 /// Defaults of the two (docs/configuration.md).
@@ -167,6 +169,8 @@ struct Front {
     request_ids: Arc<RequestIds>,
     /// The connection's client (for the `aws:SourceIp` policy condition).
     peer: Option<std::net::IpAddr>,
+    /// Whether the connection is TLS (`aws:SecureTransport`).
+    secure: bool,
     /// Buckets' settings (their CORS rules).
     access: Arc<tarn_s3::access::Access>,
 }
@@ -812,6 +816,10 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
         if let Some(ip) = self.peer {
             req.extensions_mut().insert(tarn_s3::access::ClientAddr(ip));
         }
+        if self.secure {
+            req.extensions_mut()
+                .insert(tarn_s3::access::SecureTransport);
+        }
         let metrics = self.metrics.clone();
         let request_id = self.request_ids.next();
         let host = req
@@ -1093,8 +1101,13 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         body_idle: settings.body_idle_timeout,
         request_ids: Arc::new(RequestIds::new()),
         peer: None,
+        secure: false,
         access: settings.access.clone(),
     };
+    let tls = settings
+        .tls
+        .as_ref()
+        .map(|cert| cert.acceptor(&[b"http/1.1"]));
     let send_idle = settings.send_idle_timeout;
     let min_rate = (settings.response_min_rate, settings.rate_window);
     let connections = settings.connections.clone();
@@ -1118,7 +1131,9 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
             settings.access.clone(),
             settings.cluster.clone(),
             settings.sse_keys.clone(),
+            settings.tls.clone(),
         );
+        let tls = tls.clone();
         let scan = settings.scan_interval;
         let lifecycle = settings.lifecycle;
         let (s3_addr, region) = (addr, settings.region.clone());
@@ -1157,12 +1172,21 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                                     keys: admin_ctx.4,
                                     s3: s3_addr,
                                     region: region.to_string(),
+                                    tls: admin_ctx.5,
                                 },
                                 stop.clone(),
                             ));
                         }
                         let listener = TcpListener::from_std(listener)?;
-                        serve_core(listener, front, (send_idle, min_rate), connections, stop).await;
+                        serve_core(
+                            listener,
+                            front,
+                            tls,
+                            (send_idle, min_rate),
+                            connections,
+                            stop,
+                        )
+                        .await;
                         Ok::<_, anyhow::Error>(())
                     })
                 })?,
@@ -1173,8 +1197,13 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     } else {
         "blocking threads"
     };
-    println!("S3 endpoint: http://{addr}");
-    println!("Admin endpoint: http://{admin_addr} (/metrics, /health/live, /health/ready)");
+    let scheme = if settings.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    println!("S3 endpoint: {scheme}://{addr}");
+    println!("Admin endpoint: {scheme}://{admin_addr} (/metrics, /health/live, /health/ready)");
     tracing::info!(%addr, %admin_addr, cores = settings.cores, backend, "tarn serving");
 
     // Signals on their own small runtime; cores are told through the watch.
@@ -1244,6 +1273,7 @@ async fn trim_memory(store: Arc<Store>) {
 async fn serve_core(
     listener: TcpListener,
     front: Front,
+    tls: Option<tarn_io::tls::tokio_rustls::TlsAcceptor>,
     (send_idle, min_rate): (Duration, (u64, Duration)),
     connections: Arc<crate::fdlimit::Connections>,
     mut stop: watch::Receiver<bool>,
@@ -1254,6 +1284,7 @@ async fn serve_core(
         .keep_alive(true)
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30));
+    let http = Arc::new(http);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -1282,17 +1313,22 @@ async fn serve_core(
                 let io = ConnIo::new(stream, send_idle, min_rate, state.clone());
                 let mut front = front.clone();
                 front.peer = Some(peer.ip());
-                let conn = http.serve_connection(TokioIo::new(io), front);
-                let conn = graceful.watch(conn);
+                let (http, watcher, tls) = (http.clone(), graceful.watcher(), tls.clone());
                 tokio::spawn(async move {
                     let _admitted = admitted;
-                    let mut conn = std::pin::pin!(conn);
-                    if let Err(error) = (&mut conn).await {
-                        // Mid-response this is a body cut short: the socket
-                        // closes with a reset, so the client cannot take the
-                        // truncated body for a whole one.
-                        state.abort();
-                        tracing::debug!(%error, "connection ended with an error");
+                    let Some(tls) = tls else {
+                        serve_connection(&http, watcher, io, front, state).await;
+                        return;
+                    };
+                    // A client that stalls in its handshake holds a
+                    // connection slot: it gets the handshake timeout.
+                    match tokio::time::timeout(tarn_io::tls::HANDSHAKE_TIMEOUT, tls.accept(io)).await {
+                        Ok(Ok(io)) => {
+                            front.secure = true;
+                            serve_connection(&http, watcher, io, front, state).await;
+                        }
+                        Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
                 });
             }
@@ -1305,6 +1341,26 @@ async fn serve_core(
         .is_err()
     {
         tracing::warn!("in-flight requests did not finish within the grace period");
+    }
+}
+
+/// Serves HTTP/1.1 on one connection (plain or TLS) until it ends.
+async fn serve_connection<I>(
+    http: &hyper::server::conn::http1::Builder,
+    watcher: hyper_util::server::graceful::Watcher,
+    io: I,
+    front: Front,
+    state: Arc<ConnState>,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = watcher.watch(http.serve_connection(TokioIo::new(io), front));
+    if let Err(error) = conn.await {
+        // Mid-response this is a body cut short: the socket closes with a
+        // reset, so the client cannot take the truncated body for a whole
+        // one.
+        state.abort();
+        tracing::debug!(%error, "connection ended with an error");
     }
 }
 

@@ -585,9 +585,24 @@ async fn connect(
         .map_err(|e| unreachable(e.to_string()))?;
     stream.set_nodelay(true)?;
     let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+    let io: super::BoxStream = match &me.tls {
+        None => Box::new(stream),
+        Some(tls) => {
+            let name = tarn_io::tls::server_name(address).map_err(unreachable)?;
+            let tls = timeout_at(hs_deadline, tls.connector.connect(name, stream))
+                .await
+                .map_err(|_| unreachable("TLS handshake timed out".into()))?
+                .map_err(|e| {
+                    stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(peer = %address, error = %e, "cluster RPC: TLS handshake failed");
+                    unreachable(format!("TLS: {e}"))
+                })?;
+            Box::new(tls)
+        }
+    };
     let conn = timeout_at(
         hs_deadline,
-        client_handshake(Box::new(stream), me, channel, address, expect),
+        client_handshake(io, me, channel, address, expect),
     )
     .await
     .map_err(|_| unreachable("handshake timed out".into()))?;

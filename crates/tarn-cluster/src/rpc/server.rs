@@ -225,7 +225,23 @@ pub async fn serve<H: Handler>(
                 let _ = stream.set_nodelay(true);
                 let (me, handler, stats) = (me.clone(), handler.clone(), stats.clone());
                 tokio::spawn(async move {
-                    serve_connection(Box::new(stream), &remote.to_string(), &me, &*handler, &stats).await;
+                    let io: BoxStream = match &me.tls {
+                        None => Box::new(stream),
+                        Some(tls) => match timeout(HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream)).await {
+                            Ok(Ok(s)) => Box::new(s),
+                            Ok(Err(error)) => {
+                                stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(%remote, %error, "cluster RPC: TLS handshake refused");
+                                return;
+                            }
+                            Err(_) => {
+                                stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(%remote, "cluster RPC: TLS handshake timed out");
+                                return;
+                            }
+                        },
+                    };
+                    serve_connection(io, &remote.to_string(), &me, &*handler, &stats).await;
                 });
             }
             _ = shutdown.changed() => {
