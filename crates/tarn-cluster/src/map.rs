@@ -6,8 +6,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::placement::{place, NodeDrives, PlacementError};
 
-/// The format of every document below; a reader refuses another one.
+/// The format of every document below this build writes.
 pub const FORMAT: u32 = 1;
+/// The formats this build reads. A rolling upgrade needs the nodes of two
+/// adjacent releases to read each other's records, so a release that
+/// changes a document first reads the new format while still writing the
+/// old one, and only the next release writes it (docs/format.md, "etcd").
+/// Fields a document gains are optional and readers ignore fields they do
+/// not know, so an added field needs no new format.
+pub const FORMATS_READ: std::ops::RangeInclusive<u32> = 1..=1;
 
 /// One drive of one node, as a set names it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -60,6 +67,11 @@ pub struct Member {
     /// over the members that have one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv: Option<KvMember>,
+    /// The cluster RPC protocol versions it speaks, oldest and newest
+    /// (absent from nodes built before issue 43): `cluster status` shows
+    /// them during a rolling upgrade.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<(u16, u16)>,
 }
 
 /// A member's KV endpoint and its weight in rendezvous hashing (per mille
@@ -303,10 +315,12 @@ impl ClusterMap {
 pub fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, String> {
     let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| format!("{what}: {e}"))?;
     match v.get("format").and_then(serde_json::Value::as_u64) {
-        Some(f) if f == u64::from(FORMAT) => {}
+        Some(f) if u32::try_from(f).is_ok_and(|f| FORMATS_READ.contains(&f)) => {}
         Some(f) => {
             return Err(format!(
-                "{what}: format {f} (this binary reads format {FORMAT})"
+                "{what}: format {f} (this binary reads formats {} to {}: a node of a release more than one apart)",
+                FORMATS_READ.start(),
+                FORMATS_READ.end()
             ))
         }
         None => return Err(format!("{what}: no format number")),
@@ -317,6 +331,22 @@ pub fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a node of the next release may write: fields this build does
+    /// not know are ignored, a format it does not read is refused.
+    #[test]
+    fn records_of_a_newer_node_are_read_or_refused_never_misread() {
+        let newer = br#"{"format":1,"address":"10.0.0.1:7000","incarnation":7,"version":"9.9.9",
+            "kv":{"endpoint":"10.0.0.1:9400","weight":1000,"tier":"nvme"},"zone_hint":"a"}"#;
+        let m: Member = decode("member", newer).unwrap();
+        assert_eq!((m.incarnation, m.version.as_str()), (7, "9.9.9"));
+        assert_eq!(m.kv.unwrap().weight, 1000);
+        let next = FORMATS_READ.end() + 1;
+        let other = format!(r#"{{"format":{next},"address":"a:1","incarnation":1,"version":"x"}}"#);
+        let e = decode::<Member>("member", other.as_bytes()).unwrap_err();
+        assert!(e.contains("more than one apart"), "{e}");
+        assert!(decode::<Member>("member", br#"{"address":"a:1"}"#).is_err());
+    }
 
     fn node(id: &str, drives: usize) -> NodeRecord {
         NodeRecord {

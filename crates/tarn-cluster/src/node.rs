@@ -447,6 +447,7 @@ impl Node {
             incarnation: u64::from_le_bytes(new_id()[..8].try_into().expect("8 bytes")),
             version: env!("CARGO_PKG_VERSION").to_string(),
             kv: None,
+            protocol: Some(node.identity.versions()),
         };
         *node.member.lock().expect("member") = Some(member.clone());
         let m = Membership::start(
@@ -1652,6 +1653,16 @@ impl Node {
                     .map(str::to_string)
             })
             .collect();
+        // Each live node's build and protocol versions (a rolling upgrade
+        // shows nodes of two releases).
+        let builds: std::collections::HashMap<String, Member> = members
+            .iter()
+            .filter_map(|kv| {
+                let id = kv.key.strip_prefix(&self.keys.members())?;
+                let m: Member = map::decode("member", &kv.value).ok()?;
+                Some((id.to_string(), m))
+            })
+            .collect();
         let map = self.read_map().await?.map(|(m, _)| m);
         let mut out_nodes = Vec::new();
         for kv in nodes {
@@ -1665,6 +1676,8 @@ impl Node {
                 "zone": rec.zone,
                 "live": live.contains(&rec.id),
                 "drives": rec.drives,
+                "version": builds.get(&rec.id).map(|m| m.version.clone()),
+                "protocol": builds.get(&rec.id).and_then(|m| m.protocol),
             }));
         }
         let drives = self

@@ -107,6 +107,7 @@ impl RemoteDrive {
             RpcError::Deadline if !self.client.is_suspect(&self.address) => {
                 Failure::Late(format!("node {}: no answer in time", self.node_id))
             }
+            e if node_gone(&e) => Failure::Away(format!("node {}: {e}", self.node_id)),
             other => Failure::Offline(format!("node {}: {other}", self.node_id)),
         }
     }
@@ -713,12 +714,28 @@ impl ShardSink for RemoteShardSink {
     }
 }
 
+/// Whether an RPC error says the drive's node went away (refused the
+/// connection, or closed or reset it: stopped, restarting, crashed) rather
+/// than that the drive failed.
+fn node_gone(e: &RpcError) -> bool {
+    use std::io::ErrorKind as K;
+    match e {
+        RpcError::Unreachable { .. } | RpcError::Closed => true,
+        RpcError::Io(io) => matches!(
+            io.kind(),
+            K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
 fn rpc_io(node: &str, e: RpcError) -> std::io::Error {
     match e {
         RpcError::Remote {
             code: ErrorCode::Failed,
             message,
         } => Failure::from_message(&message).into_io(),
+        e if node_gone(&e) => Failure::Away(format!("node {node}: {e}")).into_io(),
         other => std::io::Error::other(format!("node {node}: {other}")),
     }
 }

@@ -94,6 +94,10 @@ async fn start_node(id: &str, secret: &[u8], epoch: u64) -> Node {
 }
 
 async fn start_node_at(bind: &str, id: &str, secret: &[u8], epoch: u64) -> Node {
+    start_node_as(bind, Identity::new("test", id, secret).unwrap(), epoch).await
+}
+
+async fn start_node_as(bind: &str, identity: Identity, epoch: u64) -> Node {
     let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let handler = Arc::new(TestHandler {
@@ -105,7 +109,7 @@ async fn start_node_at(bind: &str, id: &str, secret: &[u8], epoch: u64) -> Node 
     let (stop, rx) = tokio::sync::watch::channel(false);
     tokio::spawn(serve(
         listener,
-        Identity::new("test", id, secret).unwrap(),
+        identity,
         handler.clone(),
         stats.clone(),
         rx,
@@ -883,4 +887,73 @@ fn arbitrary_handshakes_are_refused() {
         f[i] ^= rng.next() as u8;
         fuzz::handshake(&f);
     }
+}
+
+/// A rolling upgrade: nodes of the next release (speaking this version and
+/// the next) and of this one call each other on this version; a node two
+/// releases apart is refused with the reason.
+#[tokio::test]
+async fn nodes_of_adjacent_releases_agree_on_the_older_protocol() {
+    let v = wire::PROTOCOL_VERSION;
+    let id = |name: &str, oldest: u16, newest: u16| {
+        Identity::new("test", name, SECRET)
+            .unwrap()
+            .speaking(oldest, newest)
+    };
+    let old = start_node_as("127.0.0.1:0", id("old", v, v), 1).await;
+    let new = start_node_as("127.0.0.1:0", id("new", v, v + 1), 1).await;
+    let new_client = RpcClient::new(id("new-c", v, v + 1), ClientLimits::default());
+    let old_client = RpcClient::new(id("old-c", v, v), ClientLimits::default());
+    for (c, n) in [
+        (&new_client, &old),
+        (&old_client, &new),
+        (&new_client, &new),
+        (&old_client, &old),
+    ] {
+        let r = c
+            .call(&n.address, None, op::PING, 1, b"up", T)
+            .await
+            .unwrap();
+        assert_eq!(r, b"up");
+    }
+
+    // The versions each connection agreed on: the newer node's first
+    // offer to the older is refused with the version it speaks, and the
+    // next connection offers that.
+    let handshake = |me: Identity, address: String| async move {
+        let s = tokio::net::TcpStream::connect(&address).await.unwrap();
+        tarn_cluster::rpc::client_handshake(Box::new(s), &me, Channel::Control, &address, None)
+            .await
+    };
+    let newer = id("newer", v, v + 1);
+    let e = handshake(newer.clone(), old.address.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(e, RpcError::VersionRetry { version } if version == v),
+        "{e:?}"
+    );
+    let conn = handshake(newer.clone(), old.address.clone()).await.unwrap();
+    assert_eq!(conn.version, v);
+    let conn = handshake(newer.clone(), new.address.clone()).await.unwrap();
+    assert_eq!(conn.version, v + 1);
+    let conn = handshake(id("older", v, v), new.address.clone())
+        .await
+        .unwrap();
+    assert_eq!(conn.version, v);
+
+    // Two releases apart, either way: refused, saying why.
+    let far = RpcClient::new(id("far", v + 1, v + 2), ClientLimits::default());
+    let e = far
+        .call(&old.address, None, op::PING, 1, b"x", T)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("one release at a time"), "{e}");
+    let far_node = start_node_as("127.0.0.1:0", id("far-node", v + 1, v + 2), 1).await;
+    let e = old_client
+        .call(&far_node.address, None, op::PING, 1, b"x", T)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("protocol versions up to"), "{e}");
 }

@@ -725,8 +725,15 @@ fn print_status(v: &serde_json::Value) {
     );
     println!("nodes:");
     for n in v["nodes"].as_array().into_iter().flatten() {
+        // A node built before protocol ranges were published speaks 3 only.
+        let protocol = match n["protocol"].as_array().map(Vec::as_slice) {
+            Some([a, b]) if a == b => format!("protocol {a}"),
+            Some([a, b]) => format!("protocol {a}-{b}"),
+            _ if n["version"].is_string() => "protocol 3".to_string(),
+            _ => "-".to_string(),
+        };
         println!(
-            "  {:<16} {:<6} {:<8} rpc {}  s3 {}  {} drive(s)",
+            "  {:<16} {:<6} {:<8} rpc {}  s3 {}  {} drive(s)  {} {}",
             s(&n["id"]),
             if n["live"].as_bool() == Some(true) {
                 "live"
@@ -736,7 +743,9 @@ fn print_status(v: &serde_json::Value) {
             s(&n["state"]),
             s(&n["address"]),
             s(&n["s3"]),
-            n["drives"].as_array().map_or(0, Vec::len)
+            n["drives"].as_array().map_or(0, Vec::len),
+            s(&n["version"]),
+            protocol
         );
     }
     for p in v["pools"].as_array().into_iter().flatten() {

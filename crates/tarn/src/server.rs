@@ -1355,7 +1355,10 @@ async fn serve_connection<I>(
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let conn = watcher.watch(http.serve_connection(TokioIo::new(io), front));
-    if let Err(error) = conn.await {
+    // Awaited by reference: the connection (and its socket) is dropped only
+    // at the end of this function, after `abort` below has been set.
+    let mut conn = std::pin::pin!(conn);
+    if let Err(error) = (&mut conn).await {
         // Mid-response this is a body cut short: the socket closes with a
         // reset, so the client cannot take the truncated body for a whole
         // one.

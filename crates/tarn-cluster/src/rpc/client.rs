@@ -579,33 +579,44 @@ async fn connect(
         peer: address.to_string(),
         reason,
     };
-    let stream = timeout_at(deadline, TcpStream::connect(address))
+    // Twice at most: an older peer refuses the newest version with the one
+    // it speaks, and the second connection offers that.
+    let mut conn = Err(RpcError::Closed);
+    for _ in 0..2 {
+        let stream = timeout_at(deadline, TcpStream::connect(address))
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        stream.set_nodelay(true)?;
+        let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+        let io: super::BoxStream = match &me.tls {
+            None => Box::new(stream),
+            Some(tls) => {
+                let name = tarn_io::tls::server_name(address).map_err(unreachable)?;
+                let tls = timeout_at(hs_deadline, tls.connector.connect(name, stream))
+                    .await
+                    .map_err(|_| unreachable("TLS handshake timed out".into()))?
+                    .map_err(|e| {
+                        stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(peer = %address, error = %e, "cluster RPC: TLS handshake failed");
+                        unreachable(format!("TLS: {e}"))
+                    })?;
+                Box::new(tls)
+            }
+        };
+        conn = timeout_at(
+            hs_deadline,
+            client_handshake(io, me, channel, address, expect),
+        )
         .await
-        .map_err(|_| unreachable("connect timed out".into()))?
-        .map_err(|e| unreachable(e.to_string()))?;
-    stream.set_nodelay(true)?;
-    let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
-    let io: super::BoxStream = match &me.tls {
-        None => Box::new(stream),
-        Some(tls) => {
-            let name = tarn_io::tls::server_name(address).map_err(unreachable)?;
-            let tls = timeout_at(hs_deadline, tls.connector.connect(name, stream))
-                .await
-                .map_err(|_| unreachable("TLS handshake timed out".into()))?
-                .map_err(|e| {
-                    stats.auth_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(peer = %address, error = %e, "cluster RPC: TLS handshake failed");
-                    unreachable(format!("TLS: {e}"))
-                })?;
-            Box::new(tls)
+        .map_err(|_| unreachable("handshake timed out".into()))?;
+        match &conn {
+            Err(RpcError::VersionRetry { version }) => {
+                tracing::info!(peer = %address, version, "cluster RPC: an older node; speaking its protocol version");
+            }
+            _ => break,
         }
-    };
-    let conn = timeout_at(
-        hs_deadline,
-        client_handshake(io, me, channel, address, expect),
-    )
-    .await
-    .map_err(|_| unreachable("handshake timed out".into()))?;
+    }
     match conn {
         Ok(c) => {
             stats.connects.fetch_add(1, Ordering::Relaxed);

@@ -52,6 +52,10 @@ pub enum RpcError {
     /// The peer's map is older: it reloads; the call may be retried.
     #[error("the peer's map is behind (epoch {peer_epoch})")]
     EpochAhead { peer_epoch: u64 },
+    /// The peer is an older node that speaks up to `version`: the next
+    /// connection offers that (the caller connects again at once).
+    #[error("the peer speaks protocol version {version} at most: connecting again with it")]
+    VersionRetry { version: u16 },
     /// The call reached the peer and failed there.
     #[error("remote error ({code:?}): {message}")]
     Remote {
@@ -87,6 +91,15 @@ pub struct Identity {
     secret: Arc<[u8]>,
     /// TLS on every RPC connection, both ways (None: plain TCP).
     pub tls: Option<RpcTls>,
+    /// The protocol versions this node speaks, oldest and newest
+    /// (`wire::PROTOCOL_MIN`, `wire::PROTOCOL_VERSION`; tests pretend to be
+    /// other builds).
+    versions: (u16, u16),
+    /// The version each peer address last agreed on and when, so that a
+    /// call to an older node does not first try the newest version every
+    /// time; after `AGREED_FOR` the newest is offered again (the peer may
+    /// have been upgraded since).
+    agreed: Arc<std::sync::Mutex<std::collections::HashMap<String, (u16, std::time::Instant)>>>,
 }
 
 /// TLS of the cluster's RPC: this node's certificate for the connections
@@ -127,6 +140,10 @@ impl std::fmt::Debug for Identity {
     }
 }
 
+/// How long an older version agreed with a peer is offered first before
+/// the newest is tried again.
+const AGREED_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The shortest cluster secret accepted: a guessable secret lets anyone on
 /// the network act as a node.
 pub const SECRET_MIN_BYTES: usize = 16;
@@ -156,7 +173,46 @@ impl Identity {
             node_id: node_id.to_string(),
             secret: secret.into(),
             tls: None,
+            versions: (wire::PROTOCOL_MIN, PROTOCOL_VERSION),
+            agreed: Arc::default(),
         })
+    }
+
+    /// This identity speaking only versions `oldest..=newest` (a test's
+    /// stand-in for another build).
+    #[doc(hidden)]
+    pub fn speaking(mut self, oldest: u16, newest: u16) -> Identity {
+        self.versions = (oldest, newest);
+        self.agreed = Arc::default();
+        self
+    }
+
+    /// The versions this node speaks, oldest and newest.
+    pub fn versions(&self) -> (u16, u16) {
+        self.versions
+    }
+
+    /// The version to offer `peer` first: the one it last agreed on, else
+    /// the newest.
+    pub(crate) fn version_for(&self, peer: &str) -> u16 {
+        match self
+            .agreed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+        {
+            Some((v, at)) if at.elapsed() < AGREED_FOR => *v,
+            _ => self.versions.1,
+        }
+    }
+
+    fn agree(&self, peer: &str, version: u16) {
+        let mut m = self.agreed.lock().unwrap_or_else(|p| p.into_inner());
+        if version == self.versions.1 {
+            m.remove(peer);
+        } else {
+            m.insert(peer.to_string(), (version, std::time::Instant::now()));
+        }
     }
 
     /// This identity with TLS on its connections.
@@ -204,14 +260,18 @@ pub struct Conn {
     /// The authenticated peer's node id.
     pub peer_id: String,
     pub channel: Channel,
+    /// The protocol version both sides agreed on: an operation newer than
+    /// it is not sent on this connection.
+    pub version: u16,
 }
 
 impl Conn {
-    pub(crate) fn new(io: BoxStream, peer_id: String, channel: Channel) -> Conn {
+    pub(crate) fn new(io: BoxStream, peer_id: String, channel: Channel, version: u16) -> Conn {
         Conn {
             io: BufReader::with_capacity(READ_BUFFER_BYTES, io),
             peer_id,
             channel,
+            version,
         }
     }
 
@@ -296,8 +356,9 @@ pub async fn client_handshake(
         peer: peer.to_string(),
         reason,
     };
+    let offered = me.version_for(peer);
     let hello = Hello {
-        version: PROTOCOL_VERSION,
+        version: offered,
         channel,
         cluster: me.cluster.clone(),
         node_id: me.node_id.clone(),
@@ -308,15 +369,30 @@ pub async fn client_handshake(
     let mut fixed = [0u8; CHALLENGE_FIXED_BYTES];
     io.read_exact(&mut fixed).await.map_err(eof_is_closed)?;
     let (mut challenge, n) = Challenge::decode_fixed(&fixed)?;
+    let (oldest, _) = me.versions;
+    if challenge.status == Refusal::Version {
+        // The refusal names the newest version the peer speaks: an older
+        // node during a rolling upgrade. The next connection offers it.
+        let theirs = challenge.version;
+        if (oldest..offered).contains(&theirs) {
+            me.agree(peer, theirs);
+            return Err(RpcError::VersionRetry { version: theirs });
+        }
+        return Err(auth(format!(
+            "it speaks protocol versions up to {theirs}, this node {oldest} to {}: upgrade the cluster one release at a time",
+            me.versions.1
+        )));
+    }
     if challenge.status != Refusal::Accepted {
         return Err(auth(format!("refused: {}", challenge.status.describe())));
     }
-    if challenge.version != PROTOCOL_VERSION {
+    if challenge.version != offered {
         return Err(auth(format!(
-            "the peer speaks protocol version {}",
+            "offered protocol version {offered}, the peer answered {}",
             challenge.version
         )));
     }
+    me.agree(peer, offered);
     let mut id = vec![0u8; n];
     io.read_exact(&mut id).await.map_err(eof_is_closed)?;
     let mut whole = fixed.to_vec();
@@ -358,16 +434,17 @@ pub async fn client_handshake(
             "the peer does not know the cluster secret".to_string(),
         ));
     }
-    Ok(Conn::new(io, challenge.node_id, channel))
+    Ok(Conn::new(io, challenge.node_id, channel, offered))
 }
 
 /// The server side of the handshake. Every refusal is answered (so the
 /// client can say why) and ends the connection. The server proves the
 /// secret only to a caller that proved it first.
 pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, RpcError> {
-    async fn refuse(io: &mut BoxStream, status: Refusal) {
+    let (oldest, newest) = me.versions;
+    async fn refuse(io: &mut BoxStream, status: Refusal, newest: u16) {
         let c = Challenge {
-            version: PROTOCOL_VERSION,
+            version: newest,
             status,
             node_id: String::new(),
             nonce: [0; wire::NONCE_BYTES],
@@ -380,7 +457,7 @@ pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, 
     let (version, _, c, n, _) = match Hello::decode_fixed(&fixed) {
         Ok(f) => f,
         Err(e) => {
-            refuse(&mut io, Refusal::Malformed).await;
+            refuse(&mut io, Refusal::Malformed, newest).await;
             return Err(e.into());
         }
     };
@@ -391,19 +468,21 @@ pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, 
     let hello = match Hello::decode(&whole) {
         Ok(h) => h,
         Err(e) => {
-            refuse(&mut io, Refusal::Malformed).await;
+            refuse(&mut io, Refusal::Malformed, newest).await;
             return Err(e.into());
         }
     };
-    if version != PROTOCOL_VERSION {
-        refuse(&mut io, Refusal::Version).await;
+    if !(oldest..=newest).contains(&version) {
+        // Answered with the newest version this node speaks: a newer
+        // caller steps down to it, an older one learns why.
+        refuse(&mut io, Refusal::Version, newest).await;
         return Err(RpcError::Protocol(format!(
-            "node {} speaks protocol version {version}",
+            "node {} speaks protocol version {version}, this node {oldest} to {newest}",
             hello.node_id
         )));
     }
     if hello.cluster != me.cluster {
-        refuse(&mut io, Refusal::Cluster).await;
+        refuse(&mut io, Refusal::Cluster, newest).await;
         return Err(RpcError::Auth {
             peer: hello.node_id,
             reason: format!("belongs to cluster {:?}", hello.cluster),
@@ -418,7 +497,7 @@ pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, 
         server_nonce: &server_nonce,
     };
     let challenge = Challenge {
-        version: PROTOCOL_VERSION,
+        version,
         status: Refusal::Accepted,
         node_id: me.node_id.clone(),
         nonce: server_nonce,
@@ -447,5 +526,5 @@ pub async fn server_handshake(mut io: BoxStream, me: &Identity) -> Result<Conn, 
             reason: "it does not know the cluster secret".into(),
         });
     }
-    Ok(Conn::new(io, hello.node_id, hello.channel))
+    Ok(Conn::new(io, hello.node_id, hello.channel, version))
 }

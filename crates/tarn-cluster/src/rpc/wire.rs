@@ -12,8 +12,14 @@ use sha2::Sha256;
 
 /// The first bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"TRPC";
-/// The protocol version this build speaks.
+/// The newest protocol version this build speaks.
 pub const PROTOCOL_VERSION: u16 = 3;
+/// The oldest protocol version this build still speaks, so that a cluster
+/// can be upgraded one node at a time: a connection between a newer and an
+/// older node uses the older node's version (docs/rpc.md, "Versions").
+/// A change to the protocol raises `PROTOCOL_VERSION` and keeps this at the
+/// previous release's version for at least one release.
+pub const PROTOCOL_MIN: u16 = 3;
 /// Each side's handshake nonce.
 pub const NONCE_BYTES: usize = 32;
 /// HMAC-SHA256 output.
@@ -827,6 +833,11 @@ pub mod drive {
         /// No answer within the deadline from a node not (yet) suspect:
         /// made on the caller's side, never sent.
         Late(String),
+        /// The drive's node refused the connection or closed it (stopped,
+        /// restarting for an upgrade, crashed): made on the caller's side,
+        /// never sent. The drive is out of use until its node answers; it
+        /// is not a drive fault.
+        Away(String),
         Other(String),
     }
 
@@ -845,6 +856,7 @@ pub mod drive {
                 Failure::ShardFooter(t) => ("shard-footer", 0, 0, t),
                 Failure::Superseded(held, offered, t) => ("superseded", *held, *offered, t),
                 Failure::Late(t) => ("late", 0, 0, t),
+                Failure::Away(t) => ("away", 0, 0, t),
                 Failure::Other(t) => ("other", 0, 0, t),
             };
             format!("{PREFIX}{tag}|{a}|{b}|{text}")
@@ -869,6 +881,7 @@ pub mod drive {
                     "shard-footer" => Failure::ShardFooter(t),
                     "superseded" => Failure::Superseded(a, b, t),
                     "late" => Failure::Late(t),
+                    "away" => Failure::Away(t),
                     _ => Failure::Other(t),
                 })
             })();
@@ -922,6 +935,10 @@ pub mod drive {
                 Failure::Io(..) => StoreError::from(self.into_io()),
                 Failure::Offline(reason) => StoreError::Drive { drive, reason },
                 Failure::Late(reason) => StoreError::Late { drive, reason },
+                Failure::Away(reason) => StoreError::from(std::io::Error::new(
+                    std::io::ErrorKind::NotConnected,
+                    format!("drive {drive}: {reason}"),
+                )),
                 Failure::Superseded(held, offered, what) => StoreError::Superseded {
                     drive,
                     what,
@@ -939,6 +956,7 @@ pub mod drive {
             match self {
                 Failure::Io(errno, _) if errno != 0 => std::io::Error::from_raw_os_error(errno),
                 Failure::Late(t) => std::io::Error::new(std::io::ErrorKind::TimedOut, t),
+                Failure::Away(t) => std::io::Error::new(std::io::ErrorKind::NotConnected, t),
                 Failure::Io(_, t) | Failure::Other(t) | Failure::Offline(t) => {
                     std::io::Error::other(t)
                 }
@@ -948,7 +966,9 @@ pub mod drive {
 
         pub fn into_shard(self) -> ShardError {
             match self {
-                Failure::ShardMissing | Failure::Offline(_) => ShardError::Missing,
+                Failure::ShardMissing | Failure::Offline(_) | Failure::Away(_) => {
+                    ShardError::Missing
+                }
                 Failure::ShardLength(expected, actual) => {
                     ShardError::WrongLength { expected, actual }
                 }

@@ -391,6 +391,32 @@ fn late(error: &(dyn std::error::Error + 'static)) -> bool {
     })
 }
 
+/// Whether an error says a drive's node refused or closed the connection
+/// (stopped, restarting, crashed): its drives are out of use until it
+/// answers, which is no drive fault.
+pub(crate) fn away(error: &(dyn std::error::Error + 'static)) -> bool {
+    let not_connected = |io: &std::io::Error| io.kind() == std::io::ErrorKind::NotConnected;
+    in_chain(error, |e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(not_connected)
+            || matches!(e.downcast_ref::<StoreError>(), Some(StoreError::Io(io)) if not_connected(io))
+    })
+}
+
+/// Logs a drive operation that failed: a warning when the drive's node is
+/// away (expected while it restarts), an error otherwise.
+pub(crate) fn log_drive_failure(
+    drive: &str,
+    what: &str,
+    error: &(dyn std::error::Error + 'static),
+) {
+    if away(error) {
+        tracing::warn!(%drive, %error, "{what}: the drive's node does not answer");
+    } else {
+        tracing::error!(%drive, %error, "{what}");
+    }
+}
+
 /// Whether an error says a drive's metadata index is damaged.
 fn index_corrupt(error: &(dyn std::error::Error + 'static)) -> bool {
     in_chain(error, |e| {
@@ -1704,6 +1730,9 @@ impl Store {
         match error {
             StoreError::IndexCorrupt { .. } => self.take_out(slot, "metadata read", error, true),
             StoreError::Drive { .. } => self.take_out(slot, "metadata read", error, false),
+            StoreError::Io(e) if e.kind() == std::io::ErrorKind::NotConnected => {
+                self.take_out(slot, "metadata read", error, false)
+            }
             _ => {}
         }
     }
@@ -1721,6 +1750,12 @@ impl Store {
         if fds_exhausted(error) {
             self.stats.fd_exhaustion.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(drive = %slot.name, %what, %error, "out of file descriptors: the drive stays in service");
+            return;
+        }
+        // Its node stopped or restarts: out of use until it answers again
+        // (checked every drive round), not faulty.
+        if slot.is_remote() && away(error) {
+            Self::node_away(slot, &format!("its node does not answer ({what}: {error})"));
             return;
         }
         let mut st = slot.state.write().expect("drive state");
@@ -2389,7 +2424,7 @@ impl Store {
                     tracing::warn!(drive = %slot.name, error = %e, "{what} missed a drive that answered late");
                 }
                 Err(e) => {
-                    tracing::error!(drive = %slot.name, error = %e, "{what} failed on a drive");
+                    log_drive_failure(&slot.name, &format!("{what} failed on a drive"), e);
                     self.index_write_failed(slot, what, e);
                 }
             }

@@ -240,7 +240,7 @@ impl Store {
             {
                 Ok(w) => writers.push(Some(w)),
                 Err(error) => {
-                    tracing::error!(drive = %slot.name, %error, "cannot create shard file");
+                    super::log_drive_failure(&slot.name, "cannot create shard file", &error);
                     self.drive_failed(&slot, "creating a shard file", &error);
                     writers.push(None);
                 }
@@ -320,7 +320,7 @@ impl Store {
             match writer.finish().await {
                 Ok(()) => true,
                 Err(error) => {
-                    tracing::error!(drive = %slot.name, %error, "finishing shard file failed");
+                    super::log_drive_failure(&slot.name, "finishing shard file failed", &error);
                     self.drive_failed(slot, "finishing a shard file", &error);
                     false
                 }
@@ -367,7 +367,7 @@ impl Store {
                 slot.consumed(sl as u64);
                 pooled.restore(buf);
                 if let Err(error) = res {
-                    tracing::error!(drive = %slot.name, %error, "shard write failed; continuing without this drive");
+                    super::log_drive_failure(&slot.name, "shard write failed; continuing without this drive", &error);
                     self.drive_failed(slot, "writing a shard", &error);
                     *w = None;
                 }
