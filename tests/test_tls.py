@@ -248,8 +248,11 @@ def test_cluster_nodes_talk_over_tls(tmp_path, pki):
         nodes[0].client().create_bucket(Bucket="tls-cluster")
         nodes[0].client().put_object(Bucket="tls-cluster", Key="k", Body=body)
         assert nodes[2].client().get_object(Bucket="tls-cluster", Key="k")["Body"].read() == body
-        drives = json.loads(nodes[1].admin_cmd("drives", "--json").stdout)
-        assert len(drives) == 8 and all(d["state"] == "online" for d in drives), drives
+        # Every drive in sync in a node's view (a fresh cluster's drives show
+        # `syncing` for a moment while their sets' logs are read).
+        drives = wait_for("every drive online", lambda: (lambda d: all(x["state"] == "online" for x in d) and d)(
+            json.loads(nodes[1].admin_cmd("drives", "--json").stdout)), timeout=15)  # fmt: skip
+        assert len(drives) == 8, drives
         # The RPC listener speaks TLS with the node's certificate...
         ctx = ssl.create_default_context(cafile=tls["ca"])
         with socket.create_connection((nodes[3].ip, nodes[3].rpc_port), timeout=5) as raw:
