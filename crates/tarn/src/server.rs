@@ -1316,20 +1316,13 @@ async fn serve_core(
                 let (http, watcher, tls) = (http.clone(), graceful.watcher(), tls.clone());
                 tokio::spawn(async move {
                     let _admitted = admitted;
-                    let Some(tls) = tls else {
-                        serve_connection(&http, watcher, io, front, state).await;
+                    // A client that stalls in its TLS handshake holds a
+                    // connection slot: it gets the handshake timeout.
+                    let Some(io) = tarn_io::tls::MaybeTls::accept(io, tls.as_ref()).await else {
                         return;
                     };
-                    // A client that stalls in its handshake holds a
-                    // connection slot: it gets the handshake timeout.
-                    match tokio::time::timeout(tarn_io::tls::HANDSHAKE_TIMEOUT, tls.accept(io)).await {
-                        Ok(Ok(io)) => {
-                            front.secure = true;
-                            serve_connection(&http, watcher, io, front, state).await;
-                        }
-                        Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
+                    front.secure = io.is_tls();
+                    serve_connection(&http, watcher, io, front, state).await;
                 });
             }
             _ = stop.changed() => break,
