@@ -50,12 +50,23 @@ def browser(tmp_path):
 
 
 def wait(d, what, cond, timeout=20):
+    """Polls `cond` until it gives something true. The console draws a view
+    again when its data arrives (and some views every few seconds), so an
+    element found a moment ago may be gone: that poll is tried again."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
-        return WebDriverWait(d, timeout, poll_frequency=0.2).until(lambda _: cond())
+        return WebDriverWait(d, timeout, poll_frequency=0.2,
+                             ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(lambda _: cond())
     except Exception as e:
         raise AssertionError(f"timed out waiting for {what}: {d.find_element('id', 'status-line').text!r}") from e
+
+
+def act(d, what, action):
+    """Finds an element and acts on it in one step, again if the view was
+    drawn anew in between."""
+    return wait(d, what, lambda: action() or True)
 
 
 def shot(d, name):
@@ -86,10 +97,12 @@ def test_console_in_chromium(server, browser, tmp_path):
 
     # Drives: the states and sizes /metrics has.
     d.find_element(By.CSS_SELECTOR, '[data-tab="drives"]').click()
-    rows = wait(d, "the drive table", lambda: d.find_elements(By.CSS_SELECTOR, "#drives tr")[1:])
+    # Read in one script call: a snapshot of one drawing of the table.
+    rows = wait(d, "the drive table", lambda: d.execute_script(
+        "return [...document.querySelectorAll('#drives tr')].slice(1)"
+        ".map(r => [...r.querySelectorAll('td')].map(c => c.innerText))"))
     assert len(rows) == 4
-    for row in rows:
-        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    for cells in rows:
         assert cells[1] == "online", cells
         assert cells[5] == human(metric(server, "tarn_drive_total_bytes", drive=cells[2])), cells
     shot(d, "drives")
@@ -99,18 +112,16 @@ def test_console_in_chromium(server, browser, tmp_path):
     wait(d, "the bucket form", lambda: d.find_elements(By.ID, "new-bucket"))
     d.find_element(By.ID, "new-bucket").send_keys("from-the-browser")
     d.find_element(By.ID, "create-bucket").click()
-    link = wait(d, "the new bucket", lambda: d.find_elements(By.CSS_SELECTOR, '[data-bucket="from-the-browser"]'))
-    link[0].click()
+    act(d, "the new bucket", lambda: d.find_element(By.CSS_SELECTOR, '[data-bucket="from-the-browser"]').click())
     wait(d, "the upload form", lambda: d.find_elements(By.ID, "upload-file"))
     body = data("browser", 300_000)
     upload = tmp_path / "weights part 1.bin"
     upload.write_bytes(body)
     d.find_element(By.ID, "upload-file").send_keys(str(upload))
     d.find_element(By.ID, "upload").click()
-    obj = wait(d, "the uploaded object", lambda: d.find_elements(By.CSS_SELECTOR, '[data-key="weights part 1.bin"]'))
+    href = wait(d, "the uploaded object", lambda: d.find_element(By.CSS_SELECTOR, '[data-key="weights part 1.bin"]').get_attribute("href"))
     assert server.client().get_object(Bucket="from-the-browser", Key="weights part 1.bin")["Body"].read() == body
     # The download link, fetched as the browser would follow it.
-    href = obj[0].get_attribute("href")
     got = d.execute_async_script(
         "const done = arguments[1];"
         "fetch(arguments[0], {credentials: 'same-origin'}).then(r => r.arrayBuffer())"
@@ -127,7 +138,7 @@ def test_console_in_chromium(server, browser, tmp_path):
     access_key = secret.group(1)
     assert access_key in admin(server, "user", "list").stdout
     shot(d, "users")
-    d.find_element(By.CSS_SELECTOR, f'[data-revoke="{access_key}"]').click()
+    act(d, "the revoke button", lambda: d.find_element(By.CSS_SELECTOR, f'[data-revoke="{access_key}"]').click())
     d.switch_to.alert.accept()
     wait(d, "the key gone", lambda: not d.find_elements(By.CSS_SELECTOR, f'[data-revoke="{access_key}"]'))
     assert access_key not in admin(server, "user", "list").stdout
