@@ -102,7 +102,7 @@ class Node:
     flags) it also runs the KV store, at `kv_endpoint`."""
 
     def __init__(self, root, i, etcd_url, drives=2, extra=(), ip=None, netns=None, keys=None, kv=None, secret=None,
-                 tls=None):
+                 tls=None, advertise_host=None):
         self.i = i
         # With `tls` (PEM paths `cert`, `key`, `ca`) every listener is TLS.
         self.ca = tls["ca"] if tls else None
@@ -124,13 +124,14 @@ class Node:
         self.admin = f"{scheme}://{self.ip}:{self.admin_port}"
         self.args = ["ip", "netns", "exec", netns] if netns else []
         self.args += [BIN, "server", "--cluster", "test", "--etcd", etcd_url, "--node-id", f"n{i}",
-                     "--advertise", f"{self.ip}:{self.rpc_port}",
+                     "--advertise", f"{advertise_host or self.ip}:{self.rpc_port}",
                      "--listen", f"{self.ip}:{self.s3_port}", "--admin-listen", f"{self.ip}:{self.admin_port}",
                      "--cores", "1"]
         if tls:
             self.args += ["--tls-cert", tls["cert"], "--tls-key", tls["key"], "--tls-ca", tls["ca"]]
-        elif not ipaddress.ip_address(self.ip).is_loopback:
-            # Beyond loopback a node without TLS must be told plain is meant.
+        elif not ipaddress.ip_address(self.ip).is_loopback or advertise_host:
+            # Beyond loopback a node without TLS must be told plain is meant
+            # (an advertised name has the RPC listener on every address).
             self.args.append("--allow-plain-http")
         self.kv_endpoint = None
         if kv is not None:

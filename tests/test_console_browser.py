@@ -143,6 +143,21 @@ def test_console_in_chromium(server, browser, tmp_path):
     wait(d, "the key gone", lambda: not d.find_elements(By.CSS_SELECTOR, f'[data-revoke="{access_key}"]'))
     assert access_key not in admin(server, "user", "list").stdout
 
+    # Cache buckets: one over the bucket made above (this server as its own
+    # upstream), added from the console's form, read through, prefetched.
+    d.find_element(By.CSS_SELECTOR, '[data-tab="cache"]').click()
+    wait(d, "the cache form", lambda: d.find_elements(By.ID, "cache-new-bucket"))
+    for field, value in [("bucket", "cached-copy"), ("upstream", "s3://from-the-browser"), ("endpoint", server.endpoint),
+                         ("access_key", ACCESS_KEY), ("secret_key", SECRET_KEY)]:
+        act(d, f"the {field} field", lambda f=field, v=value: d.find_element(By.ID, f"cache-new-{f}").send_keys(v))
+    act(d, "the add button", lambda: d.find_element(By.ID, "cache-add").click())
+    wait(d, "the cache bucket", lambda: d.find_elements(By.CSS_SELECTOR, '[data-cache="cached-copy"]'))
+    assert server.client().get_object(Bucket="cached-copy", Key="weights part 1.bin")["Body"].read() == body
+    act(d, "the prefetch button", lambda: d.find_element(By.CSS_SELECTOR, '[data-prefetch="cached-copy"]').click())
+    wait(d, "the prefetch job", lambda: "prefetch" in d.find_element(By.ID, "cache-jobs").text, timeout=30)
+    wait(d, "the figures", lambda: "in 1 objects" in d.find_element(By.ID, "view").text)
+    shot(d, "cache")
+
     # Activity charts render (three of them).
     d.find_element(By.CSS_SELECTOR, '[data-tab="activity"]').click()
     wait(d, "the charts", lambda: len(d.find_elements(By.CSS_SELECTOR, "#charts svg")) == 3)

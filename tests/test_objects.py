@@ -151,8 +151,10 @@ def test_errors_name_the_object_and_the_bytes(stored):
         c.read([("objs", "big.bin", 0, 50, buf, 0), ("objs", "big.bin", 0, 50, buf, 40)])
     with pytest.raises(BufferError):
         c.read([("objs", "big.bin", 0, 3, b"abc", 0)])
-    with pytest.raises(ValueError, match="plain HTTP"):
-        objects.Client("https://s3.amazonaws.com")
+    with pytest.raises(ValueError, match="expected http"):
+        objects.Client("ftp://s3.amazonaws.com")
+    with pytest.raises(ValueError, match="CA bundle"):
+        objects.Client("https://127.0.0.1:9", ca_bundle="/nonexistent/ca.pem")
 
 
 def test_endpoint_and_credentials_from_the_environment(stored, tmp_path, monkeypatch):

@@ -158,6 +158,22 @@ def test_secure_transport_is_true_over_tls(make_server, pki):
         s.client(alice).get_object(Bucket="sec", Key="doc")
     assert e.value.response["Error"]["Code"] == "AccessDenied"
 
+    # s3:TlsVersion: the version negotiated (1.3 with a current client);
+    # AWS's "deny TLS older than 1.2" recipe lets it through, a rule asking
+    # for more than the connection has does not.
+    def allow_tls_at_least(version):
+        root.put_bucket_policy(Bucket="sec", Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": {"AWS": "alice"}, "Action": "s3:GetObject",
+            "Resource": "arn:aws:s3:::sec/*",
+            "Condition": {"NumericGreaterThanEquals": {"s3:TlsVersion": version}}}]}))  # fmt: skip
+
+    allow_tls_at_least("1.2")
+    assert s.client(alice).get_object(Bucket="sec", Key="doc")["Body"].read() == b"secret"
+    allow_tls_at_least("1.4")
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        s.client(alice).get_object(Bucket="sec", Key="doc")
+    assert e.value.response["Error"]["Code"] == "AccessDenied"
+
 
 def test_certificate_files_are_read_again_and_a_broken_pair_is_not_taken(make_server, pki):
     ca = pki("tarn-ca.pem")
@@ -335,3 +351,71 @@ def test_s3cmd_and_rclone_over_tls_with_a_ca(make_server, pki, tmp_path):
     run(["rclone", "--ca-cert", ca, "copyto", "t:tools/s3cmd.bin", str(tmp_path / "back.bin")])
     assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
     assert s.client().head_object(Bucket="tools", Key="rclone.bin")["ContentLength"] == 6 << 20
+
+
+def test_tarns_object_client_loader_and_bench_over_tls(make_server, pki, tmp_path, monkeypatch):
+    """tarn.objects (and the loader on it) and `tarn bench s3` against an
+    https:// endpoint: the certificate checked against the CA bundle (the
+    argument or AWS_CA_BUNDLE), another CA refused, never a fallback to
+    plain HTTP."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    import tarn.loader
+    from tarn import objects
+    from tarn.errors import ObjectError
+
+    ca = pki("tarn-ca.pem")
+    s = make_server(drives=1, extra_args=tls_args(pki), ca=ca)
+    root = s.client()
+    root.create_bucket(Bucket="models")
+    c = objects.Client(s.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, ca_bundle=ca, chunk_size=1 << 20)
+    # Sizes across the client's 1 MiB chunks (parallel ranged GETs).
+    for n in [0, 1, (1 << 20) - 1, (3 << 20) + 17]:
+        body = os.urandom(n)
+        c.put("models", f"blob-{n}", body)
+        assert root.get_object(Bucket="models", Key=f"blob-{n}")["Body"].read() == body
+        assert c.get("models", f"blob-{n}") == body
+    big = os.urandom(40 << 20)
+    c.put("models", "big", big)  # a multipart upload
+    buf = np.zeros(len(big), dtype=np.uint8)
+    c.get_into("models", "big", buf)
+    assert buf.tobytes() == big
+
+    # The model loader on that client.
+    tensors = {"w": torch.randn(256, 1024), "b": torch.arange(1000, dtype=torch.int64)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    root.upload_file(str(path), "models", "m.safetensors")
+    got = tarn.loader.load("s3://models/m.safetensors", client=c)
+    assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+    # AWS_CA_BUNDLE, as the AWS tools read it.
+    monkeypatch.setenv("AWS_CA_BUNDLE", ca)
+    assert objects.Client(s.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY).get("models", "blob-1") == \
+        c.get("models", "blob-1")
+    # A certificate the bundle does not trust: an error, nothing read.
+    other = objects.Client(s.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, ca_bundle=pki("other-ca.pem"),
+                           retries=0)
+    with pytest.raises(ObjectError) as e:
+        other.get("models", "blob-1")
+    assert "certificate" in str(e.value).lower() or "unknownissuer" in str(e.value).lower(), e.value
+    # The same server asked in plain HTTP: no answer to speak of, an error.
+    plain = objects.Client(s.endpoint.replace("https://", "http://"), access_key=ACCESS_KEY, secret_key=SECRET_KEY,
+                           retries=0, io_timeout=5.0)
+    with pytest.raises(ObjectError):
+        plain.get("models", "blob-1")
+
+    # `tarn bench s3` over TLS with --ca-bundle, every byte verified.
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    env.pop("AWS_CA_BUNDLE", None)
+    r = subprocess.run([BIN, "bench", "s3", "--endpoint", s.endpoint, "--ca-bundle", ca, "--op", "mixed",
+                        "--size", "256KiB", "--count", "40", "--concurrency", "4", "--objects", "8", "--verify",
+                        "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert not out["errors"] and out["verify_failures"] == 0 and out["ops"] >= 40, out
+    r = subprocess.run([BIN, "bench", "s3", "--endpoint", s.endpoint, "--ca-bundle", pki("other-ca.pem"),
+                        "--count", "1"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0

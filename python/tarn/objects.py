@@ -108,9 +108,12 @@ class Client(_native.ObjectClient):
     session_token=None, region=None, profile=None, addressing=None,
     connections=16, chunk_size=8 MiB, merge_gap=1 MiB, max_inflight=512 MiB,
     retries=6, hedge=True, part_size=16 MiB, io_timeout=30.0,
-    connect_timeout=3.0)``: ``endpoint`` is a URL or several (comma-separated
-    or a list; connections are spread over them). Unset arguments come from
-    the environment and the AWS profile files.
+    connect_timeout=3.0, ca_bundle=None)``: ``endpoint`` is a URL or several
+    (comma-separated or a list; connections are spread over them),
+    ``http://`` or ``https://`` (TLS, its certificate checked against
+    ``ca_bundle``, else ``AWS_CA_BUNDLE`` or the profile's ``ca_bundle``,
+    else the system's trusted roots). Unset arguments come from the
+    environment and the AWS profile files.
     """
 
     def head(self, bucket: str, key: str) -> ObjectInfo:

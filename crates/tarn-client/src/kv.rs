@@ -1442,7 +1442,11 @@ impl KvClient {
         // A server that accepts but never answers must not hang the caller.
         let hello = bounded(limit, &format!("{addr} (HELLO)"), ch.hello(0)).await?;
         let offered = hello.flags & HELLO_SHM_OFFERED != 0 && !hello.shm_socket.is_empty();
-        let want_shm = opts.transport != TransportChoice::Tcp && offered && local;
+        // A socket file (a directory the server shares with this host's
+        // pods) is tried from anywhere: it exists here only on the server's
+        // host, and the instance id proves it is this server's.
+        let file = hello.shm_socket.first() == Some(&b'/');
+        let want_shm = opts.transport != TransportChoice::Tcp && offered && (local || file);
         if opts.transport == TransportChoice::Shm && !want_shm {
             return Err(Error::Usage(
                 "shared memory needs a server on this host that offers it".into(),
@@ -1910,8 +1914,14 @@ async fn connect_shm(
     creds: &Credentials,
 ) -> Result<(ShmTransport, AuthReply)> {
     use std::os::linux::net::SocketAddrExt;
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(&tcp_hello.shm_socket)?;
-    let std_stream = std::os::unix::net::UnixStream::connect_addr(&addr)?;
+    use std::os::unix::ffi::OsStrExt;
+    let std_stream = if tcp_hello.shm_socket.first() == Some(&b'/') {
+        let path = std::ffi::OsStr::from_bytes(&tcp_hello.shm_socket);
+        std::os::unix::net::UnixStream::connect(path)?
+    } else {
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(&tcp_hello.shm_socket)?;
+        std::os::unix::net::UnixStream::connect_addr(&addr)?
+    };
     std_stream.set_nonblocking(true)?;
     let s = UnixStream::from_std(std_stream)?;
     let mut out = Vec::new();

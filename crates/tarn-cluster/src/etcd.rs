@@ -130,21 +130,7 @@ impl EtcdTls {
         let Some(ca) = &self.ca else {
             return Err("https:// etcd endpoints need --etcd-ca FILE (the CA that signed etcd's server certificates, PEM)".into());
         };
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_file_iter(ca)
-            .map_err(|e| format!("--etcd-ca {}: {e}", ca.display()))?
-        {
-            let cert = cert.map_err(|e| format!("--etcd-ca {}: {e}", ca.display()))?;
-            roots
-                .add(cert)
-                .map_err(|e| format!("--etcd-ca {}: {e}", ca.display()))?;
-        }
-        if roots.is_empty() {
-            return Err(format!(
-                "--etcd-ca {}: no PEM certificate in it",
-                ca.display()
-            ));
-        }
+        let roots = tarn_io::tls::roots(ca).map_err(|e| format!("--etcd-ca {e}"))?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()

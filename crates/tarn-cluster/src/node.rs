@@ -605,11 +605,7 @@ impl Node {
     /// The RPC listener on a thread of its own with a small runtime: other
     /// nodes reach this node's drives even while its S3 runtimes are busy.
     fn start_rpc(self: &Arc<Self>) -> Result<(), String> {
-        let addr: std::net::SocketAddr = self
-            .cfg
-            .advertise
-            .parse()
-            .map_err(|e| format!("--advertise {:?}: {e}", self.cfg.advertise))?;
+        let addr = rpc_bind_address(&self.cfg.advertise)?;
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| format!("cannot listen for RPC on {addr}: {e}"))?;
         std_listener
@@ -1823,6 +1819,74 @@ async fn wait_for_etcd(etcd: &Etcd, keys: &Keys) -> Result<(), String> {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
             Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// Where the RPC listener binds for `--advertise HOST:PORT`: that address
+/// when HOST is an IP, every address on PORT when HOST is a name (a
+/// Kubernetes pod's DNS name resolves to an address the pod has, but not
+/// necessarily to one it can bind by name).
+pub fn rpc_bind_address(advertise: &str) -> Result<std::net::SocketAddr, String> {
+    if let Ok(a) = advertise.parse::<std::net::SocketAddr>() {
+        return Ok(a);
+    }
+    let bad = |why: &str| format!("--advertise {advertise:?}: {why}");
+    let (host, port) = advertise
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected HOST:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| bad("expected HOST:PORT with a port number"))?;
+    let name_ok = !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        });
+    if !name_ok || port == 0 {
+        return Err(bad(
+            "expected HOST:PORT (an IP address or a DNS name, and a port)",
+        ));
+    }
+    Ok(std::net::SocketAddr::from(([0, 0, 0, 0], port)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rpc_bind_address;
+
+    #[test]
+    fn advertised_names_bind_every_address_on_their_port() {
+        assert_eq!(
+            rpc_bind_address("127.0.0.5:7000").unwrap().to_string(),
+            "127.0.0.5:7000"
+        );
+        assert_eq!(
+            rpc_bind_address("[::1]:7000").unwrap().to_string(),
+            "[::1]:7000"
+        );
+        assert_eq!(
+            rpc_bind_address("tarn-0.tarn-headless.store.svc:7000")
+                .unwrap()
+                .to_string(),
+            "0.0.0.0:7000"
+        );
+        for bad in [
+            "tarn-0",
+            "tarn-0:",
+            "tarn-0:x",
+            ":7000",
+            "a..b:7000",
+            "-a:7000",
+            "a_b:7000",
+            "a:0",
+            "a:70000",
+        ] {
+            assert!(rpc_bind_address(bad).is_err(), "{bad}");
         }
     }
 }

@@ -383,6 +383,18 @@ where
     pub fn is_tls(&self) -> bool {
         matches!(self, MaybeTls::Tls(_))
     }
+
+    /// The negotiated TLS version (`"1.2"`, `"1.3"`), None for a plain
+    /// connection.
+    pub fn tls_version(&self) -> Option<&'static str> {
+        let MaybeTls::Tls(s) = self else { return None };
+        match s.get_ref().1.protocol_version() {
+            Some(rustls::ProtocolVersion::TLSv1_3) => Some("1.3"),
+            Some(rustls::ProtocolVersion::TLSv1_2) => Some("1.2"),
+            // rustls speaks nothing else; a version it cannot name is still TLS.
+            _ => Some("1.2"),
+        }
+    }
 }
 
 impl<S: std::os::fd::AsRawFd> std::os::fd::AsRawFd for MaybeTls<S> {

@@ -131,6 +131,11 @@ pub struct ServerOptions {
     pub io_uring: bool,
     /// Offer shared memory to clients on this host.
     pub shm: bool,
+    /// Put the shared-memory socket in this directory (a file, e.g. on a
+    /// host path that pods of one Kubernetes node share) rather than in
+    /// the abstract namespace (which only the server's network namespace
+    /// reaches).
+    pub shm_dir: Option<std::path::PathBuf>,
     /// An authenticated connection with no request for this long is closed
     /// (its pins and reservations given back). Clients reconnect on their
     /// next call.
@@ -170,6 +175,7 @@ impl Default for ServerOptions {
             pin_cores: false,
             io_uring: false,
             shm: true,
+            shm_dir: None,
             idle_timeout: IDLE_TIMEOUT_DEFAULT,
             frame_timeout: FRAME_TIMEOUT_DEFAULT,
             handshake_timeout: HANDSHAKE_TIMEOUT_DEFAULT,
@@ -205,8 +211,11 @@ pub struct Server {
     pub tcp_addr: SocketAddr,
     /// The cluster view it routes by (set by the node's membership watch).
     pub views: Arc<Views>,
-    /// Abstract Unix socket name of the shared-memory transport.
+    /// The shared-memory transport's Unix socket: an abstract name, or a
+    /// path (starting with `/`) under [`ServerOptions::shm_dir`].
     pub shm_socket: Option<String>,
+    /// The socket file to remove at shutdown (with `shm_dir`).
+    shm_file: Option<std::path::PathBuf>,
     /// Open connections and those refused for the caps.
     pub connections: Arc<ConnectionCounts>,
     stop: watch::Sender<bool>,
@@ -351,11 +360,17 @@ impl Server {
                 tcp_addr.port(),
                 u64::from_le_bytes(r)
             );
-            use std::os::linux::net::SocketAddrExt;
-            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
-                .map_err(|e| KvError::Io("KV shared-memory socket name", e))?;
-            let l = std::os::unix::net::UnixListener::bind_addr(&addr)
-                .map_err(|e| KvError::Io("binding the KV shared-memory socket", e))?;
+            let (l, name) = match &opts.shm_dir {
+                Some(dir) => bind_shm_file(dir, &name)?,
+                None => {
+                    use std::os::linux::net::SocketAddrExt;
+                    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+                        .map_err(|e| KvError::Io("KV shared-memory socket name", e))?;
+                    let l = std::os::unix::net::UnixListener::bind_addr(&addr)
+                        .map_err(|e| KvError::Io("binding the KV shared-memory socket", e))?;
+                    (l, name)
+                }
+            };
             l.set_nonblocking(true)
                 .map_err(|e| KvError::Io("KV shared-memory socket", e))?;
             (Some(l), Some(name))
@@ -413,6 +428,10 @@ impl Server {
             tcp_addr,
             connections: shared.counts.clone(),
             views: shared.views.clone(),
+            shm_file: shm_socket
+                .as_ref()
+                .filter(|s| s.starts_with('/'))
+                .map(std::path::PathBuf::from),
             shm_socket,
             stop,
             threads,
@@ -430,7 +449,60 @@ impl Server {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        if let Some(f) = self.shm_file.take() {
+            let _ = std::fs::remove_file(f);
+        }
     }
+}
+
+/// Binds the shared-memory socket as the file `dir/name.sock`, readable
+/// and writable by every local user (a client still authenticates, and
+/// learns the name only from an authenticated server's HELLO). Sockets of
+/// this user's servers that died without removing theirs (nothing accepts
+/// on them) are removed first.
+fn bind_shm_file(
+    dir: &std::path::Path,
+    name: &str,
+) -> Result<(std::os::unix::net::UnixListener, String), KvError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let io = |what: &'static str| move |e| KvError::Io(what, e);
+    let dir = std::fs::canonicalize(dir).map_err(io("the KV shared-memory directory"))?;
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        for e in entries.flatten() {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            let ours = n.starts_with("tarn-kv.")
+                && n.ends_with(".sock")
+                && e.metadata().is_ok_and(|m| m.uid() == me);
+            if ours
+                && std::os::unix::net::UnixStream::connect(e.path())
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let path = dir.join(format!("{name}.sock"));
+    let Some(text) = path.to_str().map(str::to_string) else {
+        return Err(KvError::Config(format!(
+            "the KV shared-memory directory {} is not UTF-8",
+            dir.display()
+        )));
+    };
+    // sun_path holds 108 bytes with the NUL.
+    if text.len() > 107 {
+        return Err(KvError::Config(format!(
+            "the KV shared-memory directory {} is too long a path for a Unix socket",
+            dir.display()
+        )));
+    }
+    let l = std::os::unix::net::UnixListener::bind(&path)
+        .map_err(io("binding the KV shared-memory socket"))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
+        .map_err(io("the KV shared-memory socket's permissions"))?;
+    Ok((l, text))
 }
 
 impl Drop for Server {

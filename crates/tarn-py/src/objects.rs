@@ -168,7 +168,7 @@ impl ObjectClient {
         session_token = None, region = None, profile = None, addressing = None,
         connections = None, chunk_size = None, merge_gap = None, max_inflight = None,
         retries = None, hedge = None, part_size = None, io_timeout = None,
-        connect_timeout = None))]
+        connect_timeout = None, ca_bundle = None))]
     fn new(
         endpoint: Option<&Bound<'_, PyAny>>,
         access_key: Option<String>,
@@ -186,6 +186,7 @@ impl ObjectClient {
         part_size: Option<u64>,
         io_timeout: Option<f64>,
         connect_timeout: Option<f64>,
+        ca_bundle: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let env = |k: &str| -> Option<String> {
             if k == "AWS_PROFILE" {
@@ -262,6 +263,9 @@ impl ObjectClient {
         }
         if let Some(v) = secs(connect_timeout, "connect_timeout")? {
             cfg.connect_timeout = v;
+        }
+        if let Some(v) = ca_bundle {
+            cfg.ca_bundle = Some(v);
         }
         let inner = object::ObjectClient::new(cfg).map_err(|e| match e {
             Error::Usage(m) => PyValueError::new_err(m),

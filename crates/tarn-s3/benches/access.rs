@@ -53,8 +53,8 @@ async fn bench(store: Arc<Store>, quick: bool) {
     let iam = Iam::new(store.clone(), "tarnadmin", "tarnadmin-secret");
     let access = Access::new(store.clone(), iam.clone());
     access.load().await.expect("load");
-    let alice = iam.add_user("alice").await.expect("alice").access_key;
-    let bob = iam.add_user("bob").await.expect("bob").access_key;
+    let alice = iam.add_user("alice", None).await.expect("alice").access_key;
+    let bob = iam.add_user("bob", None).await.expect("bob").access_key;
     access
         .create_bucket(
             "alice",
@@ -115,7 +115,7 @@ async fn bench(store: Arc<Store>, quick: bool) {
             headers: &headers,
             query: None,
             peer,
-            secure: false,
+            tls: None,
             existing_tags: None,
         };
         access.authorize(&r).expect("allowed");

@@ -49,9 +49,10 @@ const DOC_FORMAT: u32 = 1;
 pub struct ClientAddr(pub IpAddr);
 
 /// Put into a request's extensions by the server when its connection is
-/// TLS (the `aws:SecureTransport` condition key is then true).
+/// TLS, with the protocol's version (`"1.2"`, `"1.3"`): the
+/// `aws:SecureTransport` condition key is then true, `s3:TlsVersion` that.
 #[derive(Debug, Clone, Copy)]
-pub struct SecureTransport;
+pub struct SecureTransport(pub &'static str);
 
 /// What the permission check decided for one request: the one entry it
 /// puts into the request's extensions for the operation.
@@ -453,7 +454,8 @@ struct Ctx<'a> {
     headers: &'a http::HeaderMap,
     query: Option<&'a str>,
     peer: Option<IpAddr>,
-    secure: bool,
+    /// The TLS version when the request came over TLS.
+    tls: Option<&'static str>,
     /// The tags of the object the request names, read only when the
     /// bucket's policy has an `s3:ExistingObjectTag/KEY` condition.
     existing_tags: Option<&'a [(String, String)]>,
@@ -505,7 +507,7 @@ impl RequestContext for Ctx<'_> {
         };
         match key {
             "aws:sourceip" => self.peer.map(|p| p.to_string()),
-            "aws:securetransport" => Some(self.secure.to_string()),
+            "aws:securetransport" => Some(self.tls.is_some().to_string()),
             "aws:currenttime" => time::OffsetDateTime::from_unix_timestamp(now() as i64)
                 .ok()
                 .and_then(|t| {
@@ -600,8 +602,8 @@ impl RequestContext for Ctx<'_> {
                     .find(|(t, _)| t.eq_ignore_ascii_case(want))
                     .map(|(_, v)| v)
             }
-            // TLS, VPCs, organizations, MFA, AWS services: never.
-            "s3:tlsversion" => None,
+            "s3:tlsversion" => self.tls.map(str::to_string),
+            // VPCs, organizations, MFA, AWS services: never.
             k if k.starts_with("aws:") => None,
             k => k.strip_prefix("s3:").and_then(|h| self.header(h)),
         }
@@ -1074,8 +1076,9 @@ pub struct AccessRequest<'a> {
     pub headers: &'a http::HeaderMap,
     pub query: Option<&'a str>,
     pub peer: Option<IpAddr>,
-    /// Whether the request came over TLS (`aws:SecureTransport`).
-    pub secure: bool,
+    /// The TLS version when the request came over TLS
+    /// (`aws:SecureTransport`, `s3:TlsVersion`).
+    pub tls: Option<&'static str>,
     /// The named object's tags, for `s3:ExistingObjectTag/KEY` conditions
     /// (`Access::existing_tags`); None when no policy asks or there is none.
     pub existing_tags: Option<Vec<(String, String)>>,
@@ -1105,7 +1108,7 @@ impl Access {
             headers: r.headers,
             query: r.query,
             peer: r.peer,
-            secure: r.secure,
+            tls: r.tls,
             existing_tags: r.existing_tags.as_deref(),
         };
         // ListBuckets (each user sees the buckets it owns) and CreateBucket
@@ -1266,7 +1269,7 @@ pub struct Checker(pub Arc<Access>);
 impl S3Access for Checker {
     async fn check(&self, cx: &mut S3AccessContext<'_>) -> S3Result<()> {
         let peer = cx.extensions_mut().get::<ClientAddr>().map(|c| c.0);
-        let secure = cx.extensions_mut().get::<SecureTransport>().is_some();
+        let tls = cx.extensions_mut().get::<SecureTransport>().map(|t| t.0);
         // In a cluster a bucket made through another node a moment ago may
         // not have reached this node's view yet: the catalog is asked.
         if let S3Path::Bucket { bucket } | S3Path::Object { bucket, .. } = cx.s3_path() {
@@ -1290,7 +1293,7 @@ impl S3Access for Checker {
             headers: cx.headers(),
             query: cx.uri().query(),
             peer,
-            secure,
+            tls,
             existing_tags,
         })?;
         cx.extensions_mut().insert(permit);
@@ -1351,7 +1354,7 @@ impl S3Access for Checker {
             headers: &req.headers,
             query: None,
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
-            secure: req.extensions.get::<SecureTransport>().is_some(),
+            tls: req.extensions.get::<SecureTransport>().map(|t| t.0),
             existing_tags: None,
         })?;
         req.extensions.insert(permit);
@@ -1374,7 +1377,7 @@ impl S3Access for Checker {
             headers: &req.headers,
             query: req.uri.query(),
             peer: req.extensions.get::<ClientAddr>().map(|c| c.0),
-            secure: req.extensions.get::<SecureTransport>().is_some(),
+            tls: req.extensions.get::<SecureTransport>().map(|t| t.0),
             existing_tags: None,
         };
         let mut refused = DeniedDeletes::default();

@@ -47,6 +47,10 @@ pub enum IamError {
     NoSuchUser(String),
     #[error("user {user} has no access key {access_key}")]
     NoSuchKey { user: String, access_key: String },
+    #[error("invalid imported key: {0}")]
+    InvalidKey(String),
+    #[error("the access key {0} is taken")]
+    KeyTaken(String),
     #[error("stored user record {what} is unreadable: {reason}")]
     Corrupt { what: String, reason: String },
     #[error("the users are not loaded yet (the drives holding them lack a read quorum)")]
@@ -69,6 +73,39 @@ struct KeyDoc {
     /// `v1:` and base64 of nonce (12 bytes) || ciphertext || tag.
     secret: String,
     created_ns: u64,
+}
+
+/// A key given to the store rather than made by it (`POST
+/// /admin/users/NAME` with a body): an access key of 16 to 128 characters
+/// of A-Z and 0-9, a secret of 30 to 128 printable ASCII characters
+/// without spaces.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Imported {
+    pub access_key: String,
+    pub secret_key: String,
+}
+
+impl Imported {
+    fn check(&self) -> Result<(), IamError> {
+        let a = &self.access_key;
+        if !(16..=128).contains(&a.len())
+            || !a
+                .bytes()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+        {
+            return Err(IamError::InvalidKey(
+                "an access key is 16 to 128 characters of A-Z and 0-9".into(),
+            ));
+        }
+        let s = &self.secret_key;
+        if !(30..=128).contains(&s.len()) || !s.bytes().all(|c| c.is_ascii_graphic()) {
+            return Err(IamError::InvalidKey(
+                "a secret key is 30 to 128 printable ASCII characters without spaces".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A key just made: the only time its secret is shown.
@@ -336,22 +373,44 @@ impl Iam {
             .collect()
     }
 
-    fn new_key(&self) -> (KeyDoc, String) {
-        let upper = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
-        let access_key = format!(
-            "{ACCESS_KEY_PREFIX}{}",
-            random_chars(ACCESS_KEY_CHARS - ACCESS_KEY_PREFIX.len(), upper)
-        );
-        let secret = random_chars(
-            SECRET_KEY_CHARS,
-            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/",
-        );
+    /// A fresh random key, or `given` (an imported one, checked: its
+    /// access key in no one's use).
+    fn new_key(&self, given: Option<&Imported>) -> Result<(KeyDoc, String), IamError> {
+        let (access_key, secret) = match given {
+            Some(k) => {
+                k.check()?;
+                let taken = k.access_key == self.root_access_key
+                    || self
+                        .table
+                        .read()
+                        .expect("iam table")
+                        .keys
+                        .contains_key(&k.access_key);
+                if taken {
+                    return Err(IamError::KeyTaken(k.access_key.clone()));
+                }
+                (k.access_key.clone(), k.secret_key.clone())
+            }
+            None => {
+                let upper = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+                (
+                    format!(
+                        "{ACCESS_KEY_PREFIX}{}",
+                        random_chars(ACCESS_KEY_CHARS - ACCESS_KEY_PREFIX.len(), upper)
+                    ),
+                    random_chars(
+                        SECRET_KEY_CHARS,
+                        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/",
+                    ),
+                )
+            }
+        };
         let doc = KeyDoc {
             secret: self.encrypt(&access_key, &secret),
             access_key,
             created_ns: now_ns(),
         };
-        (doc, secret)
+        Ok((doc, secret))
     }
 
     /// Writes `doc` (or deletes the user when None) and then swaps the table.
@@ -384,8 +443,9 @@ impl Iam {
             .ok_or_else(|| IamError::NoSuchUser(name.to_string()))
     }
 
-    /// Makes a user with one access key.
-    pub async fn add_user(&self, name: &str) -> Result<NewKey, IamError> {
+    /// Makes a user with one access key: a random one, or `given` (a key
+    /// imported from another store, or one a provisioner derives).
+    pub async fn add_user(&self, name: &str, given: Option<&Imported>) -> Result<NewKey, IamError> {
         if name == ROOT_USER {
             return Err(IamError::Reserved(name.to_string()));
         }
@@ -398,7 +458,7 @@ impl Iam {
             Err(IamError::NoSuchUser(_)) => {}
             Err(e) => return Err(e),
         }
-        let (key, secret) = self.new_key();
+        let (key, secret) = self.new_key(given)?;
         let access_key = key.access_key.clone();
         let doc = UserDoc {
             format: DOC_FORMAT,
@@ -421,10 +481,10 @@ impl Iam {
         self.commit(name, None).await
     }
 
-    pub async fn add_key(&self, name: &str) -> Result<NewKey, IamError> {
+    pub async fn add_key(&self, name: &str, given: Option<&Imported>) -> Result<NewKey, IamError> {
         let _g = self.changes.lock().await;
         let mut doc = self.user(name)?;
-        let (key, secret) = self.new_key();
+        let (key, secret) = self.new_key(given)?;
         let access_key = key.access_key.clone();
         doc.keys.push(key);
         self.commit(name, Some(doc)).await?;

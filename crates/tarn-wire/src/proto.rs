@@ -535,7 +535,8 @@ pub struct HelloReply {
     pub instance_id: [u8; 16],
     /// Random per connection: the challenge of this connection's AUTH.
     pub nonce: Nonce,
-    /// Abstract Unix socket name for shared memory (empty when not offered).
+    /// The Unix socket for shared memory (empty when not offered): an
+    /// abstract name, or a file's path when it starts with `/`.
     pub shm_socket: Vec<u8>,
 }
 

@@ -54,9 +54,9 @@ pub(crate) fn json(status: u16, v: serde_json::Value) -> http::Response<s3s::Bod
 
 fn iam_error(e: IamError) -> http::Response<s3s::Body> {
     let status = match &e {
-        IamError::InvalidName(_) | IamError::Reserved(_) => 400,
+        IamError::InvalidName(_) | IamError::Reserved(_) | IamError::InvalidKey(_) => 400,
         IamError::NoSuchUser(_) | IamError::NoSuchKey { .. } => 404,
-        IamError::UserExists(_) => 409,
+        IamError::UserExists(_) | IamError::KeyTaken(_) => 409,
         IamError::NotLoaded | IamError::Store(_) => 503,
         IamError::Corrupt { .. } => 500,
     };
@@ -76,16 +76,39 @@ fn new_key(k: tarn_s3::iam::NewKey) -> http::Response<s3s::Body> {
 
 /// Users and keys: `GET /admin/users`, `POST|DELETE /admin/users/NAME`,
 /// `POST /admin/users/NAME/keys`, `DELETE /admin/users/NAME/keys/ACCESS_KEY`.
+/// A POST's body, when there is one, is a key to import
+/// (`{"access_key": …, "secret_key": …}`) instead of a random one.
 /// A change to users or keys returns once every other reachable node of a
 /// cluster applies it too (a revoked key works nowhere after the call
 /// returns); nodes that did not confirm are named in a header.
 async fn users(
-    method: &str,
-    path: &str,
+    req: http::Request<Incoming>,
     iam: &Iam,
     node: Option<&Arc<Node>>,
 ) -> http::Response<s3s::Body> {
-    let mut r = users_here(method, path, iam).await;
+    let (method, path) = (
+        req.method().as_str().to_string(),
+        req.uri().path().to_string(),
+    );
+    let given = if method == "POST" {
+        match crate::admin_cache::body_bytes(req).await {
+            Ok(b) if b.is_empty() => None,
+            Ok(b) => match serde_json::from_slice::<tarn_s3::iam::Imported>(&b) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    return json(
+                        400,
+                        serde_json::json!({ "error": format!("a key to import: {e}") }),
+                    )
+                }
+            },
+            Err(r) => return r,
+        }
+    } else {
+        None
+    };
+    let (method, path) = (method.as_str(), path.as_str());
+    let mut r = users_here(method, path, given.as_ref(), iam).await;
     if method != "GET" {
         confirm_everywhere(&mut r, node, "a user or key change").await;
     }
@@ -118,7 +141,12 @@ pub(crate) async fn confirm_everywhere(
     }
 }
 
-async fn users_here(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::Body> {
+async fn users_here(
+    method: &str,
+    path: &str,
+    given: Option<&tarn_s3::iam::Imported>,
+    iam: &Iam,
+) -> http::Response<s3s::Body> {
     let rest = path.trim_start_matches("/admin/users").trim_matches('/');
     let parts: Vec<&str> = if rest.is_empty() {
         Vec::new()
@@ -143,12 +171,12 @@ async fn users_here(method: &str, path: &str, iam: &Iam) -> http::Response<s3s::
                 .collect();
             return json(200, serde_json::json!({ "users": users }));
         }
-        ("POST", [name]) => iam.add_user(name).await.map(new_key),
+        ("POST", [name]) => iam.add_user(name, given).await.map(new_key),
         ("DELETE", [name]) => iam
             .remove_user(name)
             .await
             .map(|()| text(204, "text/plain", String::new())),
-        ("POST", [name, "keys"]) => iam.add_key(name).await.map(new_key),
+        ("POST", [name, "keys"]) => iam.add_key(name, given).await.map(new_key),
         ("DELETE", [name, "keys", key]) => iam
             .remove_key(name, key)
             .await
@@ -490,6 +518,9 @@ async fn answer(
     if authorized && (path == "/admin/cache" || path.starts_with("/admin/cache/")) {
         return Ok(crate::admin_cache::handle(req, &caches, node.as_ref()).await);
     }
+    if authorized && (path == "/admin/users" || path.starts_with("/admin/users/")) {
+        return Ok(users(req, &iam, node.as_ref()).await);
+    }
     let r = match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health/live") => text(200, "text/plain", "ok\n".into()),
         ("GET", "/health/ready") => {
@@ -531,9 +562,6 @@ async fn answer(
         }
         (_, p) if p.starts_with("/admin/") && !authorized => {
             text(401, "text/plain", "missing or wrong bearer token\n".into())
-        }
-        (m, p) if p == "/admin/users" || p.starts_with("/admin/users/") => {
-            users(m, p, &iam, node.as_ref()).await
         }
         (m, p) if p.starts_with("/admin/cluster/") => {
             cluster(m, p, req.uri().query(), node.as_deref()).await

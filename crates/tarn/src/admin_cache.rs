@@ -33,20 +33,29 @@ struct PrefixArg {
     ttl: Option<u64>,
 }
 
+/// A request's body (at most BODY_MAX_BYTES), or the answer that refuses it.
+pub(crate) async fn body_bytes(
+    req: http::Request<Incoming>,
+) -> Result<bytes::Bytes, http::Response<s3s::Body>> {
+    Ok(
+        http_body_util::Limited::new(req.into_body(), BODY_MAX_BYTES)
+            .collect()
+            .await
+            .map_err(|e| {
+                json(
+                    400,
+                    serde_json::json!({ "error": format!("request body: {e}") }),
+                )
+            })?
+            .to_bytes(),
+    )
+}
+
 /// A request's JSON body, or the answer that refuses it.
 async fn body_of<T: serde::de::DeserializeOwned>(
     req: http::Request<Incoming>,
 ) -> Result<T, http::Response<s3s::Body>> {
-    let body = http_body_util::Limited::new(req.into_body(), BODY_MAX_BYTES)
-        .collect()
-        .await
-        .map_err(|e| {
-            json(
-                400,
-                serde_json::json!({ "error": format!("request body: {e}") }),
-            )
-        })?
-        .to_bytes();
+    let body = body_bytes(req).await?;
     serde_json::from_slice(&body)
         .map_err(|e| json(400, serde_json::json!({ "error": format!("request: {e}") })))
 }

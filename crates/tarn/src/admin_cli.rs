@@ -222,6 +222,21 @@ enum ClusterCommand {
         data_shards: usize,
         #[arg(long)]
         parity_shards: usize,
+        /// Form it only once this many nodes are registered and live (the
+        /// nodes of a deployment that start together); fewer is an error,
+        /// or with --wait a reason to wait.
+        #[arg(long)]
+        nodes: Option<usize>,
+        /// Wait (up to --timeout seconds) for the admin endpoint to answer
+        /// and for --nodes, instead of failing at once.
+        #[arg(long)]
+        wait: bool,
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+        /// A cluster already formed is no error: nothing is changed (a
+        /// deployment's init job run again).
+        #[arg(long)]
+        if_not_formed: bool,
     },
     /// Nodes, drives, sets, the map's epoch and who is live.
     Status {
@@ -344,13 +359,62 @@ pub fn run(args: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Cluster(ClusterCommand::Init {
             data_shards,
             parity_shards,
+            nodes,
+            wait,
+            timeout,
+            if_not_formed,
         }) => {
-            let v = call(
+            let deadline = std::time::Instant::now() + Duration::from_secs(timeout);
+            let mut said = String::new();
+            // Until the endpoint answers, --nodes are live, or the cluster
+            // turns out formed already.
+            loop {
+                let waiting = match call("GET", "/admin/cluster/status") {
+                    Err(e) => format!("{e:#}"),
+                    Ok(v) if v["formed"].as_bool() == Some(true) => {
+                        if if_not_formed {
+                            println!("cluster already formed: epoch {}", v["epoch"]);
+                            return Ok(());
+                        }
+                        bail!("the cluster is already formed (epoch {})", v["epoch"]);
+                    }
+                    Ok(v) => {
+                        let live = v["nodes"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter(|n| n["live"].as_bool() == Some(true))
+                            .count();
+                        match nodes {
+                            Some(want) if live < want => {
+                                format!("{live} of {want} nodes registered and live")
+                            }
+                            _ => break,
+                        }
+                    }
+                };
+                if !wait || std::time::Instant::now() >= deadline {
+                    bail!("cannot form the cluster: {waiting}");
+                }
+                if waiting != said {
+                    eprintln!("waiting: {waiting}");
+                    said = waiting;
+                }
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            let v = match call(
                 "POST",
                 &format!(
                     "/admin/cluster/init?data_shards={data_shards}&parity_shards={parity_shards}"
                 ),
-            )?;
+            ) {
+                // Another init (a second job) won the race.
+                Err(e) if if_not_formed && format!("{e:#}").contains("is already formed") => {
+                    println!("cluster already formed");
+                    return Ok(());
+                }
+                r => r?,
+            };
             let sets = v["pools"][0]["sets"].as_array().map_or(0, Vec::len);
             println!(
                 "cluster formed: epoch {}, {sets} erasure set(s) of {data_shards}+{parity_shards}",
@@ -890,65 +954,14 @@ pub const UNCONFIRMED_HEADER: &str = "tarn-unconfirmed-nodes";
 /// One request; the answer's JSON (null for an empty body). A non-2xx
 /// answer is an error carrying the server's message.
 fn request(t: &Target, method: &str, path: &str, body: &[u8]) -> anyhow::Result<serde_json::Value> {
-    let (endpoint, token) = (t.endpoint.as_str(), t.token.as_str());
-    let (tls, authority) = match endpoint.split_once("://") {
-        Some(("http", a)) => (false, a),
-        Some(("https", a)) => (true, a),
-        _ => bail!("--endpoint {endpoint}: an http:// or https:// URL"),
-    };
-    let authority = authority.trim_end_matches('/');
-    if authority.contains('/') {
-        bail!("--endpoint {endpoint}: no path expected");
-    }
-    let tcp = std::net::TcpStream::connect(authority)
-        .with_context(|| format!("connecting to {endpoint}"))?;
-    tcp.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let mut s: Box<dyn ReadWrite> = if tls {
-        let config = tarn_io::tls::client_config(t.ca_bundle.as_deref())
-            .map_err(|e| anyhow::anyhow!("--ca-bundle: {e}"))?;
-        let name = tarn_io::tls::server_name(authority).map_err(anyhow::Error::msg)?;
-        let conn = tarn_io::tls::rustls::ClientConnection::new(config, name)
-            .context("TLS to the admin port")?;
-        Box::new(tarn_io::tls::rustls::StreamOwned::new(conn, tcp))
-    } else {
-        if t.ca_bundle.is_some() {
-            bail!("--ca-bundle is for an https:// endpoint, not {endpoint}");
-        }
-        Box::new(tcp)
-    };
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .with_context(|| format!("sending to {endpoint}"))?;
-    s.write_all(body)?;
-    s.flush()?;
-    let mut raw = Vec::new();
-    match s.read_to_end(&mut raw) {
-        Ok(_) => {}
-        // A TLS peer that closed without close_notify after a whole answer
-        // (Connection: close): what arrived is checked below.
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
-        Err(e) => return Err(e).with_context(|| format!("reading the answer of {endpoint}")),
-    }
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("malformed answer from the admin port")?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let mut body = raw[split + 4..].to_vec();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .context("malformed status line from the admin port")?;
-    if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        body = dechunk(&body).context("malformed chunked answer")?;
-    }
+    let auth = format!("Bearer {}", t.token);
+    let (status, head, body) = exchange(
+        (&t.endpoint, t.ca_bundle.as_deref()),
+        method,
+        path,
+        &[("Authorization", auth.as_str())],
+        body,
+    )?;
     let text = String::from_utf8_lossy(&body).into_owned();
     if !(200..300).contains(&status) {
         let msg = serde_json::from_str::<serde_json::Value>(&text)
@@ -971,6 +984,98 @@ fn request(t: &Target, method: &str, path: &str, body: &[u8]) -> anyhow::Result<
         return Ok(serde_json::Value::Null);
     }
     serde_json::from_str(&text).context("the admin port answered something other than JSON")
+}
+
+/// One HTTP/1.1 exchange over a fresh connection (TLS for an https://
+/// endpoint, checked against `ca_bundle` or the system's roots): the
+/// status, the head's text and the body (de-chunked). `target` is the
+/// path and query as sent.
+pub(crate) fn exchange(
+    (endpoint, ca_bundle): (&str, Option<&std::path::Path>),
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> anyhow::Result<(u16, String, Vec<u8>)> {
+    let (tls, authority) = match endpoint.split_once("://") {
+        Some(("http", a)) => (false, a),
+        Some(("https", a)) => (true, a),
+        _ => bail!("--endpoint {endpoint}: an http:// or https:// URL"),
+    };
+    let authority = authority.trim_end_matches('/');
+    if authority.contains('/') {
+        bail!("--endpoint {endpoint}: no path expected");
+    }
+    let tcp = connect(authority).with_context(|| format!("connecting to {endpoint}"))?;
+    tcp.set_read_timeout(Some(Duration::from_secs(60)))?;
+    tcp.set_write_timeout(Some(Duration::from_secs(60)))?;
+    let mut s: Box<dyn ReadWrite> = if tls {
+        let config = tarn_io::tls::client_config(ca_bundle)
+            .map_err(|e| anyhow::anyhow!("--ca-bundle: {e}"))?;
+        let name = tarn_io::tls::server_name(authority).map_err(anyhow::Error::msg)?;
+        let conn = tarn_io::tls::rustls::ClientConnection::new(config, name)
+            .with_context(|| format!("TLS to {endpoint}"))?;
+        Box::new(tarn_io::tls::rustls::StreamOwned::new(conn, tcp))
+    } else {
+        if ca_bundle.is_some() {
+            bail!("--ca-bundle is for an https:// endpoint, not {endpoint}");
+        }
+        Box::new(tcp)
+    };
+    let mut req = format!("{method} {target} HTTP/1.1\r\nHost: {authority}\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str(&format!(
+        "Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    ));
+    s.write_all(req.as_bytes())
+        .with_context(|| format!("sending to {endpoint}"))?;
+    s.write_all(body)?;
+    s.flush()?;
+    let mut raw = Vec::new();
+    match s.read_to_end(&mut raw) {
+        Ok(_) => {}
+        // A TLS peer that closed without close_notify after a whole answer
+        // (Connection: close): what arrived is checked below.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => return Err(e).with_context(|| format!("reading the answer of {endpoint}")),
+    }
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .with_context(|| format!("malformed answer from {endpoint}"))?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut body = raw[split + 4..].to_vec();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("malformed status line from {endpoint}"))?;
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body).context("malformed chunked answer")?;
+    }
+    Ok((status, head, body))
+}
+
+/// A connection to `authority` (HOST:PORT), each of its addresses tried
+/// for at most 10 s: a host that drops packets is an error, not a hang.
+fn connect(authority: &str) -> std::io::Result<std::net::TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for addr in authority.to_socket_addrs()? {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "the host has no address")
+    }))
 }
 
 fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {

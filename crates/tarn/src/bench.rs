@@ -79,12 +79,18 @@ pub struct S3BenchArgs {
     /// Phases per endpoint when comparing (each --duration / rounds long).
     #[arg(long, default_value_t = 4)]
     pub rounds: usize,
+    /// For https:// endpoints: the CA bundle (PEM) their certificates are
+    /// checked against (default: the system's trusted roots).
+    #[arg(long, env = "AWS_CA_BUNDLE")]
+    pub ca_bundle: Option<std::path::PathBuf>,
 }
 
 struct Target {
     host: String,
     addr: String,
     signer: Signer,
+    /// For an https:// endpoint.
+    tls: Option<std::sync::Arc<tarn_io::tls::rustls::ClientConfig>>,
 }
 
 type Conn = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
@@ -94,6 +100,9 @@ async fn connect(t: &Target) -> anyhow::Result<Conn> {
         .await
         .with_context(|| format!("connecting to {}", t.addr))?;
     stream.set_nodelay(true)?;
+    let stream = tarn_io::tls::MaybeTls::connect(stream, t.tls.as_ref(), &t.addr)
+        .await
+        .with_context(|| format!("TLS to {}", t.addr))?;
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         let _ = conn.await;
@@ -311,12 +320,18 @@ impl Figures {
     }
 }
 
-/// `http://host:port`, or `http://KEY:SECRET@host:port` for an endpoint with
-/// credentials of its own.
+/// `http(s)://host:port`, or `http(s)://KEY:SECRET@host:port` for an
+/// endpoint with credentials of its own.
 fn target_for(endpoint: &str, args: &S3BenchArgs) -> anyhow::Result<Target> {
     let url = endpoint.trim_end_matches('/');
-    let Some(rest) = url.strip_prefix("http://") else {
-        bail!("only http:// endpoints are supported: {endpoint}")
+    let (rest, tls) = if let Some(r) = url.strip_prefix("http://") {
+        (r, None)
+    } else if let Some(r) = url.strip_prefix("https://") {
+        let config = tarn_io::tls::client_config(args.ca_bundle.as_deref())
+            .map_err(|e| anyhow::anyhow!("--ca-bundle: {e}"))?;
+        (r, Some(config))
+    } else {
+        bail!("only http:// and https:// endpoints are supported: {endpoint}")
     };
     let (access_key, secret_key, hostport) = match rest.rsplit_once('@') {
         Some((user, hostport)) => match user.split_once(':') {
@@ -325,9 +340,19 @@ fn target_for(endpoint: &str, args: &S3BenchArgs) -> anyhow::Result<Target> {
         },
         None => (args.access_key.clone(), args.secret_key.clone(), rest),
     };
+    let addr = if hostport
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        && !hostport.ends_with(']')
+    {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:{}", if tls.is_some() { 443 } else { 80 })
+    };
     Ok(Target {
         host: hostport.to_string(),
-        addr: hostport.to_string(),
+        addr,
+        tls,
         signer: Signer {
             access_key,
             secret_key,
@@ -1182,7 +1207,13 @@ mod tests {
         );
         let t = target_for("http://127.0.0.1:9000", &args).unwrap();
         assert_eq!(t.signer.access_key, "k");
-        assert!(target_for("https://x:1", &args).is_err());
+        let t = target_for("https://store.example:9443", &args).unwrap();
+        assert!(t.tls.is_some() && t.addr == "store.example:9443");
+        assert_eq!(
+            target_for("https://store.example", &args).unwrap().addr,
+            "store.example:443"
+        );
+        assert!(target_for("ftp://x:1", &args).is_err());
         assert!(target_for("http://nosecret@x:1", &args).is_err());
         assert_eq!(
             redact("http://k2:s2@127.0.0.1:9100"),
@@ -1212,6 +1243,7 @@ mod tests {
                 compare: Vec::new(),
                 rounds: 4,
                 part_size: "8MiB".into(),
+                ca_bundle: None,
             }
         }
     }

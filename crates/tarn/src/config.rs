@@ -125,6 +125,8 @@ pub struct KvFileConfig {
     /// "auto", "on" or "off": the RAM tier on 2 MiB huge pages.
     pub huge_pages: Option<String>,
     pub shared_memory: Option<bool>,
+    /// The shared-memory socket as a file in this directory (`--kv-shm-dir`).
+    pub shared_memory_dir: Option<std::path::PathBuf>,
     /// Seconds an authenticated connection may stay silent.
     pub idle_timeout_secs: Option<u64>,
     /// Seconds the rest of a frame may take once its header arrived.

@@ -11,6 +11,7 @@ mod bench_kv;
 mod config;
 mod conn;
 mod console;
+mod cosi;
 mod fdlimit;
 mod jobs;
 mod metrics;
@@ -48,6 +49,9 @@ enum Command {
     Bench(BenchCommand),
     /// Operator commands against a running server (users and keys).
     Admin(Box<admin_cli::AdminArgs>),
+    /// A COSI driver (Kubernetes' objectstorage.k8s.io v1alpha2): buckets
+    /// and bucket access provisioned through this server's APIs.
+    Cosi(Box<cosi::CosiArgs>),
 }
 
 #[derive(Subcommand)]
@@ -192,6 +196,12 @@ struct ServerArgs {
     /// (refuse to start without), off.
     #[arg(long)]
     kv_huge_pages: Option<String>,
+    /// Put the KV shared-memory socket in this directory, as a file
+    /// (default: an abstract socket, reached only from the server's network
+    /// namespace). On Kubernetes: a host path that the pods of one node
+    /// mount at the same place.
+    #[arg(long, env = "TARN_KV_SHM_DIR")]
+    kv_shm_dir: Option<PathBuf>,
     /// In a cluster: the KV endpoint other hosts' clients reach this node's
     /// KV store at (default: the KV listen address, or with an unspecified
     /// IP the --advertise host and the KV port).
@@ -347,6 +357,7 @@ struct KvSettings {
     config: tarn_kv::KvConfig,
     listen: std::net::SocketAddr,
     shm: bool,
+    shm_dir: Option<PathBuf>,
     idle_timeout: Duration,
     frame_timeout: Duration,
     handshake_timeout: Duration,
@@ -373,6 +384,7 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
         || args.kv_memory.is_some()
         || args.kv_disk.is_some()
         || args.kv_huge_pages.is_some()
+        || args.kv_shm_dir.is_some()
         || f.and_then(|k| k.enabled).unwrap_or(false);
     if !enabled {
         return Ok(None);
@@ -456,10 +468,19 @@ fn kv_settings(args: &ServerArgs, file: &FileConfig) -> anyhow::Result<Option<Kv
         }
         tenants.push((t.name.clone(), creds, grants, tc));
     }
+    let shm = f.and_then(|k| k.shared_memory).unwrap_or(true);
+    let shm_dir = args
+        .kv_shm_dir
+        .clone()
+        .or(f.and_then(|k| k.shared_memory_dir.clone()));
+    if shm_dir.is_some() && !shm {
+        bail!("--kv-shm-dir (kv.shared_memory_dir) with kv.shared_memory = false: the socket would never be offered");
+    }
     Ok(Some(KvSettings {
         config: cfg,
         listen,
-        shm: f.and_then(|k| k.shared_memory).unwrap_or(true),
+        shm,
+        shm_dir,
         idle_timeout: secs(
             f.and_then(|k| k.idle_timeout_secs),
             tarn_kv::server::IDLE_TIMEOUT_DEFAULT,
@@ -567,6 +588,7 @@ fn start_kv(
             threads: cores,
             io_uring,
             shm: kv.shm,
+            shm_dir: kv.shm_dir.clone(),
             idle_timeout: kv.idle_timeout,
             frame_timeout: kv.frame_timeout,
             handshake_timeout: kv.handshake_timeout,
@@ -1034,6 +1056,16 @@ fn refuse_plain_beyond_loopback(
     Ok(())
 }
 
+/// A listener's URL as the cluster status shows it: on every address
+/// (0.0.0.0, ::) it is reached by the advertised host.
+fn published_url(scheme: &str, listen: std::net::SocketAddr, advertise: &str) -> String {
+    if !listen.ip().is_unspecified() {
+        return format!("{scheme}://{listen}");
+    }
+    let host = advertise.rsplit_once(':').map_or(advertise, |(h, _)| h);
+    format!("{scheme}://{host}:{}", listen.port())
+}
+
 /// The cluster this server joins, from flags, environment and the config
 /// file; None for a single node (no --etcd). Half a cluster configuration
 /// is an error, never a single node that ignored it.
@@ -1125,10 +1157,9 @@ fn cluster_settings(
     } else {
         drives.to_vec()
     };
+    let rpc = tarn_cluster::node::rpc_bind_address(&advertise).map_err(anyhow::Error::msg)?;
     if tls.is_none() && !allow_plain {
-        if let Ok(rpc) = advertise.parse::<std::net::SocketAddr>() {
-            refuse_plain_beyond_loopback([rpc])?;
-        }
+        refuse_plain_beyond_loopback([rpc])?;
     }
     let rpc_tls = match tls {
         None => None,
@@ -1144,13 +1175,13 @@ fn cluster_settings(
         etcd,
         etcd_tls,
         node_id,
+        s3_url: published_url(scheme, listen, &advertise),
+        admin_url: published_url(scheme, admin_listen, &advertise),
         advertise,
         secret: secret.into_bytes(),
         seal_existing: args.seal_etcd_records,
         etcd_user,
         drives,
-        s3_url: format!("{scheme}://{listen}"),
-        admin_url: format!("{scheme}://{admin_listen}"),
         rpc_tls,
         zone: f.and_then(|c| c.zone.clone()),
     }))
@@ -1302,6 +1333,7 @@ fn main() {
         Command::Bench(BenchCommand::Kv(a)) => bench_kv::run(*a),
         Command::Bench(BenchCommand::Drive(a)) => bench_drive::run(a),
         Command::Admin(a) => admin_cli::run(*a),
+        Command::Cosi(a) => cosi::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -169,8 +169,9 @@ struct Front {
     request_ids: Arc<RequestIds>,
     /// The connection's client (for the `aws:SourceIp` policy condition).
     peer: Option<std::net::IpAddr>,
-    /// Whether the connection is TLS (`aws:SecureTransport`).
-    secure: bool,
+    /// The connection's TLS version, None when plain (`aws:SecureTransport`,
+    /// `s3:TlsVersion`).
+    tls: Option<&'static str>,
     /// Buckets' settings (their CORS rules).
     access: Arc<tarn_s3::access::Access>,
 }
@@ -816,9 +817,9 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
         if let Some(ip) = self.peer {
             req.extensions_mut().insert(tarn_s3::access::ClientAddr(ip));
         }
-        if self.secure {
+        if let Some(version) = self.tls {
             req.extensions_mut()
-                .insert(tarn_s3::access::SecureTransport);
+                .insert(tarn_s3::access::SecureTransport(version));
         }
         let metrics = self.metrics.clone();
         let request_id = self.request_ids.next();
@@ -1101,7 +1102,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         body_idle: settings.body_idle_timeout,
         request_ids: Arc::new(RequestIds::new()),
         peer: None,
-        secure: false,
+        tls: None,
         access: settings.access.clone(),
     };
     let tls = settings
@@ -1321,7 +1322,7 @@ async fn serve_core(
                     let Some(io) = tarn_io::tls::MaybeTls::accept(io, tls.as_ref()).await else {
                         return;
                     };
-                    front.secure = io.is_tls();
+                    front.tls = io.tls_version();
                     serve_connection(&http, watcher, io, front, state).await;
                 });
             }

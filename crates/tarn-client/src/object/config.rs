@@ -82,6 +82,10 @@ pub struct ClientConfig {
     pub hedge_min: Duration,
     /// Part size of multipart uploads (grown for objects over 10,000 parts).
     pub part_bytes: u64,
+    /// For https:// endpoints: the CA bundle (PEM) their certificates are
+    /// checked against (`AWS_CA_BUNDLE`, or a profile's `ca_bundle`, as
+    /// the AWS tools read it). None: the system's trusted roots.
+    pub ca_bundle: Option<PathBuf>,
 }
 
 impl Default for ClientConfig {
@@ -105,6 +109,7 @@ impl Default for ClientConfig {
             hedge_factor: 3.0,
             hedge_min: Duration::from_millis(200),
             part_bytes: 16 << 20,
+            ca_bundle: None,
         }
     }
 }
@@ -119,6 +124,7 @@ struct Found {
     region: Option<String>,
     credentials: Option<S3Credentials>,
     addressing: Option<Addressing>,
+    ca_bundle: Option<PathBuf>,
 }
 
 impl ClientConfig {
@@ -141,6 +147,7 @@ impl ClientConfig {
         if let Some(a) = found.addressing {
             c.addressing = a;
         }
+        c.ca_bundle = found.ca_bundle;
         c.credentials = Some(match found.credentials {
             Some(cr) => cr,
             None => tarn_default(env)?,
@@ -234,6 +241,9 @@ fn resolve(env: &dyn Fn(&str) -> Option<String>) -> Result<Found, Error> {
             .or_else(|| pick("region")),
         credentials: None,
         addressing,
+        ca_bundle: env("AWS_CA_BUNDLE")
+            .or_else(|| pick("ca_bundle"))
+            .map(PathBuf::from),
     };
     match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
         (Some(a), Some(s)) => {
@@ -308,22 +318,19 @@ fn parse_ini(text: &str) -> Ini {
     out
 }
 
-/// Splits `http://host:port[/]` into the socket address to dial and the Host
-/// header; refuses what this client cannot speak.
-pub(crate) fn parse_endpoint(e: &str) -> Result<(String, String), Error> {
-    let rest = if let Some(r) = e.strip_prefix("http://") {
-        r
-    } else if e.starts_with("https://") {
-        return Err(Error::Usage(format!(
-            "endpoint {e}: the Tarn object client speaks plain HTTP only (no TLS yet); \
-             use an http:// endpoint"
-        )));
+/// Splits `http(s)://host:port[/]` into the socket address to dial, the
+/// Host header and whether it is TLS; refuses what this client cannot speak.
+pub(crate) fn parse_endpoint(e: &str) -> Result<(String, String, bool), Error> {
+    let (rest, https) = if let Some(r) = e.strip_prefix("http://") {
+        (r, false)
+    } else if let Some(r) = e.strip_prefix("https://") {
+        (r, true)
     } else if e.contains("://") {
         return Err(Error::Usage(format!(
-            "endpoint {e}: expected http://HOST:PORT"
+            "endpoint {e}: expected http://HOST:PORT or https://HOST:PORT"
         )));
     } else {
-        e
+        (e, false)
     };
     let hostport = rest.trim_end_matches('/');
     if hostport.is_empty() || hostport.contains('/') {
@@ -338,9 +345,9 @@ pub(crate) fn parse_endpoint(e: &str) -> Result<(String, String), Error> {
     {
         hostport.to_string()
     } else {
-        format!("{hostport}:80")
+        format!("{hostport}:{}", if https { 443 } else { 80 })
     };
-    Ok((dial, hostport.to_string()))
+    Ok((dial, hostport.to_string(), https))
 }
 
 #[cfg(test)]
@@ -420,16 +427,29 @@ mod tests {
     fn endpoints() {
         assert_eq!(
             parse_endpoint("http://127.0.0.1:9000/").unwrap(),
-            ("127.0.0.1:9000".into(), "127.0.0.1:9000".into())
+            ("127.0.0.1:9000".into(), "127.0.0.1:9000".into(), false)
         );
         assert_eq!(
             parse_endpoint("http://store.local").unwrap(),
-            ("store.local:80".into(), "store.local".into())
+            ("store.local:80".into(), "store.local".into(), false)
         );
-        assert!(parse_endpoint("https://s3.amazonaws.com")
-            .unwrap_err()
-            .to_string()
-            .contains("plain HTTP"));
+        assert_eq!(
+            parse_endpoint("https://s3.amazonaws.com").unwrap(),
+            (
+                "s3.amazonaws.com:443".into(),
+                "s3.amazonaws.com".into(),
+                true
+            )
+        );
+        assert_eq!(
+            parse_endpoint("https://tarn.store.svc:9000").unwrap(),
+            (
+                "tarn.store.svc:9000".into(),
+                "tarn.store.svc:9000".into(),
+                true
+            )
+        );
         assert!(parse_endpoint("http://h:1/path").is_err());
+        assert!(parse_endpoint("ftp://h:1").is_err());
     }
 }

@@ -38,6 +38,8 @@ pub(crate) struct Endpoint {
     pub addrs: Vec<SocketAddr>,
     pub host: String,
     pub url: String,
+    /// For an https:// endpoint: its roots and the certificate's name.
+    pub tls: Option<super::http::TlsTarget>,
 }
 
 /// One S3 call: method, object (an empty key names the bucket), query
@@ -239,8 +241,26 @@ impl Shared {
         }
         cfg.chunk_bytes = cfg.chunk_bytes.div_ceil(cfg.stripe_bytes) * cfg.stripe_bytes;
         let mut endpoints = Vec::new();
+        let mut tls_config = None;
         for e in &cfg.endpoints {
-            let (dial, host) = parse_endpoint(e)?;
+            let (dial, host, https) = parse_endpoint(e)?;
+            let tls = if https {
+                if tls_config.is_none() {
+                    tls_config = Some(
+                        tarn_io::tls::client_config(cfg.ca_bundle.as_deref()).map_err(|why| {
+                            Error::Usage(match &cfg.ca_bundle {
+                                Some(p) => format!("CA bundle {}: {why}", p.display()),
+                                None => format!("the system's trusted roots: {why}"),
+                            })
+                        })?,
+                    );
+                }
+                let name = tarn_io::tls::server_name(&dial)
+                    .map_err(|why| Error::Usage(format!("endpoint {e}: {why}")))?;
+                Some((tls_config.clone().expect("made above"), name))
+            } else {
+                None
+            };
             let addrs: Vec<SocketAddr> = dial
                 .to_socket_addrs()
                 .map_err(|err| Error::Usage(format!("endpoint {e}: {err}")))?
@@ -252,6 +272,7 @@ impl Shared {
                 addrs,
                 host,
                 url: e.clone(),
+                tls,
             });
         }
         let signer = cfg.credentials.as_ref().map(|c| Signer {
@@ -389,7 +410,8 @@ impl Shared {
         let ep = &self.endpoints[endpoint];
         let mut last = None;
         for a in &ep.addrs {
-            match Conn::connect(a, endpoint, self.cfg.connect_timeout, self.cfg.io_timeout) {
+            let timeouts = (self.cfg.connect_timeout, self.cfg.io_timeout);
+            match Conn::connect(a, endpoint, timeouts, ep.tls.as_ref()) {
                 Ok(c) => {
                     self.counters
                         .connections_opened

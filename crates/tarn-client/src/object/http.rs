@@ -3,12 +3,63 @@
 //! socket: the head is read into a small buffer, the body with `read()`
 //! into the destination (only the few body bytes that arrived with the head
 //! are copied). Blocking sockets, one request at a time per connection; the
-//! object client runs one per worker thread.
+//! object client runs one per worker thread. Over TLS (an https://
+//! endpoint) the body is decrypted into the destination by rustls, with the
+//! same one copy.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tarn_io::tls::rustls;
+
+/// What a TLS connection is made with: the client configuration (its
+/// trusted roots) and the name the certificate must carry.
+pub type TlsTarget = (
+    Arc<rustls::ClientConfig>,
+    rustls::pki_types::ServerName<'static>,
+);
+
+/// A plain or TLS stream over one TCP socket.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => &s.sock,
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(s) => s.flush(),
+        }
+    }
+}
 
 /// Most bytes a response head may take.
 const HEAD_MAX: usize = 64 << 10;
@@ -44,7 +95,7 @@ impl Head {
 }
 
 pub struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     pub endpoint: usize,
     /// Bytes read from the socket past the response head: `buf[at..end]`.
     buf: Box<[u8]>,
@@ -57,16 +108,34 @@ pub struct Conn {
 }
 
 impl Conn {
+    /// A connection to `addr`; with `tls`, after a complete handshake (a
+    /// certificate the roots do not trust, or one for another name, fails
+    /// here as `InvalidData`).
     pub fn connect(
         addr: &SocketAddr,
         endpoint: usize,
-        connect_timeout: Duration,
-        io_timeout: Duration,
+        (connect_timeout, io_timeout): (Duration, Duration),
+        tls: Option<&TlsTarget>,
     ) -> io::Result<Conn> {
-        let stream = TcpStream::connect_timeout(addr, connect_timeout)?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(io_timeout))?;
-        stream.set_write_timeout(Some(io_timeout))?;
+        let tcp = TcpStream::connect_timeout(addr, connect_timeout)?;
+        tcp.set_nodelay(true)?;
+        tcp.set_read_timeout(Some(io_timeout))?;
+        tcp.set_write_timeout(Some(io_timeout))?;
+        let stream = match tls {
+            None => Stream::Plain(tcp),
+            Some((config, name)) => {
+                let mut conn = rustls::ClientConnection::new(config.clone(), name.clone())
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                let mut tcp = tcp;
+                // The handshake within the connect timeout.
+                tcp.set_read_timeout(Some(connect_timeout))?;
+                while conn.is_handshaking() {
+                    conn.complete_io(&mut tcp)?;
+                }
+                tcp.set_read_timeout(Some(io_timeout))?;
+                Stream::Tls(Box::new(rustls::StreamOwned::new(conn, tcp)))
+            }
+        };
         Ok(Conn {
             stream,
             endpoint,
@@ -79,7 +148,7 @@ impl Conn {
     }
 
     pub fn fd(&self) -> i32 {
-        self.stream.as_raw_fd()
+        self.stream.tcp().as_raw_fd()
     }
 
     /// True when another request may follow on this connection.
@@ -158,6 +227,7 @@ impl Conn {
     pub fn read_early_head(&mut self, wait: Duration) -> io::Result<Head> {
         self.broken = true;
         self.stream
+            .tcp()
             .set_read_timeout(Some(wait.max(Duration::from_millis(1))))?;
         self.read_head()
     }
@@ -421,8 +491,13 @@ mod tests {
             s.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nrest")
                 .unwrap();
         });
-        let mut c =
-            Conn::connect(&addr, 0, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        let mut c = Conn::connect(
+            &addr,
+            0,
+            (Duration::from_secs(5), Duration::from_secs(5)),
+            None,
+        )
+        .unwrap();
         c.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"").unwrap();
         let h = c.read_head().unwrap();
         assert_eq!((h.status, h.body), (206, Body::Length(10)));

@@ -481,8 +481,68 @@ async function users() {
     el("p", { class: "muted" }, "What a user may do is set by bucket policies (Buckets → a bucket → Bucket policy).")];
 }
 
-const VIEWS = { overview, drives, activity, jobs, kv, buckets, users };
-const REFRESH = { overview: 5000, drives: 5000, activity: 5000, jobs: 2000, kv: 5000 };
+// Cache buckets over upstream S3 buckets: settings, figures, pins and the
+// actions of `tarn admin cache` (the same /admin/cache API).
+async function cache() {
+  const [list, stats, jobs] = await Promise.all([admin("GET", "/cache/buckets"), admin("GET", "/cache/status"), admin("GET", "/cache/jobs")]);
+  const byName = Object.fromEntries(stats.map((s) => [s.bucket, s]));
+  const act = (name, action, body, done) => async () => {
+    try {
+      const v = await admin("POST", `/cache/buckets/${encodeURIComponent(name)}/${action}`, JSON.stringify(body));
+      await show("cache");
+      status(done(v));
+    } catch (e) { status(e.message, true); }
+  };
+  const out = [el("h1", {}, "Cache buckets")];
+  if (!list.length) out.push(el("p", { class: "muted" }, "No cache buckets: a cache bucket serves an upstream S3 bucket's objects from Tarn's drives, fetched on first read."));
+  for (const b of list) {
+    const s = byName[b.bucket] || {};
+    const prefix = el("input", { placeholder: "prefix (empty: everything)", "data-cache-prefix": b.bucket });
+    const p = () => prefix.value.trim();
+    out.push(el("h2", { "data-cache": b.bucket }, b.bucket),
+      el("table", { class: "settings" },
+        ...[["Upstream", `${b.upstream} at ${b.endpoint}`], ["Validation", b.validate], ["Writes", b.writes],
+          ["Cached", s.usage ? `${bytes(s.usage.bytes_cached)} in ${s.usage.objects_cached} objects, of ${b.size ? bytes(b.size) : "the node's cache budget"}` : "-"], ["Hit ratio", s.hits + s.misses ? `${(s.hit_ratio * 100).toFixed(1)}% (${s.hits} hits, ${s.misses} misses)` : "-"],
+          ["Served", `${bytes(s.bytes_served)}, ${bytes(s.bytes_from_upstream)} from upstream`], ["Evicted", `${s.evictions || 0} (${bytes(s.bytes_evicted || 0)})`],
+          ["Fills failed", s.fills_failed || 0], ["Replicas", b.replicas ?? "as the store's sets"],
+          ["Pins", (s.pins || []).map((x) => (x.prefix || "(everything)") + (x.until_ns ? ` (until ${new Date(x.until_ns / 1e6).toLocaleString()})` : "")).join(", ") || "none"]]
+          .map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))),
+      el("div", { class: "toolbar" }, prefix,
+        el("button", { class: "primary", "data-prefetch": b.bucket, onclick: () => act(b.bucket, "prefetch", { prefix: p() }, (v) => `prefetch ${v.id} started`)() }, "Prefetch"),
+        el("button", { onclick: () => act(b.bucket, "pin", { prefix: p() }, () => `pinned ${p() || "everything"}`)() }, "Pin"),
+        el("button", { onclick: () => act(b.bucket, "unpin", { prefix: p() }, () => `unpinned ${p() || "everything"}`)() }, "Unpin"),
+        el("button", { class: "danger", onclick: () => act(b.bucket, "drop", { prefix: p() }, (v) => `dropped ${v.objects_dropped} objects (${bytes(v.bytes_dropped)})`)() }, "Drop cached"),
+        el("button", { class: "danger", onclick: async () => {
+          if (!confirm(`Remove cache bucket ${b.bucket}? Its cached copies go; the upstream bucket is untouched.`)) return;
+          try { await admin("DELETE", `/cache/buckets/${encodeURIComponent(b.bucket)}`); status(`removed ${b.bucket}`); show("cache"); }
+          catch (e) { status(e.message, true); }
+        } }, "Remove")));
+  }
+  if (jobs.length) {
+    out.push(el("h2", {}, "Prefetches"), el("table", { id: "cache-jobs" },
+      el("tr", {}, ["Job", "Bucket", "State", "Progress"].map((h) => el("th", {}, h))),
+      jobs.map((j) => el("tr", {}, el("td", {}, j.id), el("td", {}, j.bucket || ""), el("td", { class: stateClass(j.state) }, `${j.kind || "prefetch"} ${j.state}`),
+        el("td", {}, j.bytes_total ? bar((j.bytes_done || 0) / j.bytes_total) : `${j.objects_done || 0} objects`)))));
+  }
+  // A new cache bucket: what `tarn admin cache add` takes.
+  const f = {};
+  const field = (name, placeholder, type) => (f[name] = el("input", { placeholder, id: `cache-new-${name}`, type: type || "text" }));
+  out.push(el("h2", {}, "New cache bucket"), el("div", { class: "toolbar" },
+    field("bucket", "bucket name"), field("upstream", "s3://upstream-bucket[/prefix]"), field("endpoint", "https://upstream-endpoint"),
+    field("region", "region (optional)"), field("access_key", "upstream access key (optional)"), field("secret_key", "upstream secret key", "password"),
+    field("size", "size in bytes (optional)"),
+    el("button", { class: "primary", id: "cache-add", onclick: async () => {
+      const spec = { upstream: f.upstream.value.trim(), endpoint: f.endpoint.value.trim() };
+      for (const k of ["region", "access_key", "secret_key"]) if (f[k].value.trim()) spec[k] = f[k].value.trim();
+      if (f.size.value.trim()) spec.size = Number(f.size.value.trim());
+      try { await admin("POST", `/cache/buckets/${encodeURIComponent(f.bucket.value.trim())}`, JSON.stringify(spec)); status(`cache bucket ${f.bucket.value.trim()} added`); show("cache"); }
+      catch (e) { status(e.message, true); }
+    } }, "Add")));
+  return out;
+}
+
+const VIEWS = { overview, drives, activity, jobs, kv, cache, buckets, users };
+const REFRESH = { overview: 5000, drives: 5000, activity: 5000, jobs: 2000, kv: 5000, cache: 5000 };
 
 // A session that is still there (a reload) goes straight in.
 fetch("/console/session", { credentials: "same-origin" }).then(async (r) => {
