@@ -7,10 +7,13 @@ shared memory. The file is the server's alone to remove: it goes at
 shutdown, and one a dead server left is cleared at the next start."""
 
 import os
+import pathlib
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -55,10 +58,12 @@ def kv_sockets(d):
     return sorted(n for n in os.listdir(d) if n.startswith("tarn-kv.") and n.endswith(".sock"))
 
 
-def test_a_pod_on_the_same_node_uses_shared_memory_through_the_host_socket_dir(tmp_path, link):
+def test_a_pod_on_the_same_node_uses_shared_memory_through_the_host_socket_dir(tmp_path, link, request):
     host = link.host_ip(1)
-    shared = tmp_path / "run-tarn-kv"
-    shared.mkdir()
+    # A short path, as a host's /run/tarn-kv is: a Unix socket's path holds
+    # 107 bytes, which pytest's tmp_path may already take.
+    shared = pathlib.Path(tempfile.mkdtemp(prefix="tkv-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(shared, ignore_errors=True))
     os.chmod(shared, 0o1777)
     # A socket file a dead server left behind: nothing accepts on it.
     stale = shared / "tarn-kv.1.9400.00000000deadbeef.sock"
