@@ -105,8 +105,12 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     keys = files(endpoint, bucket, prefix)
     probe = json.loads(tarn.objects.Client(endpoint).get(bucket, prefix + "config.json"))["bench_probe"]["name"]
     kept = None
-    if loader == "tarn":
+    if loader in ("tarn", "tarn-http"):
         import tarn.loader
+    elif loader == "shards":
+        from concurrent.futures import ThreadPoolExecutor
+
+        shards = data_shard_files()
     elif loader == "runai":
         from runai_model_streamer import SafetensorsStreamer
     elif loader == "boto3":
@@ -122,11 +126,35 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic()
     nbytes = 0
-    if loader == "tarn":
-        c = tarn.objects.Client(endpoint, connections=concurrency)
+    if loader in ("tarn", "tarn-http"):
+        c = tarn.objects.Client(endpoint, connections=concurrency, local_reads=loader == "tarn")
         for name, t in tarn.loader.stream(f"s3://{bucket}/{prefix}", device=dev, client=c):
             nbytes += t.numel() * t.element_size()
             kept = t if name == probe else kept
+        st = c.stats()
+        if loader == "tarn" and not st["local_bytes"]:
+            raise SystemExit(f"no short-circuit reads happened: {st}")
+    elif loader == "shards":
+        # The ceiling: the data shard files the model's objects are in, read
+        # whole by a plain parallel reader (8 MiB preads into one buffer per
+        # file, no checksum), then handed to the device.
+        chunk = 8 * MIB
+
+        def read_file(path):
+            size = os.path.getsize(path)
+            buf = torch.empty(size, dtype=torch.uint8)
+            view = memoryview(buf.numpy())
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                with ThreadPoolExecutor(max(1, concurrency // 4)) as inner:
+                    list(inner.map(lambda a: os.preadv(fd, [view[a : min(size, a + chunk)]], a), range(0, size, chunk)))
+            finally:
+                os.close(fd)
+            return buf
+
+        with ThreadPoolExecutor(4) as ex:
+            for buf in ex.map(read_file, shards):
+                nbytes += buf.to(dev).numel()
     elif loader == "runai":
         with SafetensorsStreamer() as s:
             s.stream_files([f"s3://{bucket}/{k}" for k, _ in keys])
@@ -156,8 +184,39 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     secs = time.monotonic() - t0
     ru = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (ru.ru_utime + ru.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    check_probe(endpoint, bucket, prefix, kept)
+    if loader != "shards":
+        check_probe(endpoint, bucket, prefix, kept)
     print(json.dumps({"seconds": secs, "bytes": nbytes, "cpu_seconds": cpu, "max_rss_kib": ru.ru_maxrss}))
+
+
+def data_shard_files():
+    """The data shard files under the drives in TARN_BENCH_DRIVES (their
+    footer names a shard index below the data shard count, TARN_BENCH_K)."""
+    import glob
+
+    drives = os.environ.get("TARN_BENCH_DRIVES", "").split()
+    if not drives:
+        raise SystemExit("the shards reader needs TARN_BENCH_DRIVES (bench-load sets it when it starts the server)")
+    k = int(os.environ.get("TARN_BENCH_K", "2"))
+    out = []
+    for d in drives:
+        for path in glob.glob(os.path.join(d, "data", "*", "*")):
+            with open(path, "rb") as f:
+                f.seek(-32, os.SEEK_END)
+                footer = f.read(32)
+            if footer[:4] == b"TRNS" and footer[6] < k:
+                out.append(path)
+    return out
+
+
+def server_cpu_seconds():
+    """User + system CPU seconds of the server (TARN_SERVER_PID), or None."""
+    pid = os.environ.get("TARN_SERVER_PID")
+    if not pid:
+        return None
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def requests_counted(metrics_url):
@@ -183,6 +242,7 @@ def compare(endpoint, bucket, prefix, device, rounds, concurrency, loaders):
         order = loaders[r % len(loaders) :] + loaders[: r % len(loaders)]
         for name in order:
             before = requests_counted(metrics)
+            cpu0 = server_cpu_seconds()
             out = subprocess.run(
                 [sys.executable, __file__, "run", name, endpoint, bucket, prefix, device, str(concurrency)],
                 env=env, capture_output=True, text=True,
@@ -191,19 +251,23 @@ def compare(endpoint, bucket, prefix, device, rounds, concurrency, loaders):
                 raise SystemExit(f"{name} failed:\n{out.stdout}\n{out.stderr}")
             res = json.loads(out.stdout.strip().splitlines()[-1])
             after = requests_counted(metrics)
+            cpu1 = server_cpu_seconds()
             res["requests"] = None if before is None else int(after - before)
+            res["server_cpu"] = None if cpu0 is None else cpu1 - cpu0
             results[name].append(res)
             print(f"round {r + 1} {name}: {res['bytes'] / res['seconds'] / 1e9:.2f} GB/s", file=sys.stderr)
     base = "runai" if "runai" in loaders else loaders[0]
     med = {n: statistics.median(x["bytes"] / x["seconds"] / 1e9 for x in results[n]) for n in loaders}
-    print(f"| loader | GB/s (median of {rounds}) | vs {base} | CPU s per GB | peak RSS MiB | requests |")
-    print("|---|---|---|---|---|---|")
+    print(f"| loader | GB/s (median of {rounds}) | vs {base} | client CPU s per GB | server CPU s per GB | peak RSS MiB | requests |")
+    print("|---|---|---|---|---|---|---|")
     for n in loaders:
         xs = results[n]
         cpu = statistics.median(x["cpu_seconds"] / (x["bytes"] / 1e9) for x in xs)
+        scpu = [x["server_cpu"] / (x["bytes"] / 1e9) for x in xs if x.get("server_cpu") is not None]
+        scpu = f"{statistics.median(scpu):.2f}" if scpu else "-"
         rss = max(x["max_rss_kib"] for x in xs) / 1024
         reqs = xs[-1]["requests"]
-        print(f"| {n} | {med[n]:.2f} | {med[n] / med[base]:.2f}x | {cpu:.2f} | {rss:.0f} | {reqs if reqs is not None else '-'} |")
+        print(f"| {n} | {med[n]:.2f} | {med[n] / med[base]:.2f}x | {cpu:.2f} | {scpu} | {rss:.0f} | {reqs if reqs is not None else '-'} |")
 
 
 def copy_rates(device, n=1 << 30):

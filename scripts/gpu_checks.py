@@ -324,7 +324,7 @@ class Checks:
 
     def part_load(self):
         p, ep = self.plan, self.server.endpoint
-        loaders = [("tarn", "tarn.loader"), ("runai", "runai_model_streamer"), ("boto3", "boto3")]
+        loaders = [("tarn", "tarn.loader"), ("tarn-http", "tarn.loader"), ("runai", "runai_model_streamer"), ("boto3", "boto3")]
         missing = {name: self.importable(mod) for name, mod in loaders}
         present = [n for n, _ in loaders if missing[n] is None]
         t0 = time.monotonic()
@@ -540,7 +540,7 @@ TITLES = {
     "kv": "3. KV blocks into device memory",
     "ceilings": "4. Ceilings of the same run",
 }
-LABELS = {"tarn": "tarn", "runai": "runai-model-streamer", "boto3": "boto3"}
+LABELS = {"tarn": "tarn (short-circuit reads)", "tarn-http": "tarn over HTTP", "runai": "runai-model-streamer", "boto3": "boto3"}
 def gbps(x):
     return x["bytes"] / x["seconds"] / 1e9
 

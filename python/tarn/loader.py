@@ -294,8 +294,10 @@ class Loader:
 
     Iterating yields ``(name, tensor)`` as tensors land (in file and offset
     order for a distributed load); ``stats`` says what it took: bytes and
-    requests from the server (this rank's), files, tensors, seconds, and the
-    most bytes it held for the caller at once (``peak_held_bytes``).
+    requests from the server (this rank's: ``bytes_received`` over HTTP,
+    ``local_bytes`` from the shard files of a node on this host), files,
+    tensors, seconds, and the most bytes it held for the caller at once
+    (``peak_held_bytes``).
     """
 
     def __init__(
@@ -364,9 +366,8 @@ class Loader:
 
     def _finish(self) -> None:
         s = self.client.stats()
-        self.stats["bytes_received"] = s["bytes_received"] - self._s0["bytes_received"]
-        self.stats["requests"] = s["requests"] - self._s0["requests"]
-        self.stats["retries"] = s["retries"] - self._s0["retries"]
+        for k in ("bytes_received", "requests", "retries", "local_bytes", "local_fallback_bytes"):
+            self.stats[k] = s[k] - self._s0[k]
         self.stats["seconds"] = time.monotonic() - self._t0
 
     def _ring(self):

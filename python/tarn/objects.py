@@ -108,12 +108,19 @@ class Client(_native.ObjectClient):
     session_token=None, region=None, profile=None, addressing=None,
     connections=16, chunk_size=8 MiB, merge_gap=1 MiB, max_inflight=512 MiB,
     retries=6, hedge=True, part_size=16 MiB, io_timeout=30.0,
-    connect_timeout=3.0, ca_bundle=None)``: ``endpoint`` is a URL or several
-    (comma-separated or a list; connections are spread over them),
-    ``http://`` or ``https://`` (TLS, its certificate checked against
+    connect_timeout=3.0, ca_bundle=None, local_reads=True)``: ``endpoint`` is
+    a URL or several (comma-separated or a list; connections are spread over
+    them), ``http://`` or ``https://`` (TLS, its certificate checked against
     ``ca_bundle``, else ``AWS_CA_BUNDLE`` or the profile's ``ca_bundle``,
     else the system's trusted roots). Unset arguments come from the
     environment and the AWS profile files.
+
+    When a Tarn node on this host holds the data, reads take the bytes from
+    its shard files directly (short-circuit reads: the node checks the
+    credentials and passes read-only descriptors; every block's checksum is
+    checked here); ``local_reads=False`` or ``TARN_LOCAL_READS=0`` turns
+    that off. ``stats()`` says how many bytes came each way
+    (``local_bytes``, ``bytes_received`` over HTTP, ``local_fallback_bytes``).
     """
 
     def head(self, bucket: str, key: str) -> ObjectInfo:

@@ -168,7 +168,7 @@ impl ObjectClient {
         session_token = None, region = None, profile = None, addressing = None,
         connections = None, chunk_size = None, merge_gap = None, max_inflight = None,
         retries = None, hedge = None, part_size = None, io_timeout = None,
-        connect_timeout = None, ca_bundle = None))]
+        connect_timeout = None, ca_bundle = None, local_reads = None))]
     fn new(
         endpoint: Option<&Bound<'_, PyAny>>,
         access_key: Option<String>,
@@ -187,6 +187,7 @@ impl ObjectClient {
         io_timeout: Option<f64>,
         connect_timeout: Option<f64>,
         ca_bundle: Option<std::path::PathBuf>,
+        local_reads: Option<bool>,
     ) -> PyResult<Self> {
         let env = |k: &str| -> Option<String> {
             if k == "AWS_PROFILE" {
@@ -266,6 +267,9 @@ impl ObjectClient {
         }
         if let Some(v) = ca_bundle {
             cfg.ca_bundle = Some(v);
+        }
+        if let Some(v) = local_reads {
+            cfg.local_reads = v;
         }
         let inner = object::ObjectClient::new(cfg).map_err(|e| match e {
             Error::Usage(m) => PyValueError::new_err(m),
@@ -493,6 +497,9 @@ impl ObjectClient {
         d.set_item("hedges", s.hedges)?;
         d.set_item("hedges_won", s.hedges_won)?;
         d.set_item("connections_opened", s.connections_opened)?;
+        d.set_item("local_bytes", s.local_bytes)?;
+        d.set_item("local_fallback_bytes", s.local_fallback_bytes)?;
+        d.set_item("local_grants", s.local_grants)?;
         Ok(d)
     }
 }

@@ -187,42 +187,7 @@ impl Codec for ReedSolomon {
     }
 }
 
-/// Where each stripe of a part lands in its shard files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StripeGeometry {
-    pub part_size: u64,
-    pub stripe_size: u64,
-    pub data_shards: u64,
-}
-
-impl StripeGeometry {
-    pub fn new(part_size: u64, stripe_size: u32, data_shards: u8) -> Self {
-        StripeGeometry {
-            part_size,
-            stripe_size: stripe_size as u64,
-            data_shards: data_shards as u64,
-        }
-    }
-
-    pub fn stripe_count(&self) -> u64 {
-        self.part_size.div_ceil(self.stripe_size)
-    }
-
-    /// Data bytes in stripe `j`.
-    pub fn stripe_data_len(&self, j: u64) -> u64 {
-        (self.part_size - j * self.stripe_size).min(self.stripe_size)
-    }
-
-    /// Bytes of each shard block of a stripe holding `data_len` bytes: even, so
-    /// that GF(2^16) codecs can work on it.
-    pub fn shard_len_for(&self, data_len: u64) -> u64 {
-        data_len.div_ceil(self.data_shards).next_multiple_of(2)
-    }
-
-    pub fn shard_len(&self, j: u64) -> u64 {
-        self.shard_len_for(self.stripe_data_len(j))
-    }
-}
+pub use tarn_wire::shard::StripeGeometry;
 
 #[cfg(test)]
 mod tests {

@@ -83,7 +83,24 @@ pub fn lock(path: &Path) -> Result<Option<DriveLock>, StoreError> {
         .and_then(|_| file.rewind())
         .and_then(|_| file.write_all(pid.as_bytes()))
         .map_err(|e| io("write the drive lock", e))?;
+    restrict(path).map_err(|e| io("make the drive's directories private", e))?;
     Ok(Some(DriveLock { _file: file }))
+}
+
+/// Only the server's user may enter a drive's `.tarn` and `data`
+/// directories (0700): other local users reach an object's bytes only
+/// through the server (S3, or a local read it authorized), never by opening
+/// shard files. Applied at every start, so drives formatted by older builds
+/// (0755) are closed too.
+fn restrict(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in [".tarn", "data"] {
+        match std::fs::set_permissions(path.join(dir), std::fs::Permissions::from_mode(0o700)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// What was found at a drive path before opening it.
@@ -143,6 +160,7 @@ pub fn format_drive(path: &Path, format: &DriveFormat) -> Result<(), StoreError>
         std::fs::create_dir_all(path.join("data").join(format!("{b:02x}")))
             .map_err(|e| io("create data dirs", e))?;
     }
+    restrict(path).map_err(|e| io("make the drive's directories private", e))?;
     let tmp = path.join(".tarn/format.tmp");
     std::fs::write(&tmp, format.encode()).map_err(|e| io("write format", e))?;
     std::fs::File::open(&tmp)

@@ -1,26 +1,7 @@
 //! Shard files: one per drive per part, holding that drive's shard of every stripe.
 //!
-//! ```text
-//! [block 0][block 1]…[block n-1]   shard blocks, lengths from StripeGeometry;
-//!                                  format 2: each padded with zeros to a
-//!                                  multiple of 4 KiB (written with O_DIRECT)
-//! [crc32c u32 LE × n]              checksum of each block (its bytes, not the padding)
-//! footer, 32 bytes:
-//!   0  4  magic "TRNS"
-//!   4  2  shard format version, u16 LE (1 or 2)
-//!   6  1  shard index in the layout
-//!   7  1  reserved, 0
-//!   8  8  block count n, u64 LE
-//!   16 4  full block length, u32 LE
-//!   20 4  last block length, u32 LE
-//!   24 4  CRC32C of the checksum table
-//!   28 4  CRC32C of footer bytes [0, 28)
-//! ```
-//!
-//! Every block read is checked against its table entry before its bytes are used.
-//! Readers tell the formats apart by the file's length (which the geometry
-//! gives for each); when both lengths agree (blocks already a multiple of
-//! 4 KiB) the two layouts are the same bytes, and the footer says which.
+//! The layout (block geometry, table, footer) is `tarn_wire::shard`'s, which
+//! local readers share.
 
 use std::io;
 use std::path::Path;
@@ -30,12 +11,10 @@ use tarn_io::{AlignedBuf, File};
 use crate::checksum::crc32c;
 use crate::codec::StripeGeometry;
 
-pub const SHARD_MAGIC: [u8; 4] = *b"TRNS";
-/// What new shard files are written as.
-pub const SHARD_FORMAT_VERSION: u16 = 2;
-pub const FOOTER_BYTES: u64 = 32;
-/// Format 2 pads every block to a multiple of this.
-pub const BLOCK_ALIGN: u64 = tarn_io::ALIGNMENT_BYTES as u64;
+pub use tarn_wire::shard::{
+    shard_file_len, ShardLayout, BLOCK_ALIGN, FOOTER_BYTES, SHARD_FORMAT_VERSION, SHARD_MAGIC,
+};
+const _: () = assert!(BLOCK_ALIGN == tarn_io::ALIGNMENT_BYTES as u64);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
@@ -49,49 +28,6 @@ pub enum ShardError {
     BadFooter(&'static str),
     #[error("shard I/O: {0}")]
     Io(#[from] io::Error),
-}
-
-/// Where blocks lie in a shard file of a given format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShardLayout {
-    pub version: u16,
-    geometry: StripeGeometry,
-}
-
-impl ShardLayout {
-    pub fn new(geometry: StripeGeometry, version: u16) -> ShardLayout {
-        ShardLayout { version, geometry }
-    }
-
-    fn padded(&self, len: u64) -> u64 {
-        if self.version >= 2 {
-            len.next_multiple_of(BLOCK_ALIGN)
-        } else {
-            len
-        }
-    }
-
-    /// Offset of block `j` (every earlier block is full).
-    pub fn block_offset(&self, j: u64) -> u64 {
-        j * self.padded(self.geometry.shard_len_for(self.geometry.stripe_size))
-    }
-
-    /// Bytes of the blocks, padding included: where the checksum table starts.
-    pub fn blocks_len(&self) -> u64 {
-        match self.geometry.stripe_count() {
-            0 => 0,
-            n => self.block_offset(n - 1) + self.padded(self.geometry.shard_len(n - 1)),
-        }
-    }
-
-    pub fn file_len(&self) -> u64 {
-        self.blocks_len() + 4 * self.geometry.stripe_count() + FOOTER_BYTES
-    }
-}
-
-/// Length of a shard file as written now (format 2).
-pub fn shard_file_len(g: &StripeGeometry) -> u64 {
-    ShardLayout::new(*g, SHARD_FORMAT_VERSION).file_len()
 }
 
 /// Writes one shard file block by block, in format 2: each block padded to
@@ -194,11 +130,8 @@ impl ShardReader {
             Err(e) => return Err(e.into()),
         };
         let actual = file.len().await?;
-        let layout = [SHARD_FORMAT_VERSION, 1]
-            .into_iter()
-            .map(|v| ShardLayout::new(geometry, v))
-            .find(|l| l.file_len() == actual)
-            .ok_or(ShardError::WrongLength {
+        let layout =
+            ShardLayout::for_file_len(geometry, actual).ok_or(ShardError::WrongLength {
                 expected: shard_file_len(&geometry),
                 actual,
             })?;

@@ -104,10 +104,62 @@ pub fn proof(
     client_nonce: &Nonce,
     access_key: &[u8],
 ) -> Proof {
-    mac(side, secret_key, server_nonce, client_nonce, access_key)
-        .finalize()
-        .into_bytes()
-        .into()
+    proof_for(
+        KV_LABELS,
+        side,
+        secret_key,
+        server_nonce,
+        client_nonce,
+        access_key,
+    )
+}
+
+/// The labels of the KV handshake's two proofs.
+const KV_LABELS: [&[u8]; 2] = [b"tarn-kv-auth-v2 client", b"tarn-kv-auth-v2 server"];
+
+/// [`proof`] under a protocol's own labels (client's, server's), so that a
+/// proof made for one protocol is worth nothing in another.
+pub fn proof_for(
+    labels: [&[u8]; 2],
+    side: Side,
+    secret_key: &str,
+    server_nonce: &Nonce,
+    client_nonce: &Nonce,
+    access_key: &[u8],
+) -> Proof {
+    mac(
+        labels,
+        side,
+        secret_key,
+        server_nonce,
+        client_nonce,
+        access_key,
+    )
+    .finalize()
+    .into_bytes()
+    .into()
+}
+
+/// [`verify`] under a protocol's own labels.
+pub fn verify_for(
+    labels: [&[u8]; 2],
+    side: Side,
+    secret_key: &str,
+    server_nonce: &Nonce,
+    client_nonce: &Nonce,
+    access_key: &[u8],
+    proof: &Proof,
+) -> bool {
+    mac(
+        labels,
+        side,
+        secret_key,
+        server_nonce,
+        client_nonce,
+        access_key,
+    )
+    .verify_slice(proof)
+    .is_ok()
 }
 
 /// Checks a proof in constant time.
@@ -119,12 +171,19 @@ pub fn verify(
     access_key: &[u8],
     proof: &Proof,
 ) -> bool {
-    mac(side, secret_key, server_nonce, client_nonce, access_key)
-        .verify_slice(proof)
-        .is_ok()
+    verify_for(
+        KV_LABELS,
+        side,
+        secret_key,
+        server_nonce,
+        client_nonce,
+        access_key,
+        proof,
+    )
 }
 
 fn mac(
+    labels: [&[u8]; 2],
     side: Side,
     secret_key: &str,
     server_nonce: &Nonce,
@@ -134,8 +193,8 @@ fn mac(
     let mut m =
         HmacSha256::new_from_slice(secret_key.as_bytes()).expect("HMAC takes any key length");
     m.update(match side {
-        Side::Client => b"tarn-kv-auth-v2 client",
-        Side::Server => b"tarn-kv-auth-v2 server",
+        Side::Client => labels[0],
+        Side::Server => labels[1],
     });
     m.update(server_nonce);
     m.update(client_nonce);

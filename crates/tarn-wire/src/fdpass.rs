@@ -5,20 +5,26 @@
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 
-/// Most descriptors one message carries (arena + mailbox, or a put window);
-/// more than this arriving are closed by the kernel (MSG_CTRUNC).
+/// Most descriptors one KV message carries (arena + mailbox, or a put
+/// window).
 pub const FDS_PER_MESSAGE_MAX: usize = 4;
+/// Most descriptors one message of any protocol here carries (a local-read
+/// grant, `local::FDS_MAX`); more than this arriving are closed by the
+/// kernel, and the receive fails (MSG_CTRUNC).
+pub const FDS_MAX: usize = 64;
+/// Room for `FDS_MAX` descriptors' control message, 8-byte aligned as cmsg
+/// needs (CMSG_SPACE(64 × 4) = 272 bytes on Linux).
+const CMSG_WORDS: usize = 40;
 
 /// Sends `data` with `fds` attached to its first byte. Returns the bytes sent
 /// (the descriptors travel with the first call that sends anything).
 pub fn send(sock: i32, data: &[u8], fds: &[i32]) -> io::Result<usize> {
-    assert!(fds.len() <= FDS_PER_MESSAGE_MAX, "too many descriptors");
+    assert!(fds.len() <= FDS_MAX, "too many descriptors");
     let mut iov = libc::iovec {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    // Room for the descriptors, 8-byte aligned as cmsg needs.
-    let mut cmsg_buf = [0u64; 8];
+    let mut cmsg_buf = [0u64; CMSG_WORDS];
     // SAFETY: msghdr built over live buffers; CMSG macros stay inside cmsg_buf.
     unsafe {
         let mut msg: libc::msghdr = std::mem::zeroed();
@@ -53,7 +59,7 @@ pub fn recv(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    let mut cmsg_buf = [0u64; 8];
+    let mut cmsg_buf = [0u64; CMSG_WORDS];
     // SAFETY: msghdr over live buffers; CMSG macros stay inside cmsg_buf.
     unsafe {
         let mut msg: libc::msghdr = std::mem::zeroed();
@@ -77,6 +83,12 @@ pub fn recv(sock: i32, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
                 }
             }
             c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "more descriptors arrived than a message may carry",
+            ));
         }
         Ok((n as usize, fds))
     }

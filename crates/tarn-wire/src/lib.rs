@@ -10,9 +10,11 @@ pub mod auth;
 pub mod checksum;
 mod crc_copy;
 pub mod fdpass;
+pub mod local;
 pub mod mailbox;
 pub mod park;
 pub mod proto;
+pub mod shard;
 
 pub use auth::Credentials;
 

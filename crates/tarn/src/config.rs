@@ -76,6 +76,10 @@ pub struct FileConfig {
     pub tls: Option<TlsFileConfig>,
     /// Serve without TLS on addresses beyond loopback.
     pub allow_plain_http: Option<bool>,
+    /// Serve short-circuit reads to readers on this host (default true).
+    pub local_reads: Option<bool>,
+    /// Seconds a local reader's grant pins its version (default 30).
+    pub local_read_lease_secs: Option<u64>,
 }
 
 /// `[cluster]`: join a cluster (flags and environment take precedence).

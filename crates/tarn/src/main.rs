@@ -14,6 +14,7 @@ mod console;
 mod cosi;
 mod fdlimit;
 mod jobs;
+mod local_read;
 mod metrics;
 mod server;
 
@@ -262,6 +263,13 @@ struct ServerArgs {
     /// ended in front of Tarn.
     #[arg(long, env = "TARN_ALLOW_PLAIN_HTTP")]
     allow_plain_http: bool,
+    /// Do not serve short-circuit reads (readers on this host reading the
+    /// shard files of what they may read themselves; docs/local-reads.md).
+    #[arg(long, env = "TARN_NO_LOCAL_READS")]
+    no_local_reads: bool,
+    /// Seconds a local reader's grant pins its version (default 30).
+    #[arg(long)]
+    local_read_lease_secs: Option<u64>,
 }
 
 fn store_config(
@@ -976,6 +984,13 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
         tls: tls.as_ref().map(|t| t.cert.clone()),
+        local_read_lease: (!args.no_local_reads && file.local_reads.unwrap_or(true)).then(|| {
+            args.local_read_lease_secs
+                .or(file.local_read_lease_secs)
+                .map_or(local_read::LEASE_DEFAULT, |s| {
+                    Duration::from_secs(s.clamp(1, 3600))
+                })
+        }),
         admin_bound,
         cluster: node.clone(),
         body_idle_timeout: idle_secs(

@@ -51,6 +51,8 @@ pub struct Metrics {
     pub kv: std::sync::OnceLock<Vec<(String, std::sync::Arc<tarn_kv::Engine>)>>,
     /// The KV server's connection counts when `--kv` is on.
     pub kv_connections: std::sync::OnceLock<std::sync::Arc<tarn_kv::server::ConnectionCounts>>,
+    /// The local-read socket when short-circuit reads are served.
+    pub local_reads: std::sync::OnceLock<std::sync::Arc<crate::local_read::LocalReads>>,
     /// This process's random key for the names it shows a caller without
     /// the admin token (`Names::Redacted`).
     redact_key: std::hash::RandomState,
@@ -445,6 +447,23 @@ impl Metrics {
                 c.open(),
                 c.refused_open.load(Ordering::Relaxed),
                 c.refused_tenant.load(Ordering::Relaxed)
+            );
+        }
+        if let Some(l) = self.local_reads.get() {
+            let c = &l.counters;
+            let _ = writeln!(
+                out,
+                "# HELP tarn_local_read_connections_open Connections to the local-read socket (short-circuit reads).\n# TYPE tarn_local_read_connections_open gauge\ntarn_local_read_connections_open {}\n\
+                 # HELP tarn_local_read_answers_total Layout requests on the local-read socket by answer: granted (descriptors sent), elsewhere (nothing to read locally: inline, encrypted, other nodes' drives, a cache bucket), refused.\n# TYPE tarn_local_read_answers_total counter\n\
+                 tarn_local_read_answers_total{{answer=\"granted\"}} {}\ntarn_local_read_answers_total{{answer=\"elsewhere\"}} {}\ntarn_local_read_answers_total{{answer=\"refused\"}} {}\n\
+                 # HELP tarn_local_read_descriptors_total Shard file descriptors passed to local readers.\n# TYPE tarn_local_read_descriptors_total counter\ntarn_local_read_descriptors_total {}\n\
+                 # HELP tarn_local_read_handshakes_refused_total Local-read connections whose credentials were not accepted.\n# TYPE tarn_local_read_handshakes_refused_total counter\ntarn_local_read_handshakes_refused_total {}",
+                c.connections.load(Ordering::Relaxed),
+                c.grants.load(Ordering::Relaxed),
+                c.elsewhere.load(Ordering::Relaxed),
+                c.refused.load(Ordering::Relaxed),
+                c.descriptors.load(Ordering::Relaxed),
+                c.handshakes_failed.load(Ordering::Relaxed),
             );
         }
         if let Some(kv) = self.kv.get() {

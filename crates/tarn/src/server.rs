@@ -83,6 +83,9 @@ pub struct ServerSettings {
     pub cluster: Option<Arc<tarn_cluster::node::Node>>,
     /// TLS on the S3 and admin listeners (None: plain HTTP).
     pub tls: Option<Arc<tarn_io::tls::ServerCert>>,
+    /// Serve short-circuit reads to clients on this host, pinning each
+    /// grant this long (None: off).
+    pub local_read_lease: Option<Duration>,
 }
 
 /// Defaults of the two (docs/configuration.md).
@@ -174,6 +177,11 @@ struct Front {
     tls: Option<&'static str>,
     /// Buckets' settings (their CORS rules).
     access: Arc<tarn_s3::access::Access>,
+    /// The local-read socket's name, when reads are served locally.
+    local_reads: Option<Arc<str>>,
+    /// Set per connection when its client is on this host: object
+    /// responses name the local-read socket.
+    local_peer: bool,
 }
 
 /// Requests in flight by caller: an access key, or for anonymous
@@ -995,6 +1003,7 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
             })
         });
         let s3 = self.s3.clone();
+        let local_reads = self.local_reads.clone().filter(|_| self.local_peer);
         Box::pin(async move {
             let mut res = tarn_store::store::CALLER_READ_AHEAD
                 .scope(read_ahead, s3.call(req))
@@ -1022,6 +1031,13 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
                 }
                 if op == "GetObjectAttributes" {
                     unquote_attributes_etag(r);
+                }
+                if let Some(name) = &local_reads {
+                    if matches!(op, "GetObject" | "HeadObject") && r.status().is_success() {
+                        if let Ok(v) = http::HeaderValue::from_str(name) {
+                            r.headers_mut().insert(tarn_wire::local::HEADER, v);
+                        }
+                    }
                 }
                 for (k, v) in &cors {
                     if let Ok(v) = http::HeaderValue::from_str(v) {
@@ -1082,6 +1098,22 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     };
     admin.set_nonblocking(true)?;
     let admin_addr = admin.local_addr()?;
+    let local_reads = match settings.local_read_lease {
+        Some(lease) => Some(
+            crate::local_read::LocalReads::bind(
+                store.clone(),
+                settings.access.clone(),
+                addr.port(),
+                lease,
+            )
+            .context("binding the local-read socket")?,
+        ),
+        None => None,
+    };
+    if let Some((l, _)) = &local_reads {
+        let _ = metrics.local_reads.set(l.clone());
+    }
+    let mut local_reads_listener = local_reads;
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let front = Front {
@@ -1104,6 +1136,8 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         peer: None,
         tls: None,
         access: settings.access.clone(),
+        local_reads: local_reads_listener.as_ref().map(|(l, _)| l.name.clone()),
+        local_peer: false,
     };
     let tls = settings
         .tls
@@ -1123,6 +1157,11 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
         let (pin, uring) = (settings.pin, settings.io_uring);
         let admin = if core == 0 {
             admin.try_clone().ok()
+        } else {
+            None
+        };
+        let local_reads = if core == 0 {
+            local_reads_listener.take()
         } else {
             None
         };
@@ -1159,6 +1198,9 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                                 )
                                 .run(),
                             );
+                        }
+                        if let Some((local, listener)) = local_reads {
+                            tokio::spawn(local.serve(listener, stop.clone()));
                         }
                         if let Some(admin) = admin {
                             let listener = TcpListener::from_std(admin)?;
@@ -1311,9 +1353,12 @@ async fn serve_core(
                 // Small responses must not wait for the delayed-ACK timer.
                 let _ = stream.set_nodelay(true);
                 let state = Arc::new(ConnState::default());
-                let io = ConnIo::new(stream, send_idle, min_rate, state.clone());
                 let mut front = front.clone();
                 front.peer = Some(peer.ip());
+                front.local_peer = front.local_reads.is_some()
+                    && (peer.ip().is_loopback()
+                        || stream.local_addr().is_ok_and(|l| l.ip() == peer.ip()));
+                let io = ConnIo::new(stream, send_idle, min_rate, state.clone());
                 let (http, watcher, tls) = (http.clone(), graceful.watcher(), tls.clone());
                 tokio::spawn(async move {
                     let _admitted = admitted;

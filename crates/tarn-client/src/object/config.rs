@@ -86,6 +86,9 @@ pub struct ClientConfig {
     /// checked against (`AWS_CA_BUNDLE`, or a profile's `ca_bundle`, as
     /// the AWS tools read it). None: the system's trusted roots.
     pub ca_bundle: Option<PathBuf>,
+    /// Read the shard files of a node on this host directly when it offers
+    /// (short-circuit reads; `TARN_LOCAL_READS=0` turns them off).
+    pub local_reads: bool,
 }
 
 impl Default for ClientConfig {
@@ -110,11 +113,14 @@ impl Default for ClientConfig {
             hedge_min: Duration::from_millis(200),
             part_bytes: 16 << 20,
             ca_bundle: None,
+            local_reads: true,
         }
     }
 }
 
 pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:9000";
+/// Turns short-circuit reads on or off (`ClientConfig::local_reads`).
+pub const LOCAL_READS_ENV: &str = "TARN_LOCAL_READS";
 
 /// What the environment and the profile files say; explicit arguments go
 /// over it (`ClientConfig::from_env` then changes fields).
@@ -148,6 +154,17 @@ impl ClientConfig {
             c.addressing = a;
         }
         c.ca_bundle = found.ca_bundle;
+        if let Some(v) = env(LOCAL_READS_ENV) {
+            c.local_reads = match v.to_ascii_lowercase().as_str() {
+                "1" | "true" | "on" | "yes" => true,
+                "0" | "false" | "off" | "no" => false,
+                _ => {
+                    return Err(Error::Usage(format!(
+                        "{LOCAL_READS_ENV}={v}: say 1 or 0 (true or false)"
+                    )))
+                }
+            };
+        }
         c.credentials = Some(match found.credentials {
             Some(cr) => cr,
             None => tarn_default(env)?,

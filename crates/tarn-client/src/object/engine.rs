@@ -85,6 +85,8 @@ pub(crate) struct Shared {
     /// listings, starting and completing uploads).
     control: Mutex<Vec<Conn>>,
     next_endpoint: AtomicUsize,
+    /// Short-circuit reads, when on (`ClientConfig::local_reads`) and signed.
+    pub local: Option<super::local::Local>,
 }
 
 pub(crate) enum Job {
@@ -113,13 +115,13 @@ struct Sched {
 
 /// A ranged GET and the reads it carries.
 pub(crate) struct Chunk {
-    bucket: Arc<str>,
-    key: Arc<str>,
-    etag: Option<Arc<str>>,
+    pub bucket: Arc<str>,
+    pub key: Arc<str>,
+    pub etag: Option<Arc<str>>,
     pub start: u64,
     pub end: u64,
     /// (object offset, length, read), in offset order, not overlapping.
-    pieces: Vec<(u64, u64, Arc<ReadState>)>,
+    pub pieces: Vec<(u64, u64, Arc<ReadState>)>,
     ring: Arc<RingState>,
     /// Set by whoever completes the request (the first attempt, its hedge,
     /// or a failure): exactly once.
@@ -290,6 +292,11 @@ impl Shared {
             latency: Mutex::new(VecDeque::new()),
             control: Mutex::new(Vec::new()),
             next_endpoint: AtomicUsize::new(0),
+            local: cfg
+                .credentials
+                .clone()
+                .filter(|_| cfg.local_reads)
+                .map(|c| super::local::Local::new(c, cfg.io_timeout)),
             cfg,
         });
         for i in 0..shared.cfg.connections {
@@ -300,6 +307,14 @@ impl Shared {
                 .map_err(|e| Error::Usage(format!("starting worker threads: {e}")))?;
         }
         Ok(shared)
+    }
+
+    /// An object response that names the node's local-read socket (the
+    /// node is on this host): later reads try it.
+    pub(crate) fn note_local(&self, h: &Head) {
+        if let (Some(local), Some(name)) = (&self.local, h.header(tarn_wire::local::HEADER)) {
+            local.announced(name);
+        }
     }
 
     pub(crate) fn chunk_bytes(&self) -> u64 {
@@ -343,7 +358,14 @@ impl Shared {
     }
 
     pub(crate) fn stats(&self) -> Stats {
-        self.counters.snapshot()
+        let mut s = self.counters.snapshot();
+        if let Some(l) = &self.local {
+            let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            s.local_bytes = g(&l.counters.bytes);
+            s.local_fallback_bytes = g(&l.counters.fallback_bytes);
+            s.local_grants = g(&l.counters.grants);
+        }
+        s
     }
 
     /// The wait before retry `attempt` (1-based): exponential with jitter.
@@ -469,6 +491,7 @@ impl Shared {
             let r = conn.send(&head, body).and_then(|_| conn.read_head());
             let result = match r {
                 Ok(h) => {
+                    self.note_local(&h);
                     let h = if method == "HEAD" {
                         http::head_of_head(h)
                     } else {
@@ -806,51 +829,26 @@ pub(crate) fn ensure<'a>(
     Ok(conn.as_mut().expect("just set"))
 }
 
-/// The first attempt and its retries.
+/// The first attempt and its retries: the bytes a local read could not
+/// give (all of them without local reads) over HTTP, span by span.
 fn run_chunk(sh: &Shared, conn: &mut Option<Conn>, c: &Arc<Chunk>, index: usize) {
     let t0 = Instant::now();
-    // Bytes of [start, end) received, in order.
-    let mut done = 0u64;
+    let mut spans = vec![(c.start, c.end)];
+    let mut etag = c.etag.clone();
+    if let Some(local) = sh.local.as_ref().filter(|l| l.known()) {
+        // Local reads write the destinations themselves: no hedge.
+        c.lock().hedged = true;
+        (spans, etag) = local.read_chunk(c);
+    }
     let mut attempts = 0u32;
-    let result = loop {
-        if c.finished.load(Ordering::Acquire) {
-            break Ok(());
+    let mut result = Ok(());
+    for span in spans {
+        if let Err((f, a)) = fetch_span(sh, conn, c, span, etag.as_deref(), index) {
+            attempts += a;
+            result = Err(f);
+            break;
         }
-        if c.cancelled() || c.stop.load(Ordering::Acquire) {
-            break Err(Failure::Cancelled);
-        }
-        attempts += 1;
-        match fetch(sh, conn, c, &mut done, index) {
-            Ok(()) => break Ok(()),
-            Err(Attempt::Fatal(f)) => break Err(f),
-            Err(Attempt::Transient(_, true)) => {
-                // A keep-alive connection the server had closed: again, now.
-                attempts -= 1;
-                *conn = None;
-            }
-            Err(Attempt::Transient(f, false)) => {
-                *conn = None;
-                if attempts > sh.cfg.retries {
-                    break Err(f);
-                }
-                sh.counters.retries.fetch_add(1, Ordering::Relaxed);
-                // Sleep, but wake for a cancel or a hedge that won.
-                let deadline = Instant::now() + sh.backoff(attempts);
-                let mut r = c.lock();
-                while Instant::now() < deadline
-                    && !c.finished.load(Ordering::Acquire)
-                    && !c.cancelled()
-                {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    r = c
-                        .run_changed
-                        .wait_timeout(r, left.min(Duration::from_millis(50)))
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            }
-        }
-    };
+    }
     let mut r = c.lock();
     match result {
         Ok(()) => {
@@ -874,18 +872,74 @@ fn run_chunk(sh: &Shared, conn: &mut Option<Conn>, c: &Arc<Chunk>, index: usize)
     }
 }
 
+/// Object bytes `span` of the chunk over HTTP, with retries: the failure
+/// that stands and the attempts made.
+fn fetch_span(
+    sh: &Shared,
+    conn: &mut Option<Conn>,
+    c: &Arc<Chunk>,
+    span: (u64, u64),
+    etag: Option<&str>,
+    index: usize,
+) -> Result<(), (Failure, u32)> {
+    // Bytes of the span received, in order.
+    let mut done = 0u64;
+    let mut attempts = 0u32;
+    loop {
+        if c.finished.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if c.cancelled() || c.stop.load(Ordering::Acquire) {
+            return Err((Failure::Cancelled, attempts));
+        }
+        attempts += 1;
+        match fetch(sh, conn, c, span, etag, &mut done, index) {
+            Ok(()) => return Ok(()),
+            Err(Attempt::Fatal(f)) => return Err((f, attempts)),
+            Err(Attempt::Transient(_, true)) => {
+                // A keep-alive connection the server had closed: again, now.
+                attempts -= 1;
+                *conn = None;
+            }
+            Err(Attempt::Transient(f, false)) => {
+                *conn = None;
+                if attempts > sh.cfg.retries {
+                    return Err((f, attempts));
+                }
+                sh.counters.retries.fetch_add(1, Ordering::Relaxed);
+                // Sleep, but wake for a cancel or a hedge that won.
+                let deadline = Instant::now() + sh.backoff(attempts);
+                let mut r = c.lock();
+                while Instant::now() < deadline
+                    && !c.finished.load(Ordering::Acquire)
+                    && !c.cancelled()
+                {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    r = c
+                        .run_changed
+                        .wait_timeout(r, left.min(Duration::from_millis(50)))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+}
+
 /// One attempt: GET the bytes not yet received, straight into the reads'
 /// destinations.
 fn fetch(
     sh: &Shared,
     conn: &mut Option<Conn>,
     c: &Chunk,
+    (start, to): (u64, u64),
+    etag: Option<&str>,
     done: &mut u64,
     index: usize,
 ) -> Result<(), Attempt> {
-    let from = c.start + *done;
+    let from = start + *done;
     let cn = ensure(sh, conn, index).map_err(|f| Attempt::Transient(f, false))?;
-    let head = range_request(sh, cn.endpoint, c, from);
+    let head = range_request(sh, cn.endpoint, c, (from, to), etag);
     {
         let mut r = c.lock();
         if c.stop.load(Ordering::Acquire) {
@@ -893,7 +947,7 @@ fn fetch(
         }
         r.fd = Some(cn.fd());
     }
-    let result = fetch_on(sh, cn, c, from, done, &head);
+    let result = fetch_on(sh, cn, c, (start, from, to), etag, done, &head);
     // Never leave the descriptor where a hedge could cut it after this.
     c.lock().fd = None;
     if result.is_err() {
@@ -902,9 +956,15 @@ fn fetch(
     result
 }
 
-fn range_request(sh: &Shared, endpoint: usize, c: &Chunk, from: u64) -> Vec<u8> {
-    let mut headers = vec![("Range", format!("bytes={}-{}", from, c.end - 1))];
-    if let Some(e) = &c.etag {
+fn range_request(
+    sh: &Shared,
+    endpoint: usize,
+    c: &Chunk,
+    (from, to): (u64, u64),
+    etag: Option<&str>,
+) -> Vec<u8> {
+    let mut headers = vec![("Range", format!("bytes={}-{}", from, to - 1))];
+    if let Some(e) = etag {
         headers.push(("If-Match", e.to_string()));
     }
     sh.counters.requests.fetch_add(1, Ordering::Relaxed);
@@ -919,7 +979,8 @@ fn fetch_on(
     sh: &Shared,
     cn: &mut Conn,
     c: &Chunk,
-    from: u64,
+    (start, from, to): (u64, u64, u64),
+    etag: Option<&str>,
     done: &mut u64,
     head_bytes: &[u8],
 ) -> Result<(), Attempt> {
@@ -927,7 +988,8 @@ fn fetch_on(
         Ok(h) => h,
         Err(e) => return Err(Attempt::Transient(io_failure(&e), stale(cn, &e))),
     };
-    let skip = check_range(cn, c, from, &head)?;
+    sh.note_local(&head);
+    let skip = check_range(cn, (from, to), etag, &head)?;
     let Body::Length(_) = head.body else {
         return Err(Attempt::Fatal(Failure::Protocol(
             "a ranged GET answered without Content-Length".into(),
@@ -940,14 +1002,14 @@ fn fetch_on(
         }
         r.writing = true;
     }
-    let result = stream_body(sh, cn, c, from, skip, done);
+    let result = stream_body(sh, cn, c, (start, from, to), skip, done);
     {
         let mut r = c.lock();
         r.writing = false;
     }
     c.run_changed.notify_all();
     result?;
-    if skip > 0 || c.end - from + skip < body_len(&head) {
+    if skip > 0 || to - from + skip < body_len(&head) {
         // A 200 with the whole object: the rest is not wanted.
         cn.mark_broken();
     } else {
@@ -958,8 +1020,13 @@ fn fetch_on(
 
 /// Checks a GET's answer. Returns how many body bytes precede `from` (a
 /// server that ignored the Range and sent the whole object).
-fn check_range(cn: &mut Conn, c: &Chunk, from: u64, head: &Head) -> Result<u64, Attempt> {
-    let want = c.end - from;
+fn check_range(
+    cn: &mut Conn,
+    (from, to): (u64, u64),
+    etag: Option<&str>,
+    head: &Head,
+) -> Result<u64, Attempt> {
+    let want = to - from;
     match head.status {
         206 => {
             let cr = head.header("content-range").and_then(http::content_range);
@@ -975,16 +1042,16 @@ fn check_range(cn: &mut Conn, c: &Chunk, from: u64, head: &Head) -> Result<u64, 
             if a != from || b < a {
                 return Err(Attempt::Fatal(Failure::Protocol(format!(
                     "asked for bytes {from}-{}, got {a}-{b}",
-                    c.end - 1
+                    to - 1
                 ))));
             }
-            if b + 1 < c.end {
+            if b + 1 < to {
                 return Err(Attempt::Fatal(Failure::OutOfRange { size: total }));
             }
-            if b + 1 > c.end {
+            if b + 1 > to {
                 return Err(Attempt::Fatal(Failure::Protocol(format!(
                     "asked for bytes {from}-{}, got {a}-{b}",
-                    c.end - 1
+                    to - 1
                 ))));
             }
             if head.body != Body::Length(want) {
@@ -993,7 +1060,7 @@ fn check_range(cn: &mut Conn, c: &Chunk, from: u64, head: &Head) -> Result<u64, 
                     head.body
                 ))));
             }
-            check_etag(c, head)?;
+            check_etag(etag, head)?;
             Ok(0)
         }
         200 => {
@@ -1002,10 +1069,10 @@ fn check_range(cn: &mut Conn, c: &Chunk, from: u64, head: &Head) -> Result<u64, 
                     "200 without Content-Length".into(),
                 )));
             };
-            if n < c.end {
+            if n < to {
                 return Err(Attempt::Fatal(Failure::OutOfRange { size: Some(n) }));
             }
-            check_etag(c, head)?;
+            check_etag(etag, head)?;
             Ok(from)
         }
         status => {
@@ -1036,8 +1103,8 @@ fn body_len(h: &Head) -> u64 {
     }
 }
 
-fn check_etag(c: &Chunk, head: &Head) -> Result<(), Attempt> {
-    if let (Some(want), Some(got)) = (&c.etag, head.header("etag")) {
+fn check_etag(etag: Option<&str>, head: &Head) -> Result<(), Attempt> {
+    if let (Some(want), Some(got)) = (etag, head.header("etag")) {
         if want.trim_matches('"') != got.trim_matches('"') {
             return Err(Attempt::Fatal(Failure::Changed));
         }
@@ -1051,7 +1118,7 @@ fn stream_body(
     sh: &Shared,
     cn: &mut Conn,
     c: &Chunk,
-    from: u64,
+    (start, from, to): (u64, u64, u64),
     mut skip: u64,
     done: &mut u64,
 ) -> Result<(), Attempt> {
@@ -1071,7 +1138,7 @@ fn stream_body(
     }
     let mut at = from;
     for (off, len, read) in &c.pieces {
-        let end = off + len;
+        let end = (off + len).min(to);
         if end <= at {
             continue;
         }
@@ -1100,7 +1167,7 @@ fn stream_body(
                 .bytes_received
                 .fetch_add(n as u64, Ordering::Relaxed);
             at += n as u64;
-            *done = at - c.start;
+            *done = at - start;
         }
     }
     Ok(())
@@ -1172,12 +1239,12 @@ fn hedge_fetch(
     scratch: &mut [u8],
 ) -> Result<(), Option<Failure>> {
     let cn = ensure(sh, conn, index + 1).map_err(Some)?;
-    let head = range_request(sh, cn.endpoint, c, c.start);
+    let head = range_request(sh, cn.endpoint, c, (c.start, c.end), c.etag.as_deref());
     let h = cn
         .send(&head, &[])
         .and_then(|_| cn.read_head())
         .map_err(|e| Some(io_failure(&e)))?;
-    let skip = check_range(cn, c, c.start, &h).map_err(|a| match a {
+    let skip = check_range(cn, (c.start, c.end), c.etag.as_deref(), &h).map_err(|a| match a {
         Attempt::Fatal(f) | Attempt::Transient(f, _) => Some(f),
     })?;
     if skip > 0 {

@@ -29,6 +29,7 @@
 pub mod config;
 mod engine;
 pub(crate) mod http;
+mod local;
 pub mod plan;
 mod upload;
 pub mod xml;
@@ -380,6 +381,14 @@ pub struct Stats {
     pub hedges: u64,
     pub hedges_won: u64,
     pub connections_opened: u64,
+    /// Bytes read from shard files on this host (short-circuit reads), not
+    /// over HTTP.
+    pub local_bytes: u64,
+    /// Bytes a local read could not give (a shard elsewhere or unusable),
+    /// read over HTTP instead.
+    pub local_fallback_bytes: u64,
+    /// Layouts granted by the local node.
+    pub local_grants: u64,
 }
 
 /// The object client: cheap to clone, shared by threads. Its worker threads
@@ -815,6 +824,7 @@ impl Counters {
             hedges: g(&self.hedges),
             hedges_won: g(&self.hedges_won),
             connections_opened: g(&self.connections_opened),
+            ..Stats::default()
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod drain;
 pub mod get;
 mod heal;
 mod list;
+pub mod local;
 mod locking;
 mod missed;
 mod multipart;
