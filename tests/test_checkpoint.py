@@ -126,8 +126,13 @@ def test_save_and_load_equal_and_commit_is_one_conditional_put(store):
     # Two 5 MiB slots: the upload streams through them, parts in flight.
     dcp.save(sd, storage_writer=ckpt.StorageWriter(uri, client=c, part_size=5 * MIB, upload_memory=10 * MIB))
     got = blank_like(sd)
+    before = c.stats()
     dcp.load(got, storage_reader=ckpt.StorageReader(uri, client=c))
     assert_same(got, sd)
+    # The server is on this host: the reader took the shard files' bytes
+    # itself (short-circuit reads), none over HTTP but the small ones.
+    after = c.stats()
+    assert after["local_bytes"] > before["local_bytes"], after
     # The checkpoint: one object for the rank and .metadata, nothing copied
     # or deleted on the way.
     keys = sorted(o.key for o in c.list("ckpt", "run1/step-100/"))

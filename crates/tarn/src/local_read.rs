@@ -33,9 +33,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection with no frame and no pin for this long is closed.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// Connections at once (each holds a task and its pins).
-const CONNECTIONS_MAX: usize = 1024;
+const CONNECTIONS_MAX: usize = 512;
 /// Pins one connection may hold at once.
-const PINS_PER_CONNECTION_MAX: usize = 4096;
+const PINS_PER_CONNECTION_MAX: usize = 1024;
 
 /// What the socket has done, for `/metrics`.
 #[derive(Default)]

@@ -144,6 +144,7 @@ impl Local {
         let mut etag: Option<Arc<str>> = c.etag.clone();
         let mut grants: Vec<Arc<Held>> = Vec::new();
         let mut asked_from: Option<u64> = None;
+        let mut refused = false;
         let mut scratch: Vec<u8> = Vec::new();
         for (off, len, read) in &c.pieces {
             let end = off + len;
@@ -151,12 +152,17 @@ impl Local {
             while x < end {
                 let held = match grants.iter().find(|g| g.covers(x)) {
                     Some(g) => Some(g.clone()),
-                    None if asked_from.is_none_or(|a| a < x) => {
+                    None if !refused && asked_from.is_none_or(|a| a < x) => {
                         asked_from = Some(x);
                         let g = self.grant(c, etag.as_deref(), x);
-                        if let Some(g) = &g {
-                            etag.get_or_insert_with(|| g.grant.etag.as_str().into());
-                            grants.push(g.clone());
+                        match &g {
+                            Some(g) => {
+                                etag.get_or_insert_with(|| g.grant.etag.as_str().into());
+                                grants.push(g.clone());
+                            }
+                            // Nothing local for this version: the rest of
+                            // the chunk goes over HTTP without asking again.
+                            None => refused = true,
                         }
                         g.filter(|g| g.covers(x))
                     }
