@@ -20,6 +20,7 @@ import pytest
 
 import tarn.objects as objects
 from conftest import data
+import localraw
 from localraw import Raw, proof
 from tarnproc import ACCESS_KEY, SECRET_KEY, add_user
 
@@ -245,8 +246,6 @@ OTHER_UID = 65534  # nobody
 
 OTHER_UID_SCRIPT = r"""
 import json, os, sys
-sys.path.insert(0, sys.argv[7])
-from localraw import Raw
 name, drive, bucket, size, ak, sk = sys.argv[1:7]
 out = {}
 # The drive's files are closed to other users.
@@ -304,8 +303,10 @@ def test_another_uid_reads_only_what_it_is_granted(make_server, tmp_path):
         os.setuid(OTHER_UID)
 
     r = subprocess.run(
-        ["/usr/bin/python3", "-c", OTHER_UID_SCRIPT, name, server.drives[0], "uid", str(len(body)), ACCESS_KEY,
-         SECRET_KEY, os.path.dirname(os.path.abspath(__file__))],
+        # The helper's source travels in the command: the other user may not
+        # be able to read this checkout (a fresh clone under a 0700 directory).
+        ["/usr/bin/python3", "-c", open(localraw.__file__).read() + OTHER_UID_SCRIPT, name, server.drives[0], "uid",
+         str(len(body)), ACCESS_KEY, SECRET_KEY],
         capture_output=True, text=True, timeout=60, preexec_fn=as_nobody, cwd="/",
         env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
     )
