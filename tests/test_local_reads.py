@@ -129,6 +129,15 @@ def test_local_reads_equal_http_reads(make_server, drives, args, stripe):
     assert hs["local_bytes"] == 0 and hs["bytes_received"] > 0, hs
 
 
+def test_a_lease_out_of_range_is_refused_at_start(tmp_path):
+    from tarnproc import BIN
+    for secs in ("0", "3601"):
+        r = subprocess.run([BIN, "server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+                            "--drive", str(tmp_path), "--local-read-lease-secs", secs],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "between 1 and 3600" in r.stderr, (secs, r.stderr)
+
+
 def test_off_by_environment_and_by_the_server(make_server):
     server = make_server(drives=1)
     s3 = server.client()

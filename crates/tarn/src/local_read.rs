@@ -332,12 +332,8 @@ impl LocalReads {
             bucket: req.bucket.as_str().into(),
             key: req.key.as_str().into(),
         };
-        let query = (!req.version.is_empty()).then(|| {
-            format!(
-                "versionId={}",
-                url_escape(&req.version) // version ids are hex or "null"
-            )
-        });
+        let query = (!req.version.is_empty())
+            .then(|| format!("versionId={}", tarn_s3::post::percent_encode(&req.version)));
         let existing_tags = self.access.existing_tags(&path, query.as_deref()).await;
         let headers = http::HeaderMap::new();
         let permit = match self.access.authorize(&tarn_s3::access::AccessRequest {
@@ -370,8 +366,17 @@ impl LocalReads {
                 size: info.size,
             })
         };
-        let cache = self.access.caches.get(&req.bucket).is_some();
-        let max_parts = wire::FDS_MAX;
+        if self.access.caches.get(&req.bucket).is_some() {
+            // A cache bucket's reads check the upstream's version (and fill
+            // misses) through the node; nothing here says more of the object.
+            return Answer::Reply(Msg::Elsewhere {
+                id: req.id,
+                reason: "a cache bucket: read through the node".into(),
+                version: String::new(),
+                etag: String::new(),
+                size: 0,
+            });
+        }
         let found = self
             .store
             .local_layout(
@@ -379,7 +384,7 @@ impl LocalReads {
                 &req.key,
                 version,
                 (req.start, req.end),
-                max_parts,
+                wire::FDS_MAX,
             )
             .await;
         let (info, layout) = match found {
@@ -427,11 +432,6 @@ impl LocalReads {
                 Refusal::Invalid,
                 format!("the range ends past the object's {} bytes", info.size),
             );
-        }
-        if cache {
-            // A cache bucket's reads check the upstream's version (and fill
-            // misses) through the node.
-            return elsewhere(&info, "a cache bucket: read through the node");
         }
         let Some(layout) = layout else {
             return elsewhere(&info, "nothing to read locally");
@@ -497,19 +497,6 @@ fn busy(message: &str) -> Vec<u8> {
         message: message.to_string(),
     }
     .encode()
-}
-
-/// Version ids are 32 hex digits or "null"; anything else is escaped.
-fn url_escape(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }
 
 struct AbortOnDrop(tokio::task::AbortHandle);

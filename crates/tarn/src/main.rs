@@ -926,6 +926,10 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         .inflight_requests_max
         .or(file.inflight_requests_max)
         .unwrap_or(1024);
+    let lease_secs = args.local_read_lease_secs.or(file.local_read_lease_secs);
+    if lease_secs.is_some_and(|s| !(1..=3600).contains(&s)) {
+        bail!("--local-read-lease-secs (local_read_lease_secs) must be between 1 and 3600");
+    }
     let settings = server::ServerSettings {
         connections: fdlimit::Connections::new(conn_max, per_client),
         listen,
@@ -984,13 +988,8 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
         tls: tls.as_ref().map(|t| t.cert.clone()),
-        local_read_lease: (!args.no_local_reads && file.local_reads.unwrap_or(true)).then(|| {
-            args.local_read_lease_secs
-                .or(file.local_read_lease_secs)
-                .map_or(local_read::LEASE_DEFAULT, |s| {
-                    Duration::from_secs(s.clamp(1, 3600))
-                })
-        }),
+        local_read_lease: (!args.no_local_reads && file.local_reads.unwrap_or(true))
+            .then(|| lease_secs.map_or(local_read::LEASE_DEFAULT, Duration::from_secs)),
         admin_bound,
         cluster: node.clone(),
         body_idle_timeout: idle_secs(

@@ -70,7 +70,6 @@ struct State {
     next_id: u32,
     /// Grants for reads naming an ETag: (bucket, key, etag) → grants.
     kept: HashMap<VersionName, Vec<Arc<Held>>>,
-    kept_count: usize,
 }
 
 /// Bucket, key, ETag.
@@ -145,7 +144,7 @@ impl Local {
         let mut grants: Vec<Arc<Held>> = Vec::new();
         let mut asked_from: Option<u64> = None;
         let mut refused = false;
-        let mut scratch: Vec<u8> = Vec::new();
+        let mut scratch = Scratch::default();
         for (off, len, read) in &c.pieces {
             let end = off + len;
             let mut x = *off;
@@ -216,15 +215,14 @@ impl Local {
             let key = (c.bucket.clone(), c.key.clone(), etag.clone());
             let generation = st.generation;
             if let Some(list) = st.kept.get_mut(&key) {
-                let before = list.len();
                 list.retain(|g| g.usable_until > now && g.generation == generation);
-                let gone = before - list.len();
-                if let Some(g) = list.iter().find(|g| g.covers(from)) {
-                    let g = g.clone();
-                    st.kept_count -= gone;
-                    return Some(g);
+                let found = list.iter().find(|g| g.covers(from)).cloned();
+                if list.is_empty() {
+                    st.kept.remove(&key);
                 }
-                st.kept_count -= gone;
+                if found.is_some() {
+                    return found;
+                }
             }
         }
         if st.retry_at.is_some_and(|t| now < t) {
@@ -294,9 +292,8 @@ impl Local {
             parts,
         });
         if let Some(etag) = &c.etag {
-            if st.kept_count >= GRANTS_KEPT_MAX {
+            if st.kept.values().map(Vec::len).sum::<usize>() >= GRANTS_KEPT_MAX {
                 let all: Vec<_> = st.kept.drain().flat_map(|(_, v)| v).collect();
-                st.kept_count = 0;
                 for g in all {
                     release(&mut st, &g);
                 }
@@ -305,7 +302,6 @@ impl Local {
                 .entry((c.bucket.clone(), c.key.clone(), etag.clone()))
                 .or_default()
                 .push(held.clone());
-            st.kept_count += 1;
         }
         Some(held)
     }
@@ -450,6 +446,14 @@ fn recv(s: &mut UnixStream) -> std::io::Result<(Msg, Vec<OwnedFd>)> {
     Ok((msg, fds))
 }
 
+/// A block read whole and checked, for segments that take part of it:
+/// which block it is (grant, part, shard, stripe), while it holds one.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    bytes: Vec<u8>,
+    holds: Option<(usize, usize, usize, u64)>,
+}
+
 /// Object bytes `[x, x + len)`, all in block `stripe` of data shard `shard`
 /// of part `part`, starting `in_block` bytes into the block.
 struct Segment {
@@ -499,12 +503,14 @@ impl Held {
     }
 
     /// Reads a segment into `dst`: the whole block, checked, straight into
-    /// `dst` when the segment is all of it, else through `scratch`.
+    /// `dst` when the segment is all of it, else through `scratch` (which
+    /// keeps the last block so checked, for the next piece that starts in
+    /// it).
     fn read_segment(
         &self,
         seg: &Segment,
         dst: &mut [u8],
-        scratch: &mut Vec<u8>,
+        scratch: &mut Scratch,
     ) -> Result<(), String> {
         let p = &self.parts[seg.part];
         let file = p.shards[seg.shard]
@@ -538,11 +544,21 @@ impl Held {
             read.map_err(|e| e.to_string())?;
             return check(dst, want, seg.stripe);
         }
-        scratch.resize(block, 0);
-        pread_exact(&file.fd, scratch, offset).map_err(|e| e.to_string())?;
-        check(scratch, want, seg.stripe)?;
+        let which = (
+            self as *const Held as usize,
+            seg.part,
+            seg.shard,
+            seg.stripe,
+        );
+        if scratch.holds != Some(which) {
+            scratch.holds = None;
+            scratch.bytes.resize(block, 0);
+            pread_exact(&file.fd, &mut scratch.bytes, offset).map_err(|e| e.to_string())?;
+            check(&scratch.bytes, want, seg.stripe)?;
+            scratch.holds = Some(which);
+        }
         let from = seg.in_block as usize;
-        dst.copy_from_slice(&scratch[from..from + seg.len]);
+        dst.copy_from_slice(&scratch.bytes[from..from + seg.len]);
         Ok(())
     }
 }

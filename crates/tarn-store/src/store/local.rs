@@ -60,15 +60,15 @@ pub enum LocalRead {
 impl Store {
     /// The layout of the version `version` (or the latest) of `bucket/key`
     /// for a reader of bytes `[start, end)` on this host: the overlapping
-    /// parts (at most `max_parts`), each with this node's files of its data
-    /// shards. Errors as a GET's (no such key, a delete marker, ...).
+    /// parts (as many as hold at most `max_files` of this node's files, and
+    /// at least one), each with this node's files of its data shards. Errors as a GET's (no such key, a delete marker, ...).
     pub async fn local_layout(
         self: &Arc<Self>,
         bucket: &str,
         key: &str,
         version: Option<&str>,
         (start, end): (u64, u64),
-        max_parts: usize,
+        max_files: usize,
     ) -> Result<LocalRead, StoreError> {
         self.bucket_record(bucket)?;
         validate_key(key)?;
@@ -97,19 +97,6 @@ impl Store {
         };
         self.check_layout(set, &v.layout)?;
         let k = v.layout.data_shards as usize;
-        // Which of the version's parts the range touches.
-        let mut wanted = Vec::new();
-        let mut first_part = None;
-        let mut offset = 0u64;
-        for (index, p) in parts.iter().enumerate() {
-            let part_end = offset + p.size;
-            let touches = (part_end > start && offset < end) || (start == end && offset == start);
-            if touches && wanted.len() < max_parts.max(1) {
-                first_part.get_or_insert(index as u32);
-                wanted.push((offset, p.size, p.data_id));
-            }
-            offset = part_end;
-        }
         // This node's drives of the set, by the data shard they hold.
         let topo = self.topo();
         let local: Vec<Option<crate::drive::DrivePaths>> = (0..k)
@@ -121,6 +108,21 @@ impl Store {
             .collect();
         if local.iter().all(Option::is_none) {
             return elsewhere("no data shard of the version is on a drive of this node");
+        }
+        let here = local.iter().filter(|d| d.is_some()).count();
+        let max_parts = (max_files / here).max(1);
+        // Which of the version's parts the range touches.
+        let mut wanted = Vec::new();
+        let mut first_part = None;
+        let mut offset = 0u64;
+        for (index, p) in parts.iter().enumerate() {
+            let part_end = offset + p.size;
+            let touches = (part_end > start && offset < end) || (start == end && offset == start);
+            if touches && wanted.len() < max_parts {
+                first_part.get_or_insert(index as u32);
+                wanted.push((offset, p.size, p.data_id));
+            }
+            offset = part_end;
         }
         let mut pin = self.pin_data(set, v);
         pin.lease = guard.pin(self, set, pin.ids.clone()).await;
