@@ -105,9 +105,9 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     keys = files(endpoint, bucket, prefix)
     probe = json.loads(tarn.objects.Client(endpoint).get(bucket, prefix + "config.json"))["bench_probe"]["name"]
     kept = None
-    if loader in ("tarn", "tarn-http"):
+    if loader in ("tarn", "tarn-http", "tarn-reuse"):
         import tarn.loader
-    elif loader == "shards":
+    elif loader in ("shards", "shards-reuse"):
         from concurrent.futures import ThreadPoolExecutor
 
         shards = data_shard_files()
@@ -134,10 +134,29 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
         st = c.stats()
         if loader == "tarn" and not st["local_bytes"]:
             raise SystemExit(f"no short-circuit reads happened: {st}")
-    elif loader == "shards":
+    elif loader == "tarn-reuse":
+        # The object client under the loader, with short-circuit reads: the
+        # model's files read whole, one after the other, into one buffer it
+        # reuses (faulted in by the first file), as `shards-reuse` reads.
+        c = tarn.objects.Client(endpoint, connections=concurrency)
+        buf = torch.empty(max(size for _, size in keys), dtype=torch.uint8)
+        for key, size in keys:
+            c.read([(bucket, key, 0, size, buf, 0)])
+            nbytes += buf[:size].to(dev).numel()
+        if not c.stats()["local_bytes"]:
+            raise SystemExit(f"no short-circuit reads happened: {c.stats()}")
+    elif loader in ("shards", "shards-reuse"):
         # The ceiling: the data shard files the model's objects are in, read
         # whole by a plain parallel reader (8 MiB preads into one buffer per
-        # file, no checksum), then handed to the device.
+        # file, no checksum), then handed to the device. `shards` keeps
+        # what it read to the end, as a loader's caller keeps the weights:
+        # every byte lands in memory the process never touched before, as
+        # the loaders' tensors do. `shards-reuse` drops each file's buffer
+        # once handed on, and the allocator gives the same memory to the
+        # next file (the files are a few MiB each): reading into memory
+        # already faulted in, which no loader that hands out new tensors
+        # does.
+        keep = [] if loader == "shards" else None
         chunk = 8 * MIB
 
         def read_file(path):
@@ -154,7 +173,10 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
 
         with ThreadPoolExecutor(4) as ex:
             for buf in ex.map(read_file, shards):
-                nbytes += buf.to(dev).numel()
+                out = buf.to(dev)
+                nbytes += out.numel()
+                if keep is not None:
+                    keep.append(out)
     elif loader == "runai":
         with SafetensorsStreamer() as s:
             s.stream_files([f"s3://{bucket}/{k}" for k, _ in keys])
@@ -184,9 +206,10 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     secs = time.monotonic() - t0
     ru = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (ru.ru_utime + ru.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    if loader != "shards":
+    if not loader.startswith("shards") and loader != "tarn-reuse":
         check_probe(endpoint, bucket, prefix, kept)
-    print(json.dumps({"seconds": secs, "bytes": nbytes, "cpu_seconds": cpu, "max_rss_kib": ru.ru_maxrss}))
+    faults = ru.ru_minflt - ru0.ru_minflt
+    print(json.dumps({"seconds": secs, "bytes": nbytes, "cpu_seconds": cpu, "max_rss_kib": ru.ru_maxrss, "minor_faults": faults}))
 
 
 def data_shard_files():

@@ -54,6 +54,17 @@ fn check(res: i32) -> io::Result<usize> {
 }
 
 impl File {
+    /// The descriptor, shared: it stays open while the returned handle
+    /// lives, even after every `File` is dropped.
+    pub fn shared_fd(&self) -> Arc<OwnedFd> {
+        self.fd.clone()
+    }
+
+    /// A `File` on a descriptor shared with others.
+    pub fn from_shared(fd: Arc<OwnedFd>) -> File {
+        File { fd }
+    }
+
     /// Wraps a descriptor opened elsewhere (for example with O_DIRECT).
     pub fn from_fd(fd: OwnedFd) -> File {
         File { fd: Arc::new(fd) }

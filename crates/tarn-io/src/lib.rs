@@ -11,6 +11,7 @@ pub mod fault;
 pub mod file;
 pub mod pool;
 pub mod runtime;
+pub mod spans;
 pub mod tls;
 mod uring;
 

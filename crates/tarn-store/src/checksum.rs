@@ -7,6 +7,15 @@ pub fn crc32c(data: &[u8]) -> u32 {
     crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, data) as u32
 }
 
+/// CRC32C of the concatenation of `parts`.
+pub fn crc32c_parts(parts: &[&[u8]]) -> u32 {
+    let mut d = crc_fast::Digest::new(CrcAlgorithm::Crc32Iscsi);
+    for p in parts {
+        d.update(p);
+    }
+    d.finalize() as u32
+}
+
 /// How a multipart object's checksum is formed from its parts' (S3's
 /// `x-amz-checksum-type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -211,6 +211,16 @@ pub trait ShardSource: Send {
     ) -> BoxFuture<'_, (Result<(), ShardError>, AlignedBuf)>;
     /// Checks the footer, the table and every block (heal's deep check).
     fn verify_all(&mut self, shard_index: u8) -> BoxFuture<'_, Result<(), ShardError>>;
+    /// The file block `j` is in and the block's offset there, when the
+    /// shard is a file of this node (a GET then sends the block's bytes
+    /// from the file: `tarn_io::spans`).
+    fn block_file(&self, _j: u64) -> Option<(Arc<std::os::fd::OwnedFd>, u64)> {
+        None
+    }
+    /// Block `j`'s checksum, when loaded.
+    fn block_crc(&self, _j: u64) -> Option<u32> {
+        None
+    }
 }
 
 /// A drive of this node.
@@ -520,6 +530,14 @@ impl ShardSource for ShardReader {
 
     fn verify_all(&mut self, shard_index: u8) -> BoxFuture<'_, Result<(), ShardError>> {
         Box::pin(ShardReader::verify_all(self, shard_index))
+    }
+
+    fn block_file(&self, j: u64) -> Option<(Arc<std::os::fd::OwnedFd>, u64)> {
+        Some(ShardReader::block_file(self, j))
+    }
+
+    fn block_crc(&self, j: u64) -> Option<u32> {
+        ShardReader::block_crc(self, j)
     }
 }
 

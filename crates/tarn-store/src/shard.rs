@@ -161,6 +161,18 @@ impl ShardReader {
         Ok(())
     }
 
+    /// The file and the offset of block `j` in it.
+    pub fn block_file(&self, j: u64) -> (std::sync::Arc<std::os::fd::OwnedFd>, u64) {
+        (self.file.shared_fd(), self.layout.block_offset(j))
+    }
+
+    /// Block `j`'s checksum, when the table's part holding it is loaded.
+    pub fn block_crc(&self, j: u64) -> Option<u32> {
+        j.checked_sub(self.table_first)
+            .and_then(|i| self.table.get(i as usize))
+            .copied()
+    }
+
     /// Reads block `j` into `buf` and verifies it.
     pub async fn read_block(
         &self,

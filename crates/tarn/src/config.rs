@@ -80,6 +80,9 @@ pub struct FileConfig {
     pub local_reads: Option<bool>,
     /// Seconds a local reader's grant pins its version (default 30).
     pub local_read_lease_secs: Option<u64>,
+    /// Send GET bytes read from this node's shard files from the files
+    /// (`sendfile`) on plain HTTP connections (default true).
+    pub sendfile: Option<bool>,
 }
 
 /// `[cluster]`: join a cluster (flags and environment take precedence).

@@ -170,6 +170,33 @@ impl ConnIo {
     }
 }
 
+impl ConnIo {
+    /// Sends up to `len` bytes of `file` from `offset` when the socket has
+    /// room. Ok(0) or an error: the caller writes those bytes from memory
+    /// instead (an error of the socket's then comes back from that write).
+    fn poll_sendfile(
+        &mut self,
+        cx: &mut Context<'_>,
+        file: &std::os::fd::OwnedFd,
+        offset: u64,
+        len: usize,
+    ) -> Poll<io::Result<usize>> {
+        let stream = self.stream.as_ref().expect("stream");
+        loop {
+            if let Err(e) = std::task::ready!(stream.poll_write_ready(cx)) {
+                return Poll::Ready(Err(e));
+            }
+            let sent = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                tarn_io::spans::sendfile(stream.as_raw_fd(), file, offset, len)
+            });
+            match sent {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                r => return Poll::Ready(r),
+            }
+        }
+    }
+}
+
 impl AsyncRead for ConnIo {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -182,12 +209,11 @@ impl AsyncRead for ConnIo {
 
 impl AsyncWrite for ConnIo {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let r = self.stream().poll_write(cx, buf);
-        self.wrote(r, cx)
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -195,7 +221,30 @@ impl AsyncWrite for ConnIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let r = self.stream().poll_write_vectored(cx, bufs);
+        // Runs of GET data the store read from a shard file go from the
+        // file (`tarn_io::spans`); the rest, and anything a sendfile cannot
+        // send, from memory (which holds the same bytes).
+        let r = match tarn_io::spans::plan(bufs) {
+            tarn_io::spans::Plan::File { fd, offset, len } => {
+                match self.poll_sendfile(cx, &fd, offset, len) {
+                    Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => {
+                        tarn_io::spans::count(None);
+                        let front = tarn_io::spans::prefix(bufs, len);
+                        self.stream().poll_write_vectored(cx, &front)
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        tarn_io::spans::count(Some(n));
+                        Poll::Ready(Ok(n))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+            tarn_io::spans::Plan::Memory(n) if n < bufs.iter().map(|b| b.len()).sum::<usize>() => {
+                let front = tarn_io::spans::prefix(bufs, n);
+                self.stream().poll_write_vectored(cx, &front)
+            }
+            tarn_io::spans::Plan::Memory(_) => self.stream().poll_write_vectored(cx, bufs),
+        };
         self.wrote(r, cx)
     }
 
@@ -273,5 +322,75 @@ async fn drain(mut stream: TcpStream) {
     .await;
     if drained != Ok(true) {
         reset(stream);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    async fn pair() -> (ConnIo, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let io = ConnIo::new(
+            s,
+            Duration::from_secs(5),
+            (0, Duration::from_secs(1)),
+            Arc::default(),
+        );
+        (io, c)
+    }
+
+    /// Registered runs go from their files, the rest from memory, and a run
+    /// the file cannot give (it is shorter) from memory too. The file here
+    /// holds other bytes than the memory registered as its (the contract
+    /// says they are the same), so that the client's bytes show which way
+    /// each run went.
+    #[tokio::test]
+    async fn sends_registered_runs_from_their_files() {
+        let dir = std::env::temp_dir().join(format!("tarn-conn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("shard");
+        std::fs::write(&path, b"FILE-0123456789").unwrap();
+        let fd: Arc<std::os::fd::OwnedFd> = Arc::new(std::fs::File::open(&path).unwrap().into());
+        let head = b"head|".to_vec();
+        let body = b"mem--0123456789|past-the-end|tail".to_vec();
+        let (sent0, fallbacks0) = tarn_io::spans::counters();
+        // SAFETY: the vectors outlive the registrations and are not changed.
+        let regs = unsafe {
+            [
+                tarn_io::spans::register(&body[..15], fd.clone(), 0).unwrap(),
+                tarn_io::spans::register(&body[16..28], fd.clone(), 1000).unwrap(),
+            ]
+        };
+        let (mut io, mut client) = pair().await;
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut client, &mut got)
+                .await
+                .unwrap();
+            got
+        });
+        let mut bufs = [&head[..], &body[..]];
+        while bufs.iter().any(|b| !b.is_empty()) {
+            let slices: Vec<io::IoSlice<'_>> = bufs.iter().map(|b| io::IoSlice::new(b)).collect();
+            let mut n = io.write_vectored(&slices).await.unwrap();
+            for b in bufs.iter_mut() {
+                let take = n.min(b.len());
+                *b = &b[take..];
+                n -= take;
+            }
+        }
+        io.shutdown().await.unwrap();
+        drop(io);
+        let got = reader.await.unwrap();
+        assert_eq!(got, b"head|FILE-0123456789|past-the-end|tail".to_vec());
+        let (sent, fallbacks) = tarn_io::spans::counters();
+        assert!(sent >= sent0 + 15, "{sent} {sent0}");
+        assert!(fallbacks > fallbacks0);
+        drop(regs);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

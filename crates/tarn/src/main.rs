@@ -270,6 +270,11 @@ struct ServerArgs {
     /// Seconds a local reader's grant pins its version (default 30).
     #[arg(long)]
     local_read_lease_secs: Option<u64>,
+    /// Write every GET body from memory: do not send the bytes read from
+    /// this node's shard files from the files themselves (`sendfile`) on
+    /// plain HTTP connections.
+    #[arg(long, env = "TARN_NO_SENDFILE")]
+    no_sendfile: bool,
 }
 
 fn store_config(
@@ -988,6 +993,7 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         kv: kv.as_ref().map(|(e, _)| e.clone()).unwrap_or_default(),
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
         tls: tls.as_ref().map(|t| t.cert.clone()),
+        sendfile: !args.no_sendfile && file.sendfile.unwrap_or(true),
         local_read_lease: (!args.no_local_reads && file.local_reads.unwrap_or(true))
             .then(|| lease_secs.map_or(local_read::LEASE_DEFAULT, Duration::from_secs)),
         admin_bound,

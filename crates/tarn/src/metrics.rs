@@ -449,6 +449,12 @@ impl Metrics {
                 c.refused_tenant.load(Ordering::Relaxed)
             );
         }
+        let (sent, fallbacks) = tarn_io::spans::counters();
+        let _ = writeln!(
+            out,
+            "# HELP tarn_get_sendfile_bytes_total GET bytes sent from this node's shard files (sendfile) on plain HTTP connections, not copied into the socket.\n# TYPE tarn_get_sendfile_bytes_total counter\ntarn_get_sendfile_bytes_total {sent}\n\
+             # HELP tarn_get_sendfile_fallbacks_total Sends from a shard file that could not send (the file shorter, an error) and wrote the same bytes from memory.\n# TYPE tarn_get_sendfile_fallbacks_total counter\ntarn_get_sendfile_fallbacks_total {fallbacks}"
+        );
         if let Some(l) = self.local_reads.get() {
             let c = &l.counters;
             let _ = writeln!(

@@ -86,6 +86,9 @@ pub struct ServerSettings {
     /// Serve short-circuit reads to clients on this host, pinning each
     /// grant this long (None: off).
     pub local_read_lease: Option<Duration>,
+    /// Send GET bytes read from this node's shard files from the files
+    /// (`tarn_io::spans`) on plain connections.
+    pub sendfile: bool,
 }
 
 /// Defaults of the two (docs/configuration.md).
@@ -1098,6 +1101,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     };
     admin.set_nonblocking(true)?;
     let admin_addr = admin.local_addr()?;
+    tarn_io::spans::set_enabled(settings.sendfile);
     let local_reads = match settings.local_read_lease {
         Some(lease) => Some(
             crate::local_read::LocalReads::bind(

@@ -36,6 +36,10 @@ pub(crate) const READ_AHEAD_PIECES: usize = 8;
 /// A piece of a GET's data and its share of the read-ahead budget, held
 /// (never read) until the piece is dropped.
 struct Piece(
+    /// Runs of the piece that hold a shard file's bytes (`tarn_io::spans`),
+    /// unregistered before the buffer goes back (fields drop in order).
+    #[allow(dead_code)]
+    Vec<tarn_io::spans::Registration>,
     PieceBuf,
     #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
     #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
@@ -60,6 +64,13 @@ impl PieceBuf {
         PieceBuf::Own(BytesMut::with_capacity(len))
     }
 
+    fn bytes(&self) -> &[u8] {
+        match self {
+            PieceBuf::Pooled(b) => b,
+            PieceBuf::Own(b) => b,
+        }
+    }
+
     fn extend_from_slice(&mut self, bytes: &[u8]) {
         match self {
             PieceBuf::Pooled(b) => {
@@ -73,10 +84,7 @@ impl PieceBuf {
 
 impl AsRef<[u8]> for Piece {
     fn as_ref(&self) -> &[u8] {
-        match &self.0 {
-            PieceBuf::Pooled(b) => b,
-            PieceBuf::Own(b) => b,
-        }
+        self.1.bytes()
     }
 }
 
@@ -504,10 +512,26 @@ impl Store {
                 .await?;
             let mut budget = Some(budget);
             let mut out: Vec<PieceBuf> = Vec::with_capacity(pieces);
+            let mut runs: Vec<Vec<Run>> = Vec::with_capacity(pieces);
+            // A whole stripe whose blocks split into the pieces planned is
+            // read straight into them when it can be.
+            let direct = if lo == 0
+                && hi == reader.k as u64 * sl
+                && reader.k * (sl as usize).div_ceil(PIECE_BYTES) == pieces
             {
-                let data = reader.read_stripe(self, j).await?;
+                match reader.direct_blocks(j) {
+                    Some(blocks) => self.read_stripe_direct(blocks, sl as usize).await,
+                    None => None,
+                }
+            } else {
+                None
+            };
+            if let Some((bufs, rs)) = direct {
+                (out, runs) = (bufs, rs);
+            } else {
+                let data = reader.read_stripe_files(self, j).await?;
                 let mut room = 0;
-                for (i, shard) in data.iter().enumerate() {
+                for (i, (shard, file)) in data.iter().enumerate() {
                     let s_lo = i as u64 * sl;
                     let s_hi = s_lo + sl;
                     let from = lo.max(s_lo);
@@ -517,30 +541,115 @@ impl Store {
                     } else {
                         &[][..]
                     };
+                    let mut at_file = file
+                        .as_ref()
+                        .filter(|_| tarn_io::spans::enabled())
+                        .map(|(fd, block)| (fd, block + from.saturating_sub(s_lo)));
                     while !bytes.is_empty() {
                         if room == 0 {
                             out.push(PieceBuf::new(self, piece).await);
+                            runs.push(Vec::new());
                             room = piece;
                         }
                         let take = room.min(bytes.len());
-                        out.last_mut()
-                            .expect("a piece")
-                            .extend_from_slice(&bytes[..take]);
+                        let p = out.last_mut().expect("a piece");
+                        let at = p.bytes().len();
+                        p.extend_from_slice(&bytes[..take]);
+                        if let Some((fd, off)) = at_file.as_mut() {
+                            let run = runs.last_mut().expect("a piece");
+                            run.push((at, take, Arc::clone(fd), *off));
+                            *off += take as u64;
+                        }
                         bytes = &bytes[take..];
                         room -= take;
                     }
                 }
             }
             *damaged |= reader.damaged;
-            for (permit, p) in permits.zip(out) {
+            for ((permit, p), runs) in permits.zip(out).zip(runs) {
+                // A plain HTTP connection sends these runs from the shard
+                // files (`sendfile`) instead of copying them into the socket.
+                let regs = runs
+                    .into_iter()
+                    .filter_map(|(at, len, fd, off)| {
+                        // SAFETY: the piece is not written again and its
+                        // buffer goes back only after these registrations
+                        // are dropped (Piece's fields drop in order); the
+                        // bytes are those just read (and verified) from the
+                        // file at `off`, and shard files are never written
+                        // in place.
+                        unsafe { tarn_io::spans::register(&p.bytes()[at..at + len], fd, off) }
+                    })
+                    .collect();
                 // Each piece holds its share of the budget until the HTTP
                 // layer drops it (written out, or the connection gone).
                 let (share, caller_share) = (one_of(&mut budget), one_of(&mut caller_budget));
-                permit.send(Ok(Bytes::from_owner(Piece(p, share, caller_share))));
+                permit.send(Ok(Bytes::from_owner(Piece(regs, p, share, caller_share))));
             }
         }
         *damaged |= reader.damaged;
         Ok(())
+    }
+}
+
+/// A run of a piece copied from a shard file of this node: (offset in the
+/// piece, length, the file, offset in the file).
+type Run = (usize, usize, Arc<std::os::fd::OwnedFd>, u64);
+
+impl Store {
+    /// A whole stripe (its data `blocks`, from `PartReader::direct_blocks`,
+    /// of `sl` bytes each) read straight from this node's shard files into
+    /// pooled pieces, each block split into pieces
+    /// of `PIECE_BYTES`: no stripe buffer, no copy from it into the pieces
+    /// (a seventh of a large GET's server CPU). None when it cannot be: a
+    /// data shard that is not a sound file of this node or whose checksum
+    /// is not loaded, no pooled piece free, a read that fails or is late, a
+    /// block that fails its checksum. The usual path then reads the stripe
+    /// and deals with what is wrong (parity, hedging, heal).
+    async fn read_stripe_direct(
+        &self,
+        blocks: Vec<(Arc<std::os::fd::OwnedFd>, u64, u32)>,
+        sl: usize,
+    ) -> Option<(Vec<PieceBuf>, Vec<Vec<Run>>)> {
+        let per = sl.div_ceil(PIECE_BYTES);
+        let mut bufs = Vec::with_capacity(blocks.len() * per);
+        for _ in 0..blocks.len() * per {
+            bufs.push(self.pieces.acquire(Duration::ZERO).await.ok()?);
+        }
+        let at = |n: usize| (n % per) * PIECE_BYTES;
+        let len = |n: usize| PIECE_BYTES.min(sl - at(n));
+        let reads = bufs.iter_mut().enumerate().map(|(n, b)| {
+            let (fd, off, _) = &blocks[n / per];
+            let file = tarn_io::file::File::from_shared(fd.clone());
+            let (off, len) = (off + at(n) as u64, len(n));
+            async move {
+                let (res, buf) = file.read_exact_at(b.take(), len, off).await;
+                b.restore(buf);
+                res
+            }
+        });
+        let done = tokio::time::timeout(SHARD_HEDGE_AFTER, futures::future::join_all(reads))
+            .await
+            .ok()?;
+        if done.iter().any(|r| r.is_err()) {
+            return None;
+        }
+        for (i, (_, _, want)) in blocks.iter().enumerate() {
+            let parts: Vec<&[u8]> = bufs[i * per..(i + 1) * per]
+                .iter()
+                .map(|b| &b[..])
+                .collect();
+            if crate::checksum::crc32c_parts(&parts) != *want {
+                return None;
+            }
+        }
+        let runs = (0..bufs.len())
+            .map(|n| {
+                let (fd, off, _) = &blocks[n / per];
+                vec![(0, len(n), fd.clone(), off + at(n) as u64)]
+            })
+            .collect();
+        Some((bufs.into_iter().map(PieceBuf::Pooled).collect(), runs))
     }
 }
 
@@ -596,6 +705,8 @@ pub(crate) struct PartReader {
     bad: Vec<bool>,
     opened: Vec<bool>,
     bufs: Vec<Option<PooledBuf>>,
+    /// Which data shards the last stripe read rebuilt from parity.
+    rebuilt: Vec<bool>,
     pub damaged: bool,
 }
 
@@ -623,6 +734,7 @@ impl PartReader {
             bad: vec![false; n],
             opened: vec![false; n],
             bufs: (0..n).map(|_| None).collect(),
+            rebuilt: vec![false; k],
             damaged: false,
         };
         // Drives behind (rebuilding or syncing) may lack the part's shard:
@@ -715,6 +827,52 @@ impl PartReader {
         store: &Store,
         j: u64,
     ) -> Result<Vec<&[u8]>, StoreError> {
+        let sl = self.fill_stripe(store, j).await?;
+        Ok((0..self.k)
+            .map(|i| &self.bufs[i].as_ref().expect("buffer")[..sl])
+            .collect())
+    }
+
+    /// For each data shard of stripe `j`, in order: its file of this node,
+    /// the block's offset there and its checksum; None unless every one is
+    /// a file of this node, not known bad, with its checksum loaded.
+    fn direct_blocks(&self, j: u64) -> Option<Vec<(Arc<std::os::fd::OwnedFd>, u64, u32)>> {
+        (0..self.k)
+            .map(|i| {
+                if self.bad[i] {
+                    return None;
+                }
+                let r = self.readers[i].as_ref()?;
+                let (fd, off) = r.block_file(j)?;
+                Some((fd, off, r.block_crc(j)?))
+            })
+            .collect()
+    }
+
+    /// As `read_stripe`, with, for each data shard whose block was read
+    /// from a file of this node (not rebuilt from parity, not from another
+    /// node), that file and the block's offset in it.
+    pub(crate) async fn read_stripe_files(
+        &mut self,
+        store: &Store,
+        j: u64,
+    ) -> Result<Vec<(&[u8], Option<(Arc<std::os::fd::OwnedFd>, u64)>)>, StoreError> {
+        let sl = self.fill_stripe(store, j).await?;
+        let (bufs, readers, rebuilt) = (&self.bufs, &self.readers, &self.rebuilt);
+        Ok((0..self.k)
+            .map(|i| {
+                let file = match (&readers[i], rebuilt[i]) {
+                    (Some(r), false) => r.block_file(j),
+                    _ => None,
+                };
+                (&bufs[i].as_ref().expect("buffer")[..sl], file)
+            })
+            .collect())
+    }
+
+    /// Reads stripe `j`'s k data shards into `bufs` (verified or rebuilt;
+    /// `rebuilt` says which were); returns their length.
+    async fn fill_stripe(&mut self, store: &Store, j: u64) -> Result<usize, StoreError> {
         let sl = self.geometry.shard_len(j) as usize;
         let n = self.layout.shard_count();
         let mut done = vec![false; n];
@@ -898,9 +1056,10 @@ impl PartReader {
                     self.bufs[i] = Some(b);
                 }
             }
-            return Ok((0..self.k)
-                .map(|i| &self.bufs[i].as_ref().expect("buffer")[..sl])
-                .collect());
+            for i in 0..self.k {
+                self.rebuilt[i] = missing.contains(&i);
+            }
+            return Ok(sl);
         }
     }
 }
