@@ -119,8 +119,10 @@ pub unsafe fn register(bytes: &[u8], fd: Arc<OwnedFd>, offset: u64) -> Option<Re
 /// What to do with the front of a vectored write.
 #[derive(Debug)]
 pub enum Plan {
-    /// Write the first `n` bytes from memory (all of them when nothing in
-    /// the write is registered, else up to the first registered byte).
+    /// Nothing in the write is registered: write it all from memory.
+    All,
+    /// Write the first `n` bytes from memory: those before the first
+    /// registered byte.
     Memory(usize),
     /// The first `len` bytes are the file's from `offset`: send them from
     /// the file.
@@ -134,13 +136,10 @@ pub enum Plan {
 /// How the front of `bufs` is best written.
 pub fn plan(bufs: &[IoSlice<'_>]) -> Plan {
     if !enabled() {
-        return Plan::Memory(bufs.iter().map(|b| b.len()).sum());
+        return Plan::All;
     }
     let m = spans();
     let mut before = 0usize;
-    if m.is_empty() {
-        return Plan::Memory(bufs.iter().map(|b| b.len()).sum());
-    }
     for b in bufs {
         if b.is_empty() {
             continue;
@@ -165,7 +164,7 @@ pub fn plan(bufs: &[IoSlice<'_>]) -> Plan {
         }
         before += b.len();
     }
-    Plan::Memory(before)
+    Plan::All
 }
 
 /// The first `n` bytes of `bufs`, as slices.
@@ -218,7 +217,7 @@ mod tests {
         let b = vec![2u8; 100];
         let c = vec![3u8; 100];
         let bufs = [IoSlice::new(&a), IoSlice::new(&b), IoSlice::new(&c)];
-        assert!(matches!(plan(&bufs), Plan::Memory(300)));
+        assert!(matches!(plan(&bufs), Plan::All));
         // SAFETY: the vectors outlive the registrations and are not changed.
         let r = unsafe { register(&b[10..60], fd(), 1000) }.unwrap();
         assert!(matches!(plan(&bufs), Plan::Memory(110)));
@@ -234,7 +233,7 @@ mod tests {
             p => panic!("{p:?}"),
         }
         let after = [IoSlice::new(&b[60..])];
-        assert!(matches!(plan(&after), Plan::Memory(40)));
+        assert!(matches!(plan(&after), Plan::All));
         // Two runs in one slice: the first one first.
         // SAFETY: as above.
         let r2 = unsafe { register(&b[70..80], fd(), 5000) }.unwrap();
@@ -250,7 +249,7 @@ mod tests {
         }
         drop(r2);
         drop(r);
-        assert!(matches!(plan(&rest), Plan::Memory(190)));
+        assert!(matches!(plan(&rest), Plan::All));
         let p = prefix(&bufs, 150);
         assert_eq!(p.len(), 2);
         assert_eq!((p[0].len(), p[1].len()), (100, 50));

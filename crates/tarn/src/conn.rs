@@ -239,11 +239,11 @@ impl AsyncWrite for ConnIo {
                     Poll::Pending => Poll::Pending,
                 }
             }
-            tarn_io::spans::Plan::Memory(n) if n < bufs.iter().map(|b| b.len()).sum::<usize>() => {
+            tarn_io::spans::Plan::Memory(n) => {
                 let front = tarn_io::spans::prefix(bufs, n);
                 self.stream().poll_write_vectored(cx, &front)
             }
-            tarn_io::spans::Plan::Memory(_) => self.stream().poll_write_vectored(cx, bufs),
+            tarn_io::spans::Plan::All => self.stream().poll_write_vectored(cx, bufs),
         };
         self.wrote(r, cx)
     }

@@ -612,10 +612,11 @@ impl Store {
         sl: usize,
     ) -> Option<(Vec<PieceBuf>, Vec<Vec<Run>>)> {
         let per = sl.div_ceil(PIECE_BYTES);
-        let mut bufs = Vec::with_capacity(blocks.len() * per);
-        for _ in 0..blocks.len() * per {
-            bufs.push(self.pieces.acquire(Duration::ZERO).await.ok()?);
-        }
+        let mut bufs = self
+            .pieces
+            .acquire_many(blocks.len() * per, Duration::ZERO)
+            .await
+            .ok()?;
         let at = |n: usize| (n % per) * PIECE_BYTES;
         let len = |n: usize| PIECE_BYTES.min(sl - at(n));
         let reads = bufs.iter_mut().enumerate().map(|(n, b)| {
