@@ -9,6 +9,8 @@
 pub mod buf;
 pub mod fault;
 pub mod file;
+pub mod net;
+pub mod pagecache;
 pub mod pool;
 pub mod runtime;
 pub mod spans;

@@ -83,6 +83,12 @@ pub struct S3BenchArgs {
     /// checked against (default: the system's trusted roots).
     #[arg(long, env = "AWS_CA_BUNDLE")]
     pub ca_bundle: Option<std::path::PathBuf>,
+    /// The server's process ID on this host (repeatable: --endpoint's, then
+    /// each --compare's): its CPU time (user + system, /proc/PID/stat, all
+    /// its threads) over the timed run is reported per GB moved, next to
+    /// the bench's own. Setup and teardown are not counted.
+    #[arg(long)]
+    pub server_pid: Vec<u32>,
 }
 
 struct Target {
@@ -222,6 +228,10 @@ struct Figures {
     seconds: f64,
     errors: std::collections::BTreeMap<String, u64>,
     verify_failures: u64,
+    /// CPU seconds of the server's process (with --server-pid) and of the
+    /// bench itself over the timed run.
+    server_cpu: Option<f64>,
+    client_cpu: f64,
 }
 
 impl Figures {
@@ -233,9 +243,15 @@ impl Figures {
             seconds: 0.0,
             errors: Default::default(),
             verify_failures: 0,
+            server_cpu: None,
+            client_cpu: 0.0,
         })
     }
     fn merge(&mut self, o: &Figures) {
+        if let Some(c) = o.server_cpu {
+            self.server_cpu = Some(self.server_cpu.unwrap_or(0.0) + c);
+        }
+        self.client_cpu += o.client_cpu;
         self.hist.add(&o.hist).expect("histograms of equal bounds");
         self.ops += o.ops;
         self.bytes += o.bytes;
@@ -250,6 +266,10 @@ impl Figures {
     }
     fn mb_per_sec(&self) -> f64 {
         self.bytes as f64 / self.seconds.max(1e-9) / 1e6
+    }
+    /// CPU seconds per GB (10^9 bytes) moved.
+    fn per_gb(&self, cpu: f64) -> f64 {
+        cpu / (self.bytes as f64 / 1e9).max(1e-12)
     }
     /// Latency at quantile `q` in milliseconds (`q` > 1: the maximum).
     fn ms(&self, q: f64) -> f64 {
@@ -275,12 +295,17 @@ impl Figures {
             ("p99_ms", p99),
             ("p999_ms", p999),
             ("max_ms", max),
+            ("client_cpu_s_per_gb", self.per_gb(self.client_cpu)),
+            (
+                "server_cpu_s_per_gb",
+                self.server_cpu.map_or(0.0, |c| self.per_gb(c)),
+            ),
         ]
     }
     fn json(&self, args: &S3BenchArgs, size: usize) -> String {
         let [p50, p90, p99, p999, max] = self.percentiles_ms();
         format!(
-            "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{}}}",
+            "{{\"op\":\"{}\",\"size_bytes\":{size},\"concurrency\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_sec\":{:.1},\"mb_per_sec\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p90\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\"errors\":{{{}}},\"verify_failures\":{},\"client_cpu_s_per_gb\":{:.4},\"server_cpu_s_per_gb\":{}}}",
             args.op,
             args.concurrency,
             self.seconds,
@@ -293,7 +318,10 @@ impl Figures {
             p999,
             max,
             errors_json(&self.errors),
-            self.verify_failures
+            self.verify_failures,
+            self.per_gb(self.client_cpu),
+            self.server_cpu
+                .map_or("null".to_string(), |c| format!("{:.4}", self.per_gb(c)))
         )
     }
     fn text(&self, verify: bool) -> String {
@@ -310,6 +338,11 @@ impl Figures {
             p999,
             max
         );
+        s += &format!("  CPU s per GB: bench {:.3}", self.per_gb(self.client_cpu));
+        if let Some(c) = self.server_cpu {
+            s += &format!("  server {:.3}", self.per_gb(c));
+        }
+        s += "\n";
         if !self.errors.is_empty() {
             s += &format!("  errors: {:?}\n", self.errors);
         }
@@ -377,6 +410,15 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
         bail!("--op must be put, get, mixed, list or multipart");
     }
     let part_size = args.part_size_bytes()?;
+    if args.server_pid.len() > 1 + args.compare.len() {
+        bail!("--server-pid: at most one per endpoint (--endpoint, then each --compare)");
+    }
+    if let Some(pid) = args.server_pid.iter().find(|&&p| p == 0) {
+        bail!("--server-pid {pid}: not a process ID");
+    }
+    for &pid in &args.server_pid {
+        process_cpu(pid).with_context(|| format!("--server-pid {pid}"))?;
+    }
     if args.op == "multipart" && part_size < 5 << 20 && part_size < size {
         bail!("--part-size must be at least 5MiB (S3's smallest part but the last)");
     }
@@ -444,6 +486,7 @@ pub fn run(args: S3BenchArgs) -> anyhow::Result<()> {
                 phase_count,
                 threads,
                 &label,
+                args.server_pid.get(i).copied(),
             ) {
                 Ok(f) => figures[i].merge(&f),
                 Err(e) => {
@@ -884,6 +927,7 @@ fn phase(
     count: Option<u64>,
     threads: usize,
     label: &str,
+    server_pid: Option<u32>,
 ) -> anyhow::Result<Figures> {
     let shared = Arc::new(Shared {
         hist: Mutex::new(Some(Histogram::new_with_bounds(1, 3_600_000_000, 3)?)),
@@ -893,6 +937,7 @@ fn phase(
     let issued = Arc::new(AtomicU64::new(0));
     let mut phase_args = args.clone();
     phase_args.count = count;
+    let cpu0 = (server_pid.map(process_cpu).transpose()?, process_cpu(0)?);
     let start = Instant::now();
     let mut handles = Vec::new();
     for t in 0..threads {
@@ -961,6 +1006,11 @@ fn phase(
         h.join()
             .map_err(|_| anyhow::anyhow!("bench thread panicked"))??;
     }
+    let server_cpu = match (server_pid, cpu0.0) {
+        (Some(pid), Some(c)) => Some(process_cpu(pid)? - c),
+        _ => None,
+    };
+    let client_cpu = process_cpu(0)? - cpu0.1;
     let hist = shared.hist.lock().expect("hist").take().expect("histogram");
     let errors = shared.errors.lock().expect("errors").clone();
     Ok(Figures {
@@ -970,7 +1020,40 @@ fn phase(
         seconds,
         errors,
         verify_failures: shared.verify_failures.load(Ordering::Relaxed),
+        server_cpu,
+        client_cpu,
     })
+}
+
+/// CPU seconds (user + system, all threads) process `pid` has used so far;
+/// 0: this process.
+fn process_cpu(pid: u32) -> anyhow::Result<f64> {
+    let path = if pid == 0 {
+        "/proc/self/stat".to_string()
+    } else {
+        format!("/proc/{pid}/stat")
+    };
+    let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    cpu_seconds_of_stat(&stat).with_context(|| format!("parsing {path}"))
+}
+
+/// utime + stime of a /proc/PID/stat line, in seconds. The command name
+/// (field 2, in parentheses) may hold spaces and parentheses itself: the
+/// fields are counted after its last ')'.
+fn cpu_seconds_of_stat(stat: &str) -> anyhow::Result<f64> {
+    let (_, rest) = stat
+        .rsplit_once(')')
+        .ok_or_else(|| anyhow::anyhow!("no command name"))?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); utime and stime are fields 14 and 15.
+    let ticks = |i: usize| -> anyhow::Result<u64> {
+        Ok(f.get(i - 3)
+            .ok_or_else(|| anyhow::anyhow!("short stat line"))?
+            .parse()?)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok((ticks(14)? + ticks(15)?) as f64 / hz)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1244,8 +1327,27 @@ mod tests {
                 rounds: 4,
                 part_size: "8MiB".into(),
                 ca_bundle: None,
+                server_pid: Vec::new(),
             }
         }
+    }
+
+    #[test]
+    fn cpu_time_from_a_stat_line() {
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        // A command name with a space and a ')' in it.
+        let line = "4242 (tarn) x) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0 1 2 3";
+        let got = cpu_seconds_of_stat(line).unwrap();
+        assert!((got - 300.0 / hz).abs() < 1e-9, "{got}");
+        assert!(cpu_seconds_of_stat("4242 (tarn) S 1").is_err());
+        assert!(cpu_seconds_of_stat("no name").is_err());
+        // This process has used some CPU, and a figure per GB divides by
+        // the bytes moved.
+        assert!(process_cpu(0).unwrap() >= 0.0);
+        let mut f = Figures::empty().unwrap();
+        f.bytes = 2_000_000_000;
+        assert!((f.per_gb(1.0) - 0.5).abs() < 1e-12);
     }
 
     #[test]

@@ -83,6 +83,12 @@ pub struct FileConfig {
     /// Send GET bytes read from this node's shard files from the files
     /// (`sendfile`) on plain HTTP connections (default true).
     pub sendfile: Option<bool>,
+    /// Keep the host's congestion control for clients on this host
+    /// (default false: a pacing one is switched to one that does not pace).
+    pub pace_local_clients: Option<bool>,
+    /// Read a GET's blocks that are not in the page cache into it in large
+    /// folios first (default true).
+    pub large_folios: Option<bool>,
 }
 
 /// `[cluster]`: join a cluster (flags and environment take precedence).

@@ -275,6 +275,16 @@ struct ServerArgs {
     /// plain HTTP connections.
     #[arg(long, env = "TARN_NO_SENDFILE")]
     no_sendfile: bool,
+    /// Keep the host's congestion control on connections from clients on
+    /// this host: by default a pacing one (BBR) is switched to one that
+    /// does not pace (cubic, or reno), as loopback has no link to pace for.
+    #[arg(long, env = "TARN_PACE_LOCAL_CLIENTS")]
+    pace_local_clients: bool,
+    /// Leave a GET's blocks that are not in the page cache to the kernel's
+    /// readahead (4 KiB pages for small files) instead of reading them in
+    /// large folios first.
+    #[arg(long, env = "TARN_NO_LARGE_FOLIOS")]
+    no_large_folios: bool,
 }
 
 fn store_config(
@@ -994,6 +1004,8 @@ fn run_server(args: ServerArgs) -> anyhow::Result<()> {
         kv_connections: kv.as_ref().map(|(_, s)| s.connections.clone()),
         tls: tls.as_ref().map(|t| t.cert.clone()),
         sendfile: !args.no_sendfile && file.sendfile.unwrap_or(true),
+        unpace_local: !args.pace_local_clients && !file.pace_local_clients.unwrap_or(false),
+        large_folios: !args.no_large_folios && file.large_folios.unwrap_or(true),
         local_read_lease: (!args.no_local_reads && file.local_reads.unwrap_or(true))
             .then(|| lease_secs.map_or(local_read::LEASE_DEFAULT, Duration::from_secs)),
         admin_bound,

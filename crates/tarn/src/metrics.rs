@@ -455,6 +455,14 @@ impl Metrics {
             "# HELP tarn_get_sendfile_bytes_total GET bytes sent from this node's shard files (sendfile) on plain HTTP connections, not copied into the socket.\n# TYPE tarn_get_sendfile_bytes_total counter\ntarn_get_sendfile_bytes_total {sent}\n\
              # HELP tarn_get_sendfile_fallbacks_total Sends from a shard file that could not send (the file shorter, an error) and wrote the same bytes from memory.\n# TYPE tarn_get_sendfile_fallbacks_total counter\ntarn_get_sendfile_fallbacks_total {fallbacks}"
         );
+        let (filled, fill_failed) = tarn_io::pagecache::counters();
+        let _ = writeln!(
+            out,
+            "# HELP tarn_get_large_folio_fill_bytes_total Bytes of GETs' shard files that were not in the page cache and were read into it in large folios before being read.\n# TYPE tarn_get_large_folio_fill_bytes_total counter\ntarn_get_large_folio_fill_bytes_total {filled}\n\
+             # HELP tarn_get_large_folio_fill_failures_total Fills that failed (the read that followed met the same error and dealt with it).\n# TYPE tarn_get_large_folio_fill_failures_total counter\ntarn_get_large_folio_fill_failures_total {fill_failed}\n\
+             # HELP tarn_s3_connections_unpaced_total Connections from clients on this host switched from a pacing congestion control (BBR) to one that does not pace.\n# TYPE tarn_s3_connections_unpaced_total counter\ntarn_s3_connections_unpaced_total {}",
+            tarn_io::net::unpaced()
+        );
         if let Some(l) = self.local_reads.get() {
             let c = &l.counters;
             let _ = writeln!(

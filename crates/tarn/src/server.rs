@@ -89,6 +89,11 @@ pub struct ServerSettings {
     /// Send GET bytes read from this node's shard files from the files
     /// (`tarn_io::spans`) on plain connections.
     pub sendfile: bool,
+    /// Switch connections from this host off a pacing congestion control
+    /// (`tarn_io::net::unpace_local`).
+    pub unpace_local: bool,
+    /// Fill the page cache in large folios for GETs (`tarn_io::pagecache`).
+    pub large_folios: bool,
 }
 
 /// Defaults of the two (docs/configuration.md).
@@ -1102,6 +1107,8 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     admin.set_nonblocking(true)?;
     let admin_addr = admin.local_addr()?;
     tarn_io::spans::set_enabled(settings.sendfile);
+    tarn_io::net::set_unpace_local(settings.unpace_local);
+    tarn_io::pagecache::set_enabled(settings.large_folios);
     let local_reads = match settings.local_read_lease {
         Some(lease) => Some(
             crate::local_read::LocalReads::bind(
@@ -1356,12 +1363,17 @@ async fn serve_core(
                 };
                 // Small responses must not wait for the delayed-ACK timer.
                 let _ = stream.set_nodelay(true);
+                let same_host = tarn_io::net::same_host(stream.local_addr().ok(), peer);
+                // No pacing to a client on this host: loopback has no link
+                // to pace for, and a pacing congestion control's timers
+                // cost a quarter of a large GET's CPU (`tarn_io::net`).
+                if same_host {
+                    tarn_io::net::unpace_local(std::os::fd::AsRawFd::as_raw_fd(&stream));
+                }
                 let state = Arc::new(ConnState::default());
                 let mut front = front.clone();
                 front.peer = Some(peer.ip());
-                front.local_peer = front.local_reads.is_some()
-                    && (peer.ip().is_loopback()
-                        || stream.local_addr().is_ok_and(|l| l.ip() == peer.ip()));
+                front.local_peer = front.local_reads.is_some() && same_host;
                 let io = ConnIo::new(stream, send_idle, min_rate, state.clone());
                 let (http, watcher, tls) = (http.clone(), graceful.watcher(), tls.clone());
                 tokio::spawn(async move {

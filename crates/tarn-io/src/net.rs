@@ -1,0 +1,149 @@
+//! TCP between two ends on the same host (issue 44).
+//!
+//! A congestion control that paces (BBR, the default on some hosts) spaces
+//! a sender's segments with a timer of the socket's own wherever the device
+//! has no `fq` queue to pace them, and loopback has none: every send then
+//! arms a high-resolution timer, and much of the data leaves from the timer
+//! interrupt instead of from the send. On loopback there is no link to
+//! pace for, and the timers cost a quarter of a large GET's server CPU
+//! (docs/benchmarks.md, "Server CPU for remote readers").
+//!
+//! [`unpace_local`] switches such a socket to a congestion control that
+//! does not pace (cubic, or reno where this process may not choose cubic:
+//! `net.ipv4.tcp_allowed_congestion_control`). Callers use it only for
+//! connections whose peer is on this host; anything else keeps the host's
+//! choice.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Connections switched to a congestion control that does not pace.
+static UNPACED: AtomicU64 = AtomicU64::new(0);
+/// Off: every socket keeps the host's congestion control
+/// (`--pace-local-clients`).
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns [`unpace_local`] on or off for the process.
+pub fn set_unpace_local(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Connections [`unpace_local`] switched so far.
+pub fn unpaced() -> u64 {
+    UNPACED.load(Ordering::Relaxed)
+}
+
+/// Whether a connection from `local` to `peer` stays on this host: a
+/// loopback peer, or one whose address is this end's own.
+pub fn same_host(local: Option<SocketAddr>, peer: SocketAddr) -> bool {
+    let same = |ip: IpAddr| local.is_some_and(|l| l.ip() == ip);
+    peer.ip().is_loopback() || same(peer.ip()) || {
+        // An IPv4 peer seen through an IPv6 socket.
+        match peer.ip() {
+            IpAddr::V6(v6) => v6
+                .to_ipv4_mapped()
+                .is_some_and(|v4| v4.is_loopback() || same(IpAddr::V4(v4))),
+            IpAddr::V4(_) => false,
+        }
+    }
+}
+
+/// The socket's congestion control, by name.
+pub fn congestion_control(fd: RawFd) -> Option<String> {
+    let mut name = [0u8; 16];
+    let mut len = name.len() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `name`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    let name = &name[..(len as usize).min(name.len())];
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    std::str::from_utf8(&name[..end]).ok().map(str::to_string)
+}
+
+/// Sets the socket's congestion control; false where refused.
+pub fn set_congestion_control(fd: RawFd, name: &str) -> bool {
+    // SAFETY: setsockopt reads `name.len()` bytes of `name`.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_ptr().cast(),
+            name.len() as libc::socklen_t,
+        ) == 0
+    }
+}
+
+/// For a connection whose peer is on this host: a socket whose congestion
+/// control paces (BBR) is switched to cubic, else reno. Returns the one it
+/// now uses when switched, None when left as it was (or when turned off).
+pub fn unpace_local(fd: RawFd) -> Option<&'static str> {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return None;
+    }
+    let now = congestion_control(fd)?;
+    if !now.starts_with("bbr") {
+        return None;
+    }
+    let to = ["cubic", "reno"]
+        .into_iter()
+        .find(|cc| set_congestion_control(fd, cc))?;
+    UNPACED.fetch_add(1, Ordering::Relaxed);
+    Some(to)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn peers_on_this_host() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(same_host(None, a("127.0.0.5:9000")));
+        assert!(same_host(None, a("[::1]:9000")));
+        assert!(same_host(None, a("[::ffff:127.0.0.1]:9000")));
+        assert!(same_host(Some(a("10.1.2.3:9000")), a("10.1.2.3:5555")));
+        assert!(same_host(
+            Some(a("[::ffff:10.1.2.3]:9000")),
+            a("[::ffff:10.1.2.3]:5555")
+        ));
+        assert!(!same_host(Some(a("10.1.2.3:9000")), a("10.1.2.4:5555")));
+        assert!(!same_host(None, a("10.1.2.4:5555")));
+    }
+
+    /// A paced socket is switched, any other left alone. Where this kernel
+    /// has no BBR, or this process may not choose it, there is no paced
+    /// socket to make and only the second half runs.
+    #[test]
+    fn a_paced_local_socket_stops_pacing() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let fd = c.as_raw_fd();
+        let before = unpaced();
+        if set_congestion_control(fd, "bbr") {
+            assert_eq!(congestion_control(fd).as_deref(), Some("bbr"));
+            let to = unpace_local(fd).expect("switched");
+            assert!(to == "cubic" || to == "reno", "{to}");
+            assert_eq!(congestion_control(fd).as_deref(), Some(to));
+            assert!(unpaced() > before);
+        } else {
+            eprintln!("no BBR here: the switch itself is not exercised");
+        }
+        assert!(set_congestion_control(fd, "reno"));
+        assert_eq!(unpace_local(fd), None, "reno does not pace");
+        assert_eq!(congestion_control(fd).as_deref(), Some("reno"));
+        assert!(!set_congestion_control(fd, "no-such-algorithm"));
+    }
+}
