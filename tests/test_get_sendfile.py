@@ -16,6 +16,17 @@ from tarnproc import metric
 SIZES = [1, 4095, 300 << 10, 1 << 20, (1 << 20) + 1, (3 << 20) + 12345, 20 << 20]
 
 
+def bucket_of_sizes(s, tag):
+    """A client and bucket "bkt" holding an object of each of SIZES (keys
+    o<size>, bodies named by `tag`)."""
+    c = s.client()
+    c.create_bucket(Bucket="bkt")
+    objs = {f"o{n}": data(f"{tag}-{n}", n) for n in SIZES}
+    for k, v in objs.items():
+        c.put_object(Bucket="bkt", Key=k, Body=v)
+    return c, objs
+
+
 def check_gets(c, bucket, objs, rng):
     for key, body in objs.items():
         assert c.get_object(Bucket=bucket, Key=key)["Body"].read() == body, key
@@ -29,11 +40,7 @@ def check_gets(c, bucket, objs, rng):
 @pytest.mark.parametrize("drives", [1, 4, 6])
 def test_plain_gets_send_shard_bytes_from_the_files(make_server, drives):
     s = make_server(drives=drives)
-    c = s.client()
-    c.create_bucket(Bucket="bkt")
-    objs = {f"o{n}": data(f"{drives}-{n}", n) for n in SIZES}
-    for k, v in objs.items():
-        c.put_object(Bucket="bkt", Key=k, Body=v)
+    c, objs = bucket_of_sizes(s, str(drives))
     # A multipart object: parts of their own shard files.
     mp = data("mp", (5 << 20) * 2 + 777)
     up = c.create_multipart_upload(Bucket="bkt", Key="mp")["UploadId"]
@@ -85,10 +92,6 @@ def test_a_corrupt_block_is_rebuilt_not_sent_from_its_file(make_server):
 
 def test_no_sendfile_writes_every_body_from_memory(make_server):
     s = make_server(drives=4, extra_args=["--no-sendfile"])
-    c = s.client()
-    c.create_bucket(Bucket="bkt")
-    objs = {f"o{n}": data(f"off-{n}", n) for n in SIZES}
-    for k, v in objs.items():
-        c.put_object(Bucket="bkt", Key=k, Body=v)
+    c, objs = bucket_of_sizes(s, "off")
     check_gets(c, "bkt", objs, random.Random(7))
     assert metric(s, "tarn_get_sendfile_bytes_total") == 0

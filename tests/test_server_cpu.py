@@ -11,6 +11,7 @@ beyond sending from the files (test_get_sendfile.py):
 * `tarn bench s3 --server-pid` reports the server's CPU per GB.
 """
 
+import glob
 import json
 import os
 import random
@@ -21,12 +22,10 @@ import pytest
 
 from conftest import data
 from tarnproc import ACCESS_KEY, BIN, SECRET_KEY, metric
-from test_get_sendfile import SIZES, check_gets, data_shard_files
+from test_get_sendfile import bucket_of_sizes, check_gets, data_shard_files
 
 
 def shard_files(s):
-    import glob
-
     return [p for p in glob.glob(os.path.join(s.root, "d*", "data", "*", "*")) if os.path.isfile(p)]
 
 
@@ -50,11 +49,7 @@ def test_cold_gets_fill_the_page_cache_and_read_right(make_server, drives):
     s = make_server(drives=drives)
     if on_tmpfs(s.root):
         pytest.skip("the drives are on tmpfs: the page cache cannot be dropped under the server")
-    c = s.client()
-    c.create_bucket(Bucket="bkt")
-    objs = {f"o{n}": data(f"cold-{drives}-{n}", n) for n in SIZES}
-    for k, v in objs.items():
-        c.put_object(Bucket="bkt", Key=k, Body=v)
+    c, objs = bucket_of_sizes(s, f"cold-{drives}")
     rng = random.Random(drives)
     # Cold: shard data is written with O_DIRECT (where it can be), and
     # what is in the page cache is dropped.
@@ -106,11 +101,7 @@ def test_a_cold_corrupt_block_is_rebuilt(make_server):
 
 def test_no_large_folios_leaves_the_cache_to_readahead(make_server):
     s = make_server(drives=4, extra_args=["--no-large-folios"])
-    c = s.client()
-    c.create_bucket(Bucket="bkt")
-    objs = {f"o{n}": data(f"nofill-{n}", n) for n in SIZES}
-    for k, v in objs.items():
-        c.put_object(Bucket="bkt", Key=k, Body=v)
+    c, objs = bucket_of_sizes(s, "nofill")
     check_gets(c, "bkt", objs, random.Random(3))
     assert metric(s, "tarn_get_large_folio_fill_bytes_total") == 0
 

@@ -937,7 +937,8 @@ fn phase(
     let issued = Arc::new(AtomicU64::new(0));
     let mut phase_args = args.clone();
     phase_args.count = count;
-    let cpu0 = (server_pid.map(process_cpu).transpose()?, process_cpu(0)?);
+    let server_cpu0 = server_pid.map(process_cpu).transpose()?;
+    let client_cpu0 = process_cpu(0)?;
     let start = Instant::now();
     let mut handles = Vec::new();
     for t in 0..threads {
@@ -1006,11 +1007,11 @@ fn phase(
         h.join()
             .map_err(|_| anyhow::anyhow!("bench thread panicked"))??;
     }
-    let server_cpu = match (server_pid, cpu0.0) {
-        (Some(pid), Some(c)) => Some(process_cpu(pid)? - c),
-        _ => None,
+    let server_cpu = match server_pid.zip(server_cpu0) {
+        Some((pid, c)) => Some(process_cpu(pid)? - c),
+        None => None,
     };
-    let client_cpu = process_cpu(0)? - cpu0.1;
+    let client_cpu = process_cpu(0)? - client_cpu0;
     let hist = shared.hist.lock().expect("hist").take().expect("histogram");
     let errors = shared.errors.lock().expect("errors").clone();
     Ok(Figures {
