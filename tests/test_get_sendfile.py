@@ -69,6 +69,19 @@ def data_shard_files(s, k):
     return out
 
 
+def flip_in_shard_0(files, at, mask):
+    """XORs byte `at` of data shard 0's file (of `files`) with `mask`, on
+    the drive (written and synced under the server)."""
+    victim = next(f for f in files if open(f, "rb").read()[-32:][6] == 0)
+    with open(victim, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def test_a_corrupt_block_is_rebuilt_not_sent_from_its_file(make_server):
     s = make_server(drives=4, expected_errors=("failed its checksum", "corrupt", "reconstruct"))
     c = s.client()
@@ -78,12 +91,7 @@ def test_a_corrupt_block_is_rebuilt_not_sent_from_its_file(make_server):
     files = data_shard_files(s, 2)
     assert len(files) == 2, files
     # A byte of the second block of data shard 0, flipped under the server.
-    victim = next(f for f in files if open(f, "rb").read()[-32:][6] == 0)
-    with open(victim, "r+b") as f:
-        f.seek((512 << 10) + 1000)
-        b = f.read(1)
-        f.seek((512 << 10) + 1000)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_in_shard_0(files, (512 << 10) + 1000, 0xFF)
     assert c.get_object(Bucket="bkt", Key="k")["Body"].read() == body
     got = c.get_object(Bucket="bkt", Key="k", Range="bytes=500000-1600000")["Body"].read()
     assert got == body[500000:1600001]

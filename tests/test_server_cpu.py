@@ -22,7 +22,7 @@ import pytest
 
 from conftest import data
 from tarnproc import ACCESS_KEY, BIN, SECRET_KEY, metric
-from test_get_sendfile import bucket_of_sizes, check_gets, data_shard_files
+from test_get_sendfile import bucket_of_sizes, check_gets, data_shard_files, flip_in_shard_0
 
 
 def shard_files(s):
@@ -82,14 +82,7 @@ def test_a_cold_corrupt_block_is_rebuilt(make_server):
     body = data("cold-corrupt", 8 << 20)
     c.put_object(Bucket="bkt", Key="k", Body=body)
     files = data_shard_files(s, 2)
-    victim = next(f for f in files if open(f, "rb").read()[-32:][6] == 0)
-    with open(victim, "r+b") as f:
-        f.seek((512 << 10) + 4321)
-        b = f.read(1)
-        f.seek((512 << 10) + 4321)
-        f.write(bytes([b[0] ^ 0x5A]))
-        f.flush()
-        os.fsync(f.fileno())
+    flip_in_shard_0(files, (512 << 10) + 4321, 0x5A)
     evict(files)
     assert c.get_object(Bucket="bkt", Key="k")["Body"].read() == body
     assert metric(s, "tarn_get_large_folio_fill_bytes_total") > 0
