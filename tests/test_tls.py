@@ -79,6 +79,7 @@ def test_s3_admin_and_console_over_tls_with_real_clients(make_server, pki, tmp_p
     assert c.get_object(Bucket="models", Key="big.bin")["Body"].read() == big.read_bytes()
     # TLS records are rustls's own buffers: nothing goes from the shard files.
     assert metric(s, "tarn_get_sendfile_bytes_total") == 0
+    assert metric(s, "tarn_get_file_view_bytes_total") == 0
 
     # A client that does not trust the CA is refused by its own checks; one
     # speaking plain HTTP to the TLS port gets no HTTP answer.

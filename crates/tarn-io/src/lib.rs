@@ -16,6 +16,7 @@ pub mod runtime;
 pub mod spans;
 pub mod tls;
 mod uring;
+pub mod view;
 
 pub use buf::AlignedBuf;
 pub use file::{File, IoBackend};

@@ -49,7 +49,7 @@ pub fn counters() -> (u64, u64) {
     )
 }
 
-fn page() -> u64 {
+pub(crate) fn page() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
@@ -127,23 +127,14 @@ pub fn fill(fd: &OwnedFd, offset: u64, len: usize) -> io::Result<()> {
     }
     let (start, map_len) = pages(offset, len);
     let map_len = map_len as usize;
-    // SAFETY: a fresh read-only shared mapping of an open descriptor at an
-    // address the kernel picks; unmapped below, never read.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            map_len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            start as libc::off_t,
-        )
+    // Unmapped below, never read.
+    let base = match map_read_only(fd, start, map_len) {
+        Ok(base) => base,
+        Err(e) => {
+            FAILED.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
     };
-    if base == libc::MAP_FAILED {
-        let e = io::Error::last_os_error();
-        FAILED.fetch_add(1, Ordering::Relaxed);
-        return Err(e);
-    }
     // Refused (THP off) or not, the populate reads the range in.
     // SAFETY: advice on our own mapping.
     unsafe { libc::madvise(base, map_len, libc::MADV_HUGEPAGE) };
@@ -168,6 +159,27 @@ pub fn fill(fd: &OwnedFd, offset: u64, len: usize) -> io::Result<()> {
         Err(_) => FAILED.fetch_add(1, Ordering::Relaxed),
     };
     r
+}
+
+/// A fresh read-only shared mapping of `len` bytes of the file from
+/// `start` (a page boundary), not populated; the caller unmaps it.
+pub(crate) fn map_read_only(fd: &OwnedFd, start: u64, len: usize) -> io::Result<*mut libc::c_void> {
+    // SAFETY: a new mapping of an open descriptor at an address the kernel
+    // picks: it aliases nothing of ours.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            start as libc::off_t,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(base)
 }
 
 #[cfg(test)]

@@ -61,6 +61,8 @@ struct Entry {
     len: usize,
     fd: Arc<OwnedFd>,
     offset: u64,
+    /// The memory is a view of the file (`crate::view`), not to be read.
+    view: bool,
 }
 
 /// Registered runs by their first address.
@@ -94,6 +96,29 @@ impl Drop for Registration {
 /// allocated and unchanged, and the file's bytes at that offset must not
 /// change; a run must not overlap another registered one.
 pub unsafe fn register(bytes: &[u8], fd: Arc<OwnedFd>, offset: u64) -> Option<Registration> {
+    // SAFETY: the caller's promise.
+    unsafe { insert(bytes, fd, offset, false) }
+}
+
+/// Registers `view`, a view of `fd`'s bytes from `offset`, to be sent from
+/// the file only: a connection whose `sendfile` fails ends the response
+/// instead of writing the view from memory. None when sending from files is
+/// off (the caller then must not hand the view on).
+pub fn register_view(
+    view: &crate::view::View,
+    fd: Arc<OwnedFd>,
+    offset: u64,
+) -> Option<Registration> {
+    // SAFETY: a view's memory is the file's bytes at `offset` (shard files
+    // are never written in place) and lives as long as the view, which its
+    // owner drops after the registration; views never overlap (each is its
+    // own mapping).
+    unsafe { insert(view.as_ref(), fd, offset, true) }
+}
+
+/// # Safety
+/// As for [`register`].
+unsafe fn insert(bytes: &[u8], fd: Arc<OwnedFd>, offset: u64, view: bool) -> Option<Registration> {
     if bytes.is_empty() || !enabled() {
         return None;
     }
@@ -111,6 +136,7 @@ pub unsafe fn register(bytes: &[u8], fd: Arc<OwnedFd>, offset: u64) -> Option<Re
             len: bytes.len(),
             fd,
             offset,
+            view,
         },
     );
     Some(Registration { start })
@@ -125,11 +151,13 @@ pub enum Plan {
     /// registered byte.
     Memory(usize),
     /// The first `len` bytes are the file's from `offset`: send them from
-    /// the file.
+    /// the file. `view`: their memory is a view of the file, sent from the
+    /// file or not at all.
     File {
         fd: Arc<OwnedFd>,
         offset: u64,
         len: usize,
+        view: bool,
     },
 }
 
@@ -155,6 +183,7 @@ pub fn plan(bufs: &[IoSlice<'_>]) -> Plan {
                     fd: e.fd.clone(),
                     offset: e.offset + (a - s) as u64,
                     len: (s + e.len).min(z) - a,
+                    view: e.view,
                 };
             }
         }

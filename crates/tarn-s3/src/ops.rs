@@ -406,6 +406,15 @@ fn check_conditions(
     .map_err(s3_error)
 }
 
+/// Runs a GET whose stream becomes the response body as it is: where the
+/// front marked the request's connection as sending from files, the
+/// store may hand its blocks on as views of their files
+/// (`tarn_store::store::SENDS_FROM_FILES`).
+async fn sends_from_files<F: std::future::Future>(ext: &http::Extensions, get: F) -> F::Output {
+    let on = ext.get::<tarn_store::store::SendsFromFiles>().is_some();
+    tarn_store::store::SENDS_FROM_FILES.scope(on, get).await
+}
+
 fn range_of(r: Option<Range>) -> Option<ByteRange> {
     r.map(|r| match r {
         Range::Int {
@@ -2317,7 +2326,7 @@ impl TarnS3 {
             let content_range = range
                 .is_some()
                 .then(|| format!("bytes {}-{}/{}", start, end.saturating_sub(1), info.size));
-            let body = cb.body(&i.key, entry, start, end).await;
+            let body = sends_from_files(&req.extensions, cb.body(&i.key, entry, start, end)).await;
             return Ok(S3Response::new(GetObjectOutput {
                 body: Some(StreamingBlob::wrap(body)),
                 content_length: Some((end - start) as i64),
@@ -2327,17 +2336,17 @@ impl TarnS3 {
         }
         crate::sse::refuse_on_read(&req.headers)?;
         let customer = crate::sse::customer_key(&req.headers, false)?;
-        let got = self
-            .get_decrypted(
-                &req.extensions,
-                &i.bucket,
-                &i.key,
-                i.version_id.as_deref(),
-                range,
-                part_number,
-                &conditions,
-                customer.as_ref(),
-            )
+        let got = self.get_decrypted(
+            &req.extensions,
+            &i.bucket,
+            &i.key,
+            i.version_id.as_deref(),
+            range,
+            part_number,
+            &conditions,
+            customer.as_ref(),
+        );
+        let got = sends_from_files(&req.extensions, got)
             .await
             .map_err(crate::ops_sse::Refused::into_s3)?;
         let info = got.info;

@@ -9,11 +9,34 @@ pub fn crc32c(data: &[u8]) -> u32 {
 
 /// CRC32C of the concatenation of `parts`.
 pub fn crc32c_parts(parts: &[&[u8]]) -> u32 {
-    let mut d = crc_fast::Digest::new(CrcAlgorithm::Crc32Iscsi);
+    let mut d = Crc32c::new();
     for p in parts {
         d.update(p);
     }
-    d.finalize() as u32
+    d.finish()
+}
+
+/// CRC32C of bytes given a slice at a time.
+pub struct Crc32c(crc_fast::Digest);
+
+impl Crc32c {
+    pub fn new() -> Self {
+        Crc32c(crc_fast::Digest::new(CrcAlgorithm::Crc32Iscsi))
+    }
+
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    pub fn finish(self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+impl Default for Crc32c {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// How a multipart object's checksum is formed from its parts' (S3's

@@ -223,22 +223,48 @@ impl AsyncWrite for ConnIo {
     ) -> Poll<io::Result<usize>> {
         // Runs of GET data the store read from a shard file go from the
         // file (`tarn_io::spans`); the rest, and anything a sendfile cannot
-        // send, from memory (which holds the same bytes).
+        // send, from memory (which holds the same bytes). A view of a file
+        // (`tarn_io::view`) is never read: what its sendfile cannot send
+        // ends the response (the client sees a body cut short).
         let r = match tarn_io::spans::plan(bufs) {
-            tarn_io::spans::Plan::File { fd, offset, len } => {
-                match self.poll_sendfile(cx, &fd, offset, len) {
-                    Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => {
-                        tarn_io::spans::count(None);
-                        let front = tarn_io::spans::prefix(bufs, len);
-                        self.stream().poll_write_vectored(cx, &front)
-                    }
-                    Poll::Ready(Ok(n)) => {
-                        tarn_io::spans::count(Some(n));
-                        Poll::Ready(Ok(n))
-                    }
-                    Poll::Pending => Poll::Pending,
+            tarn_io::spans::Plan::File {
+                fd,
+                offset,
+                len,
+                view: true,
+            } => match self.poll_sendfile(cx, &fd, offset, len) {
+                Poll::Ready(Ok(0)) => {
+                    tarn_io::spans::count(None);
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "a shard file ended before the bytes verified in it",
+                    )))
                 }
-            }
+                Poll::Ready(Ok(n)) => {
+                    tarn_io::spans::count(Some(n));
+                    Poll::Ready(Ok(n))
+                }
+                r => {
+                    if matches!(r, Poll::Ready(Err(_))) {
+                        tarn_io::spans::count(None);
+                    }
+                    r
+                }
+            },
+            tarn_io::spans::Plan::File {
+                fd, offset, len, ..
+            } => match self.poll_sendfile(cx, &fd, offset, len) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => {
+                    tarn_io::spans::count(None);
+                    let front = tarn_io::spans::prefix(bufs, len);
+                    self.stream().poll_write_vectored(cx, &front)
+                }
+                Poll::Ready(Ok(n)) => {
+                    tarn_io::spans::count(Some(n));
+                    Poll::Ready(Ok(n))
+                }
+                Poll::Pending => Poll::Pending,
+            },
             tarn_io::spans::Plan::Memory(n) => {
                 let front = tarn_io::spans::prefix(bufs, n);
                 self.stream().poll_write_vectored(cx, &front)
@@ -392,5 +418,33 @@ mod tests {
         assert!(fallbacks > fallbacks0);
         drop(regs);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A view is sent from its file or not at all: here the view lies past
+    /// the file's end, so its sendfile sends nothing and the write fails.
+    /// Reading the view's memory instead would raise SIGBUS (a mapping past
+    /// the end of its file) and end this test binary.
+    #[tokio::test]
+    async fn a_view_its_file_cannot_send_ends_the_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard");
+        std::fs::write(&path, b"FILE-0123456789").unwrap();
+        let fd: Arc<std::os::fd::OwnedFd> = Arc::new(std::fs::File::open(&path).unwrap().into());
+        let page = 4096;
+        let view = tarn_io::view::View::map(&fd, 4 * page, 100).unwrap();
+        let reg = tarn_io::spans::register_view(&view, fd.clone(), 4 * page).unwrap();
+        let (mut io, mut client) = pair().await;
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut client, &mut got).await;
+            got
+        });
+        io.write_all(b"head|").await.unwrap();
+        let e = io.write_all(view.as_ref()).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        drop(io);
+        assert_eq!(reader.await.unwrap(), b"head|".to_vec());
+        drop(reg);
+        drop(view);
     }
 }

@@ -455,6 +455,12 @@ impl Metrics {
             "# HELP tarn_get_sendfile_bytes_total GET bytes sent from this node's shard files (sendfile) on plain HTTP connections, not copied into the socket.\n# TYPE tarn_get_sendfile_bytes_total counter\ntarn_get_sendfile_bytes_total {sent}\n\
              # HELP tarn_get_sendfile_fallbacks_total Sends from a shard file that could not send (the file shorter, an error) and wrote the same bytes from memory.\n# TYPE tarn_get_sendfile_fallbacks_total counter\ntarn_get_sendfile_fallbacks_total {fallbacks}"
         );
+        let (viewed, view_missed) = tarn_io::view::counters();
+        let _ = writeln!(
+            out,
+            "# HELP tarn_get_file_view_bytes_total GET bytes verified where they lay in the page cache and sent from their shard files as views, never copied.\n# TYPE tarn_get_file_view_bytes_total counter\ntarn_get_file_view_bytes_total {viewed}\n\
+             # HELP tarn_get_file_view_misses_total Stripes a GET could not send as views (a block not all in the page cache, or one whose checksum failed there) and read the usual way.\n# TYPE tarn_get_file_view_misses_total counter\ntarn_get_file_view_misses_total {view_missed}"
+        );
         let (filled, fill_failed) = tarn_io::pagecache::counters();
         let _ = writeln!(
             out,

@@ -984,6 +984,13 @@ impl hyper::service::Service<http::Request<Incoming>> for Front {
         let body_over = over.clone();
         let min_rate = self.body_min_rate;
         let mut req = req;
+        // A plain connection sends a GET's blocks from their files, and
+        // nothing reads them on the way: they may go as views of the files
+        // (`tarn_io::view`). TLS reads every byte to encrypt it.
+        if op == "GetObject" && self.tls.is_none() && tarn_io::spans::enabled() {
+            req.extensions_mut()
+                .insert(tarn_store::store::SendsFromFiles);
+        }
         let tap = if op == "PostObject" {
             req.headers()
                 .get(http::header::CONTENT_TYPE)
@@ -1339,6 +1346,10 @@ async fn serve_core(
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30));
     let http = Arc::new(http);
+    // No pacing to clients on this host: loopback has no link to pace for,
+    // and a pacing congestion control's timers cost a quarter of a large
+    // GET's CPU (`tarn_io::net`).
+    let pacing = tarn_io::net::unpace_listener(std::os::fd::AsRawFd::as_raw_fd(&listener));
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -1364,12 +1375,7 @@ async fn serve_core(
                 // Small responses must not wait for the delayed-ACK timer.
                 let _ = stream.set_nodelay(true);
                 let same_host = tarn_io::net::same_host(stream.local_addr().ok(), peer);
-                // No pacing to a client on this host: loopback has no link
-                // to pace for, and a pacing congestion control's timers
-                // cost a quarter of a large GET's CPU (`tarn_io::net`).
-                if same_host {
-                    tarn_io::net::unpace_local(std::os::fd::AsRawFd::as_raw_fd(&stream));
-                }
+                pacing.accepted(std::os::fd::AsRawFd::as_raw_fd(&stream), same_host);
                 let state = Arc::new(ConnState::default());
                 let mut front = front.clone();
                 front.peer = Some(peer.ip());

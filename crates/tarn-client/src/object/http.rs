@@ -117,13 +117,10 @@ impl Conn {
         (connect_timeout, io_timeout): (Duration, Duration),
         tls: Option<&TlsTarget>,
     ) -> io::Result<Conn> {
-        let tcp = TcpStream::connect_timeout(addr, connect_timeout)?;
-        tcp.set_nodelay(true)?;
         // A node on this host: no pacing of what this client sends (its
         // PUTs), which loopback has no link for (`tarn_io::net`).
-        if tarn_io::net::same_host(tcp.local_addr().ok(), *addr) {
-            tarn_io::net::unpace_local(std::os::fd::AsRawFd::as_raw_fd(&tcp));
-        }
+        let tcp = tarn_io::net::connect(addr, connect_timeout)?;
+        tcp.set_nodelay(true)?;
         tcp.set_read_timeout(Some(io_timeout))?;
         tcp.set_write_timeout(Some(io_timeout))?;
         let stream = match tls {

@@ -336,10 +336,15 @@ impl Store {
                 let store = self.clone();
                 let (bucket, key) = (bucket.to_string(), key.to_string());
                 let caller = super::CALLER_READ_AHEAD.try_with(Arc::clone).ok();
+                // Views only where the bytes go untouched to the connection:
+                // an encrypted version's are opened on the way.
+                let views = v.seal.is_none()
+                    && super::SENDS_FROM_FILES.try_with(|s| *s).unwrap_or(false)
+                    && tarn_io::spans::enabled();
                 let read = async move {
                     let _pin = pin;
                     if let Err(e) = store
-                        .send_range(set, &bucket, &key, &v, start, end, &tx)
+                        .send_range(set, &bucket, &key, &v, start, end, views, &tx)
                         .await
                     {
                         tracing::error!(%bucket, %key, error = %e, "read failed mid-stream");
@@ -415,6 +420,7 @@ impl Store {
         v: &VersionMeta,
         start: u64,
         end: u64,
+        views: bool,
         tx: &mpsc::Sender<Result<Bytes, StoreError>>,
     ) -> Result<(), StoreError> {
         let Storage::Parts(parts) = &v.storage else {
@@ -428,7 +434,7 @@ impl Store {
                 let a = start.max(part_start) - part_start;
                 let b = end.min(part_end) - part_start;
                 let ok = self
-                    .read_part_range(set, &v.layout, part, a, b, tx, &mut damaged)
+                    .read_part_range(set, &v.layout, part, (a, b), views, tx, &mut damaged)
                     .await;
                 if let Err(e) = ok {
                     if damaged {
@@ -455,15 +461,17 @@ impl Store {
         Ok(())
     }
 
-    /// Reads bytes [a, b) of one part, sending them stripe by stripe.
+    /// Reads bytes [a, b) of one part, sending them stripe by stripe;
+    /// `views`: blocks that verify in the page cache may go as views of
+    /// their files (`Self::view_stripe`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn read_part_range(
         &self,
         set: usize,
         layout: &Layout,
         part: &PartMeta,
-        a: u64,
-        b: u64,
+        (a, b): (u64, u64),
+        views: bool,
         tx: &mpsc::Sender<Result<Bytes, StoreError>>,
         damaged: &mut bool,
     ) -> Result<(), StoreError> {
@@ -486,14 +494,27 @@ impl Store {
             // At most half the queue, so that two stripes always fit.
             let pieces = len.div_ceil(PIECE_BYTES).min(READ_AHEAD_PIECES / 2);
             let piece = len.div_ceil(pieces);
+            // The data blocks the range touches, when they may go as views
+            // (one piece each, so no more than half the queue either).
+            let view_blocks = if views {
+                reader.direct_blocks(j).map(|blocks| {
+                    let (first, end) = ((lo / sl) as usize, hi.div_ceil(sl) as usize);
+                    let touched = blocks.into_iter().enumerate().skip(first);
+                    touched.take(end - first).collect::<Vec<_>>()
+                })
+            } else {
+                None
+            }
+            .filter(|b| b.len() <= READ_AHEAD_PIECES / 2);
+            let room = pieces.max(view_blocks.as_ref().map_or(0, Vec::len));
             // Room in the channel first: while the client is not taking
             // what is queued, this read holds no pool buffers (they go back
             // to the pool for other requests) and no data of its own.
-            let permits = match tx.try_reserve_many(pieces) {
+            let mut permits = match tx.try_reserve_many(room) {
                 Ok(p) => p,
                 Err(mpsc::error::TrySendError::Full(())) => {
                     reader.release_buffers();
-                    match tx.reserve_many(pieces).await {
+                    match tx.reserve_many(room).await {
                         Ok(p) => p,
                         Err(_) => return Ok(()), // the client went away
                     }
@@ -505,13 +526,28 @@ impl Store {
             // is queued to them.
             let caller = super::CALLER_READ_AHEAD.try_with(Arc::clone).ok();
             let mut caller_budget = match caller {
-                Some(c) => Some(self.read_ahead_room(&c, pieces, &mut reader).await?),
+                Some(c) => Some(self.read_ahead_room(&c, room, &mut reader).await?),
                 None => None,
             };
             let budget = self
-                .read_ahead_room(&self.read_ahead, pieces, &mut reader)
+                .read_ahead_room(&self.read_ahead, room, &mut reader)
                 .await?;
             let mut budget = Some(budget);
+            if let Some(viewed) = view_blocks.and_then(|b| view_stripe(&b, sl, lo, hi)) {
+                for (reg, view) in viewed {
+                    let Some(permit) = permits.next() else {
+                        unreachable!("a permit for each view")
+                    };
+                    let (share, caller_share) = (one_of(&mut budget), one_of(&mut caller_budget));
+                    permit.send(Ok(Bytes::from_owner(ViewPiece(
+                        reg,
+                        view,
+                        share,
+                        caller_share,
+                    ))));
+                }
+                continue;
+            }
             let mut out: Vec<PieceBuf> = Vec::with_capacity(pieces);
             let mut runs: Vec<Vec<Run>> = Vec::with_capacity(pieces);
             // A whole stripe whose blocks split into the pieces planned is
@@ -596,6 +632,83 @@ impl Store {
 /// A run of a piece copied from a shard file of this node: (offset in the
 /// piece, length, the file, offset in the file).
 type Run = (usize, usize, Arc<std::os::fd::OwnedFd>, u64);
+
+/// A data block of a stripe in a file of this node: its index in the
+/// stripe, and (the file, the block's offset there, its checksum).
+type FileBlock = (usize, (Arc<std::os::fd::OwnedFd>, u64, u32));
+
+/// A GET's piece that is a view of a shard file's bytes, verified in the
+/// page cache (`tarn_io::view`), and its shares of the read-ahead budget.
+/// The registration drops before the view is unmapped (fields drop in
+/// order).
+struct ViewPiece(
+    #[allow(dead_code)] tarn_io::spans::Registration,
+    tarn_io::view::View,
+    #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
+    #[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>,
+);
+
+impl AsRef<[u8]> for ViewPiece {
+    fn as_ref(&self) -> &[u8] {
+        self.1.as_ref()
+    }
+}
+
+/// Bytes `lo..hi` of a stripe (blocks of `sl` bytes), whose touched data
+/// `blocks` are all files of this node, as one view of each block's share,
+/// registered to be sent from its file; None unless every block is whole
+/// in the page cache and verifies against its checksum there (read through
+/// the thread's scratch buffer, never waiting for the drive). The usual
+/// path then reads the stripe and deals with whatever is wrong.
+fn view_stripe(
+    blocks: &[FileBlock],
+    sl: u64,
+    lo: u64,
+    hi: u64,
+) -> Option<Vec<(tarn_io::spans::Registration, tarn_io::view::View)>> {
+    let missed = || {
+        tarn_io::view::count(None);
+        None
+    };
+    // Every block whole and verified before any view is made.
+    for (_, (fd, off, want)) in blocks {
+        if !verified_in_cache(fd, *off, sl as usize, *want) {
+            return missed();
+        }
+    }
+    let mut out = Vec::with_capacity(blocks.len());
+    for (i, (fd, off, _)) in blocks {
+        let s_lo = *i as u64 * sl;
+        let (from, to) = (lo.max(s_lo), hi.min(s_lo + sl));
+        let at = off + (from - s_lo);
+        let Ok(view) = tarn_io::view::View::map(fd, at, (to - from) as usize) else {
+            return missed();
+        };
+        let reg = tarn_io::spans::register_view(&view, fd.clone(), at)?;
+        out.push((reg, view));
+    }
+    tarn_io::view::count(Some((hi - lo) as usize));
+    Some(out)
+}
+
+/// Whether `len` bytes of the file from `off` are all in the page cache and
+/// their CRC32C is `want`: read a scratch buffer at a time, each checked
+/// while it is in the core's cache.
+fn verified_in_cache(fd: &std::os::fd::OwnedFd, off: u64, len: usize, want: u32) -> bool {
+    tarn_io::view::with_scratch(|scratch| {
+        let mut crc = crate::checksum::Crc32c::new();
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(scratch.len());
+            match tarn_io::view::read_cached(fd, off + at as u64, &mut scratch[..n]) {
+                Ok(true) => crc.update(&scratch[..n]),
+                Ok(false) | Err(_) => return false,
+            }
+            at += n;
+        }
+        crc.finish() == want
+    })
+}
 
 impl Store {
     /// A whole stripe (its data `blocks`, from `PartReader::direct_blocks`,

@@ -135,7 +135,21 @@ tokio::task_local! {
     /// take room in it before the shared budget, so one caller's unread
     /// responses cannot hold all of it.
     pub static CALLER_READ_AHEAD: Arc<tokio::sync::Semaphore>;
+
+    /// Whether the GET a request makes goes, untouched, to a plain HTTP
+    /// connection that sends registered runs from their files (set by the
+    /// S3 layer where it hands a GET's stream to the response, when the
+    /// front marked the request with [`SendsFromFiles`]). Its blocks that
+    /// verify in the page cache then go as views of their files, never
+    /// copied (`tarn_io::view`).
+    pub static SENDS_FROM_FILES: bool;
 }
+
+/// A request extension: the connection sends registered runs from their
+/// files and nothing reads an object GET's body on the way to it (a plain
+/// HTTP connection, sending from files on).
+#[derive(Debug, Clone, Copy)]
+pub struct SendsFromFiles;
 
 /// Pieces of read-ahead (`get::PIECE_BYTES` each) in a budget of `bytes`.
 pub fn read_ahead_pieces(bytes: usize) -> usize {
