@@ -99,18 +99,22 @@ pub fn set_congestion_control(fd: RawFd, name: &str) -> bool {
 /// control paces (BBR) is switched to cubic, else reno. Returns the one it
 /// now uses when switched, None when left as it was (or when turned off).
 pub fn unpace_local(fd: RawFd) -> Option<&'static str> {
+    let (_, to) = switch_off_pacing(fd)?;
+    UNPACED.fetch_add(1, Ordering::Relaxed);
+    Some(to)
+}
+
+/// Unless turned off: a socket whose congestion control paces (BBR) is
+/// switched to cubic, else reno; (the one it had, the one it has now).
+fn switch_off_pacing(fd: RawFd) -> Option<(String, &'static str)> {
     if !ENABLED.load(Ordering::Relaxed) {
         return None;
     }
-    let now = congestion_control(fd)?;
-    if !now.starts_with("bbr") {
-        return None;
-    }
+    let was = congestion_control(fd).filter(|cc| cc.starts_with("bbr"))?;
     let to = ["cubic", "reno"]
         .into_iter()
         .find(|cc| set_congestion_control(fd, cc))?;
-    UNPACED.fetch_add(1, Ordering::Relaxed);
-    Some(to)
+    Some((was, to))
 }
 
 /// What a listener's connections start with: the pacing congestion
@@ -124,19 +128,7 @@ pub struct ListenerPacing(Option<String>);
 /// host's choice is given back to the others by
 /// [`ListenerPacing::accepted`].
 pub fn unpace_listener(fd: RawFd) -> ListenerPacing {
-    if !ENABLED.load(Ordering::Relaxed) {
-        return ListenerPacing(None);
-    }
-    let Some(was) = congestion_control(fd).filter(|cc| cc.starts_with("bbr")) else {
-        return ListenerPacing(None);
-    };
-    match ["cubic", "reno"]
-        .into_iter()
-        .find(|cc| set_congestion_control(fd, cc))
-    {
-        Some(_) => ListenerPacing(Some(was)),
-        None => ListenerPacing(None),
-    }
+    ListenerPacing(switch_off_pacing(fd).map(|(was, _)| was))
 }
 
 impl ListenerPacing {

@@ -231,39 +231,27 @@ impl AsyncWrite for ConnIo {
                 fd,
                 offset,
                 len,
-                view: true,
+                view,
             } => match self.poll_sendfile(cx, &fd, offset, len) {
-                Poll::Ready(Ok(0)) => {
-                    tarn_io::spans::count(None);
-                    Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "a shard file ended before the bytes verified in it",
-                    )))
-                }
-                Poll::Ready(Ok(n)) => {
-                    tarn_io::spans::count(Some(n));
-                    Poll::Ready(Ok(n))
-                }
-                r => {
-                    if matches!(r, Poll::Ready(Err(_))) {
-                        tarn_io::spans::count(None);
-                    }
-                    r
-                }
-            },
-            tarn_io::spans::Plan::File {
-                fd, offset, len, ..
-            } => match self.poll_sendfile(cx, &fd, offset, len) {
-                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => {
-                    tarn_io::spans::count(None);
-                    let front = tarn_io::spans::prefix(bufs, len);
-                    self.stream().poll_write_vectored(cx, &front)
-                }
-                Poll::Ready(Ok(n)) => {
+                Poll::Ready(Ok(n)) if n > 0 => {
                     tarn_io::spans::count(Some(n));
                     Poll::Ready(Ok(n))
                 }
                 Poll::Pending => Poll::Pending,
+                Poll::Ready(r) => {
+                    tarn_io::spans::count(None);
+                    if view {
+                        Poll::Ready(Err(r.err().unwrap_or_else(|| {
+                            io::Error::new(
+                                io::ErrorKind::UnexpectedEof,
+                                "a shard file ended before the bytes verified in it",
+                            )
+                        })))
+                    } else {
+                        let front = tarn_io::spans::prefix(bufs, len);
+                        self.stream().poll_write_vectored(cx, &front)
+                    }
+                }
             },
             tarn_io::spans::Plan::Memory(n) => {
                 let front = tarn_io::spans::prefix(bufs, n);

@@ -338,9 +338,8 @@ impl Store {
                 let caller = super::CALLER_READ_AHEAD.try_with(Arc::clone).ok();
                 // Views only where the bytes go untouched to the connection:
                 // an encrypted version's are opened on the way.
-                let views = v.seal.is_none()
-                    && super::SENDS_FROM_FILES.try_with(|s| *s).unwrap_or(false)
-                    && tarn_io::spans::enabled();
+                let views =
+                    v.seal.is_none() && super::SENDS_FROM_FILES.try_with(|s| *s).unwrap_or(false);
                 let read = async move {
                     let _pin = pin;
                     if let Err(e) = store
