@@ -1207,7 +1207,17 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                                 node.spawn_watch();
                             }
                             tokio::spawn(trim_memory(store.clone()));
-                            tokio::spawn(resume_prefetches(admin_ctx.2.clone()));
+                            let mut resume = tokio::spawn(resume_prefetches(admin_ctx.2.clone()));
+                            // The jobs that were running are running again
+                            // before the admin API answers, so its first
+                            // listing of jobs shows them.
+                            if admin_ctx.2.is_loaded()
+                                && tokio::time::timeout(RESUME_WAIT, &mut resume).await.is_err()
+                            {
+                                tracing::warn!(
+                                    "the prefetch jobs that were running are still being read: serving meanwhile"
+                                );
+                            }
                             tokio::spawn(
                                 tarn_s3::lifecycle::Scanner::new(
                                     admin_ctx.2.clone(),
@@ -1427,6 +1437,10 @@ async fn serve_connection<I>(
         tracing::debug!(%error, "connection ended with an error");
     }
 }
+
+/// How long serving the admin API waits at start for the prefetch jobs that
+/// were running to be read again.
+const RESUME_WAIT: Duration = Duration::from_secs(10);
 
 /// Prefetch jobs that were running when the server stopped (their records
 /// are kept until they finish) run again, once the settings are read.
