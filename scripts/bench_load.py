@@ -95,8 +95,10 @@ def files(endpoint, bucket, prefix):
 
 def run(loader, endpoint, bucket, prefix, device, concurrency):
     """One load into `device`; prints seconds, bytes, the CPU seconds of the
-    load itself (imports and the listing excluded) and the peak RSS. The
-    tensor config.json names is kept and compared with what was stored."""
+    load itself (imports and the listing excluded) and the peak RSS. Every
+    loader keeps every tensor to the end, as a caller keeps the weights
+    (memory it cannot give back to the next tensor); the tensor config.json
+    names is compared with what was stored."""
     import torch
 
     import tarn.objects
@@ -105,7 +107,8 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     keys = files(endpoint, bucket, prefix)
     probe = json.loads(tarn.objects.Client(endpoint).get(bucket, prefix + "config.json"))["bench_probe"]["name"]
     kept = None
-    if loader in ("tarn", "tarn-http", "tarn-reuse"):
+    weights = []
+    if loader in ("tarn", "tarn-copy", "tarn-http", "tarn-reuse"):
         import tarn.loader
     elif loader in ("shards", "shards-reuse"):
         from concurrent.futures import ThreadPoolExecutor
@@ -126,14 +129,21 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic()
     nbytes = 0
-    if loader in ("tarn", "tarn-http"):
-        c = tarn.objects.Client(endpoint, connections=concurrency, local_reads=loader == "tarn")
-        for name, t in tarn.loader.stream(f"s3://{bucket}/{prefix}", device=dev, client=c):
+    if loader in ("tarn", "tarn-copy", "tarn-http"):
+        # `tarn-copy`: short-circuit reads copying into the tensors
+        # (map_local=False) rather than mapping the shard files' pages.
+        c = tarn.objects.Client(endpoint, connections=concurrency, local_reads=loader != "tarn-http")
+        load = tarn.loader.stream(f"s3://{bucket}/{prefix}", device=dev, client=c, map_local=loader == "tarn")
+        for name, t in load:
             nbytes += t.numel() * t.element_size()
             kept = t if name == probe else kept
+            weights.append(t)
         st = c.stats()
-        if loader == "tarn" and not st["local_bytes"]:
+        if loader != "tarn-http" and not st["local_bytes"]:
             raise SystemExit(f"no short-circuit reads happened: {st}")
+        mappable = any(t.numel() * t.element_size() >= tarn.loader.MAP_MIN_BYTES for t in weights)
+        if loader == "tarn" and dev.type == "cpu" and mappable and not st["local_mapped_bytes"]:
+            raise SystemExit(f"no mapped reads happened: {st}")
     elif loader == "tarn-reuse":
         # The object client under the loader, with short-circuit reads: the
         # model's files read whole, one after the other, into one buffer it
@@ -181,10 +191,12 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
         with SafetensorsStreamer() as s:
             s.stream_files([f"s3://{bucket}/{k}" for k, _ in keys])
             for name, t in s.get_tensors():
-                t = t.to(dev)
+                # The streamer reuses its host buffers: a caller keeping the
+                # weights in host memory copies them out.
+                t = t.to(dev) if dev.type != "cpu" else t.clone()
                 nbytes += t.numel() * t.element_size()
-                # The streamer reuses its host buffers: keep a copy.
-                kept = t.clone() if name == probe else kept
+                kept = t if name == probe else kept
+                weights.append(t)
     elif loader == "boto3":
         chunk = 8 * MIB
         with ThreadPoolExecutor(concurrency) as ex:
@@ -201,6 +213,7 @@ def run(loader, endpoint, bucket, prefix, device, concurrency):
                     t = t.to(dev)
                     nbytes += t.numel() * t.element_size()
                     kept = t if name == probe else kept
+                    weights.append(t)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     secs = time.monotonic() - t0

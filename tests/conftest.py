@@ -3,6 +3,7 @@ clients. Every server is started on ephemeral ports and stopped by its PID.
 A test fails if the server log holds an ERROR line it did not expect."""
 
 import hashlib
+import os
 
 import pytest
 
@@ -61,6 +62,15 @@ def data(seed, n):
         block = hashlib.sha256(block).digest()
         out += block * 32
     return bytes(out[:n])
+
+
+def footer_shard_index(path):
+    """The shard index a shard file's footer names."""
+    with open(path, "rb") as f:
+        f.seek(-32, os.SEEK_END)
+        footer = f.read(32)
+    assert footer[:4] == b"TRNS"
+    return footer[6]
 
 
 def md5hex(b):

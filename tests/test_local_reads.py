@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tarn.objects as objects
-from conftest import data
+from conftest import data, footer_shard_index
 import localraw
 from localraw import Raw, proof
 from tarnproc import ACCESS_KEY, SECRET_KEY, add_user
@@ -332,14 +332,6 @@ def test_another_uid_reads_only_what_it_is_granted(make_server, tmp_path):
 
 def shard_files(server):
     return [f for d in server.drives for f in glob.glob(os.path.join(d, "data", "*", "*"))]
-
-
-def footer_shard_index(path):
-    with open(path, "rb") as f:
-        f.seek(-32, os.SEEK_END)
-        footer = f.read(32)
-    assert footer[:4] == b"TRNS"
-    return footer[6]
 
 
 def test_a_corrupt_shard_is_read_over_http_and_counted(make_server):

@@ -59,6 +59,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 SUBMIT_BYTES = 64 << 20
 #: Bytes broadcast between error checks in a distributed load.
 ROUND_BYTES = 256 << 20
+#: Host tensors at least this large are made in :class:`tarn._native.HostMemory`,
+#: whose pages short-circuit reads may map from the shard files (``map_local``).
+MAP_MIN_BYTES = 1 << 20
+#: Page size: a mapped tensor starts as far into its first page as its bytes
+#: are into a page of the file, so whole pages line up with the file's.
+PAGE = 4096
 
 
 class LoaderError(TarnError):
@@ -298,6 +304,18 @@ class Loader:
     ``local_bytes`` from the shard files of a node on this host), files,
     tensors, seconds, and the most bytes it held for the caller at once
     (``peak_held_bytes``).
+
+    ``map_local`` (on by default): host tensors of :data:`MAP_MIN_BYTES` or
+    more get memory of their own (:class:`tarn._native.HostMemory`, freed
+    with the tensor), and short-circuit reads put the shard files' pages in
+    it instead of copying them: private mappings of the page cache, locked,
+    then checked against the blocks' checksums (``local_mapped_bytes`` in
+    ``stats``). The weights then cost no memory beyond the page cache, which
+    processes loading the same model share; a write to such a tensor copies
+    the page it touches, and the stored object never changes. Such tensors
+    are not resizable (``resize_``), like any made by ``torch.frombuffer``.
+    Where pages cannot be locked (``RLIMIT_MEMLOCK`` without
+    ``CAP_IPC_LOCK``), bytes are copied as usual.
     """
 
     def __init__(
@@ -310,6 +328,7 @@ class Loader:
         process_group: Any = None,
         files_dir: Optional[str] = None,
         pin_memory: bool = False,
+        map_local: bool = True,
         _stage_cpu_tensors: bool = False,
     ):
         import torch
@@ -317,6 +336,7 @@ class Loader:
         self.client = client or Client()
         self.device = torch.device(device)
         self.pin_memory = pin_memory and self.device.type == "cpu"
+        self.map_local = map_local and self.device.type == "cpu" and not self.pin_memory and not _stage_cpu_tensors
         self.memory_cap = memory_cap
         self.group = process_group
         self._stage_cpu = _stage_cpu_tensors
@@ -351,6 +371,15 @@ class Loader:
     def _alloc(self, t: TensorSpec):
         import torch
 
+        if self.map_local and t.nbytes >= MAP_MIN_BYTES and t.start % t.dtype.itemsize == 0:
+            # Its own memory, freed with it; starting as far into a page as
+            # its bytes are into a page of the object, so a short-circuit
+            # read can map whole pages of the shard files into it (a tensor
+            # whose bytes are not aligned to its elements in the file gets
+            # aligned memory instead).
+            pad = t.start % PAGE
+            mem = objects.HostMemory(pad + t.nbytes)
+            return torch.frombuffer(mem, dtype=t.dtype, count=t.nbytes // t.dtype.itemsize, offset=pad).view(t.shape)
         return torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=self.pin_memory)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -366,7 +395,7 @@ class Loader:
 
     def _finish(self) -> None:
         s = self.client.stats()
-        for k in ("bytes_received", "requests", "retries", "local_bytes", "local_fallback_bytes"):
+        for k in ("bytes_received", "requests", "retries", "local_bytes", "local_fallback_bytes", "local_mapped_bytes"):
             self.stats[k] = s[k] - self._s0[k]
         self.stats["seconds"] = time.monotonic() - self._t0
 
@@ -492,5 +521,5 @@ def stream(uri: Union[str, Sequence[str]], device: Any = "cpu", **kw: Any) -> It
 def load(uri: Union[str, Sequence[str]], device: Any = "cpu", **kw: Any) -> dict[str, Any]:
     """Every tensor of the model, ``{name: tensor}``, in ``device`` memory.
     Keyword arguments as :class:`Loader`: ``client``, ``memory_cap``,
-    ``process_group``, ``files_dir``, ``pin_memory``."""
+    ``process_group``, ``files_dir``, ``pin_memory``, ``map_local``."""
     return dict(Loader(uri, device, **kw))

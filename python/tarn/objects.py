@@ -50,7 +50,13 @@ __all__ = [
     "ObjectPermissionError",
     "ObjectConnectionError",
     "parse_uri",
+    "HostMemory",
 ]
+
+#: Zeroed host memory, freed with its last reference, that local reads may
+#: fill by mapping the shard files' verified, locked page-cache pages
+#: (``torch.frombuffer(HostMemory(n), ...)`` makes a tensor of it).
+HostMemory = _native.HostMemory
 
 #: Host memory for staging reads into GPU memory, per ring, by default.
 STAGING_BYTES = 256 << 20
@@ -121,7 +127,10 @@ class Client(_native.ObjectClient):
     checked here); ``local_reads=False`` or ``TARN_LOCAL_READS=0`` turns
     that off. ``stats()`` says how many bytes came each way
     (``local_bytes``, ``bytes_received`` over HTTP, ``local_fallback_bytes``).
-    """
+    Into :class:`HostMemory` (``tarn._native.HostMemory(nbytes)``, the
+    loader's host tensors), local reads map the files' verified, locked
+    page-cache pages instead of copying (copy-on-write;
+    ``local_mapped_bytes``; docs/local-reads.md, "Mapped reads")."""
 
     def head(self, bucket: str, key: str) -> ObjectInfo:
         """Size and ETag of an object."""

@@ -817,6 +817,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Located>()?;
     m.add_class::<objects::ObjectClient>()?;
     m.add_class::<objects::Ring>()?;
+    m.add_class::<objects::HostMemory>()?;
     m.add_class::<objects::Multipart>()?;
     m.add("DIGEST_BYTES", std::mem::size_of::<Digest>())?;
     Ok(())

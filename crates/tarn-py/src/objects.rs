@@ -499,6 +499,7 @@ impl ObjectClient {
         d.set_item("connections_opened", s.connections_opened)?;
         d.set_item("local_bytes", s.local_bytes)?;
         d.set_item("local_fallback_bytes", s.local_fallback_bytes)?;
+        d.set_item("local_mapped_bytes", s.local_mapped_bytes)?;
         d.set_item("local_grants", s.local_grants)?;
         Ok(d)
     }
@@ -675,4 +676,67 @@ impl Ring {
     fn cancel(&self) {
         self.ring.cancel();
     }
+}
+
+/// Host memory that short-circuit reads may fill by mapping the shard files'
+/// verified, locked page-cache pages (copy-on-write) instead of copying:
+/// `torch.frombuffer(HostMemory(n), ...)` makes a tensor of it (the loader's
+/// CPU tensors). Zeroed; freed with the last reference to it.
+#[pyclass(frozen, module = "tarn._native", name = "HostMemory")]
+pub struct HostMemory(object::HostMemory);
+
+#[pymethods]
+impl HostMemory {
+    #[new]
+    fn new(nbytes: usize) -> PyResult<HostMemory> {
+        object::HostMemory::new(nbytes)
+            .map(HostMemory)
+            .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(format!("{nbytes} bytes: {e}")))
+    }
+
+    fn __len__(&self) -> usize {
+        self.0.len()
+    }
+
+    /// The address of its first byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+
+    /// Runs of shard-file pages mapped into it.
+    #[getter]
+    fn mapped_runs(&self) -> usize {
+        self.0.mapped_runs()
+    }
+
+    /// # Safety
+    /// Called by Python with a view to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = (slf.get().0.as_ptr(), slf.get().0.len());
+        // SAFETY: the memory lives as long as the object, which the view
+        // holds a reference to (PyBuffer_FillInfo takes one).
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr.cast(),
+                len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by Python for a view `__getbuffer__` filled.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }

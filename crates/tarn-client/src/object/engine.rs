@@ -22,8 +22,8 @@ use super::http::{self, Body, Conn, Head};
 use super::plan;
 use super::upload::PartJob;
 use super::{
-    xml, Counters, Error, Failure, Listed, ObjectError, ObjectInfo, ReadState, RingState, Stats,
-    UploadInfo,
+    xml, Counters, DirListing, Error, Failure, Listed, ObjectError, ObjectInfo, ReadState,
+    RingState, Stats, UploadInfo,
 };
 use crate::sigv4::{uri_encode, Signer};
 
@@ -363,6 +363,7 @@ impl Shared {
             let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
             s.local_bytes = g(&l.counters.bytes);
             s.local_fallback_bytes = g(&l.counters.fallback_bytes);
+            s.local_mapped_bytes = g(&l.counters.mapped_bytes);
             s.local_grants = g(&l.counters.grants);
         }
         s
@@ -545,6 +546,7 @@ impl Shared {
         Ok(ObjectInfo {
             size,
             etag: h.header("etag").unwrap_or_default().to_string(),
+            last_modified: h.header("last-modified").unwrap_or_default().to_string(),
         })
     }
 
@@ -634,6 +636,7 @@ impl Shared {
                     ObjectInfo {
                         size: 0,
                         etag: String::new(),
+                        last_modified: String::new(),
                     },
                 ));
             }
@@ -650,14 +653,67 @@ impl Shared {
         };
         let mut body = body;
         body.truncate(len as usize);
-        Ok((body, ObjectInfo { size, etag }))
+        let last_modified = h.header("last-modified").unwrap_or_default().to_string();
+        Ok((
+            body,
+            ObjectInfo {
+                size,
+                etag,
+                last_modified,
+            },
+        ))
     }
 
-    pub(crate) fn list(&self, bucket: &str, prefix: &str) -> Result<Vec<Listed>, Error> {
-        let mut out = Vec::new();
+    pub(crate) fn list_dir(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        limit: Option<usize>,
+    ) -> Result<DirListing, Error> {
+        let mut out = DirListing::default();
+        self.list_pages(bucket, prefix, true, limit, |doc| {
+            out.objects
+                .extend(xml::blocks(doc, "Contents").into_iter().map(listed));
+            for p in xml::blocks(doc, "CommonPrefixes") {
+                if let Some(p) = xml::first(p, "Prefix") {
+                    out.prefixes.push(p);
+                }
+            }
+            let had = out.objects.len() + out.prefixes.len();
+            match limit {
+                Some(l) if had >= l => {
+                    out.truncated = xml::first(doc, "IsTruncated").as_deref() == Some("true");
+                    None
+                }
+                Some(l) => Some(l - had),
+                None => Some(usize::MAX),
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// ListObjectsV2 page by page (`/`-delimited if asked), asking for
+    /// `want` entries at first: `page` takes each page's document and says
+    /// how many more entries are wanted (None: no more pages).
+    fn list_pages(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimited: bool,
+        want: Option<usize>,
+        mut page: impl FnMut(&str) -> Option<usize>,
+    ) -> Result<(), Error> {
+        let max_keys = |n: usize| (n < 1000).then(|| n.max(1).to_string());
         let mut token: Option<String> = None;
+        let mut max: Option<String> = want.and_then(max_keys);
         loop {
             let mut q: Vec<(&str, &str)> = vec![("list-type", "2"), ("prefix", prefix)];
+            if delimited {
+                q.push(("delimiter", "/"));
+            }
+            if let Some(m) = &max {
+                q.push(("max-keys", m));
+            }
             if let Some(t) = &token {
                 q.push(("continuation-token", t));
             }
@@ -665,22 +721,58 @@ impl Shared {
                 .control(&Call::new("GET", bucket, "").query(&q), &[])
                 .map_err(|(f, a)| ObjectError::new(bucket, prefix, None, f, a))?;
             let doc = String::from_utf8_lossy(&body);
-            for c in xml::blocks(&doc, "Contents") {
-                out.push(Listed {
-                    key: xml::first(c, "Key").unwrap_or_default(),
-                    size: xml::first(c, "Size")
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(0),
-                    etag: xml::first(c, "ETag").unwrap_or_default(),
-                    last_modified: xml::first(c, "LastModified").unwrap_or_default(),
-                });
-            }
+            let more = page(&doc);
             let truncated = xml::first(&doc, "IsTruncated").as_deref() == Some("true");
             token = xml::first(&doc, "NextContinuationToken");
-            if !truncated || token.is_none() {
-                return Ok(out);
+            match more {
+                Some(n) if truncated && token.is_some() => max = max_keys(n),
+                _ => return Ok(()),
             }
         }
+    }
+
+    pub(crate) fn copy(
+        &self,
+        bucket: &str,
+        src: &str,
+        dst: &str,
+        if_match: Option<&str>,
+    ) -> Result<String, Error> {
+        let err = |f: Failure, attempts| ObjectError::new(bucket, dst, None, f, attempts);
+        let mut headers = vec![(
+            "x-amz-copy-source",
+            format!("/{bucket}/{}", uri_encode(src, true)),
+        )];
+        if let Some(e) = if_match {
+            headers.push(("x-amz-copy-source-if-match", e.to_string()));
+        }
+        let (_, body) = self
+            .control(&Call::new("PUT", bucket, dst).headers(&headers), &[])
+            .map_err(|(f, a)| err(f, a))?;
+        let doc = String::from_utf8_lossy(&body);
+        // A copy can fail after its 200 (the error in the body, as S3 does).
+        if let Some(code) = xml::first(&doc, "Code") {
+            let message = xml::first(&doc, "Message").unwrap_or_default();
+            return Err(err(
+                Failure::Status {
+                    status: 200,
+                    code,
+                    message,
+                },
+                1,
+            )
+            .into());
+        }
+        Ok(xml::first(&doc, "ETag").unwrap_or_default())
+    }
+
+    pub(crate) fn list(&self, bucket: &str, prefix: &str) -> Result<Vec<Listed>, Error> {
+        let mut out = Vec::new();
+        self.list_pages(bucket, prefix, false, None, |doc| {
+            out.extend(xml::blocks(doc, "Contents").into_iter().map(listed));
+            Some(usize::MAX)
+        })?;
+        Ok(out)
     }
 
     fn record_latency(&self, bytes: u64, took: Duration) {
@@ -1270,4 +1362,16 @@ fn hedge_fetch(
     }
     cn.finish(&h);
     Ok(())
+}
+
+/// A listing's `<Contents>` entry.
+fn listed(c: &str) -> Listed {
+    Listed {
+        key: xml::first(c, "Key").unwrap_or_default(),
+        size: xml::first(c, "Size")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        etag: xml::first(c, "ETag").unwrap_or_default(),
+        last_modified: xml::first(c, "LastModified").unwrap_or_default(),
+    }
 }

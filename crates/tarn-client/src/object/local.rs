@@ -30,6 +30,7 @@ use tarn_wire::shard::{ShardLayout, StripeGeometry, FOOTER_BYTES, SHARD_MAGIC};
 
 use super::config::S3Credentials;
 use super::engine::Chunk;
+use super::hostmem::{self, Mapped};
 
 /// After a socket that would not connect or a handshake refused, local
 /// reads are not tried again for this long.
@@ -48,6 +49,8 @@ const DIRECT_ALIGN: usize = 4096;
 pub(crate) struct LocalCounters {
     pub bytes: AtomicU64,
     pub fallback_bytes: AtomicU64,
+    /// Of `bytes`, those mapped from the files rather than copied.
+    pub mapped_bytes: AtomicU64,
     pub grants: AtomicU64,
 }
 
@@ -179,10 +182,15 @@ impl Local {
                 // one request), and this chunk's hedges are off.
                 let dst = unsafe { std::slice::from_raw_parts_mut(read.dst_at(x), seg.len) };
                 match held.read_segment(&seg, dst, &mut scratch) {
-                    Ok(()) => {
+                    Ok(mapped) => {
                         self.counters
                             .bytes
                             .fetch_add(seg.len as u64, Ordering::Relaxed);
+                        if mapped {
+                            self.counters
+                                .mapped_bytes
+                                .fetch_add(seg.len as u64, Ordering::Relaxed);
+                        }
                     }
                     Err(_) => {
                         self.counters
@@ -502,16 +510,17 @@ impl Held {
         }
     }
 
-    /// Reads a segment into `dst`: the whole block, checked, straight into
-    /// `dst` when the segment is all of it, else through `scratch` (which
-    /// keeps the last block so checked, for the next piece that starts in
-    /// it).
+    /// Reads a segment into `dst`: into [`HostMemory`](super::HostMemory)
+    /// as a locked mapping of the file's pages where it can (true), else
+    /// the whole block, checked, straight into `dst` when the segment is all
+    /// of it, else through `scratch` (which keeps the last block so checked,
+    /// for the next piece that starts in it).
     fn read_segment(
         &self,
         seg: &Segment,
         dst: &mut [u8],
         scratch: &mut Scratch,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let p = &self.parts[seg.part];
         let file = p.shards[seg.shard]
             .as_ref()
@@ -528,6 +537,25 @@ impl Held {
             .ok_or("a block past the table")?;
         let block = g.shard_len(seg.stripe) as usize;
         let offset = table.layout.block_offset(seg.stripe);
+        if seg.len >= hostmem::MAP_MIN_BYTES {
+            let b = hostmem::Block {
+                fd: &file.fd,
+                offset,
+                len: block,
+                crc: want,
+            };
+            match hostmem::map_block_run(dst, &b, seg.in_block as usize, &mut scratch.bytes) {
+                Mapped::Done => {
+                    scratch.holds = None;
+                    return Ok(true);
+                }
+                Mapped::Failed(e) => {
+                    scratch.holds = None;
+                    return Err(e);
+                }
+                Mapped::No => {}
+            }
+        }
         if seg.in_block == 0 && seg.len == block {
             let direct = (dst.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
                 && block.is_multiple_of(DIRECT_ALIGN)
@@ -542,7 +570,7 @@ impl Held {
             };
             let read = pread_exact(fd, dst, offset).or_else(|_| pread_exact(&file.fd, dst, offset));
             read.map_err(|e| e.to_string())?;
-            return check(dst, want, seg.stripe);
+            return check(dst, want, seg.stripe).map(|()| false);
         }
         let which = (
             self as *const Held as usize,
@@ -559,7 +587,7 @@ impl Held {
         }
         let from = seg.in_block as usize;
         dst.copy_from_slice(&scratch.bytes[from..from + seg.len]);
-        Ok(())
+        Ok(false)
     }
 }
 
@@ -622,7 +650,7 @@ fn reopen_direct(fd: &OwnedFd) -> Option<OwnedFd> {
     (raw >= 0).then(|| unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
-fn pread_exact(fd: &OwnedFd, buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+pub(crate) fn pread_exact(fd: &OwnedFd, buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
         // SAFETY: pread into the unfilled rest of `buf`.

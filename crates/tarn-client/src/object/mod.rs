@@ -28,6 +28,7 @@
 
 pub mod config;
 mod engine;
+mod hostmem;
 pub(crate) mod http;
 mod local;
 pub mod plan;
@@ -41,6 +42,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use config::{Addressing, ClientConfig, S3Credentials};
+pub use hostmem::HostMemory;
 pub use upload::{Multipart, PutOptions};
 
 use engine::{Chunk, Shared};
@@ -346,6 +348,19 @@ pub struct Completion {
 pub struct ObjectInfo {
     pub size: u64,
     pub etag: String,
+    /// The `Last-Modified` header as the server sent it (an HTTP date), or
+    /// empty.
+    pub last_modified: String,
+}
+
+/// One level of a `/`-delimited listing: the objects directly under the
+/// prefix and the prefixes one level down (each ending in `/`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirListing {
+    pub objects: Vec<Listed>,
+    pub prefixes: Vec<String>,
+    /// More entries were there than the limit asked for.
+    pub truncated: bool,
 }
 
 /// One object of a listing.
@@ -387,6 +402,9 @@ pub struct Stats {
     /// Bytes a local read could not give (a shard elsewhere or unusable),
     /// read over HTTP instead.
     pub local_fallback_bytes: u64,
+    /// Of `local_bytes`, those mapped from the shard files' page cache into
+    /// [`HostMemory`] rather than copied.
+    pub local_mapped_bytes: u64,
     /// Layouts granted by the local node.
     pub local_grants: u64,
 }
@@ -495,6 +513,30 @@ impl ObjectClient {
     /// Every object under `prefix` (ListObjectsV2, all pages).
     pub fn list(&self, bucket: &str, prefix: &str) -> Result<Vec<Listed>, Error> {
         self.shared().list(bucket, prefix)
+    }
+
+    /// One level under `prefix` (ListObjectsV2 with delimiter `/`, every
+    /// page, or until `limit` entries).
+    pub fn list_dir(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        limit: Option<usize>,
+    ) -> Result<DirListing, Error> {
+        self.shared().list_dir(bucket, prefix, limit)
+    }
+
+    /// Server-side copy of `src` to `dst` in one bucket (CopyObject);
+    /// returns the new object's ETag. With `if_match`, only while `src` is
+    /// still that version.
+    pub fn copy(
+        &self,
+        bucket: &str,
+        src: &str,
+        dst: &str,
+        if_match: Option<&str>,
+    ) -> Result<String, Error> {
+        self.shared().copy(bucket, src, dst, if_match)
     }
 
     /// Deletes an object (one that is not there is not an error).
