@@ -16,6 +16,7 @@ mod fdlimit;
 mod jobs;
 mod local_read;
 mod metrics;
+mod mount_cli;
 mod server;
 
 use std::path::PathBuf;
@@ -53,6 +54,10 @@ enum Command {
     /// A COSI driver (Kubernetes' objectstorage.k8s.io v1alpha2): buckets
     /// and bucket access provisioned through this server's APIs.
     Cosi(Box<cosi::CosiArgs>),
+    /// Mount a bucket, or a prefix of one, as a file system (FUSE).
+    Mount(Box<mount_cli::MountArgs>),
+    /// Unmount what `tarn mount` mounted (lazily while files are open).
+    Umount(mount_cli::UmountArgs),
 }
 
 #[derive(Subcommand)]
@@ -1366,6 +1371,8 @@ fn main() {
         Command::Bench(BenchCommand::Drive(a)) => bench_drive::run(a),
         Command::Admin(a) => admin_cli::run(*a),
         Command::Cosi(a) => cosi::run(*a),
+        Command::Mount(a) => mount_cli::run_mount(*a),
+        Command::Umount(a) => mount_cli::run_umount(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
