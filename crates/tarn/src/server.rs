@@ -154,15 +154,22 @@ fn tcp_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
     Ok(socket)
 }
 
-fn bind_reuseport(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+/// An S3 listener of its own for a core, on `addr` with `SO_REUSEPORT`.
+/// A pacing congestion control is switched off before it listens
+/// (`tarn_io::net::unpace_listener`): a connection from this host that
+/// reached the backlog before the switch would keep BBR's pacing.
+fn bind_reuseport(
+    addr: SocketAddr,
+) -> anyhow::Result<(std::net::TcpListener, tarn_io::net::ListenerPacing)> {
     let socket = tcp_socket(addr)?;
     socket.set_reuse_port(true)?;
     socket.set_nonblocking(true)?;
     socket
         .bind(&addr.into())
         .with_context(|| format!("binding {addr}"))?;
+    let pacing = tarn_io::net::unpace_listener(std::os::fd::AsRawFd::as_raw_fd(&socket));
     socket.listen(1024)?;
-    Ok(socket.into())
+    Ok((socket.into(), pacing))
 }
 
 /// Wraps the S3 service with admission control and metrics.
@@ -1099,8 +1106,12 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     // Bind the first listener to learn the port (the flag may say :0), then give
     // every core its own listener on that same port.
     check_address_free(settings.listen)?;
+    // No pacing to clients on this host: loopback has no link to pace for,
+    // and a pacing congestion control's timers cost a quarter of a large
+    // GET's CPU (`tarn_io::net`).
+    tarn_io::net::set_unpace_local(settings.unpace_local);
     let first = bind_reuseport(settings.listen)?;
-    let addr = first.local_addr()?;
+    let addr = first.0.local_addr()?;
     let _claim = claim_address("s3", addr)?;
     let mut listeners = vec![first];
     for _ in 1..settings.cores {
@@ -1114,7 +1125,6 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
     admin.set_nonblocking(true)?;
     let admin_addr = admin.local_addr()?;
     tarn_io::spans::set_enabled(settings.sendfile);
-    tarn_io::net::set_unpace_local(settings.unpace_local);
     tarn_io::pagecache::set_enabled(settings.large_folios);
     let local_reads = match settings.local_read_lease {
         Some(lease) => Some(
@@ -1167,7 +1177,7 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
 
     tune_allocator();
     let mut threads = Vec::new();
-    for (core, listener) in listeners.into_iter().enumerate() {
+    for (core, (listener, pacing)) in listeners.into_iter().enumerate() {
         let front = front.clone();
         let stop = stop_rx.clone();
         let store = store.clone();
@@ -1201,23 +1211,17 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                 .spawn(move || -> anyhow::Result<()> {
                     let rt = tarn_io::runtime::build_core_runtime(core, pin, uring)?;
                     rt.block_on(async move {
+                        let mut resumed = None;
                         if core == 0 {
                             store.spawn_background(scan);
                             if let Some(node) = &admin_ctx.3 {
                                 node.spawn_watch();
                             }
                             tokio::spawn(trim_memory(store.clone()));
-                            let mut resume = tokio::spawn(resume_prefetches(admin_ctx.2.clone()));
-                            // The jobs that were running are running again
-                            // before the admin API answers, so its first
-                            // listing of jobs shows them.
-                            if admin_ctx.2.is_loaded()
-                                && tokio::time::timeout(RESUME_WAIT, &mut resume).await.is_err()
-                            {
-                                tracing::warn!(
-                                    "the prefetch jobs that were running are still being read: serving meanwhile"
-                                );
-                            }
+                            let resume = tokio::spawn(resume_prefetches(admin_ctx.2.clone()));
+                            // Settings loaded at start are read at once;
+                            // otherwise the jobs resume once they are loaded.
+                            resumed = admin_ctx.2.is_loaded().then_some(resume);
                             tokio::spawn(
                                 tarn_s3::lifecycle::Scanner::new(
                                     admin_ctx.2.clone(),
@@ -1232,25 +1236,37 @@ pub fn run(store: Arc<Store>, s3: S3Service, mut settings: ServerSettings) -> an
                         }
                         if let Some(admin) = admin {
                             let listener = TcpListener::from_std(admin)?;
-                            tokio::spawn(crate::admin::serve(
-                                listener,
-                                crate::admin::Services {
-                                    store: store.clone(),
-                                    metrics: admin_ctx.0,
-                                    token: admin_ctx.1,
-                                    access: admin_ctx.2,
-                                    node: admin_ctx.3,
-                                    keys: admin_ctx.4,
-                                    s3: s3_addr,
-                                    region: region.to_string(),
-                                    tls: admin_ctx.5,
-                                },
-                                stop.clone(),
-                            ));
+                            let services = crate::admin::Services {
+                                store: store.clone(),
+                                metrics: admin_ctx.0,
+                                token: admin_ctx.1,
+                                access: admin_ctx.2,
+                                node: admin_ctx.3,
+                                keys: admin_ctx.4,
+                                s3: s3_addr,
+                                region: region.to_string(),
+                                tls: admin_ctx.5,
+                            };
+                            let stop = stop.clone();
+                            tokio::spawn(async move {
+                                // The jobs that were running are running
+                                // again before the admin API answers, so its
+                                // first listing of jobs shows them; S3 is
+                                // served meanwhile.
+                                if let Some(resume) = resumed {
+                                    if tokio::time::timeout(RESUME_WAIT, resume).await.is_err() {
+                                        tracing::warn!(
+                                            "the prefetch jobs that were running are still being read: serving the admin API meanwhile"
+                                        );
+                                    }
+                                }
+                                crate::admin::serve(listener, services, stop).await
+                            });
                         }
                         let listener = TcpListener::from_std(listener)?;
                         serve_core(
                             listener,
+                            pacing,
                             front,
                             tls,
                             (send_idle, min_rate),
@@ -1343,6 +1359,7 @@ async fn trim_memory(store: Arc<Store>) {
 
 async fn serve_core(
     listener: TcpListener,
+    pacing: tarn_io::net::ListenerPacing,
     front: Front,
     tls: Option<tarn_io::tls::tokio_rustls::TlsAcceptor>,
     (send_idle, min_rate): (Duration, (u64, Duration)),
@@ -1356,10 +1373,6 @@ async fn serve_core(
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30));
     let http = Arc::new(http);
-    // No pacing to clients on this host: loopback has no link to pace for,
-    // and a pacing congestion control's timers cost a quarter of a large
-    // GET's CPU (`tarn_io::net`).
-    let pacing = tarn_io::net::unpace_listener(std::os::fd::AsRawFd::as_raw_fd(&listener));
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -1450,5 +1463,29 @@ async fn resume_prefetches(access: Arc<tarn_s3::access::Access>) {
     }
     if let Err(error) = access.caches.join_jobs().await {
         tracing::warn!(%error, "cannot read the prefetch jobs that were running");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// A connection from this host that reaches a core's listener before
+    /// the core accepts anything (it waits in the backlog while the server
+    /// starts) starts unpaced all the same: the listener was switched
+    /// before it listened. Where the host's congestion control does not
+    /// pace, nothing is switched and the connection keeps it.
+    #[test]
+    fn a_connection_in_the_backlog_starts_unpaced() {
+        let (listener, pacing) = bind_reuseport("127.0.0.1:0".parse().unwrap()).unwrap();
+        let _client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        listener.set_nonblocking(false).unwrap();
+        let (conn, peer) = listener.accept().unwrap();
+        let same_host = tarn_io::net::same_host(conn.local_addr().ok(), peer);
+        assert!(same_host);
+        pacing.accepted(conn.as_raw_fd(), same_host);
+        let cc = tarn_io::net::congestion_control(conn.as_raw_fd()).unwrap();
+        assert!(!cc.starts_with("bbr"), "{cc}");
     }
 }
