@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 type Job = Box<dyn FnOnce() + Send>;
 
 pub struct Pool {
-    tx: Mutex<Option<Sender<Job>>>,
+    tx: Sender<Job>,
 }
 
 impl Pool {
@@ -27,14 +27,13 @@ impl Pool {
                 })
                 .expect("spawn a fetch thread");
         }
-        Arc::new(Pool {
-            tx: Mutex::new(Some(tx)),
-        })
+        Arc::new(Pool { tx })
     }
 
-    pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {
-        if let Some(tx) = self.tx.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            let _ = tx.send(Box::new(job));
-        }
+    /// Queues `job` for a fetch thread; false where none is left to run
+    /// it (each ended with a panicking job).
+    #[must_use]
+    pub fn spawn(&self, job: impl FnOnce() + Send + 'static) -> bool {
+        self.tx.send(Box::new(job)).is_ok()
     }
 }

@@ -299,7 +299,7 @@ impl Reader {
             }
             st.segments.insert(s, Segment::Pending);
             let me = self.clone();
-            self.pool.spawn(move || {
+            let queued = self.pool.spawn(move || {
                 let got = me.fetch_segment(s);
                 let mut st = me.lock();
                 st.segments.insert(
@@ -312,6 +312,10 @@ impl Reader {
                 drop(st);
                 me.landed.notify_all();
             });
+            if !queued {
+                // Nobody will fetch it: the read that needs it does.
+                st.segments.remove(&s);
+            }
         }
     }
 
