@@ -195,6 +195,31 @@ def test_an_open_file_keeps_its_version(mount):
     f.close()
 
 
+def test_an_overwrite_through_the_mount_leaves_no_old_bytes_cached(mount):
+    """A file open for reading here and overwritten through the mount (the
+    same inode: the kernel opens it with O_TRUNC): the old handle reads what
+    was written or fails with EIO, and never puts the old version's bytes
+    into the page cache the new version's readers share."""
+    m = mount("s3://mnt", "--metadata-ttl", "60")
+    put(m.s3, "f", b"o" * 10000)
+    path = m.p("f")
+    old = os.open(path, os.O_RDONLY)
+    try:
+        with open(path, "wb") as w:
+            w.write(b"n" * 100)
+            w.flush()
+            try:
+                got = os.pread(old, 200, 0)
+                assert got == b"n" * 100, got[:16]
+            except OSError as e:
+                assert e.errno == errno.EIO, e
+    finally:
+        os.close(old)
+    assert get(m.s3, "f") == b"n" * 100
+    with open(path, "rb") as g:
+        assert g.read() == b"n" * 100
+
+
 @pytest.mark.parametrize("local_reads", ["1", "0"])
 def test_a_large_file_replaced_while_open_never_mixes_versions(mount, local_reads):
     # What the handle read stays right. Of the rest, a short-circuit read
@@ -380,6 +405,11 @@ def test_background_mount_and_sigterm(make_server, tmp_path):
     r = subprocess.run([BIN, "mount", "s3://no-such-bucket", path, "--endpoint", server.endpoint],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no-such-bucket" in r.stderr and not mounted(path)
+    # Options out of range are refused before anything is mounted.
+    for bad in (["--timeout", "0"], ["--metadata-ttl=-1"], ["--timeout", "nan"]):
+        r = subprocess.run([BIN, "mount", "s3://mnt", path, "--endpoint", server.endpoint, *bad],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and bad[0].split("=")[0] in r.stderr and not mounted(path), (bad, r.stderr)
 
 
 def cache_files(d):

@@ -52,7 +52,7 @@ pub struct Options {
 }
 
 enum Handle {
-    Read(Arc<Reader>),
+    Read { ino: u64, reader: Arc<Reader> },
     Write { ino: u64, writer: Arc<Writer> },
     Dir(Arc<Vec<(u64, Kind, String)>>),
 }
@@ -721,7 +721,7 @@ impl Filesystem for TarnFs {
                         node.version.size,
                         self.opts.read_ahead_segments,
                     ) {
-                        Ok(r) => Ok(self.add_handle(Handle::Read(r))),
+                        Ok(reader) => Ok(self.add_handle(Handle::Read { ino: ino.0, reader })),
                         // The version this inode is has gone (replaced or
                         // deleted): the kernel looks the name up again and
                         // opens what it is now.
@@ -755,6 +755,17 @@ impl Filesystem for TarnFs {
                 if self.is_being_written(ino.0) {
                     return Err(libc::EBUSY);
                 }
+                // The kernel truncated this inode's page cache: readers
+                // that have it open here see what is written, and what
+                // they read past it must not be the old version's bytes,
+                // which would stay in the page cache for the new one.
+                for h in self.handles().values() {
+                    if let Handle::Read { ino: i, reader } = h {
+                        if *i == ino.0 {
+                            reader.supersede();
+                        }
+                    }
+                }
                 let writer = Writer::new(&self.client, &self.opts.bucket, &node.key);
                 Ok(self.add_handle(Handle::Write { ino: ino.0, writer }))
             })(),
@@ -784,7 +795,7 @@ impl Filesystem for TarnFs {
         reply: ReplyData,
     ) {
         let reader = match self.handles().get(&fh.0) {
-            Some(Handle::Read(r)) => r.clone(),
+            Some(Handle::Read { reader, .. }) => reader.clone(),
             _ => return reply.error(FuseErrno::EBADF),
         };
         match reader.read(offset, size) {

@@ -12,6 +12,7 @@
 //! fails with EIO and the log says why, never with bytes of the new one.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use tarn_client::object::{Buffer, Failure, HostMemory, ObjectClient, Read};
@@ -34,6 +35,8 @@ pub struct Reader {
     pool: Arc<Pool>,
     cache: Option<Arc<Cache>>,
     window_max: u64,
+    /// Its inode was opened for overwriting through this mount.
+    superseded: AtomicBool,
     state: Mutex<State>,
     landed: Condvar,
 }
@@ -126,6 +129,7 @@ impl Reader {
             pool: pool.clone(),
             cache: cache.cloned(),
             window_max: window_max.max(1),
+            superseded: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             landed: Condvar::new(),
         });
@@ -200,8 +204,24 @@ impl Reader {
         Ok(got)
     }
 
+    /// Its inode is being overwritten through this mount: every later read
+    /// that reaches it fails with EIO (the kernel's page cache of the inode
+    /// holds only what is written from then on).
+    pub fn supersede(&self) {
+        self.superseded.store(true, Ordering::Relaxed);
+    }
+
     /// Bytes `[offset, offset + len)` (fewer at the end of the file).
     pub fn read(self: &Arc<Self>, offset: u64, len: u32) -> Result<Data, Errno> {
+        if self.superseded.load(Ordering::Relaxed) {
+            tracing::warn!(
+                "s3://{}/{}: overwritten through this mount while open: \
+                 the version this handle opened cannot be read any more",
+                self.bucket,
+                self.key
+            );
+            return Err(libc::EIO);
+        }
         self.read_inner(offset, len).map_err(|e| match e {
             libc::ESTALE => libc::EIO,
             e => e,

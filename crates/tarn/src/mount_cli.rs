@@ -149,6 +149,11 @@ pub fn run_mount(a: MountArgs) -> anyhow::Result<()> {
     }
     cfg.connections = a.connections.max(1);
     cfg.io_timeout = secs(a.timeout, "timeout")?;
+    if cfg.io_timeout.is_zero() {
+        // A socket timeout of 0 is refused by the kernel's API: every
+        // request would fail.
+        bail!("--timeout 0: a request needs some time (seconds above 0)");
+    }
     cfg.connect_timeout = cfg.io_timeout.min(Duration::from_secs(3));
     cfg.retries = cfg.retries.min(3);
     let read_ahead = crate::config::parse_size(&a.read_ahead)?;
